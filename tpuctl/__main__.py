@@ -1,0 +1,3 @@
+from tpuctl.cli import main
+
+main()

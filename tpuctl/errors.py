@@ -1,0 +1,136 @@
+"""The one error hierarchy of tpuctl.
+
+Every failure a user can see is a `TpuctlError`: a one-line message, a hint that says what to do, an
+exit code, and (for bad input) the field at fault. The CLI prints `error: <field>: <message>` and the hint
+on the next line, then exits with `exit_code`. Google API exceptions are mapped by *type* in
+`from_google`, never by parsing their message text.
+
+Exit codes (documented in the README): 0 ok, 1 failure, 2 bad input, 3 capacity/quota, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+EXIT_CAPACITY = 3
+EXIT_INTERRUPTED = 130
+
+
+class TpuctlError(Exception):
+    """Base of every error tpuctl reports to a user."""
+
+    exit_code = EXIT_FAILURE
+    default_hint = ""
+
+    def __init__(self, message: str, *, hint: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.message = " ".join(str(message).split())  # one line, always
+        self.hint = hint if hint is not None else self.default_hint
+        self.field = field
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+class BadInput(TpuctlError):
+    """The user's spec, flags or files are wrong; nothing was created."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class NotFound(TpuctlError):
+    """A named run, resource or file does not exist."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class CapacityError(TpuctlError):
+    """No zone in the failover list had capacity for the accelerator."""
+
+    exit_code = EXIT_CAPACITY
+    default_hint = "add zones with --zone (comma-separated, same region first), try --spot, or use a queued resource"
+
+
+class QuotaError(TpuctlError):
+    """A quota or rate limit refused the request after retries."""
+
+    exit_code = EXIT_CAPACITY
+    default_hint = "request more quota in the Cloud console (IAM & Admin > Quotas) or retry later"
+
+
+class PermissionDenied(TpuctlError):
+    exit_code = EXIT_FAILURE
+    default_hint = "check that your credentials have the TPU Admin, Compute Admin and Storage Admin roles on the project"
+
+
+class CloudError(TpuctlError):
+    """The cloud API failed in a way retries did not fix."""
+
+
+class WaitTimeout(TpuctlError):
+    """An operation did not finish before its deadline."""
+
+    default_hint = "the resource may still be changing: check with `tpuctl status`, then `tpuctl down RUN`"
+
+
+class JobFailed(TpuctlError):
+    """The training job exited non-zero on at least one worker."""
+
+
+class Interrupted(TpuctlError):
+    """The user pressed Ctrl-C or the process got SIGTERM."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+class LocalCloudError(TpuctlError):
+    """The embedded local cloud could not be started, reached or stopped."""
+
+    default_hint = "see `tpuctl local status`; `tpuctl local stop` then `tpuctl local start` resets it"
+
+
+def from_google(exc: BaseException, *, what: str) -> TpuctlError:
+    """Map a google.api_core exception to our hierarchy by its type.
+
+    `what` names the action ("create TPU node tpuctl-abc in europe-west4-a") so the message is useful
+    without the API's own wording.
+    """
+    from google.api_core import exceptions as gexc
+
+    detail = getattr(exc, "message", None) or str(exc)
+    if isinstance(exc, gexc.ResourceExhausted):
+        if _is_quota(exc):
+            return QuotaError(f"{what}: quota exceeded ({_quota_name(exc) or detail})")
+        return CapacityError(f"{what}: no capacity ({detail})")
+    if isinstance(exc, gexc.TooManyRequests):
+        return QuotaError(f"{what}: rate limited after retries ({detail})")
+    if isinstance(exc, (gexc.Forbidden, gexc.Unauthorized)):
+        return PermissionDenied(f"{what}: permission denied ({detail})")
+    if isinstance(exc, gexc.NotFound):
+        return NotFound(f"{what}: not found ({detail})")
+    if isinstance(exc, (gexc.BadRequest, gexc.InvalidArgument, gexc.FailedPrecondition)):
+        return BadInput(f"{what}: rejected by the API ({detail})", hint="check the spec values against `tpuctl catalog list`")
+    if isinstance(exc, (gexc.ServiceUnavailable, gexc.InternalServerError, gexc.DeadlineExceeded)):
+        return CloudError(f"{what}: the API kept failing ({detail})", hint="retry in a few minutes")
+    return CloudError(f"{what}: {detail}")
+
+
+def _quota_name(exc: BaseException) -> str | None:
+    """The quota's name from structured error details (google.rpc.ErrorInfo / QuotaFailure), if present."""
+    for d in getattr(exc, "details", None) or []:
+        for attr in ("violations",):
+            for v in getattr(d, attr, None) or []:
+                subject = getattr(v, "subject", None) or (v.get("subject") if isinstance(v, dict) else None)
+                if subject:
+                    return str(subject)
+        meta = getattr(d, "metadata", None) or (d.get("metadata") if isinstance(d, dict) else None)
+        if isinstance(meta, dict) and meta.get("quota_metric"):
+            return str(meta["quota_metric"])
+    return None
+
+
+def _is_quota(exc: BaseException) -> bool:
+    # HTTP 429 maps to ResourceExhausted's subclass TooManyRequests for REST; gRPC RESOURCE_EXHAUSTED with a
+    # QuotaFailure detail is a quota, without one it is capacity (TPU stockouts come as code 8).
+    return _quota_name(exc) is not None
