@@ -1,0 +1,252 @@
+"""`LocalCloud`: the whole emulator in one object, for tests (context manager) and for the daemon.
+
+    with LocalCloud(speed=1000) as cloud:
+        tpu = tpu_v2.TpuClient(transport="rest", credentials=AnonymousCredentials(),
+                               client_options=ClientOptions(api_endpoint=cloud.endpoint))
+
+`endpoint` serves TPU, Compute, Resource Manager, Billing and the admin API on one port; Cloud Storage
+runs on its own port (`storage_host`, for STORAGE_EMULATOR_HOST). `start()` returns once both listen
+(and, after a restart from `state_dir`, once every READY node's workers listen again).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from . import facts
+from .accounts import AccountsService
+from .compute import ComputeService
+from .core import Fault, Faults, Meter, World
+from .schema import validator
+from .server import Api, HttpServer
+from .storage import StorageServer
+from .tpu import TpuService
+from .workers import WorkerPool
+
+BUCKET_SAMPLE_S = 1.0
+
+
+class LocalCloud:
+    """See the module docstring. Not reusable after `stop()`."""
+
+    def __init__(self, speed: float = 1.0, strict: bool = True, state_dir: str | Path | None = None, *,
+                 port: int = 0):
+        self.speed = float(speed)
+        self.strict = strict
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.port = port
+        self._tmp: Path | None = None
+        self._http: HttpServer | None = None
+        self._storage = None
+        self._workers = None
+        self._sampler_stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+        self._seen_buckets: set[str] = set()
+        self.world: World | None = None
+        self.endpoint = ""
+        self.storage_host = ""
+        self.started = 0.0
+
+    # ---------------------------------------------------------------------------------- lifecycle
+    def start(self) -> "LocalCloud":
+        if self.state_dir is not None:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            root = self.state_dir
+        else:
+            self._tmp = root = Path(tempfile.mkdtemp(prefix="localcloud-"))
+        try:
+            workers = self._workers = WorkerPool(root / "workers")
+            self._storage = StorageServer(root / "storage" if self.state_dir is not None else None, validator)
+            self.storage_host = self._storage.start()
+            w = self.world = World(speed=self.speed, strict=self.strict, state_dir=self.state_dir,
+                                   workers=workers, storage_host=self.storage_host)
+            self.tpu, self.compute, self.accounts = TpuService(w), ComputeService(w), AccountsService(w)
+            w.services = {"tpu": self.tpu, "compute": self.compute}
+            w.faults.on_add = self._apply_fault
+            self._http = HttpServer(Api(w, self._handlers(), self._admin), self.port)
+            self.endpoint = f"http://127.0.0.1:{self._http.port}"
+            loaded = w.load()
+            self._http.start()
+            w.scheduler.start()
+            if loaded:
+                self.tpu.restore_workers()
+                self.compute.restore_workers()
+            self._sampler = threading.Thread(target=self._sample_loop, name="localcloud-meter", daemon=True)
+            self._sampler.start()
+            self.started = time.time()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stops servers, kills every worker process, writes a final snapshot. Idempotent."""
+        self._sampler_stop.set()
+        if self._sampler:
+            self._sampler.join(timeout=5)
+        if self._http:
+            self._http.stop()
+            self._http = None
+        w = self.world
+        if w is not None:
+            w.scheduler.stop()
+            if self.state_dir is not None:
+                with w.lock:
+                    w.save()
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+        if self._storage is not None:
+            self._storage.stop()
+            self._storage = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> "LocalCloud":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------------------------- public API
+    @property
+    def faults(self) -> Faults:
+        return self.world.faults
+
+    @property
+    def meter(self) -> Meter:
+        return self.world.meter
+
+    def preempt(self, node: str, at: datetime | float | None = None) -> None:
+        """Preempt a spot/preemptible TPU node now, or at `at` (datetime or unix seconds). ValueError if
+        the node does not exist or is on-demand."""
+        when = at.timestamp() if isinstance(at, datetime) else at
+        self.tpu.preempt(node, when)
+
+    def meter_report(self) -> dict:
+        self._sample_buckets()
+        return self.world.meter.report()
+
+    def inventory(self) -> dict:
+        """Every live resource across services, with per-worker SSH endpoints."""
+        buckets = []
+        for b in self._storage.buckets() if self._storage else []:
+            row = {k: v for k, v in b.items() if k != "objects"}
+            objs = b.get("objects")
+            row["objects"] = len(objs) if isinstance(objs, (list, dict)) else objs
+            buckets.append(row)
+        return {**self.tpu.inventory(), **self.compute.inventory(), "buckets": buckets}
+
+    def status(self) -> dict:
+        return {"endpoint": self.endpoint, "storage_host": self.storage_host, "speed": self.speed,
+                "strict": self.strict, "started": self.started,
+                "state_dir": str(self.state_dir) if self.state_dir else None,
+                "resources": self.inventory(), "meter": self.meter_report(),
+                "faults": self.faults.list(), "errors": list(self.world.errors)}
+
+    # ---------------------------------------------------------------------------------- internals
+    def _handlers(self) -> dict:
+        t, c, a = self.tpu, self.compute, self.accounts
+        tp = "tpu.projects.locations."
+        return {
+            f"{tp}nodes.create": t.nodes_create, f"{tp}nodes.get": t.nodes_get, f"{tp}nodes.list": t.nodes_list,
+            f"{tp}nodes.delete": t.nodes_delete, f"{tp}nodes.stop": t.nodes_stop, f"{tp}nodes.start": t.nodes_start,
+            f"{tp}nodes.patch": t.nodes_patch, f"{tp}nodes.getGuestAttributes": t.nodes_get_guest_attributes,
+            f"{tp}generateServiceIdentity": t.generate_service_identity,
+            "tpu.projects.locations.list": t.locations_list, "tpu.projects.locations.get": t.locations_get,
+            f"{tp}acceleratorTypes.list": t.accelerator_types_list, f"{tp}acceleratorTypes.get": t.accelerator_types_get,
+            f"{tp}runtimeVersions.list": t.runtime_versions_list, f"{tp}runtimeVersions.get": t.runtime_versions_get,
+            f"{tp}operations.get": t.operations_get, f"{tp}operations.list": t.operations_list,
+            f"{tp}queuedResources.create": t.queued_create, f"{tp}queuedResources.get": t.queued_get,
+            f"{tp}queuedResources.list": t.queued_list, f"{tp}queuedResources.delete": t.queued_delete,
+            "compute.instances.insert": c.insert, "compute.instances.get": c.get, "compute.instances.list": c.list,
+            "compute.instances.aggregatedList": c.aggregated_list, "compute.instances.delete": c.delete,
+            "compute.instances.stop": c.stop, "compute.instances.start": c.start,
+            "compute.instances.setLabels": c.set_labels, "compute.instances.setMetadata": c.set_metadata, "compute.instances.getGuestAttributes": c.get_guest_attributes,
+            "compute.zoneOperations.get": c.operations_get, "compute.zoneOperations.wait": c.operations_wait,
+            "compute.zones.list": c.zones_list, "compute.zones.get": c.zones_get,
+            "compute.machineTypes.get": c.machine_types_get,
+            "cloudresourcemanager.projects.get": a.projects_get,
+            "cloudbilling.services.list": a.services_list, "cloudbilling.services.skus.list": a.skus_list,
+        }
+
+    def _worker_key(self, node: str) -> str:
+        try:
+            return self.tpu.worker_key(node)
+        except ValueError:
+            with self.world.lock:
+                hits = [r["worker_key"] for k, r in self.compute.instances.items()
+                        if k == node or k.rsplit("/", 1)[-1] == node]
+            if len(hits) != 1:
+                raise ValueError(f"no TPU node or VM named {node!r}" if not hits else f"{node!r} is ambiguous: give the full name")
+            return hits[0]
+
+    def _apply_fault(self, fault: Fault) -> None:
+        """Kinds that act on a resource fire at once and leave the registry; the rest wait for calls."""
+        if fault.kind not in ("preempt", "kill-worker", "drop-ssh"):
+            return
+        self.faults.clear(fault.id)
+        if not fault.node:
+            raise ValueError(f"fault {fault.kind} needs node=")
+        if fault.kind == "preempt":
+            self.tpu.preempt(fault.node, fault.at)
+        elif fault.kind == "kill-worker":
+            self.world.workers.kill_worker(self._worker_key(fault.node), fault.worker or 0)
+        else:
+            self.world.workers.drop_connections(self._worker_key(fault.node))
+
+    def _admin(self, verb: str, path: str, query: dict, body: Any) -> tuple[int, Any]:
+        try:
+            if verb == "GET" and path == "status":
+                return 200, self.status()
+            if verb == "GET" and path == "meter":
+                return 200, self.meter_report()
+            if path == "faults" and verb == "GET":
+                return 200, {"faults": self.faults.list()}
+            if path == "faults" and verb == "POST":
+                opts = dict(body or {})
+                kind = opts.pop("kind", None)
+                fault = self.faults.add(kind, **opts)
+                return 200, {"fault": fault.public()}
+            if path == "faults" and verb == "DELETE":
+                return 200, {"cleared": self.faults.clear()}
+            if path.startswith("faults/") and verb == "DELETE":
+                return 200, {"cleared": self.faults.clear(path.split("/", 1)[1])}
+            if path == "preempt" and verb == "POST":
+                at = body.get("at")
+                if body.get("after") is not None:
+                    at = time.time() + float(body["after"])
+                self.preempt(body.get("node") or "", at)
+                return 200, {"preempted": body.get("node"), "at": at}
+        except (ValueError, TypeError) as exc:
+            return 400, {"error": str(exc)}
+        return 404, {"error": f"no admin route {verb} /_localcloud/{path}; see localcloud/README.md"}
+
+    def _sample_buckets(self) -> None:
+        if self._storage is None:
+            return
+        now = time.time()
+        live = set()
+        for b in self._storage.buckets():
+            region = str(b.get("location") or "US").lower()
+            name = f"buckets/{b['name']}"
+            live.add(name)
+            self.world.meter.sample_bucket(name, f"bucket/{region}/standard", facts.STORAGE_PRICE_PER_GB_MONTH,
+                                           float(b.get("bytes") or 0) / 1e9, now)
+        for gone in self._seen_buckets - live:
+            self.world.meter.sample_bucket(gone, "", 0.0, None, now)
+        self._seen_buckets = live
+
+    def _sample_loop(self) -> None:
+        while not self._sampler_stop.wait(BUCKET_SAMPLE_S):
+            try:
+                self._sample_buckets()
+            except Exception as exc:  # the storage emulator restarting must not kill the meter
+                self.world.errors.append(f"bucket sampling: {type(exc).__name__}: {exc}")

@@ -1,0 +1,507 @@
+"""Compute Engine v1: instances, zone operations, zones, machine types.
+
+Compute's conventions differ from the one-platform APIs: enums are strings, int64/uint64 are digit
+strings, operations are `compute#operation` resources with numeric ids whose `status` goes
+PENDING -> RUNNING -> DONE, and a failed operation carries `error.errors[]` plus `httpErrorStatusCode`.
+Each VM gets one worker SSH server. Billing: a VM is metered while it exists and is not TERMINATED.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import json
+import re
+import time
+import uuid
+
+from . import facts
+from .core import ApiError, World, check_labels, now_rfc3339
+from .tpu import paginate, ssh_keys_of
+
+INSERT_S, DELETE_S, STOP_S, START_S, SET_LABELS_S, SET_METADATA_S = 25.0, 40.0, 30.0, 20.0, 2.0, 2.0
+CAPACITY_FAIL_S = 10.0
+WAIT_MAX_S = 60.0
+
+ROOT = "https://compute.googleapis.com/compute/v1/"
+_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _fingerprint(value) -> str:
+    return base64.b64encode(hashlib.sha256(json.dumps(value, sort_keys=True).encode()).digest()[:8]).decode()
+
+
+def _metadata_dict(instance: dict) -> dict:
+    return {i["key"]: i.get("value", "") for i in (instance.get("metadata") or {}).get("items", [])}
+
+
+class ComputeService:
+    name = "compute"
+
+    def __init__(self, world: World):
+        self.w = world
+        self.instances: dict[str, dict] = {}   # "projects/P/zones/Z/instances/N" -> record
+        self.ops: dict[str, dict] = {}         # "projects/P/zones/Z/operations/NAME" -> Operation body
+        for action in ("insert_done", "insert_failed", "delete_done", "stop_done", "set_labels_done", "set_metadata_done"):
+            world.actions[f"compute.{action}"] = getattr(self, f"_{action}")
+
+    def dump(self) -> dict:
+        return {"instances": self.instances, "ops": self.ops}
+
+    def load(self, data: dict) -> None:
+        self.instances = data.get("instances", {})
+        self.ops = data.get("ops", {})
+        for rec in self.instances.values():
+            rec["endpoints"] = []
+
+    def restore_workers(self) -> None:
+        with self.w.lock:
+            running = [k for k, r in self.instances.items() if r["instance"]["status"] == "RUNNING"]
+        for key in running:
+            self._boot_worker(key)
+        with self.w.lock:
+            self.w.changed()
+
+    # ---------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _key(p: dict, name: str) -> str:
+        return f"projects/{p['project']}/zones/{p['zone']}/instances/{name}"
+
+    def _get(self, key: str) -> dict:
+        rec = self.instances.get(key)
+        if rec is None:
+            raise ApiError("NOT_FOUND", f"The resource '{key}' was not found")
+        return rec
+
+    def _zone_ok(self, zone: str) -> None:
+        if zone not in facts.all_zones():
+            raise ApiError("NOT_FOUND", f"The resource 'projects/-/zones/{zone}' was not found", reason="notFound")
+
+    def view(self, rec: dict) -> dict:
+        inst = copy.deepcopy(rec["instance"])
+        for nic in inst.get("networkInterfaces", []):
+            nic["networkIP"] = "127.0.0.1"
+            for ac in nic.get("accessConfigs", []):
+                ac["natIP"] = "127.0.0.1"
+        return inst
+
+    def _new_op(self, p: dict, op_type: str, target: str, target_id: str) -> dict:
+        zone_url = f"{ROOT}projects/{p['project']}/zones/{p['zone']}"
+        name = f"operation-{int(time.time() * 1000)}-{uuid.uuid4().hex[:13]}-{uuid.uuid4().hex[:8]}-{uuid.uuid4().hex[:8]}"
+        op = {
+            "kind": "compute#operation", "id": str(self.w.next_id()), "name": name, "zone": zone_url,
+            "operationType": op_type, "targetLink": f"{ROOT}{target}", "targetId": target_id,
+            "status": "RUNNING", "user": "localcloud@example.com", "progress": 0,
+            "insertTime": now_rfc3339(), "startTime": now_rfc3339(),
+            "selfLink": f"{zone_url}/operations/{name}",
+        }
+        self.ops[f"projects/{p['project']}/zones/{p['zone']}/operations/{name}"] = op
+        return op
+
+    def _op_key(self, op: dict) -> str:
+        return op["selfLink"][len(ROOT):]
+
+    def _finish_op(self, op_key: str, error: tuple[str, str, int] | None = None) -> None:
+        op = self.ops.get(op_key)
+        if op is None or op["status"] == "DONE":
+            return
+        op.update(status="DONE", progress=100, endTime=now_rfc3339())
+        if error:
+            code, message, http = error
+            op["error"] = {"errors": [{"code": code, "message": message}]}
+            op["httpErrorStatusCode"] = http
+            op["httpErrorMessage"] = {503: "SERVICE UNAVAILABLE", 404: "NOT FOUND", 400: "BAD REQUEST"}.get(http, "ERROR")
+
+    def _meter(self, rec: dict) -> None:
+        mt = rec["machine_type"]
+        price = facts.MACHINE_TYPES[mt][3]
+        self.w.meter.begin(rec["key"], "vm", f"vm/{mt}/{rec['zone']}", price)
+
+    def _boot_worker(self, key: str) -> None:
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is None:
+                return
+            meta = _metadata_dict(rec["instance"])
+            env = {"GOOGLE_CLOUD_PROJECT": rec["project"], "STORAGE_EMULATOR_HOST": self.w.storage_host,
+                   "TPUCTL_LOCALCLOUD": "1", "VM_NAME": rec["instance"]["name"], "VM_ZONE": rec["zone"]}
+            keys = ssh_keys_of(meta)
+            script = meta.get("startup-script")
+            worker_key = rec["worker_key"]
+        endpoints = self.w.workers.start_node(worker_key, 1, env, keys, script)
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is None or rec.get("deleting") or rec["instance"]["status"] not in ("PROVISIONING", "STAGING", "RUNNING"):
+                self.w.workers.stop_node(worker_key)
+                return
+            rec["endpoints"] = [{"host": e.host, "port": e.port, "host_key": e.host_key} for e in endpoints]
+
+    def _stop_worker(self, rec: dict) -> None:
+        rec["endpoints"] = []
+        self.w.workers.stop_node(rec["worker_key"])
+
+    # ---------------------------------------------------------------------------------- instances
+    def insert(self, p: dict, q: dict, body: dict) -> dict:
+        self._zone_ok(p["zone"])
+        name = body.get("name") or ""
+        if not _NAME_RE.match(name):
+            raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.name': '{name}'. Must be a match of regex '(?:[a-z](?:[-a-z0-9]{{0,61}}[a-z0-9])?)'")
+        mt_url = body.get("machineType") or ""
+        m = re.search(r"(?:^|/)zones/([^/]+)/machineTypes/([^/]+)$", mt_url)
+        if not m:
+            raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.machineType': '{mt_url}'. Must be a URL to a valid Compute resource of the correct type.")
+        if m.group(1) != p["zone"]:
+            raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.machineType': '{mt_url}'. Machine type must be in zone {p['zone']}.")
+        if m.group(2) not in facts.MACHINE_TYPES:
+            raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.machineType': '{mt_url}'. Machine type with name '{m.group(2)}' does not exist in zone '{p['zone']}'.")
+        check_labels(body.get("labels"), "resource.labels")
+        disks = body.get("disks") or []
+        if not any(d.get("boot") for d in disks):
+            raise ApiError("INVALID_ARGUMENT", "Invalid value for field 'resource.disks': ''. Boot disk must be specified.")
+        key = self._key(p, name)
+        with self.w.lock:
+            if key in self.instances:
+                raise ApiError("ALREADY_EXISTS", f"The resource '{key}' already exists")
+            inst = copy.deepcopy(body)
+            inst_id = str(self.w.next_id())
+            inst.update(kind="compute#instance", id=inst_id, creationTimestamp=now_rfc3339(), status="PROVISIONING",
+                        zone=f"{ROOT}projects/{p['project']}/zones/{p['zone']}",
+                        selfLink=f"{ROOT}{key}", machineType=f"{ROOT}projects/{p['project']}/zones/{p['zone']}/machineTypes/{m.group(2)}",
+                        labelFingerprint=_fingerprint(inst.get("labels", {})))
+            inst.setdefault("metadata", {})
+            inst["metadata"].update(kind="compute#metadata", fingerprint=_fingerprint(inst["metadata"].get("items", [])))
+            for nic in inst.setdefault("networkInterfaces", [{"network": f"{ROOT}projects/{p['project']}/global/networks/default"}]):
+                nic.setdefault("name", "nic0")
+                nic["kind"] = "compute#networkInterface"
+            for i, disk in enumerate(inst["disks"]):
+                disk.update(kind="compute#attachedDisk", index=i, type=disk.get("type", "PERSISTENT"),
+                            deviceName=disk.get("deviceName", name if i == 0 else f"{name}-{i}"))
+                disk.pop("initializeParams", None)
+            rec = {"instance": inst, "project": p["project"], "zone": p["zone"], "key": key,
+                   "machine_type": m.group(2), "endpoints": [], "worker_key": f"vm-{p['project']}-{p['zone']}-{name}",
+                   "delete_ops": []}
+            self.instances[key] = rec
+            op = self._new_op(p, "insert", key, inst_id)
+            self._meter(rec)
+            op_key = self._op_key(op)
+            if self.w.faults.take("stuck", "compute", "instances.insert", p["zone"]):
+                pass
+            elif self.w.faults.take("capacity", "compute", "instances.insert", p["zone"]):
+                self.w.later(CAPACITY_FAIL_S, "compute.insert_failed", key=key, op=op_key)
+            else:
+                self.w.later(INSERT_S, "compute.insert_done", key=key, op=op_key)
+            self.w.changed()
+            return copy.deepcopy(op)
+
+    def _insert_done(self, key: str, op: str) -> None:
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is None or rec.get("deleting") or rec["instance"]["status"] not in ("PROVISIONING", "STAGING"):
+                self._finish_op(op)
+                return
+            rec["instance"]["status"] = "STAGING"
+        self._boot_worker(key)
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is not None and rec["instance"]["status"] == "STAGING":
+                rec["instance"]["status"] = "RUNNING"
+                rec["instance"]["lastStartTimestamp"] = now_rfc3339()
+            self._finish_op(op)
+            self.w.changed()
+
+    def _insert_failed(self, key: str, op: str) -> None:
+        with self.w.lock:
+            rec = self.instances.pop(key, None)
+            if rec is None:
+                return
+            self.w.meter.end(key)
+            zone = f"projects/{rec['project']}/zones/{rec['zone']}"
+            self._finish_op(op, ("ZONE_RESOURCE_POOL_EXHAUSTED",
+                                 f"The zone '{zone}' does not have enough resources available to fulfill the request.  "
+                                 "Try a different zone, or try again later.", 503))
+            self.w.changed()
+
+    def get(self, p: dict, q: dict, body: None) -> dict:
+        with self.w.lock:
+            return self.view(self._get(self._key(p, p["instance"])))
+
+    def list(self, p: dict, q: dict, body: None) -> dict:
+        self._zone_ok(p["zone"])
+        prefix = f"projects/{p['project']}/zones/{p['zone']}/instances/"
+        pred = parse_filter(q.get("filter") or "")
+        with self.w.lock:
+            items = [self.view(r) for k, r in sorted(self.instances.items()) if k.startswith(prefix)]
+        items = [i for i in items if pred(i)]
+        page, token = paginate(items, q.get("maxResults"), q.get("pageToken"))
+        out = {"kind": "compute#instanceList", "id": prefix.rstrip("/"), "items": page,
+               "selfLink": f"{ROOT}{prefix.rstrip('/')}"}
+        if token:
+            out["nextPageToken"] = token
+        return out
+
+    def aggregated_list(self, p: dict, q: dict, body: None) -> dict:
+        prefix = f"projects/{p['project']}/zones/"
+        pred = parse_filter(q.get("filter") or "")
+        by_zone: dict[str, list] = {}
+        with self.w.lock:
+            for k, r in sorted(self.instances.items()):
+                if k.startswith(prefix):
+                    view = self.view(r)
+                    if pred(view):
+                        by_zone.setdefault(f"zones/{r['zone']}", []).append(view)
+        return {"kind": "compute#instanceAggregatedList", "id": f"projects/{p['project']}/aggregated/instances",
+                "items": {z: {"instances": v} for z, v in by_zone.items()},
+                "selfLink": f"{ROOT}projects/{p['project']}/aggregated/instances"}
+
+    def delete(self, p: dict, q: dict, body: None) -> dict:
+        key = self._key(p, p["instance"])
+        with self.w.lock:
+            rec = self._get(key)
+            op = self._new_op(p, "delete", key, rec["instance"]["id"])
+            rec["delete_ops"].append(self._op_key(op))
+            if not rec.get("deleting"):
+                rec["deleting"] = True
+                rec["instance"]["status"] = "STOPPING"
+                self._stop_worker(rec)
+                if not self.w.faults.take("stuck", "compute", "instances.delete", p["zone"]):
+                    self.w.later(DELETE_S, "compute.delete_done", key=key)
+            self.w.changed()
+            return copy.deepcopy(op)
+
+    def _delete_done(self, key: str) -> None:
+        with self.w.lock:
+            rec = self.instances.pop(key, None)
+            if rec is None:
+                return
+            self.w.meter.end(key)
+            for op in rec["delete_ops"]:
+                self._finish_op(op)
+            self.w.changed()
+
+    def stop(self, p: dict, q: dict, body: None) -> dict:
+        key = self._key(p, p["instance"])
+        with self.w.lock:
+            rec = self._get(key)
+            op = self._new_op(p, "stop", key, rec["instance"]["id"])
+            if rec["instance"]["status"] in ("TERMINATED", "STOPPING"):
+                self._finish_op(self._op_key(op))
+            else:
+                rec["instance"]["status"] = "STOPPING"
+                self._stop_worker(rec)
+                if not self.w.faults.take("stuck", "compute", "instances.stop", p["zone"]):
+                    self.w.later(STOP_S, "compute.stop_done", key=key, op=self._op_key(op))
+            self.w.changed()
+            return copy.deepcopy(op)
+
+    def _stop_done(self, key: str, op: str) -> None:
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is not None and not rec.get("deleting"):
+                rec["instance"]["status"] = "TERMINATED"
+                rec["instance"]["lastStopTimestamp"] = now_rfc3339()
+                self.w.meter.end(key)
+            self._finish_op(op)
+            self.w.changed()
+
+    def start(self, p: dict, q: dict, body: None) -> dict:
+        key = self._key(p, p["instance"])
+        with self.w.lock:
+            rec = self._get(key)
+            if rec["instance"]["status"] != "TERMINATED":
+                if rec["instance"]["status"] == "RUNNING":
+                    op = self._new_op(p, "start", key, rec["instance"]["id"])
+                    self._finish_op(self._op_key(op))
+                    return copy.deepcopy(self.ops[self._op_key(op)])
+                raise ApiError("FAILED_PRECONDITION", f"The instance '{key}' is not ready to be started (status {rec['instance']['status']}).",
+                               http=400, reason="resourceNotReady")
+            op = self._new_op(p, "start", key, rec["instance"]["id"])
+            rec["instance"]["status"] = "PROVISIONING"
+            self._meter(rec)
+            if self.w.faults.take("stuck", "compute", "instances.start", p["zone"]):
+                pass
+            elif self.w.faults.take("capacity", "compute", "instances.start", p["zone"]):
+                rec["instance"]["status"] = "TERMINATED"
+                self.w.meter.end(key)
+                self._finish_op(self._op_key(op), ("ZONE_RESOURCE_POOL_EXHAUSTED",
+                                f"The zone 'projects/{p['project']}/zones/{p['zone']}' does not have enough resources available to fulfill the request.  Try a different zone, or try again later.", 503))
+            else:
+                self.w.later(START_S, "compute.insert_done", key=key, op=self._op_key(op))
+            self.w.changed()
+            return copy.deepcopy(op)
+
+    def set_labels(self, p: dict, q: dict, body: dict) -> dict:
+        key = self._key(p, p["instance"])
+        check_labels(body.get("labels"), "labels")
+        with self.w.lock:
+            rec = self._get(key)
+            current = rec["instance"].get("labelFingerprint")
+            if body.get("labelFingerprint") != current:
+                raise ApiError("FAILED_PRECONDITION", "Labels fingerprint either invalid or resource labels have changed",
+                               http=412, reason="conditionNotMet")
+            op = self._new_op(p, "setLabels", key, rec["instance"]["id"])
+            self.w.later(SET_LABELS_S, "compute.set_labels_done", key=key, op=self._op_key(op), labels=body.get("labels") or {})
+            self.w.changed()
+            return copy.deepcopy(op)
+
+    def _set_labels_done(self, key: str, op: str, labels: dict) -> None:
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is not None:
+                if labels:
+                    rec["instance"]["labels"] = labels
+                else:
+                    rec["instance"].pop("labels", None)
+                rec["instance"]["labelFingerprint"] = _fingerprint(labels)
+            self._finish_op(op)
+            self.w.changed()
+
+    def set_metadata(self, p: dict, q: dict, body: dict) -> dict:
+        """Replaces all metadata items; the fingerprint must match (as `gcloud compute ssh` relies on)."""
+        key = self._key(p, p["instance"])
+        with self.w.lock:
+            rec = self._get(key)
+            if body.get("fingerprint") != rec["instance"]["metadata"].get("fingerprint"):
+                raise ApiError("FAILED_PRECONDITION", "Supplied fingerprint does not match current metadata fingerprint.",
+                               http=412, reason="conditionNotMet")
+            op = self._new_op(p, "setMetadata", key, rec["instance"]["id"])
+            self.w.later(SET_METADATA_S, "compute.set_metadata_done", key=key, op=self._op_key(op),
+                         items=body.get("items") or [])
+            self.w.changed()
+            return copy.deepcopy(op)
+
+    def _set_metadata_done(self, key: str, op: str, items: list) -> None:
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is not None:
+                rec["instance"]["metadata"] = {"kind": "compute#metadata", "fingerprint": _fingerprint(items),
+                                               **({"items": items} if items else {})}
+                if rec["endpoints"]:
+                    self.w.workers.update_keys(rec["worker_key"], ssh_keys_of(_metadata_dict(rec["instance"])))
+            self._finish_op(op)
+            self.w.changed()
+
+    def get_guest_attributes(self, p: dict, q: dict, body: None) -> dict:
+        key = self._key(p, p["instance"])
+        path = q.get("queryPath") or ""
+        with self.w.lock:
+            rec = self._get(key)
+            items = []
+            for ep in rec["endpoints"]:
+                key_type, _, data = ep["host_key"].partition(" ")
+                if path in ("", "hostkeys/", f"hostkeys/{key_type}"):
+                    items.append({"namespace": "hostkeys", "key": key_type, "value": data.split(" ")[0]})
+        if not items:
+            raise ApiError("NOT_FOUND", f"The resource '{key}/guestAttributes/{path}' was not found")
+        return {"kind": "compute#guestAttributes", "queryPath": path, "queryValue": {"items": items},
+                "selfLink": f"{ROOT}{key}/guestAttributes/{path}"}
+
+    # ---------------------------------------------------------------------------------- operations
+    def operations_get(self, p: dict, q: dict, body: None) -> dict:
+        key = f"projects/{p['project']}/zones/{p['zone']}/operations/{p['operation']}"
+        with self.w.lock:
+            op = self.ops.get(key)
+            if op is None:
+                raise ApiError("NOT_FOUND", f"The resource '{key}' was not found")
+            return copy.deepcopy(op)
+
+    def operations_wait(self, p: dict, q: dict, body: None) -> dict:
+        """Blocks until the operation is DONE or WAIT_MAX_S pass (real: up to 2 minutes), then returns it."""
+        key = f"projects/{p['project']}/zones/{p['zone']}/operations/{p['operation']}"
+        deadline = time.monotonic() + WAIT_MAX_S
+        with self.w.lock:
+            while True:
+                op = self.ops.get(key)
+                if op is None:
+                    raise ApiError("NOT_FOUND", f"The resource '{key}' was not found")
+                left = deadline - time.monotonic()
+                if op["status"] == "DONE" or left <= 0:
+                    return copy.deepcopy(op)
+                self.w.changed_cv.wait(timeout=min(left, 1.0))
+
+    # ---------------------------------------------------------------------------------- zones, machine types
+    def _zone_view(self, project: str, zone: str) -> dict:
+        region = facts.region_of(zone)
+        return {"kind": "compute#zone", "id": str(abs(hash(zone)) % 10**15), "name": zone, "status": "UP",
+                "description": zone, "creationTimestamp": "1969-12-31T16:00:00.000-08:00",
+                "region": f"{ROOT}projects/{project}/regions/{region}",
+                "selfLink": f"{ROOT}projects/{project}/zones/{zone}"}
+
+    def zones_list(self, p: dict, q: dict, body: None) -> dict:
+        items = [self._zone_view(p["project"], z) for z in facts.all_zones()]
+        items = [z for z in items if parse_filter(q.get("filter") or "")(z)]
+        page, token = paginate(items, q.get("maxResults"), q.get("pageToken"))
+        return {"kind": "compute#zoneList", "id": f"projects/{p['project']}/zones", "items": page,
+                "selfLink": f"{ROOT}projects/{p['project']}/zones", **({"nextPageToken": token} if token else {})}
+
+    def zones_get(self, p: dict, q: dict, body: None) -> dict:
+        self._zone_ok(p["zone"])
+        return self._zone_view(p["project"], p["zone"])
+
+    def machine_types_get(self, p: dict, q: dict, body: None) -> dict:
+        self._zone_ok(p["zone"])
+        mt = facts.MACHINE_TYPES.get(p["machineType"])
+        url = f"{ROOT}projects/{p['project']}/zones/{p['zone']}/machineTypes/{p['machineType']}"
+        if mt is None:
+            raise ApiError("NOT_FOUND", f"The resource '{url[len(ROOT):]}' was not found")
+        cpus, mem, shared, _ = mt
+        return {"kind": "compute#machineType", "id": str(abs(hash(p["machineType"])) % 10**12), "name": p["machineType"],
+                "description": f"{cpus} vCPU, {mem / 1024:g} GB RAM", "guestCpus": cpus, "memoryMb": mem,
+                "isSharedCpu": shared, "maximumPersistentDisks": 128, "maximumPersistentDisksSizeGb": "263168",
+                "zone": p["zone"], "selfLink": url, "creationTimestamp": "1969-12-31T16:00:00.000-08:00"}
+
+    def inventory(self) -> dict:
+        with self.w.lock:
+            return {"instances": [
+                {"name": r["instance"]["name"], "project": r["project"], "zone": r["zone"],
+                 "status": r["instance"]["status"], "machine_type": r["machine_type"],
+                 "labels": r["instance"].get("labels", {}),
+                 "workers": [dict(e, index=i) for i, e in enumerate(r["endpoints"])]}
+                for r in self.instances.values()]}
+
+
+# ------------------------------------------------------------------------------------------ filters
+_TERM_RE = re.compile(r"""\(?\s*([A-Za-z_][\w.\-]*)\s*(=|!=|:|eq|ne)\s*("[^"]*"|'[^']*'|[^\s)]+)\s*\)?""")
+
+
+def parse_filter(text: str):
+    """A predicate for Compute's list `filter`: terms `field = value`, `field != value`, `field:*`
+    (presence), `labels.KEY = value`, joined by whitespace or AND. Values may end with `*` (prefix)."""
+    text = text.strip()
+    if not text:
+        return lambda item: True
+    terms = []
+    rest = re.sub(r"\bAND\b", " ", text)
+    pos = 0
+    for m in _TERM_RE.finditer(rest):
+        if rest[pos:m.start()].strip():
+            raise ApiError("INVALID_ARGUMENT", f"Invalid list filter expression {text!r}.")
+        pos = m.end()
+        field, op, value = m.group(1), m.group(2), m.group(3).strip("'\"")
+        terms.append((field.split("."), op, value))
+    if rest[pos:].strip() or not terms:
+        raise ApiError("INVALID_ARGUMENT", f"Invalid list filter expression {text!r}.")
+
+    def lookup(item, path):
+        for part in path:
+            if not isinstance(item, dict) or part not in item:
+                return None
+            item = item[part]
+        return item
+
+    def pred(item) -> bool:
+        for path, op, value in terms:
+            actual = lookup(item, path)
+            if op == ":":
+                ok = actual is not None if value == "*" else (actual is not None and str(actual) == value)
+            else:
+                if value.endswith("*"):
+                    eq = actual is not None and str(actual).startswith(value[:-1])
+                else:
+                    eq = actual is not None and str(actual) == value
+                ok = eq if op in ("=", "eq") else not eq
+            if not ok:
+                return False
+        return True
+
+    return pred

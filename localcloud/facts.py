@@ -1,0 +1,157 @@
+"""What localcloud believes Google offers: accelerator types, zones, runtime versions, machine types, prices.
+
+This table is localcloud's own (from /work/shared/tpu-facts.md, sampled 2026-11) and deliberately shares
+no code or data with tpuctl's catalog: a wrong entry there is caught by this oracle, not mirrored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# tpu_v2.AcceleratorConfig.Type wire numbers are not contiguous; these are the proto's own.
+API_TYPE = {"v2": "V2", "v3": "V3", "v4": "V4", "v5e": "V5LITE_POD", "v5p": "V5P", "v6e": "V6E"}
+
+_V5E_ZONES = (
+    "us-central1-a", "us-east1-b", "us-east1-c", "us-east5-a", "us-east5-b", "us-east5-c", "us-west4-a",
+    "us-west4-b", "europe-west4-a", "europe-west4-b", "asia-east1-a", "asia-east1-b", "asia-east1-c",
+    "asia-northeast1-b",
+)
+ZONES_BY_GENERATION: dict[str, tuple[str, ...]] = {
+    "v2": ("us-central1-b", "us-central1-c", "us-central1-f", "europe-west4-a", "asia-east1-c"),
+    "v3": ("us-central1-a", "us-central1-b", "us-central1-f", "europe-west4-a", "us-east1-d"),
+    "v4": ("us-central2-b",),
+    "v5e": _V5E_ZONES,
+    "v5p": ("us-central1-a", "us-east1-d", "us-east5-a", "us-east5-b", "us-east5-c", "europe-west4-b"),
+    "v6e": ("us-central1-a", "us-central1-b", "us-central1-c", "us-east1-d", "us-east5-a", "us-east5-b",
+            "us-east5-c", "europe-west4-a", "asia-northeast1-b"),
+}
+
+_TF_PJRT = tuple(f"tpu-vm-tf-{v}{pod}-pjrt" for v in ("2.15.0", "2.16.0", "2.17.0", "2.18.0") for pod in ("", "-pod"))
+RUNTIMES_BY_GENERATION: dict[str, tuple[str, ...]] = {
+    "v2": ("tpu-vm-tf-2.14.1", "tpu-vm-tf-2.14.1-pod", *_TF_PJRT, "tpu-ubuntu2204-base", "tpu-vm-base"),
+    "v3": ("tpu-vm-tf-2.14.1", "tpu-vm-tf-2.14.1-pod", *_TF_PJRT, "tpu-ubuntu2204-base", "tpu-vm-base"),
+    "v4": ("tpu-vm-tf-2.14.1", "tpu-vm-tf-2.14.1-pod", *_TF_PJRT, "tpu-ubuntu2204-base", "tpu-vm-v4-base"),
+    "v5e": (*_TF_PJRT, "v2-alpha-tpuv5-lite"),
+    "v5p": (*_TF_PJRT, "v2-alpha-tpuv5"),
+    "v6e": (*_TF_PJRT[4:], "v2-alpha-tpuv6e"),
+}
+
+# USD per chip-hour: (on-demand, spot); None where the region does not sell that generation.
+TPU_PRICES: dict[str, dict[str, tuple[float, float | None]]] = {
+    "us-central1": {"v2": (1.125, 0.3375), "v3": (2.00, 0.51), "v5e": (1.20, 0.245), "v5p": (4.20, 0.836), "v6e": (2.70, 0.544)},
+    "us-central2": {"v4": (3.22, 0.92)},
+    "us-east1": {"v3": (2.00, 0.60), "v5e": (1.20, 0.245), "v5p": (4.20, 0.836), "v6e": (2.70, 0.544)},
+    "us-east5": {"v5e": (1.20, 0.60), "v5p": (4.20, 1.68), "v6e": (2.70, 1.215)},
+    "us-west4": {"v5e": (1.20, 0.245)},
+    "europe-west4": {"v2": (1.2375, None), "v3": (2.20, 0.561), "v5e": (1.56, 0.445), "v5p": (4.2525, 1.348), "v6e": (2.97, 1.037)},
+    "asia-east1": {"v2": (1.2375, None), "v5e": (1.56, 0.445)},
+    "asia-northeast1": {"v5e": (1.541, 0.424), "v6e": (3.24, 0.944)},
+}
+
+# name -> (vCPUs, memory MB, shared core, USD/h on demand). One price for every region (simplification).
+MACHINE_TYPES: dict[str, tuple[int, int, bool, float]] = {
+    "n1-standard-1": (1, 3840, False, 0.0475),
+    "n1-standard-2": (2, 7680, False, 0.095),
+    "e2-small": (2, 2048, True, 0.0168),
+    "e2-medium": (2, 4096, True, 0.0335),
+    "e2-standard-2": (2, 8192, False, 0.067),
+    "e2-standard-4": (4, 16384, False, 0.134),
+    "e2-standard-8": (8, 32768, False, 0.268),
+    "e2-standard-16": (16, 65536, False, 0.536),
+}
+
+STORAGE_PRICE_PER_GB_MONTH = 0.020
+
+_SIZES = {
+    "v2": (8, 32, 128, 256, 512),
+    "v3": (8, 32, 64, 128, 256, 512, 1024, 2048),
+    "v4": (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+    "v5e": (1, 4, 8, 16, 32, 64, 128, 256),
+    "v5p": (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 6144, 12288),
+    "v6e": (1, 4, 8, 16, 32, 64, 128, 256),
+}
+_PREFIX = {"v2": "v2", "v3": "v3", "v4": "v4", "v5e": "v5litepod", "v5p": "v5p", "v6e": "v6e"}
+
+
+@dataclass(frozen=True)
+class TpuType:
+    name: str
+    generation: str
+    chips: int
+    cores: int
+    hosts: int
+    topology: str
+
+    @property
+    def api_type(self) -> str:
+        return API_TYPE[self.generation]
+
+    @property
+    def zones(self) -> tuple[str, ...]:
+        return ZONES_BY_GENERATION[self.generation]
+
+    @property
+    def runtimes(self) -> tuple[str, ...]:
+        return RUNTIMES_BY_GENERATION[self.generation]
+
+
+def _topology(chips: int, dims: int) -> str:
+    if dims == 2:
+        a = 2 ** int(math.log2(chips) // 2)
+        return f"{a}x{chips // a}"
+    if chips <= 4:
+        return "2x2x1"
+    shape = [2, 2, 1]
+    while math.prod(shape) < chips:
+        shape[shape.index(min(shape))] *= 2
+    return "x".join(map(str, sorted(shape)))
+
+
+def _build() -> dict[str, TpuType]:
+    out = {}
+    for gen, sizes in _SIZES.items():
+        for n in sizes:
+            if gen in ("v5e", "v6e"):
+                chips, cores, per_host, dims = n, n, 8, 2
+            else:
+                chips, cores, per_host, dims = n // 2, n, 4, 3 if gen in ("v4", "v5p") else 2
+            hosts = max(1, chips // per_host)
+            name = f"{_PREFIX[gen]}-{n}"
+            out[name] = TpuType(name, gen, chips, cores, hosts, _topology(chips, dims))
+    return out
+
+
+TPU_TYPES: dict[str, TpuType] = _build()
+
+
+def tpu_type_for_config(api_type: str, topology: str) -> TpuType | None:
+    """The type an `acceleratorConfig {type, topology}` denotes, if any."""
+    for t in TPU_TYPES.values():
+        if t.api_type == api_type and t.topology == topology:
+            return t
+    return None
+
+
+def all_zones() -> list[str]:
+    return sorted({z for zs in ZONES_BY_GENERATION.values() for z in zs})
+
+
+def region_of(zone: str) -> str:
+    return zone.rsplit("-", 1)[0]
+
+
+def tpu_price(generation: str, region: str, spot: bool) -> float | None:
+    """USD per chip-hour, or None where the region does not sell it."""
+    pair = TPU_PRICES.get(region, {}).get(generation)
+    if pair is None:
+        return None
+    return pair[1] if spot else pair[0]
+
+
+def project_number(project_id: str) -> str:
+    """A stable 12-digit project number for any project id (the real one is assigned at creation)."""
+    import hashlib
+
+    digest = int(hashlib.sha256(project_id.encode()).hexdigest(), 16)
+    return str(100000000000 + digest % 900000000000)

@@ -1,0 +1,609 @@
+"""Cloud Storage for `google.cloud.storage.Client` (pointed here with ``STORAGE_EMULATOR_HOST``).
+
+The storage engine is the third-party ``gcp-storage-emulator`` (BSD), run in-process on a private
+loopback port. It was chosen over ``drongo`` (Apache-2.0, 0.8 "alpha") because it keeps buckets, objects,
+IAM policies and even in-flight resumable uploads in a data dir across restarts, whereas drongo's server
+mode holds every object as bytes in process memory and forgets everything on exit; drongo also mocks a
+dozen services tpuctl does not use. What gcp-storage-emulator gets wrong is bucket *metadata*, so the gap
+is filled by a thin reverse proxy of ours in front of it (the address clients see), never by patching it:
+
+- bucket insert: name, location and labels checked as GCS does (400, nothing created), then location (upper-cased, with its
+  locationType), labels, uniform bucket-level access (mirrored as bucketPolicyOnly, with lockedTime) and
+  public access prevention ("inherited" unless given) are written through the emulator's own PATCH;
+- bucket PATCH merges labels (``null`` deletes a key) and iamConfiguration like GCS instead of replacing;
+- bucket list honours ``project`` (recorded at insert) and ``prefix``;
+- IAM setIamPolicy checks the etag (412 on a stale one) and issues a new etag per write;
+- errors get GCS-shaped JSON bodies (the emulator often answers 404/409 with an empty body);
+- strict mode: with a ``validator_factory``, JSON request bodies are checked before they reach the
+  emulator (400 on a violation) and bucket/object/policy responses after (500 on drift).
+
+Object media is streamed through in both directions; only JSON bodies (and multipart uploads, which the
+client uses only below 8 MiB) are buffered by the proxy.
+"""
+
+from __future__ import annotations
+
+import base64
+import email.parser
+import email.policy
+import http.client
+import json
+import logging
+import re
+import sys
+import threading
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from functools import partial
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from gcp_storage_emulator.server import RequestHandler as EmulatorHandler
+from gcp_storage_emulator.storage import Storage as EmulatorStorage
+
+LOOPBACK = "127.0.0.1"
+_API = "/storage/v1"
+_UPLOAD = "/upload/storage/v1"
+_CHUNK = 1 << 20
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer", "upgrade",
+               "proxy-connection"}
+_MULTI_REGIONS = {"US", "EU", "ASIA"}
+_DUAL_REGIONS = {"NAM4", "EUR4", "EUR5", "EUR7", "EUR8", "ASIA1"}
+_REGION_RE = re.compile(r"[A-Z]+(?:-[A-Z]+)+[0-9]+")
+_BUCKET_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]*[a-z0-9]")
+_PUBLIC_ACCESS_PREVENTION = {"inherited": "inherited", "unspecified": "inherited", "enforced": "enforced"}
+# GCS locks uniform bucket-level access in 90 days; after that it cannot be disabled.
+_UBLA_LOCK = timedelta(days=90)
+_SIDECAR = "localcloud-buckets.json"
+# How often the servers' loops check for shutdown: stop() waits up to this long (the default is 0.5 s).
+_POLL_S = 0.05
+
+# (method, route) -> schema of the JSON request body and of the JSON response body, for every route the
+# emulator implements that carries bucket, object or policy JSON.
+_REQUEST_SCHEMAS = {
+    ("POST", "buckets"): "Bucket", ("PATCH", "bucket"): "Bucket", ("PUT", "iam"): "Policy",
+    ("PATCH", "object"): "Object", ("POST", "compose"): "ComposeRequest", ("POST", "upload"): "Object",
+}
+_RESPONSE_SCHEMAS = {
+    ("GET", "buckets"): "Buckets", ("POST", "buckets"): "Bucket", ("GET", "bucket"): "Bucket",
+    ("PATCH", "bucket"): "Bucket", ("GET", "iam"): "Policy", ("PUT", "iam"): "Policy",
+    ("GET", "objects"): "Objects", ("GET", "object"): "Object", ("PATCH", "object"): "Object",
+    ("POST", "compose"): "Object", ("POST", "copy"): "Object", ("POST", "rewrite"): "RewriteResponse",
+    ("POST", "upload"): "Object", ("PUT", "upload"): "Object",
+}
+# First match wins: the object sub-resources come before the catch-all object route.
+_ROUTES = [
+    ("buckets", re.compile(rf"{_API}/b")),
+    ("iam", re.compile(rf"{_API}/b/(?P<bucket>[^/]+)/iam")),
+    ("bucket", re.compile(rf"{_API}/b/(?P<bucket>[^/]+)")),
+    ("objects", re.compile(rf"{_API}/b/(?P<bucket>[^/]+)/o")),
+    ("copy", re.compile(rf"{_API}/b/(?P<bucket>[^/]+)/o/(?P<object>.+)/copyTo/b/[^/]+/o/.+")),
+    ("rewrite", re.compile(rf"{_API}/b/(?P<bucket>[^/]+)/o/(?P<object>.+)/rewriteTo/b/[^/]+/o/.+")),
+    ("compose", re.compile(rf"{_API}/b/(?P<bucket>[^/]+)/o/(?P<object>.+)/compose")),
+    ("object-sub", re.compile(rf"{_API}/b/(?P<bucket>[^/]+)/o/(?P<object>.+)/(?:acl|restore)")),
+    ("object", re.compile(rf"{_API}/b/(?P<bucket>[^/]+)/o/(?P<object>.+)")),
+    ("upload", re.compile(rf"{_UPLOAD}/b/(?P<bucket>[^/]+)/o")),
+    ("download", re.compile(rf"/download{_API}/b/(?P<bucket>[^/]+)/o/(?P<object>.+)")),
+]
+
+
+class _Reject(Exception):
+    """A request answered by the proxy itself with a GCS-shaped error."""
+
+    def __init__(self, status: int, message: str, reason: str):
+        super().__init__(message)
+        self.status, self.message, self.reason = status, message, reason
+
+
+def _error_body(status: int, message: str, reason: str) -> bytes:
+    error = {"code": status, "message": message, "errors": [{"message": message, "domain": "global",
+                                                              "reason": reason}]}
+    return json.dumps({"error": error}).encode()
+
+
+# (method, route) -> the _Proxy method that answers it from emulator calls instead of passing it through.
+_SPECIAL = {
+    ("POST", "buckets"): "_insert_bucket", ("GET", "buckets"): "_list_buckets",
+    ("PATCH", "bucket"): "_patch_bucket", ("DELETE", "bucket"): "_delete_bucket",
+    ("PUT", "iam"): "_set_iam_policy",
+}
+
+
+def _valid_bucket_name(name: str) -> bool:
+    """GCS naming rules: 3-63 characters (222 with dots, 63 per dot-separated part), no "goog" prefix."""
+    limit = 222 if "." in name else 63
+    return (3 <= len(name) <= limit and bool(_BUCKET_NAME_RE.fullmatch(name))
+            and all(len(part) <= 63 for part in name.split(".")) and not name.startswith("goog"))
+
+
+def _carries_metadata(route: str | None, query: dict, content_type: str) -> bool:
+    """Whether the request body is JSON metadata (checked, buffered) rather than object media (streamed)."""
+    if route == "upload":
+        return "upload_id" not in query and query.get("uploadType", [""])[0] in ("multipart", "resumable")
+    return route is not None and content_type.startswith("application/json")
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _route(path: str) -> tuple[str | None, dict[str, str]]:
+    for name, pattern in _ROUTES:
+        match = pattern.fullmatch(path)
+        if match:
+            return name, {k: unquote(v) for k, v in match.groupdict().items()}
+    return None, {}
+
+
+def _location_type(location: str) -> str:
+    if location in _MULTI_REGIONS:
+        return "multi-region"
+    return "dual-region" if location in _DUAL_REGIONS else "region"
+
+
+def _next_etag(etag: str | None) -> str:
+    """IAM etags as GCS writes them: base64 of a protobuf varint field 1 holding the policy's write count."""
+    try:
+        raw = base64.b64decode(etag or "", validate=True)
+        count = raw[1] if len(raw) == 2 and raw[0] == 0x08 else 0
+    except ValueError:
+        count = 0
+    return base64.b64encode(bytes([0x08, count % 127 + 1])).decode()
+
+
+def _iam_configuration(current: dict, requested: dict) -> dict:
+    """Merge a requested iamConfiguration onto the current one the way GCS presents the result."""
+    ubla = {**current.get("uniformBucketLevelAccess", {}), **requested.get("bucketPolicyOnly", {}),
+            **requested.get("uniformBucketLevelAccess", {})}
+    enabled = bool(ubla.get("enabled"))
+    ubla = {"enabled": enabled}
+    if enabled:
+        locked = current.get("uniformBucketLevelAccess", {}).get("lockedTime")
+        ubla["lockedTime"] = locked or (datetime.now(timezone.utc) + _UBLA_LOCK).isoformat(
+            timespec="milliseconds").replace("+00:00", "Z")
+    prevention = requested.get("publicAccessPrevention", current.get("publicAccessPrevention", "inherited"))
+    if prevention not in _PUBLIC_ACCESS_PREVENTION:
+        raise _Reject(400, f"Invalid value for iamConfiguration.publicAccessPrevention: {prevention!r}; "
+                           "use 'enforced' or 'inherited'.", "invalid")
+    return {"uniformBucketLevelAccess": ubla, "bucketPolicyOnly": dict(ubla),
+            "publicAccessPrevention": _PUBLIC_ACCESS_PREVENTION[prevention]}
+
+
+def _merge_labels(current: dict, patch: dict) -> dict:
+    merged = {**current, **patch}
+    return _checked_labels({k: v for k, v in merged.items() if v is not None})
+
+
+def _label_part_ok(text: str) -> bool:
+    return len(text) <= 63 and all(c.isdigit() or c in "_-" or (c.isalpha() and not c.isupper()) for c in text)
+
+
+def _checked_labels(labels: dict) -> dict:
+    """GCS label rules: at most 64; keys and values of lowercase letters, digits, '_' and '-', each at most
+    63 characters; keys start with a letter. Real GCS answers a violation with 400, and so do we."""
+    if len(labels) > 64:
+        raise _Reject(400, f"Too many labels: {len(labels)} (at most 64).", "invalid")
+    for key, value in labels.items():
+        if not (key[:1].isalpha() and _label_part_ok(key) and isinstance(value, str) and _label_part_ok(value)):
+            raise _Reject(400, f"Invalid label {key}={value!r}: keys and values use lowercase letters, digits, "
+                               "'_' and '-', at most 63 characters, and keys start with a letter.", "invalid")
+    return labels
+
+
+# The emulator logs every 404 at ERROR level; the proxy answers those as GCS does, so they are not errors.
+_EMULATOR_LOGGERS = ("gcp_storage_emulator", "api.bucket", "api.object")
+
+
+class _Backend:
+    """The emulator on its private port, reached with one short HTTP/1.0 exchange per request."""
+
+    def __init__(self, data_dir: Path | None):
+        for name in _EMULATOR_LOGGERS:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        storage = EmulatorStorage(use_memory_fs=data_dir is None, data_dir=str(data_dir) if data_dir else None)
+        self.server = HTTPServer((LOOPBACK, 0), partial(EmulatorHandler, storage))
+        # Several proxy threads may connect at once while a large upload is being served.
+        self.server.request_queue_size = 64
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(_POLL_S,), name="localcloud-gcs",
+                                       daemon=True)
+
+    def connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(LOOPBACK, self.port, timeout=300)
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """A JSON exchange with the emulator; the body comes back parsed (None when empty or not JSON)."""
+        conn = self.connect()
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(raw) if raw else None
+        except ValueError:
+            return resp.status, None
+
+
+class _Proxy(BaseHTTPRequestHandler):
+    """Forwards to the emulator, fixing bucket metadata, IAM etags, errors, and validating in strict mode."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = 120
+    server: _FrontServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: the local cloud's own log is the place for request traces, not stderr."""
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
+
+    def _handle(self) -> None:
+        method = self.headers.get("X-HTTP-Method-Override", self.command).upper()
+        url = urlsplit(self.path)
+        route, params = _route(url.path)
+        query = parse_qs(url.query)
+        content_type = self.headers.get("Content-Type", "")
+        metadata = _carries_metadata(route, query, content_type)
+        special = _SPECIAL.get((method, route))
+        try:
+            # Read every body the proxy answers itself, so an early rejection never desyncs keep-alive.
+            body = self._read_body() if metadata or special or self._is_chunked() else None
+            document = self._check_request(method, route, content_type, body) if metadata and body else None
+            if special is None:
+                self._forward(method, route, params, body)
+                return
+            status, payload = getattr(self, special)(params, document or {}, query)
+            self._reply_json(method, route, status, payload, params)
+        except _Reject as exc:
+            self._send(exc.status, {"Content-Type": "application/json"},
+                       _error_body(exc.status, exc.message, exc.reason))
+
+    # ---- request side
+
+    def _is_chunked(self) -> bool:
+        return self.headers.get("Transfer-Encoding", "").lower() == "chunked"
+
+    def _read_body(self) -> bytes:
+        if self._is_chunked():
+            parts = []
+            while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()
+            while self.rfile.readline().strip():
+                pass  # trailers
+            return b"".join(parts)
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _check_request(self, method: str, route: str | None, content_type: str, body: bytes) -> Any:
+        """The JSON metadata of a request (the first part of a multipart upload), checked in strict mode."""
+        try:
+            if content_type.startswith("multipart/related"):
+                message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+                    f"Content-Type: {content_type}\r\n\r\n".encode() + body)
+                document = json.loads(next(message.iter_parts()).get_content())
+            else:
+                document = json.loads(body)
+        except (ValueError, StopIteration):
+            raise _Reject(400, "Parse Error: the request metadata is not JSON.", "parseError") from None
+        schema = _REQUEST_SCHEMAS.get((method, route))
+        if schema is not None:
+            # In a PATCH, null means "delete this key" (the client sends labels {"old": null}): not a type error.
+            self._validate(schema, _without_nulls(document) if method == "PATCH" else document, request=True)
+        return document
+
+    def _validate(self, schema: str, document: Any, *, request: bool) -> None:
+        validator = self.server.validator
+        if validator is None:
+            return
+        check = validator.check_request if request else validator.check_response
+        problems = check(schema, document)
+        if problems:
+            side = "request" if request else "emulator response"
+            status = 400 if request else 500
+            raise _Reject(status, f"localcloud strict mode: {side} is not a valid storage.v1 {schema}: "
+                                  + "; ".join(problems), "invalid")
+
+    # ---- special routes: bucket metadata and IAM, answered from emulator calls
+
+    def _insert_bucket(self, params: dict, body: dict, query: dict) -> tuple[int, Any]:
+        name = body.get("name") or ""
+        if not _valid_bucket_name(name):
+            raise _Reject(400, f"Invalid bucket name: '{name}'", "invalid")
+        location = (body.get("location") or "US").upper()
+        if location not in _MULTI_REGIONS | _DUAL_REGIONS and not _REGION_RE.fullmatch(location):
+            raise _Reject(400, f"The specified location constraint is not valid: '{body.get('location')}'",
+                          "invalid")
+        project = (query.get("project") or [""])[0]
+        if not project:
+            raise _Reject(400, "Required parameter: project", "required")
+        # Everything is checked before the emulator sees the bucket: bad input creates nothing.
+        fields = {k: v for k, v in body.items() if k not in ("name", "iamConfiguration", "location")}
+        fields.update(location=location, iamConfiguration=_iam_configuration({}, body.get("iamConfiguration", {})))
+        if "labels" in fields:
+            _checked_labels(fields["labels"] or {})
+        backend = self.server.backend
+        status, created = backend.call("POST", f"{_API}/b", {"name": name})
+        if status != 200:
+            return status, created
+        status, bucket = backend.call("PATCH", f"{_API}/b/{name}", fields)
+        if status == 200:
+            self.server.record_project(name, project)
+        return status, bucket
+
+    def _list_buckets(self, params: dict, body: dict, query: dict) -> tuple[int, Any]:
+        status, listing = self.server.backend.call("GET", f"{_API}/b")
+        if status != 200:
+            return status, listing
+        project = (query.get("project") or [None])[0]
+        prefix = (query.get("prefix") or [""])[0]
+        owners = self.server.projects()
+        items = [b for b in listing.get("items", [])
+                 if b["name"].startswith(prefix) and (project is None or owners.get(b["name"]) == project)]
+        return 200, {"kind": "storage#buckets", "items": items}
+
+    def _patch_bucket(self, params: dict, body: dict, query: dict) -> tuple[int, Any]:
+        backend = self.server.backend
+        path = f"{_API}/b/{params['bucket']}"
+        with self.server.read_modify_write:
+            status, current = backend.call("GET", path)
+            if status != 200:
+                return status, current
+            if "labels" in body:
+                body["labels"] = _merge_labels(current.get("labels") or {}, body["labels"] or {})
+            if "iamConfiguration" in body:
+                body["iamConfiguration"] = _iam_configuration(current.get("iamConfiguration", {}),
+                                                              body["iamConfiguration"] or {})
+            body.pop("location", None)  # a bucket's location is fixed at creation
+            return backend.call("PATCH", path, body)
+
+    def _delete_bucket(self, params: dict, body: dict, query: dict) -> tuple[int, Any]:
+        status, payload = self.server.backend.call("DELETE", f"{_API}/b/{params['bucket']}")
+        if status in (200, 204):
+            self.server.forget_project(params["bucket"])
+            return 204, None
+        return status, payload
+
+    def _set_iam_policy(self, params: dict, body: dict, query: dict) -> tuple[int, Any]:
+        backend = self.server.backend
+        path = f"{_API}/b/{params['bucket']}/iam"
+        with self.server.read_modify_write:
+            status, current = backend.call("GET", path)
+            if status != 200:
+                return status, current
+            if body.get("etag") and body["etag"] != current.get("etag"):
+                raise _Reject(412, "Precondition Failed: the policy was changed since it was read (etag "
+                                   f"{body['etag']} is stale).", "conditionNotMet")
+            body["etag"] = _next_etag(current.get("etag"))
+            return backend.call("PUT", path, body)
+
+    # ---- response side
+
+    def _present(self, method: str, route: str | None, payload: Any) -> Any:
+        """Fix what the emulator stores but presents wrongly, then check it against the schema."""
+        if isinstance(payload, dict) and payload.get("kind") in ("storage#bucket", "storage#buckets"):
+            for bucket in payload.get("items", []) if payload["kind"] == "storage#buckets" else [payload]:
+                bucket["locationType"] = _location_type(bucket.get("location", "US"))
+        schema = _RESPONSE_SCHEMAS.get((method, route))
+        if schema is not None and payload is not None:
+            self._validate(schema, payload, request=False)
+        return payload
+
+    def _reply_json(self, method: str, route: str | None, status: int, payload: Any, params: dict) -> None:
+        if status >= 400:
+            self._send_error(status, route, params, payload)
+        elif payload is None:
+            self._send(status, {}, b"")
+        else:
+            body = json.dumps(self._present(method, route, payload)).encode()
+            self._send(status, {"Content-Type": "application/json"}, body)
+
+    def _send_error(self, status: int, route: str | None, params: dict, payload: Any) -> None:
+        if isinstance(payload, dict) and isinstance(payload.get("error"), dict) \
+                and payload["error"].get("errors"):
+            body = json.dumps(payload).encode()
+        elif status == 404 and "object" in params:
+            body = _error_body(404, f"No such object: {params['bucket']}/{params['object']}", "notFound")
+        elif status == 404 and "bucket" in params:
+            body = _error_body(404, "The specified bucket does not exist.", "notFound")
+        elif status == 409 and route == "bucket":
+            body = _error_body(409, "The bucket you tried to delete is not empty.", "conflict")
+        elif status == 501:
+            body = _error_body(501, f"localcloud storage does not implement {self.command} "
+                                    f"{urlsplit(self.path).path}", "notImplemented")
+        else:
+            message = (payload or {}).get("error", {}).get("message") if isinstance(payload, dict) else None
+            body = _error_body(status, message or HTTPStatus(status).phrase, "backendError")
+        self._send(status, {"Content-Type": "application/json"}, body)
+
+    def _send(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        if status != HTTPStatus.NO_CONTENT:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _forward(self, method: str, route: str | None, params: dict, body: bytes | None) -> None:
+        """Pass the request through; media streams in chunks, JSON responses are checked and fixed."""
+        conn = self.server.backend.connect()
+        try:
+            conn.putrequest(method, self.path, skip_host=True, skip_accept_encoding=True)
+            for key, value in self.headers.items():
+                if key.lower() not in _HOP_BY_HOP:
+                    conn.putheader(key, value)
+            length = len(body) if body is not None else int(self.headers.get("Content-Length") or 0)
+            conn.putheader("Content-Length", str(length))
+            conn.endheaders()
+            if body is not None:
+                conn.send(body)
+            else:
+                remaining = length
+                while remaining:
+                    chunk = self.rfile.read(min(_CHUNK, remaining))
+                    if not chunk:
+                        raise ConnectionError("client closed the connection mid-body")
+                    conn.send(chunk)
+                    remaining -= len(chunk)
+            resp = conn.getresponse()
+            is_json = resp.getheader("Content-Type", "").startswith("application/json")
+            if resp.status >= 400 or (is_json and (method, route) in _RESPONSE_SCHEMAS):
+                raw = resp.read()
+                try:
+                    payload = json.loads(raw) if raw else None
+                except ValueError:
+                    payload = None
+                if resp.status >= 400:
+                    self._send_error(resp.status, route, params, payload)
+                    return
+                headers = {k: v for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP}
+                self._send(resp.status, headers, json.dumps(self._present(method, route, payload)).encode())
+                return
+            self.send_response(resp.status)
+            for key, value in resp.getheaders():
+                if key.lower() not in _HOP_BY_HOP:
+                    self.send_header(key, value)
+            remaining = int(resp.getheader("Content-Length") or 0)
+            self.send_header("Content-Length", str(remaining))
+            self.end_headers()
+            while remaining:
+                chunk = resp.read(min(_CHUNK, remaining))
+                if not chunk:
+                    raise ConnectionError("storage emulator closed the connection mid-body")
+                self.wfile.write(chunk)
+                remaining -= len(chunk)
+        finally:
+            conn.close()
+
+
+class _FrontServer(ThreadingHTTPServer):
+    """The address clients see; owns the bucket -> project record that GCS keeps and the emulator lacks."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client hanging up mid-transfer is routine (cancelled download); anything else is reported."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+    def __init__(self, backend: _Backend, validator: Any, sidecar: Path | None):
+        super().__init__((LOOPBACK, 0), _Proxy)
+        self.backend = backend
+        self.validator = validator
+        self._sidecar = sidecar
+        self._lock = threading.Lock()
+        # Held across a read and the write that depends on it (label merges, IAM etag checks), so two
+        # concurrent writers cannot both pass on the same etag.
+        self.read_modify_write = threading.Lock()
+        self._projects: dict[str, str] = json.loads(sidecar.read_text()) if sidecar and sidecar.exists() else {}
+
+    def projects(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._projects)
+
+    def record_project(self, bucket: str, project: str) -> None:
+        with self._lock:
+            self._projects[bucket] = project
+            self._save()
+
+    def forget_project(self, bucket: str) -> None:
+        with self._lock:
+            self._projects.pop(bucket, None)
+            self._save()
+
+    def _save(self) -> None:
+        if self._sidecar is None:
+            return
+        tmp = self._sidecar.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._projects, indent=1, sort_keys=True))
+        tmp.replace(self._sidecar)
+
+
+class StorageServer:
+    """Cloud Storage on 127.0.0.1: persistent under ``data_dir`` (in memory when None).
+
+    ``validator_factory("storage.v1")`` (e.g. ``schema.Validator``) turns on strict mode.
+    ``start`` blocks until the server answers; ``stop`` is idempotent.
+    """
+
+    def __init__(self, data_dir: Path | None, validator_factory: Callable[[str], object] | None = None):
+        self._data_dir = Path(data_dir).absolute() if data_dir is not None else None
+        self._validator = validator_factory("storage.v1") if validator_factory else None
+        self._backend: _Backend | None = None
+        self._front: _FrontServer | None = None
+        self._front_thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Where clients reach it, as ``start`` returned; RuntimeError when not started."""
+        if self._front is None:
+            raise RuntimeError("storage server is not started")
+        return f"http://{LOOPBACK}:{self._front.server_address[1]}"
+
+    def start(self) -> str:
+        """Serve; returns "http://127.0.0.1:PORT" for ``STORAGE_EMULATOR_HOST``. Idempotent."""
+        if self._front is not None:
+            return self.url
+        if self._data_dir is not None:
+            self._data_dir.mkdir(parents=True, exist_ok=True)
+        self._backend = _Backend(self._data_dir)
+        self._backend.thread.start()
+        sidecar = self._data_dir / _SIDECAR if self._data_dir is not None else None
+        self._front = _FrontServer(self._backend, self._validator, sidecar)
+        self._front_thread = threading.Thread(target=self._front.serve_forever, args=(_POLL_S,),
+                                              name="localcloud-gcs-proxy", daemon=True)
+        self._front_thread.start()
+        return self.url
+
+    def stop(self) -> None:
+        """Stop both servers; the data dir keeps everything for the next start."""
+        if self._front is None:
+            return
+        self._front.shutdown()
+        self._front.server_close()
+        self._backend.server.shutdown()
+        self._backend.server.server_close()
+        self._front_thread.join()
+        self._backend.thread.join()
+        self._front = self._backend = self._front_thread = None
+
+    def buckets(self) -> list[dict]:
+        """Every bucket with what the billing meter and `local status` need, read through the emulator.
+
+        Keys: name, project, location, labels, iamConfiguration, iam_policy, objects (count), bytes.
+        """
+        if self._backend is None or self._front is None:
+            raise RuntimeError("storage server is not started")
+        backend = self._backend
+        _, listing = backend.call("GET", f"{_API}/b")
+        owners = self._front.projects()
+        result = []
+        for bucket in (listing or {}).get("items", []):
+            name = bucket["name"]
+            _, policy = backend.call("GET", f"{_API}/b/{name}/iam")
+            _, objects = backend.call("GET", f"{_API}/b/{name}/o")
+            items = (objects or {}).get("items", [])
+            result.append({
+                "name": name,
+                "project": owners.get(name),
+                "location": bucket.get("location"),
+                "labels": bucket.get("labels") or {},
+                "iamConfiguration": bucket.get("iamConfiguration", {}),
+                "iam_policy": policy,
+                "objects": len(items),
+                "bytes": sum(int(item.get("size", 0)) for item in items),
+            })
+        return result

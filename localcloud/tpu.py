@@ -1,0 +1,702 @@
+"""Cloud TPU v2: nodes, queued resources, operations, accelerator types, runtime versions.
+
+Bodies here are in discovery form (enums as names); the server converts the client's integer enums at
+the edge. Every transition that takes time is a named action on the world's scheduler. Billing: a node
+is metered from the create request until its deletion finishes, except while STOPPED or PREEMPTED.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+import uuid
+
+from . import facts
+from .core import CODE_OF, ApiError, World, check_labels, now_rfc3339, parse_duration, parse_time
+
+# Simulated latencies in seconds (divided by the world's speed).
+CREATE_S, DELETE_S, STOP_S, START_S, UPDATE_S = 180.0, 90.0, 60.0, 90.0, 5.0
+CAPACITY_FAIL_S = 20.0
+QR_ACCEPT_S, QR_TICK_S, QR_DELETE_S = 2.0, 10.0, 5.0
+
+_ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+_UPDATABLE = {"labels", "metadata", "description", "tags"}
+NODE_TYPE = "type.googleapis.com/google.cloud.tpu.v2.Node"
+QR_TYPE = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
+EMPTY_TYPE = "type.googleapis.com/google.protobuf.Empty"
+
+
+def capacity_message(zone: str) -> str:
+    return (f'There is no more capacity in the zone "{zone}"; you can try in another zone where Cloud TPU '
+            "Nodes are offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0x1d2c3b4a5f6e7d8c]")
+
+
+def ssh_keys_of(metadata: dict | None) -> list[str]:
+    """Public keys from `ssh-keys` metadata lines "USER:KEY [COMMENT]", as the guest agent reads them."""
+    keys = []
+    for line in (metadata or {}).get("ssh-keys", "").splitlines():
+        user, sep, key = line.strip().partition(":")
+        if sep and key.strip():
+            keys.append(key.strip())
+    return keys
+
+
+def paginate(items: list, size: str | None, token: str | None) -> tuple[list, str]:
+    start = int(token) if token and token.isdigit() else 0
+    n = int(size) if size and str(size).isdigit() and int(size) > 0 else len(items) or 1
+    page = items[start:start + n]
+    return page, (str(start + n) if start + n < len(items) else "")
+
+
+class TpuService:
+    name = "tpu"
+
+    def __init__(self, world: World):
+        self.w = world
+        self.nodes: dict[str, dict] = {}       # full node name -> record
+        self.queued: dict[str, dict] = {}      # full QR name -> record
+        self.ops: dict[str, dict] = {}         # full operation name -> Operation body
+        for action in ("create_done", "create_failed", "delete_done", "stop_done", "start_done", "update_done",
+                       "preempt", "qr_accept", "qr_tick", "qr_delete_done"):
+            world.actions[f"tpu.{action}"] = getattr(self, f"_{action}")
+
+    # ---------------------------------------------------------------------------------- persistence
+    def dump(self) -> dict:
+        return {"nodes": self.nodes, "queued": self.queued, "ops": self.ops}
+
+    def load(self, data: dict) -> None:
+        self.nodes = data.get("nodes", {})
+        self.queued = data.get("queued", {})
+        self.ops = data.get("ops", {})
+        for rec in self.nodes.values():
+            rec["endpoints"] = []  # the old SSH servers died with the old process
+
+    def restore_workers(self) -> None:
+        """After a restart: start worker SSH servers again for every node that should have them."""
+        with self.w.lock:
+            running = [name for name, rec in self.nodes.items() if rec["node"]["state"] == "READY"]
+        for name in running:
+            self._boot_workers(name)
+        with self.w.lock:
+            self.w.changed()
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _parent(self, p: dict) -> str:
+        return f"projects/{p['projectsId']}/locations/{p['locationsId']}"
+
+    def _zone_ok(self, zone: str, parent: str) -> None:
+        if not _ZONE_RE.match(zone):
+            raise ApiError("NOT_FOUND", f"Location {parent} not found.")
+
+    def _node(self, name: str) -> dict:
+        rec = self.nodes.get(name)
+        if rec is None:
+            raise ApiError("NOT_FOUND", f"Resource '{name}' was not found")
+        return rec
+
+    def view(self, rec: dict) -> dict:
+        """The Node body a GET returns."""
+        node = copy.deepcopy(rec["node"])
+        external = (node.get("networkConfig") or {}).get("enableExternalIps", False)
+        eps = []
+        for i in range(rec["hosts"]):
+            ep: dict = {"ipAddress": "127.0.0.1"}
+            if i < len(rec["endpoints"]):
+                ep["port"] = rec["endpoints"][i]["port"]
+            if external:
+                ep["accessConfig"] = {"externalIp": "127.0.0.1"}
+            eps.append(ep)
+        node["networkEndpoints"] = eps
+        return node
+
+    def _new_op(self, parent: str, target: str, verb: str) -> dict:
+        op_id = f"operation-{int(time.time() * 1000)}-{uuid.uuid4().hex[:13]}-{uuid.uuid4().hex[:8]}"
+        op = {
+            "name": f"{parent}/operations/{op_id}",
+            "metadata": {"@type": "type.googleapis.com/google.cloud.tpu.v2.OperationMetadata",
+                         "createTime": now_rfc3339(), "target": target, "verb": verb,
+                         "cancelRequested": False, "apiVersion": "v2"},
+            "done": False,
+        }
+        self.ops[op["name"]] = op
+        return op
+
+    def _finish_op(self, op_name: str | None, *, response: dict | None = None, type_url: str = NODE_TYPE,
+                   error: tuple[str, str] | None = None) -> None:
+        op = self.ops.get(op_name or "")
+        if op is None or op["done"]:
+            return
+        op["done"] = True
+        op["metadata"]["endTime"] = now_rfc3339()
+        if error:
+            op["error"] = {"code": CODE_OF[error[0]], "message": error[1]}
+        else:
+            op["response"] = {"@type": type_url, **(response or {})}
+
+    def _meter(self, rec: dict) -> None:
+        node = rec["node"]
+        spot = rec["spot"]
+        t = facts.TPU_TYPES[rec["type"]]
+        region = facts.region_of(rec["zone"])
+        # Where no spot price is published (v2 outside us-central1) the on-demand price bounds the bill.
+        price = facts.tpu_price(t.generation, region, spot) or facts.tpu_price(t.generation, region, False) or 0.0
+        sku = f"tpu/{t.name}/{rec['zone']}/{'spot' if spot else 'on-demand'}"
+        self.w.meter.begin(node["name"], "tpu", sku, price * t.chips)
+
+    def resolve_type(self, node: dict, zone: str) -> facts.TpuType:
+        """Check accelerator, zone and runtime as the real API does; returns the type."""
+        name, config = node.get("acceleratorType"), node.get("acceleratorConfig")
+        if name and config:
+            raise ApiError("INVALID_ARGUMENT", "Only one of acceleratorType and acceleratorConfig may be set.")
+        if config:
+            t = facts.tpu_type_for_config(config.get("type", ""), config.get("topology", ""))
+            if t is None:
+                raise ApiError("INVALID_ARGUMENT", f"Invalid acceleratorConfig: type {config.get('type')} "
+                               f"with topology {config.get('topology')!r} is not a supported configuration.")
+        elif name:
+            t = facts.TPU_TYPES.get(name)
+            if t is None:
+                raise ApiError("INVALID_ARGUMENT", f'Accelerator type "{name}" is not a valid accelerator type.')
+        else:
+            raise ApiError("INVALID_ARGUMENT", "One of acceleratorType or acceleratorConfig must be set.")
+        if zone not in t.zones:
+            raise ApiError("NOT_FOUND", f'Accelerator type "{t.name}" not found in zone "{zone}".')
+        runtime = node.get("runtimeVersion")
+        if not runtime:
+            raise ApiError("INVALID_ARGUMENT", "runtimeVersion is required.")
+        if runtime not in t.runtimes:
+            raise ApiError("INVALID_ARGUMENT", f'Runtime version "{runtime}" is not supported for accelerator '
+                           f'type "{t.name}" (generation {t.generation}).')
+        check_labels(node.get("labels"), "node.labels")
+        sched = node.get("schedulingConfig") or {}
+        if sched.get("spot") and sched.get("preemptible"):
+            raise ApiError("INVALID_ARGUMENT", "schedulingConfig: spot and preemptible are mutually exclusive.")
+        return t
+
+    def _new_node(self, parent: str, project: str, zone: str, node_id: str, body: dict, t: facts.TpuType,
+                  queued: str | None = None) -> dict:
+        name = f"{parent}/nodes/{node_id}"
+        node = copy.deepcopy(body)
+        node.update(name=name, state="CREATING", createTime=now_rfc3339(), id=str(self.w.next_id()),
+                    apiVersion="V2", acceleratorType=t.name,
+                    acceleratorConfig={"type": t.api_type, "topology": t.topology})
+        node.setdefault("networkConfig", {"network": f"projects/{project}/global/networks/default",
+                                          "subnetwork": f"projects/{project}/regions/{facts.region_of(zone)}/subnetworks/default",
+                                          "enableExternalIps": False})
+        if queued:
+            node["queuedResource"] = queued
+        sched = node.get("schedulingConfig") or {}
+        rec = {"node": node, "project": project, "zone": zone, "type": t.name, "hosts": t.hosts,
+               "spot": bool(sched.get("spot") or sched.get("preemptible")), "endpoints": [],
+               "worker_key": f"tpu-{project}-{zone}-{node_id}", "create_op": None, "delete_ops": []}
+        self.nodes[name] = rec
+        self._meter(rec)
+        return rec
+
+    def _start_create(self, rec: dict, method: str) -> None:
+        zone = rec["zone"]
+        name = rec["node"]["name"]
+        if self.w.faults.take("stuck", "tpu", method, zone):
+            return
+        if self.w.faults.take("capacity", "tpu", method, zone):
+            self.w.later(min(CREATE_S, CAPACITY_FAIL_S), "tpu.create_failed", node=name, message=capacity_message(zone))
+            return
+        self.w.later(CREATE_S, "tpu.create_done", node=name)
+
+    # ---------------------------------------------------------------------------------- workers
+    def _boot_workers(self, name: str) -> None:
+        """Start the node's worker SSH servers (blocking, outside the lock) and record their endpoints."""
+        with self.w.lock:
+            rec = self.nodes.get(name)
+            if rec is None:
+                return
+            node = rec["node"]
+            key, count = rec["worker_key"], rec["hosts"]
+            env = {
+                "TPU_NAME": name.rsplit("/", 1)[-1], "TPU_WORKER_HOSTNAMES": ",".join(["127.0.0.1"] * count),
+                "TPU_ACCELERATOR_TYPE": rec["type"], "TPU_ZONE": rec["zone"],
+                "GOOGLE_CLOUD_PROJECT": rec["project"], "STORAGE_EMULATOR_HOST": self.w.storage_host,
+                "TPUCTL_LOCALCLOUD": "1",
+            }
+            keys = ssh_keys_of(node.get("metadata"))
+            script = (node.get("metadata") or {}).get("startup-script")
+        endpoints = self.w.workers.start_node(key, count, env, keys, script)
+        with self.w.lock:
+            rec = self.nodes.get(name)
+            if rec is None or rec["node"]["state"] in ("DELETING", "STOPPING", "STOPPED", "PREEMPTED"):
+                self.w.workers.stop_node(key)
+                return
+            rec["endpoints"] = [{"host": e.host, "port": e.port, "host_key": e.host_key} for e in endpoints]
+
+    def _stop_workers(self, rec: dict) -> None:
+        rec["endpoints"] = []
+        self.w.workers.stop_node(rec["worker_key"])
+
+    # ---------------------------------------------------------------------------------- nodes
+    def nodes_create(self, p: dict, q: dict, body: dict) -> dict:
+        parent = self._parent(p)
+        zone = p["locationsId"]
+        self._zone_ok(zone, parent)
+        node_id = q.get("nodeId") or ""
+        if not _ID_RE.match(node_id):
+            raise ApiError("INVALID_ARGUMENT", f"Invalid nodeId {node_id!r}: must match [a-z]([-a-z0-9]*[a-z0-9])?, at most 63 characters.")
+        t = self.resolve_type(body, zone)
+        with self.w.lock:
+            if f"{parent}/nodes/{node_id}" in self.nodes:
+                raise ApiError("ALREADY_EXISTS", f"Resource '{parent}/nodes/{node_id}' already exists")
+            rec = self._new_node(parent, p["projectsId"], zone, node_id, body, t)
+            op = self._new_op(parent, rec["node"]["name"], "create")
+            rec["create_op"] = op["name"]
+            self._start_create(rec, "nodes.create")
+            self.w.changed()
+            return op
+
+    def _create_done(self, node: str) -> None:
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            if rec is None or rec["node"]["state"] != "CREATING":
+                return
+        self._boot_workers(node)
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            if rec is None or rec["node"]["state"] != "CREATING":
+                return
+            rec["node"]["state"] = "READY"
+            rec["node"]["health"] = "HEALTHY"
+            self._finish_op(rec["create_op"], response=self.view(rec))
+            qr = self.queued.get(rec["node"].get("queuedResource", ""))
+            if qr and qr["qr"]["state"]["state"] == "PROVISIONING" and all(
+                    self.nodes.get(n, {}).get("node", {}).get("state") == "READY" for n in qr["nodes"]):
+                self._qr_state(qr, "ACTIVE")
+            self.w.changed()
+
+    def _create_failed(self, node: str, message: str) -> None:
+        with self.w.lock:
+            rec = self.nodes.pop(node, None)
+            if rec is None:
+                return
+            self.w.meter.end(node)
+            self._finish_op(rec["create_op"], error=("RESOURCE_EXHAUSTED", message))
+            self.w.changed()
+
+    def nodes_get(self, p: dict, q: dict, body: None) -> dict:
+        with self.w.lock:
+            return self.view(self._node(f"{self._parent(p)}/nodes/{p['nodesId']}"))
+
+    def nodes_list(self, p: dict, q: dict, body: None) -> dict:
+        parent = self._parent(p)
+        with self.w.lock:
+            prefix = f"projects/{p['projectsId']}/locations/" if p["locationsId"] == "-" else f"{parent}/nodes/"
+            nodes = [self.view(r) for n, r in sorted(self.nodes.items()) if n.startswith(prefix)]
+        page, token = paginate(nodes, q.get("pageSize"), q.get("pageToken"))
+        out: dict = {"nodes": page}
+        if token:
+            out["nextPageToken"] = token
+        return out
+
+    def nodes_delete(self, p: dict, q: dict, body: None) -> dict:
+        parent = self._parent(p)
+        name = f"{parent}/nodes/{p['nodesId']}"
+        with self.w.lock:
+            rec = self._node(name)
+            op = self._new_op(parent, name, "delete")
+            rec["delete_ops"].append(op["name"])
+            if rec["node"]["state"] != "DELETING":
+                self._begin_delete(rec, "nodes.delete")
+            self.w.changed()
+            return op
+
+    def _begin_delete(self, rec: dict, method: str) -> None:
+        name = rec["node"]["name"]
+        if rec["node"]["state"] == "CREATING":
+            self._finish_op(rec["create_op"], error=("ABORTED", f"Node {name} was deleted while it was being created."))
+        rec["node"]["state"] = "DELETING"
+        self._stop_workers(rec)
+        if not self.w.faults.take("stuck", "tpu", method, rec["zone"]):
+            self.w.later(DELETE_S, "tpu.delete_done", node=name)
+
+    def _delete_done(self, node: str) -> None:
+        with self.w.lock:
+            rec = self.nodes.pop(node, None)
+            if rec is None:
+                return
+            self.w.meter.end(node)
+            for op in rec["delete_ops"]:
+                self._finish_op(op, type_url=EMPTY_TYPE)
+            self.w.changed()
+
+    def nodes_stop(self, p: dict, q: dict, body: dict) -> dict:
+        parent = self._parent(p)
+        name = f"{parent}/nodes/{p['nodesId']}"
+        with self.w.lock:
+            rec = self._node(name)
+            state = rec["node"]["state"]
+            if state != "READY":
+                raise ApiError("FAILED_PRECONDITION", f"Node {name} cannot be stopped in state {state}; it must be READY.")
+            op = self._new_op(parent, name, "stop")
+            rec["node"]["state"] = "STOPPING"
+            self._stop_workers(rec)
+            if not self.w.faults.take("stuck", "tpu", "nodes.stop", rec["zone"]):
+                self.w.later(STOP_S, "tpu.stop_done", node=name, op=op["name"])
+            self.w.changed()
+            return op
+
+    def _stop_done(self, node: str, op: str) -> None:
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            if rec is None or rec["node"]["state"] != "STOPPING":
+                return
+            rec["node"]["state"] = "STOPPED"
+            rec["node"].pop("health", None)
+            self.w.meter.end(node)
+            self._finish_op(op, response=self.view(rec))
+            self.w.changed()
+
+    def nodes_start(self, p: dict, q: dict, body: dict) -> dict:
+        parent = self._parent(p)
+        name = f"{parent}/nodes/{p['nodesId']}"
+        with self.w.lock:
+            rec = self._node(name)
+            state = rec["node"]["state"]
+            if state != "STOPPED":
+                raise ApiError("FAILED_PRECONDITION", f"Node {name} cannot be started in state {state}; it must be STOPPED.")
+            op = self._new_op(parent, name, "start")
+            rec["node"]["state"] = "STARTING"
+            self._meter(rec)
+            if not self.w.faults.take("stuck", "tpu", "nodes.start", rec["zone"]):
+                self.w.later(START_S, "tpu.start_done", node=name, op=op["name"])
+            self.w.changed()
+            return op
+
+    def _start_done(self, node: str, op: str) -> None:
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            if rec is None or rec["node"]["state"] != "STARTING":
+                return
+        self._boot_workers(node)
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            if rec is None or rec["node"]["state"] != "STARTING":
+                return
+            rec["node"]["state"] = "READY"
+            rec["node"]["health"] = "HEALTHY"
+            self._finish_op(op, response=self.view(rec))
+            self.w.changed()
+
+    def nodes_patch(self, p: dict, q: dict, body: dict) -> dict:
+        parent = self._parent(p)
+        name = f"{parent}/nodes/{p['nodesId']}"
+        mask = [re.sub(r"_([a-z])", lambda m: m.group(1).upper(), f.strip())
+                for f in (q.get("updateMask") or "").split(",") if f.strip()]
+        if not mask:
+            raise ApiError("INVALID_ARGUMENT", "updateMask is required.")
+        bad = [f for f in mask if f not in _UPDATABLE]
+        if bad:
+            raise ApiError("INVALID_ARGUMENT", f"updateMask field(s) {', '.join(bad)} cannot be updated; "
+                           f"updatable: {', '.join(sorted(_UPDATABLE))}.")
+        if "labels" in mask:
+            check_labels(body.get("labels"), "node.labels")
+        with self.w.lock:
+            rec = self._node(name)
+            state = rec["node"]["state"]
+            if state == "CREATING" and "labels" in mask:
+                raise ApiError("FAILED_PRECONDITION", f"Cannot update labels of node {name} while it is being created (state CREATING).")
+            if state == "DELETING":
+                raise ApiError("FAILED_PRECONDITION", f"Node {name} is being deleted.")
+            op = self._new_op(parent, name, "update")
+            changes = {f: copy.deepcopy(body.get(f)) for f in mask}
+            if not self.w.faults.take("stuck", "tpu", "nodes.patch", rec["zone"]):
+                self.w.later(UPDATE_S, "tpu.update_done", node=name, op=op["name"], changes=changes)
+            self.w.changed()
+            return op
+
+    def _update_done(self, node: str, op: str, changes: dict) -> None:
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            if rec is None:
+                self._finish_op(op, error=("NOT_FOUND", f"Node {node} no longer exists."))
+                return
+            for field, value in changes.items():
+                if value in (None, {}, []):
+                    rec["node"].pop(field, None)
+                else:
+                    rec["node"][field] = value
+            if "metadata" in changes and rec["endpoints"]:
+                self.w.workers.update_keys(rec["worker_key"], ssh_keys_of(rec["node"].get("metadata")))
+            self._finish_op(op, response=self.view(rec))
+            self.w.changed()
+
+    def nodes_get_guest_attributes(self, p: dict, q: dict, body: dict) -> dict:
+        name = f"{self._parent(p)}/nodes/{p['nodesId']}"
+        path = (body or {}).get("queryPath", "")
+        wanted = set((body or {}).get("workerIds") or [])
+        with self.w.lock:
+            rec = self._node(name)
+            out = []
+            for i, ep in enumerate(rec["endpoints"]):
+                if wanted and str(i) not in wanted:
+                    continue
+                items = []
+                key_type, _, key_data = ep["host_key"].partition(" ")
+                if path in ("", "hostkeys", "hostkeys/", f"hostkeys/{key_type}"):
+                    items.append({"namespace": "hostkeys", "key": key_type, "value": key_data.split(" ")[0]})
+                out.append({"queryPath": path, "queryValue": {"items": items}})
+        return {"guestAttributes": out}
+
+    def preempt(self, node: str, at: float | None = None) -> None:
+        """Preempt a spot/preemptible node now or at wall-clock time `at`. ValueError if it is neither."""
+        with self.w.lock:
+            rec = self._find(node)
+            if not rec["spot"]:
+                raise ValueError(f"node {rec['node']['name']} is not spot or preemptible: it cannot be preempted")
+            name = rec["node"]["name"]
+        if at is None or at <= time.time():
+            self._preempt(name)
+        else:
+            self.w.scheduler.at(at, "tpu.preempt", node=name)
+
+    def _find(self, node: str) -> dict:
+        if node in self.nodes:
+            return self.nodes[node]
+        hits = [r for n, r in self.nodes.items() if n.rsplit("/", 1)[-1] == node]
+        if len(hits) != 1:
+            raise ValueError(f"no node named {node!r}" if not hits else f"node name {node!r} is ambiguous: give the full name")
+        return hits[0]
+
+    def _preempt(self, node: str) -> None:
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            if rec is None or rec["node"]["state"] not in ("READY", "CREATING", "STARTING"):
+                return
+            if rec["node"]["state"] == "CREATING":
+                self._finish_op(rec["create_op"], error=("ABORTED", f"Node {node} was preempted during creation."))
+            rec["node"]["state"] = "PREEMPTED"
+            rec["node"].pop("health", None)
+            self._stop_workers(rec)
+            self.w.meter.end(node)
+            qr = self.queued.get(rec["node"].get("queuedResource", ""))
+            if qr and qr["qr"]["state"]["state"] == "ACTIVE":
+                self._qr_state(qr, "SUSPENDED")
+            self.w.changed()
+
+    def worker_key(self, node: str) -> str:
+        with self.w.lock:
+            return self._find(node)["worker_key"]
+
+    # ---------------------------------------------------------------------------------- operations
+    def operations_get(self, p: dict, q: dict, body: None) -> dict:
+        name = f"{self._parent(p)}/operations/{p['operationsId']}"
+        with self.w.lock:
+            op = self.ops.get(name)
+            if op is None:
+                raise ApiError("NOT_FOUND", f"Operation '{name}' was not found")
+            return copy.deepcopy(op)
+
+    def operations_list(self, p: dict, q: dict, body: None) -> dict:
+        prefix = f"{self._parent(p)}/operations/"
+        with self.w.lock:
+            ops = [copy.deepcopy(o) for n, o in self.ops.items() if n.startswith(prefix)]
+        page, token = paginate(ops, q.get("pageSize"), q.get("pageToken"))
+        return {"operations": page, **({"nextPageToken": token} if token else {})}
+
+    # ---------------------------------------------------------------------------------- catalog
+    def accelerator_types_list(self, p: dict, q: dict, body: None) -> dict:
+        parent = self._parent(p)
+        self._zone_ok(p["locationsId"], parent)
+        types = [self._accel_view(parent, t) for t in facts.TPU_TYPES.values() if p["locationsId"] in t.zones]
+        page, token = paginate(types, q.get("pageSize"), q.get("pageToken"))
+        return {"acceleratorTypes": page, **({"nextPageToken": token} if token else {})}
+
+    def accelerator_types_get(self, p: dict, q: dict, body: None) -> dict:
+        parent = self._parent(p)
+        t = facts.TPU_TYPES.get(p["acceleratorTypesId"])
+        if t is None or p["locationsId"] not in t.zones:
+            raise ApiError("NOT_FOUND", f"Resource '{parent}/acceleratorTypes/{p['acceleratorTypesId']}' was not found")
+        return self._accel_view(parent, t)
+
+    @staticmethod
+    def _accel_view(parent: str, t: facts.TpuType) -> dict:
+        return {"name": f"{parent}/acceleratorTypes/{t.name}", "type": t.name,
+                "acceleratorConfigs": [{"type": t.api_type, "topology": t.topology}]}
+
+    def _runtimes(self, zone: str) -> list[str]:
+        return sorted({r for gen, zones in facts.ZONES_BY_GENERATION.items() if zone in zones
+                       for r in facts.RUNTIMES_BY_GENERATION[gen]})
+
+    def runtime_versions_list(self, p: dict, q: dict, body: None) -> dict:
+        parent = self._parent(p)
+        self._zone_ok(p["locationsId"], parent)
+        rvs = [{"name": f"{parent}/runtimeVersions/{r}", "version": r} for r in self._runtimes(p["locationsId"])]
+        page, token = paginate(rvs, q.get("pageSize"), q.get("pageToken"))
+        return {"runtimeVersions": page, **({"nextPageToken": token} if token else {})}
+
+    def runtime_versions_get(self, p: dict, q: dict, body: None) -> dict:
+        parent = self._parent(p)
+        r = p["runtimeVersionsId"]
+        if r not in self._runtimes(p["locationsId"]):
+            raise ApiError("NOT_FOUND", f"Resource '{parent}/runtimeVersions/{r}' was not found")
+        return {"name": f"{parent}/runtimeVersions/{r}", "version": r}
+
+    def _location_view(self, project: str, zone: str) -> dict:
+        return {"name": f"projects/{project}/locations/{zone}", "locationId": zone, "displayName": zone}
+
+    def locations_list(self, p: dict, q: dict, body: None) -> dict:
+        items = [self._location_view(p["projectsId"], z) for z in facts.all_zones()]
+        page, token = paginate(items, q.get("pageSize"), q.get("pageToken"))
+        return {"locations": page, **({"nextPageToken": token} if token else {})}
+
+    def locations_get(self, p: dict, q: dict, body: None) -> dict:
+        if p["locationsId"] not in facts.all_zones():
+            raise ApiError("NOT_FOUND", f"Location projects/{p['projectsId']}/locations/{p['locationsId']} not found.")
+        return self._location_view(p["projectsId"], p["locationsId"])
+
+    def generate_service_identity(self, p: dict, q: dict, body: dict) -> dict:
+        number = facts.project_number(p["projectsId"])
+        return {"identity": {"email": f"service-{number}@cloud-tpu.iam.gserviceaccount.com"}}
+
+    # ---------------------------------------------------------------------------------- queued resources
+    def _qr_state(self, qr: dict, state: str, **data) -> None:
+        key = {"WAITING_FOR_RESOURCES": None}.get(state, _camel(state.lower()) + "Data")
+        qr["qr"]["state"] = {"state": state, "stateInitiator": "SERVICE", **({key: data} if key else {})}
+
+    def queued_create(self, p: dict, q: dict, body: dict) -> dict:
+        parent = self._parent(p)
+        zone = p["locationsId"]
+        self._zone_ok(zone, parent)
+        qr_id = q.get("queuedResourceId") or ""
+        if not _ID_RE.match(qr_id):
+            raise ApiError("INVALID_ARGUMENT", f"Invalid queuedResourceId {qr_id!r}.")
+        specs = ((body.get("tpu") or {}).get("nodeSpec")) or []
+        if not specs:
+            raise ApiError("INVALID_ARGUMENT", "tpu.nodeSpec must contain at least one node.")
+        for spec in specs:
+            if spec.get("parent") != parent:
+                raise ApiError("INVALID_ARGUMENT", f"nodeSpec.parent must be {parent!r}, got {spec.get('parent')!r}.")
+            if not _ID_RE.match(spec.get("nodeId") or ""):
+                raise ApiError("INVALID_ARGUMENT", "nodeSpec.nodeId is required (multisliceParams are not supported by localcloud).")
+            self.resolve_type(spec.get("node") or {}, zone)
+        policy = body.get("queueingPolicy") or {}
+        deadline = None
+        if policy.get("validUntilDuration"):
+            deadline = time.time() + self.w.latency(parse_duration(policy["validUntilDuration"]))
+        elif policy.get("validUntilTime"):
+            deadline = parse_time(policy["validUntilTime"])
+        name = f"{parent}/queuedResources/{qr_id}"
+        with self.w.lock:
+            if name in self.queued:
+                raise ApiError("ALREADY_EXISTS", f"Resource '{name}' already exists")
+            for spec in specs:
+                if f"{parent}/nodes/{spec['nodeId']}" in self.nodes:
+                    raise ApiError("ALREADY_EXISTS", f"Resource '{parent}/nodes/{spec['nodeId']}' already exists")
+            qr = copy.deepcopy(body)
+            qr.update(name=name, createTime=now_rfc3339())
+            rec = {"qr": qr, "project": p["projectsId"], "zone": zone, "deadline": deadline, "nodes": []}
+            self._qr_state(rec, "CREATING")
+            self.queued[name] = rec
+            op = self._new_op(parent, name, "create")
+            if not self.w.faults.take("stuck", "tpu", "queuedResources.create", zone):
+                self.w.later(QR_ACCEPT_S, "tpu.qr_accept", qr=name, op=op["name"])
+            self.w.changed()
+            return op
+
+    def _qr_accept(self, qr: str, op: str) -> None:
+        with self.w.lock:
+            rec = self.queued.get(qr)
+            if rec is None:
+                return
+            self._qr_state(rec, "ACCEPTED")
+            self._finish_op(op, response=copy.deepcopy(rec["qr"]), type_url=QR_TYPE)
+            self.w.later(QR_TICK_S, "tpu.qr_tick", qr=qr)
+            self.w.changed()
+
+    def _qr_tick(self, qr: str) -> None:
+        with self.w.lock:
+            rec = self.queued.get(qr)
+            if rec is None or rec["qr"]["state"]["state"] not in ("ACCEPTED", "WAITING_FOR_RESOURCES"):
+                return
+            if rec["deadline"] is not None and time.time() >= rec["deadline"]:
+                self._qr_state(rec, "FAILED", error={"code": CODE_OF["DEADLINE_EXCEEDED"], "message":
+                               "The queued resource could not be provisioned before its valid-until time."})
+            elif self.w.faults.take("capacity", "tpu", "queuedResources.create", rec["zone"]):
+                self._qr_state(rec, "WAITING_FOR_RESOURCES")
+                self.w.later(QR_TICK_S, "tpu.qr_tick", qr=qr)
+            else:
+                self._qr_state(rec, "PROVISIONING")
+                spot = "spot" in rec["qr"]
+                for spec in rec["qr"]["tpu"]["nodeSpec"]:
+                    body = copy.deepcopy(spec["node"])
+                    if spot:
+                        body.setdefault("schedulingConfig", {})["spot"] = True
+                    t = self.resolve_type(body, rec["zone"])
+                    node = self._new_node(spec["parent"], rec["project"], rec["zone"], spec["nodeId"], body, t, queued=qr)
+                    rec["nodes"].append(node["node"]["name"])
+                    if not self.w.faults.take("stuck", "tpu", "queuedResources.create", rec["zone"]):
+                        self.w.later(CREATE_S, "tpu.create_done", node=node["node"]["name"])
+            self.w.changed()
+
+    def queued_get(self, p: dict, q: dict, body: None) -> dict:
+        name = f"{self._parent(p)}/queuedResources/{p['queuedResourcesId']}"
+        with self.w.lock:
+            rec = self.queued.get(name)
+            if rec is None:
+                raise ApiError("NOT_FOUND", f"Resource '{name}' was not found")
+            return copy.deepcopy(rec["qr"])
+
+    def queued_list(self, p: dict, q: dict, body: None) -> dict:
+        parent = self._parent(p)
+        with self.w.lock:
+            prefix = f"projects/{p['projectsId']}/locations/" if p["locationsId"] == "-" else f"{parent}/queuedResources/"
+            items = [copy.deepcopy(r["qr"]) for n, r in sorted(self.queued.items()) if n.startswith(prefix)]
+        page, token = paginate(items, q.get("pageSize"), q.get("pageToken"))
+        return {"queuedResources": page, **({"nextPageToken": token} if token else {})}
+
+    def queued_delete(self, p: dict, q: dict, body: None) -> dict:
+        parent = self._parent(p)
+        name = f"{parent}/queuedResources/{p['queuedResourcesId']}"
+        force = str(q.get("force", "")).lower() == "true"
+        with self.w.lock:
+            rec = self.queued.get(name)
+            if rec is None:
+                raise ApiError("NOT_FOUND", f"Resource '{name}' was not found")
+            live = [n for n in rec["nodes"] if n in self.nodes]
+            if live and not force:
+                raise ApiError("FAILED_PRECONDITION", f"Queued resource {name} has nodes ({', '.join(n.rsplit('/', 1)[-1] for n in live)}); "
+                               "delete it with force=true to delete them too.")
+            op = self._new_op(parent, name, "delete")
+            for n in live:
+                if self.nodes[n]["node"]["state"] != "DELETING":
+                    self._begin_delete(self.nodes[n], "queuedResources.delete")
+            self._qr_state(rec, "DELETING")
+            if not self.w.faults.take("stuck", "tpu", "queuedResources.delete", rec["zone"]):
+                self.w.later(DELETE_S if live else QR_DELETE_S, "tpu.qr_delete_done", qr=name, op=op["name"])
+            self.w.changed()
+            return op
+
+    def _qr_delete_done(self, qr: str, op: str) -> None:
+        with self.w.lock:
+            if self.queued.pop(qr, None) is None:
+                return
+            self._finish_op(op, type_url=EMPTY_TYPE)
+            self.w.changed()
+
+    # ---------------------------------------------------------------------------------- inventory
+    def inventory(self) -> dict:
+        with self.w.lock:
+            nodes = []
+            for rec in self.nodes.values():
+                n = rec["node"]
+                nodes.append({"name": n["name"], "project": rec["project"], "zone": rec["zone"], "state": n["state"],
+                              "accelerator": rec["type"], "spot": rec["spot"], "labels": n.get("labels", {}),
+                              "queued_resource": n.get("queuedResource"),
+                              "workers": [dict(e, index=i) for i, e in enumerate(rec["endpoints"])]})
+            queued = [{"name": r["qr"]["name"], "zone": r["zone"], "state": r["qr"]["state"]["state"], "nodes": r["nodes"]}
+                      for r in self.queued.values()]
+            pending = sum(1 for o in self.ops.values() if not o["done"])
+        return {"nodes": nodes, "queued_resources": queued, "pending_operations": pending}
+
+
+def _camel(snake: str) -> str:
+    head, *rest = snake.split("_")
+    return head + "".join(x.title() for x in rest)

@@ -1,0 +1,113 @@
+"""Shared fixtures: one strict local cloud per test session, and the OFFICIAL Google clients pointed at it.
+
+    def test_something(clients):                # a fresh project id per test, so tests never collide
+        op = clients.tpu.create_node(parent=clients.parent("europe-west4-a"), node_id="n1", node=...)
+        node = op.result(polling=FAST_POLLING, timeout=30)
+
+`localcloud` is the session's `LocalCloud(speed=1000, strict=True)` (a TPU create takes ~0.2 s);
+`cloud` is the same object with its faults cleared after the test; `clients` carries every official
+client (REST, AnonymousCredentials, ClientOptions(api_endpoint=...); storage via STORAGE_EMULATOR_HOST,
+which the session fixture sets while the cloud lives). Build more with `official_clients(cloud, project)`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import pytest
+from google.api_core.client_options import ClientOptions
+from google.api_core.future import polling
+from google.auth.credentials import AnonymousCredentials
+
+from tpuctl.localcloud.cloud import LocalCloud
+
+# Operation futures poll every 10-50 ms instead of the library's 1-20 s.
+FAST_POLLING = polling.DEFAULT_POLLING.with_delay(initial=0.01, maximum=0.05).with_timeout(60)
+
+
+@dataclass(frozen=True)
+class OfficialClients:
+    """Google's own clients against a LocalCloud, plus the project they act in."""
+
+    project: str
+    tpu: object
+    instances: object
+    zone_operations: object
+    zones: object
+    machine_types: object
+    projects: object
+    billing: object
+    storage: object
+
+    def parent(self, zone: str) -> str:
+        return f"projects/{self.project}/locations/{zone}"
+
+    def wait_compute(self, zone: str, op, timeout: float = 30.0):
+        """Wait for a Compute zone operation with ZoneOperationsClient.wait (bounded); returns it DONE."""
+        from google.cloud import compute_v1
+
+        deadline = time.monotonic() + timeout
+        while True:
+            op = self.zone_operations.wait(project=self.project, zone=zone, operation=op.name)
+            if op.status == compute_v1.Operation.Status.DONE:
+                return op
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"operation {op.name} not done after {timeout} s")
+
+
+def official_clients(cloud: LocalCloud, project: str) -> OfficialClients:
+    from google.cloud import billing_v1, compute_v1, resourcemanager_v3, storage, tpu_v2
+
+    opts = ClientOptions(api_endpoint=cloud.endpoint)
+    cred = AnonymousCredentials()
+    kw = {"transport": "rest", "client_options": opts, "credentials": cred}
+    return OfficialClients(
+        project=project,
+        tpu=tpu_v2.TpuClient(**kw),
+        instances=compute_v1.InstancesClient(**kw),
+        zone_operations=compute_v1.ZoneOperationsClient(**kw),
+        zones=compute_v1.ZonesClient(**kw),
+        machine_types=compute_v1.MachineTypesClient(**kw),
+        projects=resourcemanager_v3.ProjectsClient(**kw),
+        billing=billing_v1.CloudCatalogClient(**kw),
+        storage=storage.Client(project=project, credentials=cred),
+    )
+
+
+def new_project() -> str:
+    return f"lc-test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def localcloud():
+    """The session's strict local cloud at speed 1000; STORAGE_EMULATOR_HOST points at it meanwhile."""
+    previous = os.environ.get("STORAGE_EMULATOR_HOST")
+    with LocalCloud(speed=1000, strict=True) as cloud:
+        os.environ["STORAGE_EMULATOR_HOST"] = cloud.storage_host
+        try:
+            yield cloud
+        finally:
+            if previous is None:
+                os.environ.pop("STORAGE_EMULATOR_HOST", None)
+            else:
+                os.environ["STORAGE_EMULATOR_HOST"] = previous
+
+
+@pytest.fixture
+def cloud(localcloud):
+    """The session cloud; faults injected by the test are cleared afterwards, and a scheduled transition
+    that crashed meanwhile (a localcloud bug) fails the test."""
+    yield localcloud
+    localcloud.faults.clear()
+    errors, localcloud.world.errors[:] = list(localcloud.world.errors), []
+    if errors:
+        pytest.fail("localcloud transitions failed: " + "; ".join(errors))
+
+
+@pytest.fixture
+def clients(cloud) -> OfficialClients:
+    """Official clients in a fresh project (resources of other tests are invisible to list calls)."""
+    return official_clients(cloud, new_project())
