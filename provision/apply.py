@@ -1,0 +1,363 @@
+"""Apply a Plan: independent steps in parallel threads, zone failover for the TPU, and guaranteed undo.
+
+Whatever this invocation creates is recorded *before* its create request goes out; on failure, cancel or
+Ctrl-C those names are deleted (NotFound counts as done) unless the caller keeps them. Adopted resources
+(made by an earlier `up`) are never rolled back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from tpuctl.errors import CapacityError, CloudError, Interrupted, TpuctlError
+from tpuctl.provision import bucket, tpu, vm
+from tpuctl.provision.clients import Clients
+from tpuctl.provision.plan import Plan
+from tpuctl.provision.resources import Kind, Resource, State
+from tpuctl.provision.waits import DEFAULT_DEADLINE_S, Cancelled
+
+# key, state, detail: the shape of console.ProgressBoard.update.
+ProgressFn = Callable[[str, str, str], None]
+
+
+@dataclass(frozen=True)
+class Undo:
+    """Enough to delete one thing this invocation created."""
+
+    kind: Kind
+    name: str
+    location: str
+    service_account: str | None = None  # IAM: the member to revoke
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind.value}/{self.location}/{self.name}"
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    run: str
+    zone: str  # where the TPU landed
+    service_account: str
+    resources: tuple[Resource, ...]
+    created: tuple[str, ...]  # keys of what this invocation created
+    adopted: tuple[str, ...]  # keys of what already existed
+
+    def get(self, kind: Kind) -> Resource | None:
+        return next((r for r in self.resources if r.kind is kind), None)
+
+
+class _Created:
+    """Thread-safe record of creates issued by this invocation, in issue order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[Undo] = []
+
+    def add(self, undo: Undo) -> None:
+        with self._lock:
+            if undo not in self._items:
+                self._items.append(undo)
+
+    def discard(self, undo: Undo) -> None:
+        with self._lock:
+            if undo in self._items:
+                self._items.remove(undo)
+
+    def items(self) -> list[Undo]:
+        with self._lock:
+            return list(self._items)
+
+
+def _wait_all(futures: list[Future], cancel: threading.Event) -> None:
+    """Wait for every future, waking often so Ctrl-C reaches the main thread; the first error cancels the rest."""
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            cancel.set()
+            wait(pending)
+            break
+    errors = [f.exception() for f in futures if f.done() and f.exception() is not None]
+    real = [e for e in errors if not isinstance(e, Cancelled)]
+    if real or errors:
+        raise (real or errors)[0]
+
+
+def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, keep_on_failure: bool = False,
+          deadline_s: float = DEFAULT_DEADLINE_S, cancel: threading.Event | None = None,
+          on_rollback: Callable[[list[str]], None] | None = None) -> ApplyResult:
+    """Create everything in `plan` that does not exist yet; block until all of it is READY.
+
+    Idempotent: existing resources with the run's label are adopted. Steps run concurrently (the bucket and
+    its IAM binding alongside the TPU and VMs). On any failure, on `cancel`, or on KeyboardInterrupt, what this
+    call created is deleted (unless `keep_on_failure`) and the error is re-raised with the list of what was
+    removed; `on_rollback(keys)` is told first. A second KeyboardInterrupt during that cleanup stops it and
+    raises Interrupted whose hint is the `tpuctl down RUN` command that finishes the job.
+    """
+    cancel = cancel or threading.Event()
+    created = _Created()
+    say = progress or (lambda key, state, detail: None)
+    n_threads = 4 + len(plan.vms)
+    pool = ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix=f"up-{plan.run}")
+    try:
+        try:
+            result = _run(clients, plan, pool, created, say, cancel, deadline_s)
+            pool.shutdown(wait=True)
+            return result
+        except (TpuctlError, KeyboardInterrupt) as exc:
+            cancel.set()
+            _drain(pool, plan)
+            if keep_on_failure:
+                raise _annotate(exc, f"kept what was created ({_names(created.items()) or 'nothing'}); "
+                                     f"remove it with `tpuctl down {plan.run}`")
+            undo = created.items()
+            if on_rollback is not None:
+                on_rollback([u.key for u in undo])
+            rollback(clients, undo, say, plan)
+            raise _annotate(exc, f"removed what this run created: {_names(undo) or 'nothing'}") from exc
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _drain(pool: ThreadPoolExecutor, plan: Plan) -> None:
+    """Let in-flight create calls return before deleting, so a delete cannot overtake its create."""
+    try:
+        pool.shutdown(wait=True, cancel_futures=True)
+    except KeyboardInterrupt:
+        raise _second_interrupt(plan) from None
+
+
+def _second_interrupt(plan: Plan) -> Interrupted:
+    return Interrupted(f"interrupted again: cleanup of run {plan.run} was stopped",
+                       hint=f"finish it with `tpuctl down {plan.run} --yes`")
+
+
+def _annotate(exc: BaseException, suffix: str) -> TpuctlError:
+    if isinstance(exc, KeyboardInterrupt):
+        return Interrupted(f"interrupted; {suffix}")
+    if isinstance(exc, Cancelled):
+        return Interrupted(f"{exc.message}; {suffix}")
+    assert isinstance(exc, TpuctlError)
+    return type(exc)(f"{exc.message}; {suffix}", hint=exc.hint, field=exc.field)
+
+
+def _names(undo: list[Undo]) -> str:
+    return ", ".join(u.key for u in undo)
+
+
+def _run(clients: Clients, plan: Plan, pool: ThreadPoolExecutor, created: _Created, say: ProgressFn,
+         cancel: threading.Event, deadline_s: float) -> ApplyResult:
+    # Read-only preflight, in parallel: refuse a cross-region bucket before anything is created.
+    sa_f = pool.submit(_service_account, clients, plan)
+    existing_f = pool.submit(bucket.lookup, clients, plan.bucket)
+    _wait_all([sa_f, existing_f], cancel)
+    existing = existing_f.result()
+    if existing is not None:
+        bucket.check_region(existing, plan.region, allow_cross_region=plan.allow_cross_region)
+    sa = sa_f.result()
+    adopted: list[str] = []
+
+    def bucket_step() -> Resource:
+        undo = Undo(Kind.BUCKET, plan.bucket, plan.region)
+        r = bucket.ensure(clients, plan.bucket, plan.region, plan.labels, allow_cross_region=plan.allow_cross_region,
+                          cancel=cancel, progress=lambda s, d: say(undo.key, s.value, d),
+                          on_issued=lambda: created.add(undo))
+        say(undo.key, State.READY.value, "adopted" if existing is not None else "created")
+        if existing is not None:
+            adopted.append(undo.key)
+        return r
+
+    bucket_f = pool.submit(bucket_step)
+
+    def iam_step() -> Resource:
+        bucket_f.result()
+        undo = Undo(Kind.IAM, plan.bucket, plan.region, service_account=sa)
+        say(undo.key, State.CREATING.value, bucket.ROLE)
+        r = bucket.grant(clients, plan.bucket, sa, run=plan.run, region=plan.region, cancel=cancel,
+                         on_issued=lambda: created.add(undo))
+        say(undo.key, State.READY.value, f"{bucket.ROLE} for {sa}")
+        return r
+
+    futures = [bucket_f, pool.submit(iam_step), pool.submit(_tpu_step, clients, plan, sa, created, adopted, say,
+                                                             cancel, deadline_s)]
+    for spec in plan.vms:
+        futures.append(pool.submit(_vm_step, clients, plan, spec, sa, created, adopted, say, cancel, deadline_s))
+    _wait_all(futures, cancel)
+    resources = tuple(f.result() for f in futures)
+    tpu_r = next(r for r in resources if r.kind is Kind.TPU)
+    return ApplyResult(run=plan.run, zone=tpu_r.location, service_account=sa, resources=resources,
+                       created=tuple(u.key for u in created.items()), adopted=tuple(adopted))
+
+
+def _service_account(clients: Clients, plan: Plan) -> str:
+    return bucket.default_service_account(clients) if plan.service_account == "default" else plan.service_account
+
+
+def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted: list[str], say: ProgressFn,
+              cancel: threading.Event, deadline_s: float) -> Resource:
+    """Create the node (or queued resource) in the first zone with capacity; adopt one from an earlier `up`."""
+    base = tpu.NodeRequest(
+        name=plan.run, zone=plan.zones[0], accelerator=plan.accelerator.name, runtime_version=plan.runtime_version,
+        labels=plan.labels, service_account=sa, spot=plan.provisioning == "spot",
+        preemptible=plan.provisioning == "preemptible", queued=plan.provisioning == "queued",
+        valid_until_s=plan.valid_until_s, network=plan.network, subnet=plan.subnet, tags=plan.tags)
+    kind = Kind.QUEUED if base.queued else Kind.TPU
+    zones = list(plan.zones)
+    # A node left by an earlier `up` may sit in a failover zone: adopt it there rather than create a twin.
+    for z in zones:
+        found = tpu.get_queued(clients, z, plan.run) if base.queued else tpu.get_node(clients, z, plan.run)
+        if found is not None:
+            zones.remove(z)
+            zones.insert(0, z)
+            adopted.append(Undo(kind, plan.run, z).key)
+            break
+    failures: list[str] = []
+    for zone in zones:
+        req = base.in_zone(zone)
+        undo = Undo(kind, plan.run, zone)
+        key = undo.key
+
+        def progress(state: State, detail: str, key: str = key) -> None:
+            say(key, state.value, detail)
+
+        create = tpu.create_queued if base.queued else tpu.create_node
+        try:
+            r = create(clients, req, deadline_s=deadline_s, cancel=cancel, progress=progress,
+                       on_issued=lambda u=undo: created.add(u))
+        except CapacityError as exc:
+            failures.append(f"{zone}: {exc.message}")
+            say(key, State.FAILED.value, "no capacity" + (", trying the next zone" if zone != zones[-1] else ""))
+            if undo in created.items():
+                _delete(clients, undo, cancel=cancel)
+                created.discard(undo)
+            continue
+        say(key, State.READY.value, f"{len(r.workers)} worker(s)")
+        return r
+    raise CapacityError(f"no capacity for {plan.accelerator.name} in {', '.join(zones)}: " + "; ".join(failures))
+
+
+def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, adopted: list[str], say: ProgressFn,
+             cancel: threading.Event, deadline_s: float) -> Resource:
+    """Create (or adopt) one VM in the first zone with capacity (ZONE_RESOURCE_POOL_EXHAUSTED fails over)."""
+    name = plan.vm_name(spec)
+    zones = list(plan.zones)
+    for z in zones:
+        if vm.get(clients, z, name) is not None:
+            zones.remove(z)
+            zones.insert(0, z)
+            break
+    failures: list[str] = []
+    for zone in zones:
+        undo = Undo(Kind.VM, name, zone)
+        req = vm.VmRequest(name=name, zone=zone, machine_type=spec.machine_type, disk_gb=spec.disk_gb,
+                           image=spec.image, labels=plan.labels, service_account=sa, network=plan.network,
+                           subnet=plan.subnet, tags=plan.tags)
+        issued = threading.Event()
+
+        def on_issued(undo: Undo = undo, issued: threading.Event = issued) -> None:
+            issued.set()
+            created.add(undo)
+
+        try:
+            r = vm.create(clients, req, deadline_s=deadline_s, cancel=cancel,
+                          progress=lambda s, d, k=undo.key: say(k, s.value, d), on_issued=on_issued)
+        except CapacityError as exc:
+            failures.append(f"{zone}: {exc.message}")
+            say(undo.key, State.FAILED.value, "no capacity" + (", trying the next zone" if zone != zones[-1] else ""))
+            if issued.is_set():
+                _delete(clients, undo, cancel=cancel)
+                created.discard(undo)
+            continue
+        if not issued.is_set():
+            adopted.append(undo.key)
+        say(undo.key, State.READY.value, spec.machine_type)
+        return r
+    raise CapacityError(f"no capacity for VM {name} ({spec.machine_type}) in {', '.join(zones)}: "
+                        + "; ".join(failures))
+
+
+def _delete(clients: Clients, undo: Undo, *, cancel: threading.Event | None = None,
+            progress: Callable[[State, str], None] | None = None) -> None:
+    if undo.kind is Kind.TPU:
+        tpu.delete_node(clients, undo.location, undo.name, cancel=cancel, progress=progress)
+    elif undo.kind is Kind.QUEUED:
+        tpu.delete_queued(clients, undo.location, undo.name, cancel=cancel, progress=progress)
+    elif undo.kind is Kind.VM:
+        vm.delete(clients, undo.location, undo.name, cancel=cancel, progress=progress)
+    elif undo.kind is Kind.BUCKET:
+        bucket.delete(clients, undo.name, cancel=cancel, progress=progress)
+    elif undo.kind is Kind.IAM:
+        bucket.revoke(clients, undo.name, undo.service_account or "", cancel=cancel)
+
+
+def rollback(clients: Clients, undo: list[Undo], say: ProgressFn, plan: Plan) -> None:
+    """Delete `undo` in parallel (an IAM binding only when its bucket stays). Blocks; a second Ctrl-C stops it."""
+    buckets = {u.name for u in undo if u.kind is Kind.BUCKET}
+    todo = [u for u in undo if not (u.kind is Kind.IAM and u.name in buckets)]
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=max(1, len(todo)), thread_name_prefix=f"undo-{plan.run}")
+    try:
+        futures = [pool.submit(_delete, clients, u, cancel=stop,
+                               progress=lambda s, d, k=u.key: say(k, s.value, d)) for u in todo]
+        for u, f in zip(todo, futures):
+            f.add_done_callback(lambda f, k=u.key: say(k, State.DELETED.value if f.exception() is None
+                                                       else State.FAILED.value, "rolled back"))
+        try:
+            _wait_all(futures, threading.Event())
+        except KeyboardInterrupt:
+            stop.set()
+            raise _second_interrupt(plan) from None
+        except TpuctlError as exc:
+            raise type(exc)(f"cleanup of run {plan.run} failed: {exc.message}",
+                            hint=f"finish it with `tpuctl down {plan.run} --yes`") from exc
+    finally:
+        pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class DownResult:
+    run: str
+    deleted: tuple[Resource, ...]
+    kept: tuple[Resource, ...]  # the bucket, unless delete_bucket
+
+
+def down(clients: Clients, run: str, found: list[Resource], *, delete_bucket: bool = False,
+         progress: ProgressFn | None = None, deadline_s: float = 1800.0) -> DownResult:
+    """Delete `found` (the run's resources) in parallel, then verify by listing that none remain."""
+    from tpuctl.provision import inventory
+
+    say = progress or (lambda key, state, detail: None)
+    queued_nodes = {(r.location, r.name) for r in found if r.kind is Kind.QUEUED}
+    keep = [r for r in found if r.kind in (Kind.BUCKET, Kind.IAM) and not delete_bucket]
+    todo = [Undo(r.kind, r.name, r.location) for r in found
+            if r not in keep and r.kind is not Kind.IAM
+            # A queued resource's force delete takes its node with it.
+            and not (r.kind is Kind.TPU and (r.location, r.name) in queued_nodes)]
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=max(1, len(todo)), thread_name_prefix=f"down-{run}")
+    try:
+        futures = [pool.submit(_delete, clients, u, cancel=stop, progress=lambda s, d, k=u.key: say(k, s.value, d))
+                   for u in todo]
+        for u, f in zip(todo, futures):
+            f.add_done_callback(lambda f, k=u.key: say(k, State.DELETED.value if f.exception() is None
+                                                       else State.FAILED.value, ""))
+        try:
+            _wait_all(futures, threading.Event())
+        except KeyboardInterrupt:
+            stop.set()
+            raise Interrupted(f"interrupted: run {run} is partly deleted",
+                              hint=f"run `tpuctl down {run} --yes` again to finish") from None
+    finally:
+        pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
+    left = [r for r in inventory.resources(clients, run)
+            if not (r.kind is Kind.BUCKET and not delete_bucket)]
+    if left:
+        raise CloudError(f"run {run}: still present after delete: " + ", ".join(r.key for r in left),
+                         hint=f"run `tpuctl down {run} --yes` again")
+    deleted = tuple(r for r in found if r not in keep)
+    return DownResult(run=run, deleted=deleted, kept=tuple(keep))
+

@@ -1,0 +1,96 @@
+"""Labels (the source of truth for what belongs to a run) and GCP naming rules.
+
+Every resource tpuctl creates carries `tpuctl-run`, `tpuctl-owner`, `tpuctl-created` and `tpuctl-expires`
+(unix seconds). Label values follow GCP rules: lowercase letters, digits, `-` and `_`, at most 63 chars.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import re
+import time
+from collections.abc import Mapping
+
+from tpuctl.errors import BadInput
+
+RUN = "tpuctl-run"
+OWNER = "tpuctl-owner"
+CREATED = "tpuctl-created"
+EXPIRES = "tpuctl-expires"
+OURS = (RUN, OWNER, CREATED, EXPIRES)
+
+_LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
+# TPU node ids, Compute instance names, queued resource ids: RFC 1035 labels.
+_RESOURCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+
+
+def label_value(text: str) -> str:
+    """Any text as a valid label value: lowercased, other characters -> `-`, cut to 63."""
+    return re.sub(r"[^a-z0-9_-]", "-", str(text).lower())[:63]
+
+
+def owner() -> str:
+    try:
+        return label_value(getpass.getuser()) or "unknown"
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def run_labels(run: str, *, owner_name: str, ttl_s: float | None, extra: Mapping[str, str] | None = None,
+               now: float | None = None) -> dict[str, str]:
+    now = time.time() if now is None else now
+    labels = dict(extra or {})
+    labels.update({RUN: run, OWNER: owner_name, CREATED: str(int(now))})
+    if ttl_s is not None:
+        labels[EXPIRES] = str(int(now + ttl_s))
+    return labels
+
+
+def check_labels(labels: Mapping[str, str], *, field: str = "labels") -> None:
+    for k, v in labels.items():
+        if not _LABEL_KEY.match(k):
+            raise BadInput(f"label key {k!r} is invalid", field=field,
+                           hint="keys: lowercase letter first, then lowercase letters, digits, - or _, at most 63")
+        if not _LABEL_VALUE.match(str(v)):
+            raise BadInput(f"label {k}={v!r} has an invalid value", field=field,
+                           hint="values: lowercase letters, digits, - or _, at most 63 characters")
+    if len(labels) > 64:
+        raise BadInput(f"{len(labels)} labels; GCP allows 64", field=field)
+
+
+def check_name(name: str, *, field: str, max_len: int = 63) -> None:
+    """RFC 1035: what TPU node ids and Compute instance names must be."""
+    if len(name) > max_len or not _RESOURCE_NAME.match(name):
+        raise BadInput(f"{name!r} is not a valid resource name", field=field,
+                       hint=f"use lowercase letters, digits and -, starting with a letter, at most {max_len} "
+                            f"characters, e.g. {suggest_name(name, max_len)!r}")
+
+
+def suggest_name(text: str, max_len: int = 63) -> str:
+    s = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    if not s or not s[0].isalpha():
+        s = "run-" + s
+    return s[:max_len].rstrip("-") or "run"
+
+
+def check_bucket_name(name: str, *, field: str = "bucket") -> None:
+    if not _BUCKET.match(name) or ".." in name or name.startswith("goog") or "google" in name:
+        raise BadInput(f"{name!r} is not a valid bucket name", field=field,
+                       hint="3-63 lowercase letters, digits, -, _ or ., starting and ending with a letter or digit, "
+                            "not starting with 'goog' nor containing 'google'")
+
+
+def auto_bucket(project: str, run: str) -> str:
+    """A globally unique, stable bucket name for a run: the same project and run always give the same name."""
+    digest = hashlib.sha256(f"{project}/{run}".encode()).hexdigest()[:8]
+    return f"tpuctl-{run[:46].rstrip('-')}-{digest}"
+
+
+def matches(labels: Mapping[str, str] | None, run: str | None = None) -> bool:
+    """True when `labels` mark a tpuctl resource (of `run`, when given)."""
+    if not labels or RUN not in labels:
+        return False
+    return run is None or labels[RUN] == run

@@ -1,0 +1,161 @@
+"""From a RunSpec to a Plan: validated, named, labelled, priced, with the step DAG. No API calls here.
+
+Everything a user can get wrong is caught here, before anything is created: the type exists, every zone
+offers it, the runtime fits the generation, names follow GCP rules, zones share the bucket's region.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpuctl import catalog as catalog_mod
+from tpuctl.catalog import AcceleratorType, Catalog, region_of
+from tpuctl.errors import BadInput
+from tpuctl.provision import labels as L
+from tpuctl.provision.resources import Kind
+from tpuctl.spec import RunSpec, VmSpec, format_duration
+
+_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of the DAG: create `name` (of `kind`) after the steps named in `after`."""
+
+    key: str  # "bucket", "bucket-iam", "tpu", "vm:NAME"
+    kind: Kind
+    name: str
+    location: str  # zone (first choice) or region
+    after: tuple[str, ...] = ()
+    price_per_hour: float = 0.0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    run: str
+    project: str
+    zones: tuple[str, ...]  # failover order, same region first
+    region: str
+    accelerator: AcceleratorType
+    runtime_version: str
+    provisioning: str
+    valid_until_s: float | None
+    bucket: str
+    service_account: str  # "default" (resolved at apply) or an email
+    network: str
+    subnet: str | None
+    tags: tuple[str, ...]
+    labels: Mapping[str, str]  # the run labels every resource gets
+    ttl_s: float
+    allow_cross_region: bool
+    vms: tuple[VmSpec, ...]
+    steps: tuple[Step, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def spot(self) -> bool:
+        return self.provisioning in ("spot", "preemptible")
+
+    @property
+    def price_per_hour(self) -> float:
+        return sum(s.price_per_hour for s in self.steps)
+
+    def vm_name(self, vm: VmSpec) -> str:
+        return f"{self.run}-{vm.name}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run, "project": self.project, "zones": list(self.zones), "region": self.region,
+            "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts,
+            "runtime_version": self.runtime_version, "provisioning": self.provisioning,
+            "bucket": f"gs://{self.bucket}", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
+            "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
+            "steps": [{"key": s.key, "kind": s.kind.value, "name": s.name, "location": s.location,
+                       "after": list(s.after), "price_per_hour": round(s.price_per_hour, 4), "detail": s.detail}
+                      for s in self.steps],
+        }
+
+
+def default_run_name(spec: RunSpec, owner: str) -> str:
+    """Deterministic, so re-running `up` with the same inputs adopts instead of duplicating."""
+    return L.suggest_name(f"{owner}-{spec.accelerator or 'tpu'}")
+
+
+def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
+         now: float | None = None, price_fn=None) -> Plan:
+    """Validate `spec` and lay out the plan. Pure; raises BadInput naming the field.
+
+    `price_fn(accelerator, region, spot) -> $/h` prices the TPU (the cost module's, when present); VMs are
+    priced from the catalog.
+    """
+    catalog = catalog or catalog_mod.load()
+    owner = owner or L.owner()
+    if not spec.accelerator:
+        raise BadInput("no accelerator type given", field="accelerator",
+                       hint="pass --accelerator (e.g. v3-8) or set accelerator: in the spec; see `tpuctl catalog list`")
+    t = catalog.accelerator(spec.accelerator)
+    if not spec.zones:
+        raise BadInput(f"no zone given for {t.name}", field="zone",
+                       hint=f"pass --zone; zones offering {t.name}: {', '.join(t.zones)}")
+    zones = _order_zones(spec.zones)
+    region = region_of(zones[0])
+    if not spec.allow_cross_region:
+        other = [z for z in zones if region_of(z) != region]
+        if other:
+            raise BadInput(f"zones {', '.join(other)} are outside {region}, where the bucket will be",
+                           field="zone", hint="list zones of one region, or pass --allow-cross-region")
+    notes: list[str] = []
+    if len(zones) > 1 and region_of(zones[-1]) != region:
+        notes.append(f"failover outside {region} leaves the bucket in {region}: cross-region reads cost per GB")
+    runtime = spec.runtime_version
+    runtime = runtime or t.default_runtime
+    for z in zones:
+        catalog.check(t.name, z, runtime)
+    run = spec.name or default_run_name(spec, owner)
+    L.check_name(run, field="name", max_len=40)
+    bucket = L.auto_bucket(project, run) if spec.bucket == "auto" else spec.bucket.removeprefix("gs://").rstrip("/")
+    L.check_bucket_name(bucket)
+    if spec.service_account != "default" and not _EMAIL.match(spec.service_account):
+        raise BadInput(f"{spec.service_account!r} is not a service account email", field="service_account",
+                       hint="use default (the project's compute service account) or NAME@PROJECT.iam.gserviceaccount.com")
+    L.check_labels(spec.labels)
+    reserved = set(spec.labels) & set(L.OURS)
+    if reserved:
+        raise BadInput(f"labels {', '.join(sorted(reserved))} are set by tpuctl", field="labels")
+    labels = L.run_labels(run, owner_name=owner, ttl_s=spec.ttl_s, extra=spec.labels, now=now)
+    for vm in spec.vms:
+        L.check_name(f"{run}-{vm.name}", field=f"vms.{vm.name}")
+        catalog.vm_price_per_hour(vm.machine_type, region)
+    for tag in spec.tags:
+        L.check_name(tag, field="tags")
+
+    spot = spec.provisioning in ("spot", "preemptible")
+    tpu_price = (price_fn or catalog.tpu_price_per_hour)(t.name, region, spot)
+    tpu_kind = Kind.QUEUED if spec.queued else Kind.TPU
+    sa_text = "the project's default compute SA" if spec.service_account == "default" else spec.service_account
+    steps = [
+        Step("bucket", Kind.BUCKET, bucket, region, detail="uniform access, public access prevention"),
+        Step("bucket-iam", Kind.IAM, bucket, region, after=("bucket",), detail=f"objectAdmin for {sa_text}"),
+        Step("tpu", tpu_kind, run, zones[0], price_per_hour=tpu_price,
+             detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}), {runtime}, {spec.provisioning}"
+                    + (f", failover {', '.join(zones[1:])}" if len(zones) > 1 else "")),
+        *(Step(f"vm:{vm.name}", Kind.VM, f"{run}-{vm.name}", zones[0],
+               price_per_hour=catalog.vm_price_per_hour(vm.machine_type, region),
+               detail=f"{vm.machine_type}, {vm.disk_gb} GB") for vm in spec.vms),
+    ]
+    return Plan(run=run, project=project, zones=zones, region=region, accelerator=t, runtime_version=runtime,
+                provisioning=spec.provisioning, valid_until_s=spec.valid_until_s, bucket=bucket,
+                service_account=spec.service_account, network=spec.network, subnet=spec.subnet,
+                tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
+                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes))
+
+
+def _order_zones(zones: tuple[str, ...]) -> tuple[str, ...]:
+    """Same region as the first zone first (the bucket follows the first zone), then the rest in order."""
+    region = region_of(zones[0])
+    return tuple(sorted(zones, key=lambda z: region_of(z) != region))
+

@@ -1,0 +1,345 @@
+"""TPU VM nodes and queued resources through `tpu_v2` (REST). Protos stay in here; callers get `Resource`s.
+
+Creates are idempotent (a node or queued resource with our run label is adopted), deletes treat NotFound as
+done, and every wait goes through `waits.until` (deadline, backoff, progress) instead of the 900 s poller.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from google.api_core import exceptions as gexc
+from google.cloud import tpu_v2
+from google.protobuf import duration_pb2, field_mask_pb2
+
+from tpuctl.errors import BadInput, CapacityError, TpuctlError, from_google
+from tpuctl.provision import labels as L
+from tpuctl.provision import states, waits
+from tpuctl.provision.clients import Clients
+from tpuctl.provision.resources import Kind, Resource, State, Worker
+
+Progress = Callable[[State, str], None]
+SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+
+
+@dataclass(frozen=True)
+class NodeRequest:
+    """What to create: everything `create_node` sends, in our terms."""
+
+    name: str
+    zone: str
+    accelerator: str
+    runtime_version: str
+    labels: Mapping[str, str]
+    service_account: str  # resolved email; code on the TPU VM runs as it
+    spot: bool = False
+    preemptible: bool = False
+    queued: bool = False
+    valid_until_s: float | None = None
+    network: str = "default"
+    subnet: str | None = None
+    tags: tuple[str, ...] = ()
+    metadata: Mapping[str, str] | None = None
+
+    def in_zone(self, zone: str) -> NodeRequest:
+        return NodeRequest(**{**self.__dict__, "zone": zone})
+
+
+def parent(project: str, zone: str) -> str:
+    return f"projects/{project}/locations/{zone}"
+
+
+def node_path(project: str, zone: str, name: str) -> str:
+    return f"{parent(project, zone)}/nodes/{name}"
+
+
+def queued_path(project: str, zone: str, name: str) -> str:
+    return f"{parent(project, zone)}/queuedResources/{name}"
+
+
+def _node_proto(req: NodeRequest) -> tpu_v2.Node:
+    network = tpu_v2.NetworkConfig(network=req.network, enable_external_ips=True)
+    if req.subnet:
+        network.subnetwork = req.subnet
+    return tpu_v2.Node(
+        accelerator_type=req.accelerator, runtime_version=req.runtime_version, labels=dict(req.labels),
+        scheduling_config=tpu_v2.SchedulingConfig(spot=req.spot, preemptible=req.preemptible),
+        network_config=network, tags=list(req.tags), metadata=dict(req.metadata or {}),
+        service_account=tpu_v2.ServiceAccount(email=req.service_account, scope=list(SCOPES)))
+
+
+# -- reading ----------------------------------------------------------------------------------------------------
+
+
+def _created(ts) -> datetime | None:
+    return ts if isinstance(ts, datetime) and ts.timestamp() > 0 else None
+
+
+def to_resource(node: tpu_v2.Node, *, local: bool) -> Resource:
+    _, project, _, zone, _, name = node.name.split("/")
+    workers = tuple(
+        # On GCP `port` is the TPU runtime's (8470); SSH is 22. The local cloud puts each worker's SSH port there.
+        Worker(index=i, ip=(ep.access_config.external_ip or ep.ip_address) if not local else ep.ip_address,
+               port=ep.port if local else 22)
+        for i, ep in enumerate(node.network_endpoints))
+    sched = node.scheduling_config
+    return Resource(kind=Kind.TPU, name=name, project=project, location=zone, state=states.node_state(node.state),
+                    labels=dict(node.labels), created=_created(node.create_time), run=node.labels.get(L.RUN),
+                    accelerator=node.accelerator_type, spot=bool(sched.spot or sched.preemptible), workers=workers,
+                    detail={"runtime_version": node.runtime_version, "service_account": node.service_account.email,
+                            **({"queued_resource": node.queued_resource} if node.queued_resource else {})})
+
+
+def queued_to_resource(qr: tpu_v2.QueuedResource) -> Resource:
+    _, project, _, zone, _, name = qr.name.split("/")
+    spec = qr.tpu.node_spec[0].node if qr.tpu.node_spec else tpu_v2.Node()
+    return Resource(kind=Kind.QUEUED, name=name, project=project, location=zone,
+                    state=states.queued_state(qr.state.state), labels=dict(spec.labels),
+                    created=_created(qr.create_time), run=spec.labels.get(L.RUN), accelerator=spec.accelerator_type,
+                    spot=bool(qr.spot), detail={"runtime_version": spec.runtime_version})
+
+
+def get_node(clients: Clients, zone: str, name: str) -> tpu_v2.Node | None:
+    """The node, or None when it does not exist. Retries 429/503."""
+    try:
+        return waits.call(lambda: clients.tpu.get_node(name=node_path(clients.project, zone, name)),
+                          what=f"get TPU node {name} in {zone}")
+    except TpuctlError as exc:
+        if isinstance(exc.__cause__, gexc.NotFound):
+            return None
+        raise
+
+
+def get_queued(clients: Clients, zone: str, name: str) -> tpu_v2.QueuedResource | None:
+    try:
+        return waits.call(lambda: clients.tpu.get_queued_resource(name=queued_path(clients.project, zone, name)),
+                          what=f"get queued resource {name} in {zone}")
+    except TpuctlError as exc:
+        if isinstance(exc.__cause__, gexc.NotFound):
+            return None
+        raise
+
+
+def list_nodes(clients: Clients, zones: Iterable[str] | None = None) -> list[tpu_v2.Node]:
+    """Nodes in `zones`, or in every location (`locations/-`) when None."""
+    out: list[tpu_v2.Node] = []
+    for zone in (zones if zones is not None else ("-",)):
+        out.extend(waits.call(lambda z=zone: list(clients.tpu.list_nodes(parent=parent(clients.project, z))),
+                              what=f"list TPU nodes in {zone}"))
+    return out
+
+
+def list_queued(clients: Clients, zones: Iterable[str] | None = None) -> list[tpu_v2.QueuedResource]:
+    out: list[tpu_v2.QueuedResource] = []
+    for zone in (zones if zones is not None else ("-",)):
+        out.extend(waits.call(
+            lambda z=zone: list(clients.tpu.list_queued_resources(parent=parent(clients.project, z))),
+            what=f"list queued resources in {zone}"))
+    return out
+
+
+def host_keys(clients: Clients, zone: str, name: str) -> list[str | None]:
+    """Each worker's SSH host key (`TYPE BASE64`) from guest attributes; None where not yet published."""
+    resp = waits.call(lambda: clients.tpu.get_guest_attributes(
+        request={"name": node_path(clients.project, zone, name), "query_path": "hostkeys/"}),
+        what=f"read host keys of {name}")
+    keys: list[str | None] = []
+    for attrs in resp.guest_attributes:
+        items = [e for e in attrs.query_value.items if e.namespace == "hostkeys"]
+        preferred = sorted(items, key=lambda e: (e.key != "ssh-ed25519", e.key))
+        keys.append(f"{preferred[0].key} {preferred[0].value}" if preferred else None)
+    return keys
+
+
+# -- operations -------------------------------------------------------------------------------------------------
+
+
+def wait_operation(op, *, what: str, deadline_s: float, cancel: threading.Event | None,
+                   progress: Progress | None, state: State) -> None:
+    """Poll a TPU long-running operation to completion; raise its error mapped by type (code 8 -> capacity)."""
+
+    def poll() -> tuple[bool, None]:
+        done = waits.call(lambda: op.done(retry=None), what=what, cancel=cancel)
+        return done, None
+
+    waits.until(poll, what=what, deadline_s=deadline_s, cancel=cancel,
+                on_poll=(lambda _v, t: progress(state, f"{t:.0f}s")) if progress else None)
+    exc = op.exception()
+    if exc is not None:
+        raise from_google(exc, what=what) from exc
+
+
+# -- create / delete --------------------------------------------------------------------------------------------
+
+
+def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel: threading.Event | None = None,
+                progress: Progress | None = None, on_issued: Callable[[], None] | None = None) -> Resource:
+    """Create (or adopt) one TPU VM node and block until READY. Idempotent by name + run label.
+
+    `on_issued` runs just before the create request goes out, so a caller can record what to roll back.
+    Capacity errors raise CapacityError; the caller fails over to another zone.
+    """
+    what = f"create TPU node {req.name} in {req.zone}"
+    node = get_node(clients, req.zone, req.name)
+    if node is not None:
+        _check_ours(node.labels, req, what=f"TPU node {req.name} in {req.zone}")
+        state = states.node_state(node.state)
+        if state in states.SETTLED_BAD:
+            delete_node(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+            node = None
+    if node is None:
+        if on_issued is not None:
+            on_issued()
+        if progress:
+            progress(State.CREATING, "requested")
+        op = waits.call(lambda: clients.tpu.create_node(parent=parent(clients.project, req.zone), node_id=req.name,
+                                                        node=_node_proto(req)),
+                        what=what, cancel=cancel)
+        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.CREATING)
+    return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+
+
+def wait_ready(clients: Clients, zone: str, name: str, *, deadline_s: float, cancel: threading.Event | None = None,
+               progress: Progress | None = None) -> Resource:
+    """Block until the node is READY (returns it) or settles in a state it cannot leave by itself (raises)."""
+
+    def poll() -> tuple[bool, Resource | None]:
+        node = get_node(clients, zone, name)
+        if node is None:
+            raise CapacityError(f"TPU node {name} in {zone} vanished while being created")
+        r = to_resource(node, local=clients.local)
+        if r.state in states.SETTLED_BAD:
+            raise CapacityError(f"TPU node {name} in {zone} is {r.state.value} before becoming ready")
+        return r.state is State.READY, r
+
+    return waits.until(poll, what=f"TPU node {name} in {zone} to become ready", deadline_s=deadline_s,
+                       cancel=cancel, on_poll=(lambda r, t: progress(r.state, f"{t:.0f}s")) if progress else None)
+
+
+def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel: threading.Event | None = None,
+                  progress: Progress | None = None, on_issued: Callable[[], None] | None = None) -> Resource:
+    """Create (or adopt) a queued resource for one node; block until the node is READY.
+
+    A queued resource that FAILED (no capacity before valid_until) raises CapacityError.
+    """
+    what = f"create queued resource {req.name} in {req.zone}"
+    qr = get_queued(clients, req.zone, req.name)
+    if qr is not None:
+        spec = qr.tpu.node_spec[0].node if qr.tpu.node_spec else tpu_v2.Node()
+        _check_ours(spec.labels, req, what=f"queued resource {req.name} in {req.zone}")
+        if states.queued_state(qr.state.state) in states.SETTLED_BAD:
+            delete_queued(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+            qr = None
+    if qr is None:
+        policy = None
+        if req.valid_until_s is not None:
+            policy = tpu_v2.QueuedResource.QueueingPolicy(
+                valid_until_duration=duration_pb2.Duration(seconds=int(req.valid_until_s)))
+        body = tpu_v2.QueuedResource(
+            tpu=tpu_v2.QueuedResource.Tpu(node_spec=[tpu_v2.QueuedResource.Tpu.NodeSpec(
+                parent=parent(clients.project, req.zone), node_id=req.name, node=_node_proto(req))]),
+            queueing_policy=policy)
+        if req.spot:
+            body.spot = tpu_v2.QueuedResource.Spot()
+        if on_issued is not None:
+            on_issued()
+        if progress:
+            progress(State.PENDING, "queued")
+        op = waits.call(lambda: clients.tpu.create_queued_resource(
+            parent=parent(clients.project, req.zone), queued_resource_id=req.name, queued_resource=body),
+            what=what, cancel=cancel)
+        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.PENDING)
+
+    def poll() -> tuple[bool, Resource]:
+        q = get_queued(clients, req.zone, req.name)
+        if q is None:
+            raise CapacityError(f"queued resource {req.name} in {req.zone} vanished while waiting")
+        r = queued_to_resource(q)
+        if r.state is State.FAILED:
+            raise CapacityError(f"queued resource {req.name} in {req.zone} failed: no capacity before it expired")
+        return r.state is State.READY, r
+
+    waits.until(poll, what=f"queued resource {req.name} in {req.zone} to become active", deadline_s=deadline_s,
+                cancel=cancel, on_poll=(lambda r, t: progress(r.state, f"{t:.0f}s")) if progress else None)
+    return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+
+
+def _check_ours(labels: Mapping[str, str], req: NodeRequest, *, what: str) -> None:
+    if labels.get(L.RUN) != req.labels.get(L.RUN):
+        raise BadInput(f"{what} already exists and does not belong to run {req.labels.get(L.RUN)!r}",
+                       field="name", hint="pick another run name with --name")
+
+
+def delete_node(clients: Clients, zone: str, name: str, *, deadline_s: float = 900.0,
+                cancel: threading.Event | None = None, progress: Progress | None = None) -> None:
+    """Delete a node and block until it is gone. Idempotent: NotFound (before or during) is success."""
+    what = f"delete TPU node {name} in {zone}"
+    try:
+        op = waits.call(lambda: clients.tpu.delete_node(name=node_path(clients.project, zone, name)),
+                        what=what, cancel=cancel)
+    except TpuctlError as exc:
+        if isinstance(exc.__cause__, gexc.NotFound):
+            return
+        raise
+    if progress:
+        progress(State.DELETING, "requested")
+    try:
+        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.DELETING)
+    except TpuctlError as exc:
+        if not isinstance(exc.__cause__, gexc.NotFound):
+            raise
+
+
+def delete_queued(clients: Clients, zone: str, name: str, *, deadline_s: float = 900.0,
+                  cancel: threading.Event | None = None, progress: Progress | None = None) -> None:
+    """Delete a queued resource and (force) its node; block until gone. NotFound is success."""
+    what = f"delete queued resource {name} in {zone}"
+    try:
+        op = waits.call(lambda: clients.tpu.delete_queued_resource(
+            request={"name": queued_path(clients.project, zone, name), "force": True}), what=what, cancel=cancel)
+    except TpuctlError as exc:
+        if isinstance(exc.__cause__, gexc.NotFound):
+            return
+        raise
+    if progress:
+        progress(State.DELETING, "requested")
+    try:
+        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.DELETING)
+    except TpuctlError as exc:
+        if not isinstance(exc.__cause__, gexc.NotFound):
+            raise
+    # The force delete removes the node too, but not necessarily before the queued resource is gone.
+    delete_node(clients, zone, name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+
+
+def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: str, *,
+                deadline_s: float = 300.0, cancel: threading.Event | None = None) -> bool:
+    """Add `USER:KEY` to the node's `ssh-keys` metadata; False when it was already there (idempotent)."""
+    node = get_node(clients, zone, name)
+    if node is None:
+        raise from_google(gexc.NotFound(f"node {name}"), what=f"add an SSH key to TPU node {name} in {zone}")
+    line = f"{user}:{public_key.strip()}"
+    current = [ln for ln in node.metadata.get("ssh-keys", "").splitlines() if ln.strip()]
+    if line in current:
+        return False
+    metadata = {**dict(node.metadata), "ssh-keys": "\n".join([*current, line])}
+    what = f"add an SSH key to TPU node {name} in {zone}"
+    op = waits.call(lambda: clients.tpu.update_node(
+        node=tpu_v2.Node(name=node.name, metadata=metadata),
+        update_mask=field_mask_pb2.FieldMask(paths=["metadata"])), what=what, cancel=cancel)
+    wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=None, state=State.READY)
+    return True
+
+
+def request_of(node: tpu_v2.Node) -> NodeRequest:
+    """The request that re-creates `node` as it was (for preemption recovery)."""
+    _, _, _, zone, _, name = node.name.split("/")
+    sched = node.scheduling_config
+    return NodeRequest(
+        name=name, zone=zone, accelerator=node.accelerator_type, runtime_version=node.runtime_version,
+        labels=dict(node.labels), service_account=node.service_account.email, spot=bool(sched.spot),
+        preemptible=bool(sched.preemptible), network=node.network_config.network or "default",
+        subnet=node.network_config.subnetwork or None, tags=tuple(node.tags), metadata=dict(node.metadata))

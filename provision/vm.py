@@ -1,0 +1,180 @@
+"""Compute Engine VMs via `insert_unary`/`delete_unary` and our own ZoneOperations polling loop.
+
+The extended-operation poller of `insert()` builds its own client without our endpoint, so it is not used.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from google.api_core import exceptions as gexc
+from google.cloud import compute_v1
+
+from tpuctl.errors import BadInput, CapacityError, CloudError, QuotaError, TpuctlError
+from tpuctl.provision import labels as L
+from tpuctl.provision import states, waits
+from tpuctl.provision.resources import Kind, Resource, State
+from tpuctl.provision.clients import Clients
+
+Progress = Callable[[State, str], None]
+SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+# Compute operation error codes (structured `error.errors[].code`, not message text).
+_CAPACITY_CODES = frozenset({"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+                             "RESOURCE_POOL_EXHAUSTED", "STOCKOUT"})
+_QUOTA_CODES = frozenset({"QUOTA_EXCEEDED", "RATE_LIMIT_EXCEEDED"})
+
+
+@dataclass(frozen=True)
+class VmRequest:
+    name: str
+    zone: str
+    machine_type: str
+    disk_gb: int
+    image: str
+    labels: Mapping[str, str]
+    service_account: str
+    network: str = "default"
+    subnet: str | None = None
+    tags: tuple[str, ...] = ()
+
+
+def _instance_proto(req: VmRequest) -> compute_v1.Instance:
+    nic = compute_v1.NetworkInterface(
+        network=req.network if "/" in req.network else f"global/networks/{req.network}",
+        access_configs=[compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])
+    if req.subnet:
+        nic.subnetwork = req.subnet
+    return compute_v1.Instance(
+        name=req.name, machine_type=f"zones/{req.zone}/machineTypes/{req.machine_type}", labels=dict(req.labels),
+        disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
+            source_image=req.image, disk_size_gb=req.disk_gb))],
+        network_interfaces=[nic], tags=compute_v1.Tags(items=list(req.tags)),
+        service_accounts=[compute_v1.ServiceAccount(email=req.service_account, scopes=list(SCOPES))])
+
+
+def to_resource(inst: compute_v1.Instance, *, project: str) -> Resource:
+    zone = inst.zone.rsplit("/", 1)[-1]
+    created = None
+    if inst.creation_timestamp:
+        try:
+            created = datetime.fromisoformat(inst.creation_timestamp.replace("Z", "+00:00"))
+        except ValueError:
+            created = None
+    spot = inst.scheduling.provisioning_model == "SPOT" or bool(inst.scheduling.preemptible)
+    return Resource(kind=Kind.VM, name=inst.name, project=project, location=zone,
+                    state=states.instance_state(inst.status, preemptible=spot), labels=dict(inst.labels),
+                    created=created, run=inst.labels.get(L.RUN), machine_type=inst.machine_type.rsplit("/", 1)[-1],
+                    spot=spot)
+
+
+def get(clients: Clients, zone: str, name: str) -> compute_v1.Instance | None:
+    try:
+        return waits.call(lambda: clients.instances.get(project=clients.project, zone=zone, instance=name),
+                          what=f"get VM {name} in {zone}")
+    except TpuctlError as exc:
+        if isinstance(exc.__cause__, gexc.NotFound):
+            return None
+        raise
+
+
+def list_all(clients: Clients, run: str | None = None) -> list[compute_v1.Instance]:
+    """Every tpuctl-labelled instance in the project (of `run` when given), across zones."""
+    request = {"project": clients.project}
+    if run:
+        request["filter"] = f'labels.{L.RUN} = "{run}"'
+
+    def fetch() -> list[compute_v1.Instance]:
+        out = []
+        for _zone, scoped in clients.instances.aggregated_list(request=request):
+            out.extend(scoped.instances)
+        return out
+
+    # The filter narrows the listing on GCP; labels are checked here again as the authority.
+    return [i for i in waits.call(fetch, what="list VMs") if L.matches(i.labels, run)]
+
+
+def wait_zone_op(clients: Clients, zone: str, op: compute_v1.Operation, *, what: str, deadline_s: float,
+                 cancel: threading.Event | None, progress: Progress | None, state: State) -> None:
+    """Poll a zonal operation until DONE and raise its error by code.
+
+    ZoneOperations.get, not .wait: a server-side wait holds the connection for up to two minutes, during
+    which Ctrl-C could not be honoured; polling with proportional backoff overshoots by a few percent only.
+    """
+    name = op.name
+
+    def poll() -> tuple[bool, compute_v1.Operation]:
+        current = waits.call(lambda: clients.zone_operations.get(project=clients.project, zone=zone, operation=name),
+                             what=what, cancel=cancel)
+        return states.compute_op_done(current.status), current
+
+    done = op if states.compute_op_done(op.status) else waits.until(
+        poll, what=what, deadline_s=deadline_s, cancel=cancel,
+        on_poll=(lambda _o, t: progress(state, f"{t:.0f}s")) if progress else None)
+    errors = list(done.error.errors) if done.error else []
+    if errors:
+        codes = {e.code for e in errors}
+        text = "; ".join(f"{e.code}: {e.message}" for e in errors)
+        if codes & _CAPACITY_CODES:
+            raise CapacityError(f"{what}: no capacity ({text})")
+        if codes & _QUOTA_CODES:
+            quota = next((e.message for e in errors if e.code in _QUOTA_CODES), text)
+            raise QuotaError(f"{what}: quota exceeded ({quota})")
+        if "RESOURCE_NOT_FOUND" in codes and "delete" in what:
+            return
+        raise CloudError(f"{what}: {text}")
+
+
+def create(clients: Clients, req: VmRequest, *, deadline_s: float, cancel: threading.Event | None = None,
+           progress: Progress | None = None, on_issued: Callable[[], None] | None = None) -> Resource:
+    """Create (or adopt, by name + run label) a VM; block until RUNNING."""
+    what = f"create VM {req.name} in {req.zone}"
+    inst = get(clients, req.zone, req.name)
+    if inst is not None and inst.labels.get(L.RUN) != req.labels.get(L.RUN):
+        raise BadInput(f"VM {req.name} in {req.zone} exists and does not belong to run {req.labels.get(L.RUN)!r}",
+                       field="vms", hint="rename the VM in the spec or pick another run name with --name")
+    if inst is None:
+        if on_issued is not None:
+            on_issued()
+        if progress:
+            progress(State.CREATING, "requested")
+        try:
+            op = waits.call(lambda: clients.instances.insert_unary(
+                project=clients.project, zone=req.zone, instance_resource=_instance_proto(req)),
+                what=what, cancel=cancel)
+        except TpuctlError as exc:
+            # A retried insert whose first attempt got through: adopt below.
+            if not isinstance(exc.__cause__, gexc.Conflict):
+                raise
+        else:
+            wait_zone_op(clients, req.zone, op, what=what, deadline_s=deadline_s, cancel=cancel,
+                         progress=progress, state=State.CREATING)
+
+    def poll() -> tuple[bool, Resource]:
+        i = get(clients, req.zone, req.name)
+        if i is None:
+            raise CloudError(f"VM {req.name} in {req.zone} vanished while being created")
+        r = to_resource(i, project=clients.project)
+        return r.state is State.READY, r
+
+    return waits.until(poll, what=f"VM {req.name} to run", deadline_s=deadline_s, cancel=cancel,
+                       on_poll=(lambda r, t: progress(r.state, f"{t:.0f}s")) if progress else None)
+
+
+def delete(clients: Clients, zone: str, name: str, *, deadline_s: float = 600.0,
+           cancel: threading.Event | None = None, progress: Progress | None = None) -> None:
+    """Delete a VM and block until gone. Idempotent: NotFound is success."""
+    what = f"delete VM {name} in {zone}"
+    try:
+        op = waits.call(lambda: clients.instances.delete_unary(project=clients.project, zone=zone, instance=name),
+                        what=what, cancel=cancel)
+    except TpuctlError as exc:
+        if isinstance(exc.__cause__, gexc.NotFound):
+            return
+        raise
+    if progress:
+        progress(State.DELETING, "requested")
+    wait_zone_op(clients, zone, op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
+                 state=State.DELETING)

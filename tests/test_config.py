@@ -1,0 +1,86 @@
+"""Settings resolution: flags > TPUCTL_* env > spec > user config > gcloud config > defaults; the target."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpuctl import config
+from tpuctl.errors import BadInput
+
+
+@pytest.fixture
+def home(tmp_path):
+    gcloud = tmp_path / "gcloud"
+    (gcloud / "configurations").mkdir(parents=True)
+    (gcloud / "active_config").write_text("work\n")
+    (gcloud / "configurations" / "config_work").write_text(
+        "[core]\nproject = from-gcloud\n[compute]\nzone = us-central1-b\n")
+    user = tmp_path / "config.yaml"
+    return {"env": {"CLOUDSDK_CONFIG": str(gcloud), "HOME": str(tmp_path)}, "user": user, "gcloud": gcloud}
+
+
+def test_gcloud_config_is_read_from_its_files(home):
+    assert config.gcloud_config(home["env"]) == {"project": "from-gcloud", "zone": "us-central1-b"}
+
+
+def test_precedence(home):
+    env = home["env"]
+    home["user"].write_text("project: from-user\nzone: europe-west4-a\naccelerator: v2-8\n")
+    merged, src = config.layered({}, {}, env=env, config_path=home["user"])
+    assert (merged["project"], src["project"]) == ("from-user", "user config")
+    merged, src = config.layered({}, {"project": "from-spec", "zone": ["us-east1-d"]}, env=env,
+                                 config_path=home["user"])
+    assert merged["project"] == "from-spec" and merged["zone"] == ["us-east1-d"] and merged["accelerator"] == "v2-8"
+    merged, src = config.layered({}, {"project": "from-spec"}, env={**env, "TPUCTL_PROJECT": "from-env"},
+                                 config_path=home["user"])
+    assert (merged["project"], src["project"]) == ("from-env", "environment")
+    merged, src = config.layered({"project": "from-flag", "zone": None}, {"project": "from-spec"},
+                                 env={**env, "TPUCTL_PROJECT": "from-env"}, config_path=home["user"])
+    assert (merged["project"], src["project"]) == ("from-flag", "flag")
+    assert merged["zone"] == "europe-west4-a"  # a flag left unset does not override
+
+
+def test_zone_flag_replaces_zones_list_from_spec(home):
+    merged, _ = config.layered({"zone": "us-central1-a"}, {"zones": ["europe-west4-a"]}, env=home["env"],
+                               config_path=home["user"])
+    assert merged["zone"] == "us-central1-a" and "zones" not in merged
+
+
+def test_env_spot(home):
+    merged, _ = config.layered({}, {}, env={**home["env"], "TPUCTL_SPOT": "1"}, config_path=home["user"])
+    assert merged["provisioning"] == "spot"
+
+
+def test_endpoint_env_means_local(home):
+    env = {**home["env"], "TPUCTL_API_ENDPOINT": "http://127.0.0.1:9/", "STORAGE_EMULATOR_HOST": "http://127.0.0.1:8"}
+    s = config.settings(project="p", env=env, config_path=home["user"])
+    assert (s.target, s.endpoint, s.storage_host, s.project) == ("local", "http://127.0.0.1:9", "http://127.0.0.1:8", "p")
+
+
+def test_project_and_adc_mean_gcp(home):
+    (home["gcloud"] / "application_default_credentials.json").write_text("{}")
+    s = config.settings(env=home["env"], config_path=home["user"])
+    assert (s.target, s.project, s.sources["project"]) == ("gcp", "from-gcloud", "gcloud config")
+
+
+def test_nothing_configured_means_the_embedded_local_cloud(tmp_path):
+    s = config.settings(env={"HOME": str(tmp_path)}, config_path=tmp_path / "none.yaml", start_local=False)
+    assert (s.target, s.project, s.endpoint) == ("local", config.LOCAL_PROJECT, None)
+
+
+def test_cloud_flag_forces(home):
+    (home["gcloud"] / "application_default_credentials.json").write_text("{}")
+    assert config.settings(cloud="local", env=home["env"], config_path=home["user"], start_local=False).local
+    with pytest.raises(BadInput) as e:
+        config.settings(cloud="gcp", env={"HOME": str(home["env"]["HOME"])}, config_path=home["user"])
+    assert e.value.field == "project"
+    with pytest.raises(BadInput) as e:
+        config.settings(cloud="aws", env=home["env"], config_path=home["user"])
+    assert e.value.field == "cloud"
+
+
+def test_bad_user_config(home):
+    home["user"].write_text("- not a mapping\n")
+    with pytest.raises(BadInput) as e:
+        config.user_config(home["user"])
+    assert e.value.field == "config"

@@ -1,0 +1,166 @@
+"""`tpuctl up/down/status/list` as a user runs them: a subprocess against the session's local cloud.
+
+Ctrl-C is a real SIGINT sent to the process at each phase of `up`; afterwards the project must be empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import new_project
+from google.auth.credentials import AnonymousCredentials
+
+from tpuctl.provision.clients import build
+from test_provision import everything
+
+
+@pytest.fixture
+def env(cloud, tmp_path):
+    project = new_project()
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "CLOUDSDK_", "GOOGLE_"))}
+    e.update(TPUCTL_API_ENDPOINT=cloud.endpoint, STORAGE_EMULATOR_HOST=cloud.storage_host, TPUCTL_PROJECT=project,
+             TPUCTL_HOME=str(tmp_path / "home"), HOME=str(tmp_path), NO_COLOR="1", PYTHONUNBUFFERED="1")
+    return e
+
+
+@pytest.fixture
+def pc(cloud, env):
+    return build(project=env["TPUCTL_PROJECT"], credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
+                 storage_host=cloud.storage_host, local=True)
+
+
+def tpuctl(env, *args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "tpuctl", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+UP = ("up", "--accelerator", "v3-8", "--zone", "europe-west4-a", "--name", "r1", "--ttl", "2h", "--yes")
+
+
+def test_dry_run_prints_the_plan_and_creates_nothing(env, pc):
+    p = tpuctl(env, *UP, "--spot", "--dry-run", "--json")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)["plan"]
+    assert plan["run"] == "r1" and plan["provisioning"] == "spot" and plan["price_per_hour"] > 0
+    assert [s["key"] for s in plan["steps"]] == ["bucket", "bucket-iam", "tpu"]
+    assert everything(pc) == []
+
+
+@pytest.mark.parametrize("args,field", [(("--accelerator", "v3-9"), "accelerator"),
+                                        (("--zone", "us-central2-b"), "zone"),
+                                        (("--ttl", "forever"), "ttl")])
+def test_bad_input_exits_2_naming_the_field_and_creates_nothing(env, pc, args, field):
+    p = tpuctl(env, *UP, *args)
+    assert p.returncode == 2 and p.stderr.startswith(f"error: {field}:"), p.stderr
+    assert everything(pc) == []
+
+
+def test_legacy_tpu_node_spec_is_refused_then_migrated(env, pc, tmp_path):
+    legacy = tmp_path / "legacy.yaml"
+    legacy.write_text("accelerator: v3-8\nzone: europe-west4-a\ntensorflow_version: 2.12.0\n")
+    p = tpuctl(env, "up", str(legacy), "--dry-run")
+    assert p.returncode == 2 and "2025-04-15" in p.stderr and "--migrate" in p.stderr
+    p = tpuctl(env, "up", str(legacy), "--dry-run", "--migrate", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["plan"]["runtime_version"].startswith("tpu-vm-tf-")
+
+
+def test_up_status_list_down(env, pc):
+    p = tpuctl(env, *UP, "--spot")
+    assert p.returncode == 0, p.stderr
+    assert "run r1 is ready in europe-west4-a" in p.stderr
+    s = tpuctl(env, "status", "r1", "--json")
+    assert s.returncode == 0, s.stderr
+    st = json.loads(s.stdout)
+    assert st["state"] == "ready" and st["workers"] == 1 and st["zone"] == "europe-west4-a"
+    assert st["price_per_hour"] > 0 and {r["kind"] for r in st["resources"]} >= {"tpu", "bucket", "bucket-iam"}
+    runs = json.loads(tpuctl(env, "list", "--json").stdout)["runs"]
+    assert [r["run"] for r in runs] == ["r1"]
+    text = tpuctl(env, "list")
+    assert "r1" in text.stdout and "europe-west4-a" in text.stdout
+
+    again = tpuctl(env, *UP, "--spot", "--json")  # idempotent: adopts everything
+    assert again.returncode == 0 and json.loads(again.stdout)["created"] == []
+
+    no = tpuctl(env, "down", "r1")  # no TTY and no --yes: refuses, deletes nothing
+    assert no.returncode == 2 and len(everything(pc)) == 2
+    d = tpuctl(env, "down", "r1", "--yes")
+    assert d.returncode == 0 and "verified none remain" in d.stderr, d.stderr
+    assert len(everything(pc)) == 1  # the bucket is kept
+    d = tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
+    assert d.returncode == 0 and "holds 0 objects" in d.stderr, d.stderr
+    assert everything(pc) == []
+    assert tpuctl(env, "status", "r1").returncode == 2
+
+
+def test_capacity_everywhere_exits_3_and_leaves_nothing(env, pc, cloud):
+    cloud.faults.add("capacity", service="tpu", zone="us-central1-a")
+    cloud.faults.add("capacity", service="tpu", zone="us-central1-b")
+    p = tpuctl(env, "up", "--accelerator", "v3-8", "--zone", "us-central1-a,us-central1-b", "--name", "r2", "--yes")
+    assert p.returncode == 3 and "no capacity" in p.stderr and "removed" in p.stderr, p.stderr
+    assert everything(pc) == []
+
+
+def _start_up(env, *extra):
+    return subprocess.Popen([sys.executable, "-m", "tpuctl", *UP, *extra], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(pred, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "phase never reached"
+        time.sleep(0.05)
+
+
+PHASES = {
+    # phase: (faults that hold `up` there, what must exist before Ctrl-C)
+    "bucket-created-tpu-requested": ([("stuck", "tpu", "nodes.create")], lambda names: any("/nodes/" in n for n in names)),
+    "vm-creating": ([("stuck", "compute", "instances.insert")], lambda names: "r1-d" in names),
+    "tpu-ready-vm-creating": ([("stuck", "compute", "instances.insert")],
+                              lambda names: "r1-d" in names and any("/nodes/" in n for n in names)),
+}
+
+
+@pytest.mark.parametrize("phase", sorted(PHASES))
+def test_ctrl_c_at_each_phase_leaves_zero_resources(env, pc, cloud, tmp_path, phase):
+    faults, reached = PHASES[phase]
+    for kind, service, method in faults:
+        cloud.faults.add(kind, service=service, method=method)
+    spec = tmp_path / "s.yaml"
+    spec.write_text("vms:\n  - name: d\n")
+    proc = _start_up(env, str(spec))
+    try:
+        _wait_for(lambda: reached(everything(pc)))
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "removed what this run created" in err
+    cloud.faults.clear()
+    assert everything(pc) == []
+
+
+def test_second_ctrl_c_prints_the_down_command(env, pc, cloud):
+    cloud.faults.add("stuck", service="tpu", method="nodes.create")
+    cloud.faults.add("unavailable", service="tpu", method="nodes.delete")  # the cleanup keeps retrying
+    proc = _start_up(env)
+    try:
+        _wait_for(lambda: any("/nodes/" in n for n in everything(pc)))
+        proc.send_signal(signal.SIGINT)
+        _wait_for(lambda: any(f["kind"] == "unavailable" and f.get("hits") for f in cloud.faults.list()))
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "tpuctl down r1" in err, err
+    cloud.faults.clear()
+    d = tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
+    assert d.returncode == 0, d.stderr
+    assert everything(pc) == []

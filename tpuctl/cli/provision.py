@@ -1,0 +1,226 @@
+"""`tpuctl up / down / status / list`: plan and create a run's resources, tear them down, look at them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import click
+
+from tpuctl import catalog as catalog_mod
+from tpuctl import config, console, cost, ledger
+from tpuctl import provision as prov
+from tpuctl import spec as spec_mod
+from tpuctl.errors import BadInput
+from tpuctl.provision import inventory
+
+SECTION = "Provision and inspect"
+
+
+def _money(usd: float) -> str:
+    return f"${usd:,.2f}"
+
+
+def _cloud_options(f):
+    f = click.option("--cloud", type=click.Choice(config.TARGETS), help="force the target (default: auto)")(f)
+    f = click.option("--project", help="Google Cloud project [env TPUCTL_PROJECT]")(f)
+    return f
+
+
+def _price(cat: catalog_mod.Catalog):
+    def price(r: prov.Resource) -> float:
+        return cost.hourly(ledger.entry_of(r), cat)
+
+    return price
+
+
+def _record(resources, *, deleted: bool = False) -> None:
+    """Cache what was created/deleted for `tpuctl cost`; the ledger never decides anything."""
+    book = ledger.Ledger()
+    rows = [r for r in resources if r.kind is not prov.Kind.IAM]
+    if deleted:
+        book.mark_deleted([ledger.key_of(r) for r in rows])
+    else:
+        book.record([ledger.entry_of(r) for r in rows])
+
+
+def resolve(spec_path: str | None, flags: Mapping[str, Any], *, cloud: str | None,
+            migrate: bool) -> tuple[spec_mod.RunSpec, config.Settings]:
+    """Flags > TPUCTL_* env > spec file > user config > gcloud config > defaults, then the target.
+
+    Starts nothing: validation and dry runs must not spin up the embedded cloud (see ensure_endpoint)."""
+    raw = spec_mod.read_file(spec_path) if spec_path else {}
+    merged, sources = config.layered(flags, raw)
+    spec = spec_mod.from_mapping(merged, migrate=migrate)
+    settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=False)
+    return spec, settings
+
+
+def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Settings) -> None:
+    console.table(("step", "kind", "name", "where", "after", "$/h", "detail"),
+                  [(s.key, s.kind.value, s.name, s.location, ",".join(s.after) or "-",
+                    _money(s.price_per_hour) if s.price_per_hour else "-", s.detail) for s in plan.steps],
+                  title=f"plan for run {plan.run} in project {plan.project} ({settings.target})")
+    est = cost.estimate_spec(spec.model_copy(update={"zones": plan.zones}), catalog_mod.load())
+    bound = f", at most {_money(est.total_usd)} over {est.bound}" if est.total_usd is not None else ""
+    console.info(f"estimated {_money(plan.price_per_hour)}/hour{bound} (prices: {est.prices_from})")
+    for n in plan.notes:
+        console.warn(n)
+
+
+@click.command("up")
+@click.argument("spec_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--name", help="run name (default: spec name, else OWNER-ACCELERATOR)")
+@_cloud_options
+@click.option("--zone", help="zone, or comma-separated zones in failover order [env TPUCTL_ZONE]")
+@click.option("--accelerator", help="TPU type, e.g. v3-8, v4-32, v5litepod-16, v6e-8")
+@click.option("--runtime-version", help="TPU VM image (default: the catalog's choice for the generation)")
+@click.option("--spot", is_flag=True, default=None, help="spot capacity (cheaper, can be preempted)")
+@click.option("--provisioning", type=click.Choice(spec_mod.PROVISIONING), help="on-demand, spot, preemptible, queued")
+@click.option("--bucket", help="bucket name, or auto")
+@click.option("--service-account", help="email the TPU VM runs as (default: the project's compute SA)")
+@click.option("--ttl", help="delete by this age, e.g. 2h (tpuctl gc enforces it)")
+@click.option("--allow-cross-region", is_flag=True, default=None, help="accept a bucket outside the TPU's region")
+@click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
+@click.option("--dry-run", is_flag=True, help="print the plan and stop")
+@click.option("--keep-on-failure", is_flag=True, help="leave what was created when up fails")
+@click.option("--yes", "-y", is_flag=True, help="do not ask")
+@click.option("--json", "as_json", is_flag=True, help="print the plan and result as JSON")
+def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot, provisioning, bucket,
+       service_account, ttl, allow_cross_region, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
+    """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
+    flags = {"name": name, "project": project, "zone": zone, "accelerator": accelerator,
+             "runtime_version": runtime_version, "provisioning": "spot" if spot else provisioning, "bucket": bucket,
+             "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region}
+    spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=migrate)
+    plan = prov.plan(spec, project=settings.project)
+    if as_json and dry_run:
+        console.emit_json({"plan": plan.to_json(), "target": settings.target})
+        return
+    if not as_json:
+        print_plan(plan, spec, settings)
+    if dry_run:
+        return
+    if console.interactive() and not yes and not console.confirm(
+            f"create run {plan.run} at about {_money(plan.price_per_hour)}/hour?", yes=False):
+        raise BadInput("not confirmed; nothing was created", field="yes", hint="pass --yes to skip the question")
+    clients = prov.connect(config.ensure_endpoint(settings))
+    started = time.monotonic()
+    with console.ProgressBoard(f"tpuctl up {plan.run}") as board:
+        result = prov.apply(clients, plan, progress=board.update, keep_on_failure=keep_on_failure)
+    _record(result.resources)
+    tpu_r = result.get(prov.Kind.TPU)
+    if as_json:
+    
+        console.emit_json({"plan": plan.to_json(), "target": settings.target, "zone": result.zone,
+                           "created": list(result.created), "adopted": list(result.adopted),
+                           "service_account": result.service_account,
+                           "resources": [inventory.resource_json(r) for r in result.resources]})
+        return
+    workers = ", ".join(f"{w.ip}:{w.port}" for w in tpu_r.workers) if tpu_r else "-"
+    console.info(f"run {plan.run} is ready in {result.zone} after {time.monotonic() - started:.0f}s "
+                 f"({len(result.created)} created, {len(result.adopted)} adopted); workers: {workers}")
+    console.info(f"bucket gs://{plan.bucket}; when done: tpuctl down {plan.run}")
+
+
+@click.command("down")
+@click.argument("run")
+@_cloud_options
+@click.option("--delete-bucket", is_flag=True, help="also delete the bucket and everything in it")
+@click.option("--yes", "-y", is_flag=True, help="do not ask")
+@click.option("--json", "as_json", is_flag=True, help="print what was deleted as JSON")
+def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
+    """Delete every resource of RUN in parallel, then verify nothing with its label remains."""
+
+    settings = config.settings(project=project, cloud=cloud)
+    clients = prov.connect(settings)
+    found = prov.list_resources(clients, run, include_iam=True)
+    if not found:
+        if as_json:
+            console.emit_json({"run": run, "deleted": [], "kept": []})
+        else:
+            console.info(f"run {run}: nothing carries its label; nothing to delete")
+        return
+    going = [r for r in found if delete_bucket or r.kind not in (prov.Kind.BUCKET, prov.Kind.IAM)]
+    if not as_json:
+        console.table(("kind", "name", "where", "state"), [(r.kind.value, r.name, r.location, r.state.value)
+                                                            for r in going], title=f"to delete for run {run}")
+    if delete_bucket:
+        for b in [r for r in found if r.kind is prov.Kind.BUCKET]:
+            c = prov.bucket_contents(clients, b.name)
+            console.warn(f"gs://{b.name} holds {c.objects} objects ({c.bytes / 1e6:,.1f} MB)"
+                         + (f", e.g. {', '.join(c.sample[:5])}" if c.sample else "") + "; they will be deleted")
+    if not console.confirm(f"delete {len(going)} resource(s) of run {run}?", yes=yes):
+        raise BadInput("not confirmed; nothing was deleted", field="yes", hint="pass --yes to skip the question")
+    with console.ProgressBoard(f"tpuctl down {run}") as board:
+        result = prov.down(clients, run, delete_bucket=delete_bucket, progress=board.update)
+    _record(result.deleted, deleted=True)
+    if as_json:
+        console.emit_json({"run": run, "deleted": [inventory.resource_json(r) for r in result.deleted],
+                           "kept": [inventory.resource_json(r) for r in result.kept]})
+        return
+    console.info(f"run {run}: deleted {len(result.deleted)} resource(s); verified none remain")
+    for b in [r for r in result.kept if r.kind is prov.Kind.BUCKET]:
+        console.note(f"kept gs://{b.name} (checkpoints); delete it with `tpuctl down {run} --delete-bucket`")
+
+
+def _runs_table(runs: list[inventory.RunStatus]) -> None:
+
+    now = time.time()
+    console.table(("run", "owner", "state", "zone", "accelerator", "workers", "age", "expires in", "$/h", "accrued"),
+                  [(s.run, s.owner or "-", s.state.value, s.zone or "-",
+                    next((r.accelerator for r in s.resources if r.accelerator), "-"), s.workers,
+                    inventory.age_text(s.age_s),
+                    inventory.age_text(s.expires - now) if s.expires and s.expires > now else
+                    ("expired" if s.expires else "-"),
+                    _money(s.price_per_hour), _money(s.accrued)) for s in runs])
+
+
+@click.command("status")
+@click.argument("run", required=False)
+@_cloud_options
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def status(run, cloud, project, as_json) -> None:
+    """One run's resources (or every run): state, zone, age, workers, accrued cost."""
+
+    settings = config.settings(project=project, cloud=cloud)
+    clients = prov.connect(settings)
+    runs = prov.status(clients, run, price=_price(catalog_mod.load()))
+    if as_json:
+        console.emit_json(runs[0].to_json() if run else {"runs": [s.to_json() for s in runs]})
+        return
+    if run is None:
+        _runs_table(runs)
+        return
+    s = runs[0]
+    console.table(("kind", "name", "where", "state", "age", "workers", "detail"),
+                  [(r.kind.value, r.name, r.location, r.state.value.upper() if r.state is prov.State.PREEMPTED
+                    else r.state.value, inventory.age_text(time.time() - r.created.timestamp()) if r.created else "-",
+                    " ".join(f"{w.ip}:{w.port}" for w in r.workers) or "-",
+                    ", ".join(f"{k}={v}" for k, v in r.detail.items())) for r in s.resources],
+                  title=f"run {s.run} ({s.state.value})")
+    console.info(f"{_money(s.price_per_hour)}/hour, {_money(s.accrued)} so far; expires "
+                 f"{inventory.utc(s.expires)}")
+    if any(r.state is prov.State.PREEMPTED for r in s.resources):
+        console.warn(f"run {s.run} was preempted: `tpuctl run` recovers it, `tpuctl down {s.run}` deletes it")
+
+
+@click.command("list")
+@_cloud_options
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def list_runs(cloud, project, as_json) -> None:
+    """Every run in the project, found by its labels."""
+    settings = config.settings(project=project, cloud=cloud)
+    runs = prov.status(prov.connect(settings), price=_price(catalog_mod.load()))
+    if as_json:
+        console.emit_json({"runs": [s.to_json() for s in runs]})
+    elif not runs:
+        console.info(f"no tpuctl runs in project {settings.project}")
+    else:
+        _runs_table(runs)
+
+
+commands = [up, down, status, list_runs]
+for _c in commands:
+    _c.section = SECTION

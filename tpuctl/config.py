@@ -1,0 +1,194 @@
+"""Where tpuctl points and with what: resolved flags > TPUCTL_* env > spec > user config > gcloud config > defaults.
+
+The target is the local cloud or GCP:
+- `TPUCTL_API_ENDPOINT` set -> the local cloud at that endpoint (tests, a daemon started by hand);
+- else a project and Application Default Credentials -> GCP;
+- else the embedded local cloud, auto-started, and one stderr line says so.
+`--cloud gcp|local` (or `TPUCTL_CLOUD`) forces either. gcloud itself is never run: its active configuration's
+`core/project` and `compute/zone` are read from its files.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tpuctl import paths
+from tpuctl.errors import BadInput
+
+LOCAL_PROJECT = "tpuctl-local"
+TARGETS = ("local", "gcp")
+
+# Spec fields that may also come from the environment, e.g. TPUCTL_PROJECT, TPUCTL_ZONE=a,b.
+ENV_FIELDS = ("project", "zone", "accelerator", "runtime_version", "provisioning", "bucket", "service_account",
+              "ttl", "network", "subnet")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The resolved cloud target; what `tpuctl.provision.clients.connect` needs."""
+
+    target: str  # "local" | "gcp"
+    project: str
+    endpoint: str | None = None  # local cloud: http://127.0.0.1:PORT for TPU, Compute, CRM and Billing
+    storage_host: str | None = None  # local cloud: http://127.0.0.1:PORT of the storage emulator
+    sources: Mapping[str, str] = field(default_factory=dict)  # setting -> where it came from
+
+    @property
+    def local(self) -> bool:
+        return self.target == "local"
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ENV_FIELDS:
+        value = env.get(f"TPUCTL_{name.upper()}")
+        if value:
+            out[name] = value
+    if env.get("TPUCTL_SPOT", "").lower() in ("1", "true", "yes"):
+        out["provisioning"] = "spot"
+    return out
+
+
+def user_config(path: Path | None = None) -> dict[str, Any]:
+    """`~/.tpuctl/config.yaml`: defaults for spec fields (project, zone, ...). Missing file = empty."""
+    path = path or paths.user_config()
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise BadInput(f"cannot read {path}: {exc}", field="config", hint="fix or delete the file") from exc
+    if not isinstance(data, dict):
+        raise BadInput(f"{path} must be a mapping of spec fields", field="config")
+    return data
+
+
+def gcloud_config(env: Mapping[str, str]) -> dict[str, Any]:
+    """core/project and compute/zone of gcloud's active configuration, read from its files."""
+    root = Path(env.get("CLOUDSDK_CONFIG") or Path(env.get("HOME", str(Path.home()))) / ".config" / "gcloud")
+    out: dict[str, Any] = {}
+    try:
+        active = env.get("CLOUDSDK_ACTIVE_CONFIG_NAME") or (root / "active_config").read_text().strip() or "default"
+    except OSError:
+        active = "default"
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(root / "configurations" / f"config_{active}")
+    except configparser.Error:
+        return out
+    if parser.has_option("core", "project"):
+        out["project"] = parser.get("core", "project")
+    if parser.has_option("compute", "zone"):
+        out["zone"] = parser.get("compute", "zone")
+    if env.get("CLOUDSDK_CORE_PROJECT"):
+        out["project"] = env["CLOUDSDK_CORE_PROJECT"]
+    return out
+
+
+def has_adc(env: Mapping[str, str]) -> bool:
+    """Application Default Credentials present, judged from files only (no metadata-server probe)."""
+    if env.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        return Path(env["GOOGLE_APPLICATION_CREDENTIALS"]).is_file()
+    root = Path(env.get("CLOUDSDK_CONFIG") or Path(env.get("HOME", str(Path.home()))) / ".config" / "gcloud")
+    return (root / "application_default_credentials.json").is_file()
+
+
+def layered(flags: Mapping[str, Any], spec: Mapping[str, Any] | None = None, *,
+            env: Mapping[str, str] | None = None, config_path: Path | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Merge spec fields by precedence; returns (merged fields, field -> source name).
+
+    `flags` holds only the flags the user gave (None values are dropped).
+    """
+    env = os.environ if env is None else env
+    layers = (("default", {}), ("gcloud config", gcloud_config(env)), ("user config", user_config(config_path)),
+              ("spec", dict(spec or {})), ("environment", env_overrides(env)),
+              ("flag", {k: v for k, v in flags.items() if v is not None}))
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for source, values in layers:
+        for k, v in values.items():
+            if k == "zone" and "zones" in merged:
+                merged.pop("zones")
+            merged[k] = v
+            sources[k] = source
+    return merged, sources
+
+
+def settings(*, project: str | None = None, cloud: str | None = None, env: Mapping[str, str] | None = None,
+             config_path: Path | None = None, sources: Mapping[str, str] | None = None,
+             start_local: bool = True) -> Settings:
+    """Pick the target and project. `project` is the already-merged value (flags/env/spec/config), if any.
+
+    Blocks only to auto-start the embedded local cloud (`start_local`), which prints one stderr line; with
+    `start_local=False` a local target without a running cloud comes back with no endpoint.
+    """
+    env = os.environ if env is None else env
+    sources = dict(sources or {})
+    if project is None:
+        merged, merged_sources = layered({}, env=env, config_path=config_path)
+        project = merged.get("project")
+        if project is not None:
+            sources["project"] = merged_sources["project"]
+    cloud = cloud or env.get("TPUCTL_CLOUD") or None
+    if cloud is not None and cloud not in TARGETS:
+        raise BadInput(f"unknown cloud {cloud!r}", field="cloud", hint="use --cloud gcp or --cloud local")
+    endpoint = env.get("TPUCTL_API_ENDPOINT") or None
+    if cloud == "gcp" or (cloud is None and endpoint is None and project and has_adc(env)):
+        if not project:
+            raise BadInput("no Google Cloud project given", field="project",
+                           hint="pass --project, set TPUCTL_PROJECT, or `gcloud config set project P`")
+        return Settings(target="gcp", project=project, sources=sources)
+    project = project or LOCAL_PROJECT
+    sources.setdefault("project", "default")
+    storage_host = env.get("TPUCTL_STORAGE_HOST") or env.get("STORAGE_EMULATOR_HOST") or None
+    if not start_local and endpoint is None:
+        # A dry run names the target without starting anything.
+        return Settings(target="local", project=project, sources=sources)
+    if endpoint is None or storage_host is None:
+        endpoint, storage_host = _local_endpoints(endpoint, storage_host)
+    return Settings(target="local", project=project, endpoint=endpoint.rstrip("/"),
+                    storage_host=storage_host.rstrip("/"), sources=sources)
+
+
+def ensure_endpoint(settings: Settings) -> Settings:
+    """A local target resolved without starting anything gets its endpoints now (auto-starting the embedded
+    cloud, one stderr line). GCP targets and local ones with endpoints pass through."""
+    if not settings.local or settings.endpoint is not None:
+        return settings
+    endpoint, storage_host = _local_endpoints(None, None)
+    return Settings(target="local", project=settings.project, endpoint=endpoint.rstrip("/"),
+                    storage_host=storage_host.rstrip("/"), sources=settings.sources)
+
+
+def _local_endpoints(endpoint: str | None, storage_host: str | None) -> tuple[str, str]:
+    """The running local cloud's endpoints: the one named by the environment, else the embedded daemon."""
+    if endpoint is not None:
+        return endpoint, storage_host or _storage_host_of(endpoint)
+    from tpuctl import console
+    from tpuctl.localcloud import daemon
+
+    info = daemon.ensure_running(paths.localcloud_dir())
+    console.note(f"no Google Cloud project/credentials: using the embedded local cloud at {info['endpoint']} "
+                 "(--cloud gcp to change)")
+    return info["endpoint"], storage_host or info["storage_host"]
+
+
+def _storage_host_of(endpoint: str) -> str:
+    """Ask a local cloud where its storage emulator listens (its admin status page)."""
+    import json
+    import urllib.request
+
+    from tpuctl.errors import LocalCloudError
+
+    try:
+        with urllib.request.urlopen(f"{endpoint.rstrip('/')}/_localcloud/status", timeout=10) as resp:
+            return json.load(resp)["storage_host"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise LocalCloudError(f"cannot read the local cloud's status at {endpoint}: {exc}") from exc

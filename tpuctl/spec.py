@@ -1,0 +1,263 @@
+"""The run spec: one YAML file (or flags alone) describing what to provision and what to train.
+
+`RunSpec` is strict (`extra="forbid"`): a misspelt key is an error naming the key, never silently ignored.
+Legacy TPU Node requests (the v1 API, `tensorflow_version`) are recognised and refused with the reason:
+Google retired TPU Nodes on 2025-04-15. With `migrate=True` they become the equivalent TPU VM request.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from tpuctl.errors import BadInput
+
+TPU_NODE_RETIRED = "2025-04-15"
+PROVISIONING = ("on-demand", "spot", "preemptible", "queued")
+DEFAULT_TTL_S = 24 * 3600.0
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_DURATION_PARTS = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+# Keys and values that only a legacy TPU Node request carries.
+_LEGACY_KEYS = ("tensorflow_version", "tensorflowVersion", "tpu_node", "api_version")
+_LEGACY_RUNTIME = re.compile(r"^(\d+\.\d+(\.\d+)?|nightly|pytorch-[\d.]+|tpu-vm-base-legacy)$")
+
+
+def parse_duration(value: Any) -> float:
+    """`2h`, `90m`, `1d12h`, `45s` or a number of seconds -> seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and _DURATION.match(value):
+        n, unit = _DURATION.match(value).groups()
+        seconds = float(n) * _UNITS[unit]
+    elif isinstance(value, str) and value.strip() and _DURATION_PARTS.sub("", value.strip()) == "":
+        seconds = sum(float(n) * _UNITS[u] for n, u in _DURATION_PARTS.findall(value))
+    else:
+        raise ValueError(f"{value!r} is not a duration; write e.g. 2h, 90m, 1d12h or 3600")
+    if seconds <= 0:
+        raise ValueError("a duration must be positive")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    s = int(round(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size and s % size == 0:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+def _normal_duration(value: Any) -> Any:
+    return format_duration(parse_duration(value)) if value is not None else None
+
+
+# Kept as text ("2h") so every reader sees what the user wrote, normalised; `*_s` properties give seconds.
+Duration = Annotated[str, BeforeValidator(_normal_duration)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class VmSpec(_Strict):
+    name: str
+    machine_type: str = "e2-standard-2"
+    disk_gb: int = Field(default=20, ge=10, le=65536)
+    image: str = "projects/debian-cloud/global/images/family/debian-12"
+
+
+class DataSpec(_Strict):
+    corpus: list[str] = Field(default_factory=list)  # paths, globs or gs:// urls
+    vocab_size: int = Field(default=8000, ge=100)
+    seq_len: int = Field(default=128, ge=8)
+    lowercase: bool = True
+
+    @field_validator("corpus", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class JobSpec(_Strict):
+    template: str = "bert"  # a name under templates/, or a local directory
+    preset: str | None = None  # e.g. "bert-tiny"
+    config: dict[str, Any] = Field(default_factory=dict)  # overrides passed to the template
+    data: DataSpec = Field(default_factory=DataSpec)
+    args: list[str] = Field(default_factory=list)
+    max_recoveries: int = Field(default=3, ge=0)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class RunSpec(_Strict):
+    name: str | None = None
+    project: str | None = None
+    zones: tuple[str, ...] = ()  # failover order; `zone:` in YAML (a string, a list, or "a,b")
+    accelerator: str | None = None
+    runtime_version: str | None = None  # default: the catalog's per-generation choice
+    provisioning: Literal["on-demand", "spot", "preemptible", "queued"] = "on-demand"
+    valid_until: Duration | None = None  # queued only: give up waiting for capacity after this long
+    vms: list[VmSpec] = Field(default_factory=list)
+    bucket: str = "auto"
+    service_account: str = "default"  # or an email
+    network: str = "default"
+    subnet: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+    ttl: Duration = format_duration(DEFAULT_TTL_S)
+    allow_cross_region: bool = False
+    job: JobSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _zone_alias(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "zone" in data:
+            data = dict(data)
+            zone = data.pop("zone")
+            if "zones" in data:
+                raise ValueError("give either zone or zones, not both")
+            data["zones"] = zone
+        if isinstance(data, Mapping) and isinstance(data.get("zones"), str):
+            data = {**data, "zones": [z.strip() for z in data["zones"].split(",") if z.strip()]}
+        return data
+
+    @field_validator("zones")
+    @classmethod
+    def _distinct_zones(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(v))
+
+    @field_validator("valid_until")
+    @classmethod
+    def _queued_only(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("provisioning") != "queued":
+            raise ValueError("valid_until applies only to provisioning: queued")
+        return v
+
+    @field_validator("vms")
+    @classmethod
+    def _distinct_vms(cls, v: list[VmSpec]) -> list[VmSpec]:
+        names = [vm.name for vm in v]
+        if len(names) != len(set(names)):
+            raise ValueError("VM names must be distinct")
+        return v
+
+    @property
+    def ttl_s(self) -> float:
+        return parse_duration(self.ttl)
+
+    @property
+    def valid_until_s(self) -> float | None:
+        return None if self.valid_until is None else parse_duration(self.valid_until)
+
+    @property
+    def spot(self) -> bool:
+        return self.provisioning in ("spot", "preemptible")
+
+    @property
+    def queued(self) -> bool:
+        return self.provisioning == "queued"
+
+
+def load(path: str | Path | None = None, *, overrides: Mapping[str, Any] | None = None,
+         migrate: bool = False) -> RunSpec:
+    """Read a spec file (optional) and apply `overrides` (already merged by precedence, see tpuctl.config)."""
+    raw = dict(read_file(path)) if path is not None else {}
+    raw.update(overrides or {})
+    return from_mapping(raw, migrate=migrate)
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError as exc:
+        raise BadInput(f"spec file {p} does not exist", field="spec", hint="give the path of a YAML run spec") from exc
+    except yaml.YAMLError as exc:
+        raise BadInput(f"{p} is not valid YAML: {exc}", field="spec") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise BadInput(f"{p} must hold a mapping of spec fields, not {type(data).__name__}", field="spec")
+    return data
+
+
+def from_mapping(raw: Mapping[str, Any], *, migrate: bool = False) -> RunSpec:
+    """Validate a mapping into a RunSpec; any problem is one BadInput naming the field."""
+    raw = migrate_legacy(raw, migrate=migrate)
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "spec"
+        if first["type"] == "extra_forbidden":
+            known = ", ".join(sorted({*RunSpec.model_fields, "zone"} - {"zones"})) if len(first["loc"]) == 1 else ""
+            raise BadInput(f"unknown field {loc!r}", field=loc,
+                           hint=f"valid fields: {known}" if known else "remove it; see examples/bert-tiny.yaml") from exc
+        msg = first["msg"].removeprefix("Value error, ")
+        raise BadInput(msg, field=loc, hint=_HINTS.get(loc.split(".")[0], "see examples/bert-tiny.yaml")) from exc
+
+
+_HINTS = {
+    "provisioning": "one of: " + ", ".join(PROVISIONING),
+    "ttl": "a duration such as 2h, 90m or 1d",
+    "valid_until": "a duration such as 6h; only with provisioning: queued",
+}
+
+
+def migrate_legacy(raw: Mapping[str, Any], *, migrate: bool) -> dict[str, Any]:
+    """Refuse (or, with `migrate`, translate) a legacy TPU Node request."""
+    raw = dict(raw)
+    legacy = [k for k in _LEGACY_KEYS if k in raw and not (k == "api_version" and str(raw[k]) == "v2")]
+    runtime = raw.get("runtime_version")
+    if isinstance(runtime, str) and _LEGACY_RUNTIME.match(runtime):
+        legacy.append("runtime_version")
+    if not legacy:
+        raw.pop("api_version", None)
+        return raw
+    field = legacy[0]
+    version = raw.get("tensorflow_version") or raw.get("tensorflowVersion") or (
+        runtime if field == "runtime_version" else None)
+    if not migrate:
+        raise BadInput(
+            f"this is a legacy TPU Node request ({field}={raw[field]!r}); Google retired TPU Nodes and the "
+            f"v1 API on {TPU_NODE_RETIRED} and denies new ones", field=field,
+            hint="add --migrate to create the equivalent TPU VM instead (runtime tpu-vm-tf-X.Y.Z, no driver VM)")
+    for k in _LEGACY_KEYS:
+        raw.pop(k, None)
+    raw["runtime_version"] = None
+    note = "legacy TPU Node request migrated to a TPU VM (no separate driver VM is needed)"
+    if version and raw.get("accelerator"):
+        chosen = nearest_tf_runtime(str(version), str(raw["accelerator"]))
+        if chosen:
+            raw["runtime_version"] = chosen
+            note += f": TensorFlow {version} -> runtime {chosen}"
+    from tpuctl import console
+
+    console.note(note)
+    return raw
+
+
+def nearest_tf_runtime(tf_version: str, accelerator: str) -> str | None:
+    """The TPU VM TensorFlow runtime of the accelerator's generation closest to `tf_version` (e.g. 2.12)."""
+    from tpuctl import catalog
+
+    m = re.match(r"^(\d+)\.(\d+)", tf_version)
+    try:
+        t = catalog.load().accelerator(accelerator)
+    except BadInput:
+        return None  # plan() reports the unknown type with its nearest names
+    fitting = [r for r in t.runtimes if r.startswith("tpu-vm-tf-") and ("-pod" in r) == t.multi_host]
+    if not m or not fitting:
+        return None
+    want = int(m.group(1)) * 100 + int(m.group(2))
+
+    def distance(r: str) -> tuple[int, str]:
+        v = re.match(r"^tpu-vm-tf-(\d+)\.(\d+)", r)
+        return abs(int(v.group(1)) * 100 + int(v.group(2)) - want), r
+
+    return min(fitting, key=distance)
