@@ -1,0 +1,156 @@
+"""Cost arithmetic, estimates, the report, durations and the ledger (no cloud needed)."""
+
+from __future__ import annotations
+
+import multiprocessing
+from dataclasses import replace
+from datetime import datetime, timezone
+from types import SimpleNamespace
+
+import pytest
+
+from tpuctl import catalog, cost
+from tpuctl.errors import BadInput
+from tpuctl.ledger import Entry, Ledger, entry_of, key_of
+from tpuctl.provision.resources import Kind, Resource, State
+
+H = 3600.0
+
+
+@pytest.fixture
+def cat(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    return catalog.load()
+
+
+def tpu(name, run, owner="ann", created=0.0, deleted=None, acc="v3-8", zone="europe-west4-a", spot=False):
+    return Entry(kind="tpu", name=name, project="p", location=zone, run=run, owner=owner, created=created,
+                 deleted=deleted, accelerator=acc, spot=spot)
+
+
+def vm(name, run, owner="ann", created=0.0, deleted=None, mt="e2-standard-2", disk=0):
+    return Entry(kind="vm", name=name, project="p", location="us-central1-a", run=run, owner=owner,
+                 created=created, deleted=deleted, machine_type=mt, disk_gb=disk)
+
+
+@pytest.mark.parametrize("text,seconds", [("90s", 90), ("30m", 1800), ("2h", 7200), ("1h30m", 5400),
+                                          ("7d", 7 * 86400), ("1.5h", 5400), ("1w", 604800)])
+def test_parse_duration(text, seconds):
+    assert cost.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "2", "h", "2x", "2h bogus", "-1h"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(BadInput) as err:
+        cost.parse_duration(text, field="ttl")
+    assert err.value.field == "ttl"
+
+
+def test_accrued_runs_from_creation_to_deletion_or_now(cat):
+    live = tpu("a", "r1", created=0.0)
+    gone = tpu("b", "r1", created=0.0, deleted=0.5 * H)
+    assert cost.accrued(live, cat, now=2 * H) == pytest.approx(2 * 8.8)
+    assert cost.accrued(gone, cat, now=2 * H) == pytest.approx(0.5 * 8.8)
+    assert cost.accrued(gone, cat, now=2 * H, since=1 * H) == 0.0
+    assert cost.accrued(replace(live, kind="queued-resource"), cat, now=H) == 0.0
+    assert cost.accrued(vm("v", "r1", disk=730), cat, now=H) == pytest.approx(0.067 + 730 * 0.04 / 730)
+    assert cost.accrued_by_run([live, gone, vm("v", "r2")], cat, now=H) == pytest.approx(
+        {"r1": 8.8 + 0.5 * 8.8, "r2": 0.067})
+
+
+def test_spot_is_cheaper(cat):
+    assert cost.hourly(tpu("s", "r", spot=True), cat) == pytest.approx(4 * 0.561)
+
+
+def test_report_groups_windows_and_sorts(cat):
+    entries = [tpu("a", "r1", owner="ann", created=0), tpu("b", "r2", owner="bob", created=0, deleted=H),
+               vm("v", "r1", owner="ann", created=0), tpu("old", "r0", created=-10 * H, deleted=-5 * H)]
+    rep = cost.report(entries, cat, since=0, now=2 * H, by="run")
+    assert [r.key for r in rep.rows] == ["r1", "r2"]
+    r1, r2 = rep.rows
+    assert r1.usd == pytest.approx(2 * 8.8 + 2 * 0.067) and r1.live == 2 and r1.resources == 2
+    assert r2.usd == pytest.approx(8.8) and r2.live == 0 and r2.usd_per_hour_now == 0
+    assert rep.total_usd == pytest.approx(r1.usd + r2.usd)
+    assert rep.usd_per_hour_now == pytest.approx(8.8 + 0.067)
+    by_owner = cost.report(entries, cat, since=0, now=2 * H, by="owner")
+    assert {r.key for r in by_owner.rows} == {"ann", "bob"}
+    by_type = cost.report(entries, cat, since=-100 * H, now=2 * H, by="type")
+    assert {r.key for r in by_type.rows} == {"v3-8", "e2-standard-2"}
+    assert rep.to_json()["rows"][0]["key"] == "r1"
+    with pytest.raises(BadInput) as err:
+        cost.report(entries, cat, since=0, now=H, by="zone")
+    assert err.value.field == "by"
+
+
+def test_estimate_with_and_without_a_bound(cat):
+    e = cost.estimate(cat, accelerator="v3-8", zone="europe-west4-a", spot=False,
+                      vms=[cost.VmPlan("driver", "e2-standard-2", 0)], bucket_gb=730)
+    assert e.usd_per_hour == pytest.approx(8.8 + 0.067 * 1.101 + 730 * 0.020 / 730)
+    assert e.total_usd is None and len(e.items) == 3
+    hours, bound = cost.run_bound(steps=7200, step_seconds=0.5, ttl="4h")
+    assert (hours, bound) == (1.0, "7200 steps x 0.5 s")
+    assert cost.run_bound(steps=7200, step_seconds=0.5, ttl="30m") == (0.5, "ttl 30m")
+    assert cost.run_bound() == (None, None)
+
+
+def test_estimate_spec_reads_a_run_spec_shape(cat):
+    spec = SimpleNamespace(zones=["us-central1-b", "us-central1-c"], accelerator="v2-8", provisioning="spot",
+                           vms=[SimpleNamespace(name="d", machine_type="n1-standard-1", disk_gb=10)], ttl="2h",
+                           job=SimpleNamespace(config={"train_steps": 100}))
+    e = cost.estimate_spec(spec, cat)
+    assert e.hours == 2.0 and e.bound == "ttl 2h"
+    assert e.usd_per_hour == pytest.approx(4 * 0.3375 + 0.0475 + 10 * 0.04 / 730)
+    assert e.total_usd == pytest.approx(2 * e.usd_per_hour)
+    assert cost.estimate_spec(spec, cat, step_seconds=36).hours == 1.0
+
+
+def test_entry_of_a_resource_prefers_api_create_time_then_label():
+    created = datetime(2026, 11, 23, tzinfo=timezone.utc)
+    r = Resource(kind=Kind.TPU, name="n", project="p", location="europe-west4-a", state=State.READY,
+                 labels={"tpuctl-owner": "ann", "tpuctl-created": "100"}, created=created, run="r1",
+                 accelerator="v3-8", spot=True)
+    e = entry_of(r)
+    assert (e.created, e.owner, e.run, e.spot, e.key) == (created.timestamp(), "ann", "r1", True, key_of(r))
+    r2 = Resource(kind=Kind.VM, name="v", project="p", location="z", state=State.READY,
+                  labels={"tpuctl-created": "100"}, created=None, run=None, detail={"disk_gb": "20"})
+    assert entry_of(r2).created == 100.0 and entry_of(r2).disk_gb == 20
+
+
+def test_ledger_record_delete_reconcile(tmp_path):
+    led = Ledger(tmp_path / "ledger.json")
+    a, b = tpu("a", "r1", created=10), vm("b", "r1", created=20)
+    led.record([a, b])
+    led.record([tpu("a", "r1", created=50)])  # seen again later: keeps the first creation time
+    assert [e.created for e in led.entries()] == [10, 20]
+    led.mark_deleted([a.key], at=30)
+    led.mark_deleted([a.key], at=99)  # idempotent: first deletion time stands
+    led.record([a])  # re-seen in a stale scan: stays deleted
+    led.reconcile(live_keys=[], scanned_projects=["other"], at=40)
+    assert {e.name: e.deleted for e in led.entries()} == {"a": 30, "b": None}
+    led.reconcile(live_keys=[], scanned_projects=["p"], at=40)
+    assert {e.name: e.deleted for e in led.entries()} == {"a": 30, "b": 40}
+
+
+def test_corrupt_ledger_is_set_aside(tmp_path):
+    path = tmp_path / "ledger.json"
+    path.write_text("{oops")
+    assert Ledger(path).entries() == []
+    assert list(tmp_path.glob("ledger.json.corrupt-*"))
+
+
+def _writer(path, prefix):
+    led = Ledger(path)
+    for i in range(25):
+        led.record([tpu(f"{prefix}{i}", "r", created=i)])
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = tmp_path / "ledger.json"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(path, p)) for p in "xyz"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert all(p.exitcode == 0 for p in procs)
+    assert len(Ledger(path).entries()) == 75

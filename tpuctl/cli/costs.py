@@ -1,0 +1,257 @@
+"""`tpuctl catalog`, `tpuctl cost` and `tpuctl gc`: what things cost, what was spent, and the cleanup cron."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from tpuctl import catalog as catalog_mod
+from tpuctl import console, cost, paths
+from tpuctl.errors import BadInput, CloudError
+from tpuctl.config import settings
+from tpuctl.ledger import Ledger
+from tpuctl.provision import gc, labels
+from tpuctl.provision.clients import connect
+
+SECTION = "Cost and cleanup"
+
+
+def _money(usd: float | None) -> str:
+    return "-" if usd is None else f"${usd:,.2f}"
+
+
+@click.group("catalog")
+def catalog_group() -> None:
+    """TPU types, zones, runtimes and prices.
+
+    The data is embedded (with its date and sources); `catalog refresh` pulls current prices from the Cloud
+    Billing Catalog API into a local cache that then wins.
+    """
+
+
+@catalog_group.command("list")
+@click.option("--generation", "-g", help="only this generation: v2 v3 v4 v5e v5p v6e")
+@click.option("--region", "-r", default="us-central1", show_default=True, help="region whose prices to show")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def catalog_list(generation: str | None, region: str, as_json: bool) -> None:
+    """Every accelerator type with its shape and $/hour."""
+    cat = catalog_mod.load()
+    types = [t for t in cat.accelerators() if generation in (None, t.generation)]
+    if generation and not types:
+        raise BadInput(f"unknown generation {generation!r}", field="generation",
+                       hint=f"one of: {', '.join(cat.generations())}")
+    if as_json:
+        console.emit_json({"as_of": cat.as_of, "prices_from": cat.prices_from, "source": cat.source,
+                           "accelerators": [catalog_mod.accelerator_json(t, cat) for t in types]})
+        return
+    rows = [(t.name, t.chips, t.cores, t.hosts, t.topology,
+             _money(cat.tpu_price_per_hour(t.name, region, spot=False)),
+             _money(cat.tpu_price_per_hour(t.name, region, spot=True)), t.default_runtime) for t in types]
+    console.table(("type", "chips", "cores", "hosts", "topology", f"$/h {region}", "spot $/h", "default runtime"),
+                  rows)
+    console.note(f"prices: {cat.prices_from}; regions without a sampled price show the dearest known one")
+
+
+@catalog_group.command("show")
+@click.argument("accelerator")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def catalog_show(accelerator: str, as_json: bool) -> None:
+    """One type: shape, zones, runtimes and prices in every region with a price."""
+    cat = catalog_mod.load()
+    t = cat.accelerator(accelerator)
+    data = catalog_mod.accelerator_json(t, cat)
+    if as_json:
+        console.emit_json(data)
+        return
+    console.table(("field", "value"), [
+        ("type", t.name), ("generation", t.generation), ("api type", t.api_type),
+        ("chips / cores / hosts", f"{t.chips} / {t.cores} / {t.hosts}"), ("topology", t.topology),
+        ("zones", ", ".join(t.zones)), ("runtimes", ", ".join(t.runtimes)), ("default runtime", t.default_runtime)])
+    console.table(("region", "on-demand $/h", "spot $/h"),
+                  [(r, _money(p["on_demand"]), _money(p["spot"]))
+                   for r, p in data["price_per_hour_by_region"].items()])
+    console.note(f"prices: {cat.prices_from}")
+
+
+def _clients(project: str | None, cloud: str | None):
+    return connect(settings(project=project, cloud=cloud))
+
+
+_project = click.option("--project", help="Google Cloud project (default: spec, env, config, gcloud)")
+_cloud = click.option("--cloud", type=click.Choice(["gcp", "local"]), help="force the target cloud")
+
+
+@catalog_group.command("refresh")
+@_project
+@_cloud
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def catalog_refresh(project: str | None, cloud: str | None, as_json: bool) -> None:
+    """Pull current TPU prices from the Cloud Billing Catalog API into the local cache."""
+    clients = _clients(project, cloud)
+    source = "local cloud Billing Catalog" if clients.local else "Cloud Billing Catalog API"
+    result = catalog_mod.refresh(clients.billing_catalog, source=source)
+    if as_json:
+        console.emit_json({"path": str(result.path), "skus_read": result.skus_read, "prices_set": result.prices_set,
+                           "tpu_prices_per_chip_hour": result.prices})
+        return
+    console.info(f"read {result.skus_read} SKUs, {result.prices_set} TPU prices -> {result.path}")
+
+
+@click.command("cost")
+@click.option("--since", default="7d", show_default=True, help="window: 24h, 7d, 30d ...")
+@click.option("--by", type=click.Choice(cost.GROUPINGS), default="run", show_default=True, help="group rows by")
+@_project
+@_cloud
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def cost_command(since: str, by: str, project: str | None, cloud: str | None, as_json: bool) -> None:
+    """What tpuctl runs cost, by run, owner or type.
+
+    Live resources are found by their tpuctl labels; deleted ones come from the local ledger.
+    """
+    window = cost.parse_duration(since, field="since")
+    clients = _clients(project, cloud)
+    now = time.time()
+    entries = gc.cost_entries(clients, now=now)
+    rep = cost.report(entries, catalog_mod.load(), since=now - window, now=now, by=by)
+    if as_json:
+        console.emit_json(rep.to_json())
+        return
+    console.table((by, "resources", "live", "resource-hours", "cost", "$/h now"),
+                  [(r.key, r.resources, r.live, f"{r.hours:.2f}", _money(r.usd), _money(r.usd_per_hour_now))
+                   for r in rep.rows])
+    console.info(f"total {_money(rep.total_usd)} over the last {since}; live resources bill "
+                 f"{_money(rep.usd_per_hour_now)}/h now (prices: {rep.prices_from})")
+
+
+def _outcome_line(o) -> str:
+    rec = o.record()
+    line = (f"{rec['status']} {rec['kind']} {rec['location']}/{rec['name']} run={rec['run']} owner={rec['owner']}: "
+            f"{rec['why']}")
+    if rec["error"]:
+        line += f" ({rec['error']})"
+    elif rec["status"] == "deleted":
+        line += f" ({rec['seconds']:.1f}s)"
+    return line
+
+
+_SCHEDULE_ENV = ("TPUCTL_HOME", "TPUCTL_PROJECT", "TPUCTL_CLOUD", "TPUCTL_API_ENDPOINT", "TPUCTL_STORAGE_HOST",
+                 "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG")
+
+
+def _tpuctl_argv() -> list[str]:
+    exe = shutil.which("tpuctl")
+    return [exe] if exe else [sys.executable, "-m", "tpuctl"]
+
+
+def _install_schedule(sched: gc.Schedule) -> None:
+    unit_dir = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "systemd" / "user"
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    (unit_dir / "tpuctl-gc.service").write_text(sched.service_unit)
+    (unit_dir / "tpuctl-gc.timer").write_text(sched.timer_unit)
+    console.info(f"wrote {unit_dir / 'tpuctl-gc.service'} and tpuctl-gc.timer; to use systemd instead of cron: "
+                 "systemctl --user daemon-reload && systemctl --user enable --now tpuctl-gc.timer")
+    if shutil.which("crontab") is None:
+        console.warn("no `crontab` command here: the cron line was not installed (use the systemd timer)")
+        return
+    current = subprocess.run(["crontab", "-l"], capture_output=True, text=True)
+    # crontab signals "no table yet" only in its message; any other failure must not make us replace a
+    # table we could not read.
+    if current.returncode != 0 and "no crontab" not in current.stderr.lower():
+        raise CloudError(f"could not read your crontab: {current.stderr.strip()}",
+                         hint="add the line printed by `tpuctl gc --schedule` with `crontab -e`")
+    existing = current.stdout if current.returncode == 0 else ""
+    done = subprocess.run(["crontab", "-"], input=gc.merge_crontab(existing, sched.crontab_line),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CloudError(f"crontab refused the new table: {done.stderr.strip()}",
+                         hint="add the line printed by `tpuctl gc --schedule` with `crontab -e`")
+    console.info("installed the crontab line (marked # tpuctl-gc; re-running --install replaces it)")
+
+
+@click.command("gc")
+@click.option("--dry-run", is_flag=True, help="show what would be deleted; delete nothing")
+@click.option("--idle", default="60m", show_default=True,
+              help="a running job without a heartbeat for this long is idle ('off' disables)")
+@click.option("--budget", type=float, help="USD: delete runs whose accrued cost passed this")
+@click.option("--budget-per", type=click.Choice(["run", "owner"]), default="run", show_default=True,
+              help="apply --budget to each run, or to the sum of an owner's runs")
+@click.option("--all-owners", is_flag=True, help="also act on other owners' runs (default: only yours)")
+@click.option("--owner", help="act as this owner label (default: your user name)")
+@click.option("--buckets", is_flag=True, help="also delete buckets whose own TTL passed (they hold models)")
+@click.option("--lock-wait", type=float, default=0.0, show_default=True,
+              help="seconds to wait for another gc run to finish before skipping this one")
+@click.option("--timeout", "timeout", default="15m", show_default=True,
+              help="give up on a deletion that has not finished after this long (reported as failed)")
+@click.option("--schedule", is_flag=True, help="print a crontab line and systemd units that run this gc")
+@click.option("--install", is_flag=True, help="write the systemd units and install the crontab line")
+@click.option("--every", default="10m", show_default=True, help="how often the scheduled gc runs")
+@_project
+@_cloud
+@click.option("--json", "as_json", is_flag=True, help="one JSON record per action on stdout")
+@click.pass_context
+def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | None, budget_per: str,
+               all_owners: bool, owner: str | None, buckets: bool, lock_wait: float, timeout: str, schedule: bool, install: bool,
+               every: str, project: str | None, cloud: str | None, as_json: bool) -> None:
+    """Delete runs that outlived their purpose (the cleanup cron).
+
+    A run goes when its TTL passed, its job finished or failed, it is idle, its TPU was preempted and nobody
+    is recovering it, or it is over --budget. Never touches resources without tpuctl labels, nor other
+    owners' runs unless --all-owners. Exit 0 all done, 1 some deletions failed, 2 bad input.
+    """
+
+    idle_s = None if idle.strip().lower() in ("off", "0", "none") else cost.parse_duration(idle, field="idle")
+    if budget is not None and budget <= 0:
+        raise BadInput(f"budget {budget} is not positive", field="budget", hint="give USD, e.g. --budget 50")
+    timeout_s = cost.parse_duration(timeout, field="timeout")
+    if lock_wait < 0:
+        raise BadInput("--lock-wait must be >= 0 seconds", field="lock-wait")
+    if schedule or install:
+        every_s = cost.parse_duration(every, field="every")
+        argv = [*_tpuctl_argv(), "gc", "--idle", idle, "--budget-per", budget_per]
+        for flag, on in (("--all-owners", all_owners), ("--buckets", buckets)):
+            argv += [flag] if on else []
+        for flag, value in (("--budget", budget), ("--owner", owner), ("--project", project), ("--cloud", cloud)):
+            argv += [flag, str(value)] if value is not None else []
+        env = {k: os.environ[k] for k in _SCHEDULE_ENV if os.environ.get(k)}
+        sched = gc.schedule(argv, every_s=every_s, log=paths.logs_dir() / "gc.log", env=env)
+        if install:
+            _install_schedule(sched)
+        else:
+            click.echo(f"# crontab (crontab -e):\n{sched.crontab_line}\n")
+            click.echo(f"# ~/.config/systemd/user/tpuctl-gc.service\n{sched.service_unit}")
+            click.echo(f"# ~/.config/systemd/user/tpuctl-gc.timer\n{sched.timer_unit}")
+        return
+    clients = _clients(project, cloud)
+    policy = gc.Policy(now=time.time(), owner=labels.label_value(owner) if owner else labels.owner(),
+                       all_owners=all_owners, idle_s=idle_s, budget_usd=budget, budget_per=budget_per, buckets=buckets)
+
+    def show(o) -> None:
+        if as_json:
+            console.emit_json_line(o.record())
+        else:
+            click.echo(_outcome_line(o))
+
+    result = gc.run(clients, policy, dry_run=dry_run, catalog=catalog_mod.load(), ledger=Ledger(),
+                    lock=paths.gc_lock(), lock_wait_s=lock_wait, on_outcome=show, deadline_s=timeout_s)
+    if result.locked_out:
+        console.note(f"gc: another tpuctl gc holds {paths.gc_lock()}; skipped this run")
+        return
+    deleted = sum(1 for o in result.outcomes if o.ok and o.action.verdict == "delete")
+    verb = "would delete" if dry_run else "deleted"
+    console.info(f"gc: {result.scanned} tpuctl resources scanned, {verb} {deleted}, "
+                 f"skipped {sum(1 for o in result.outcomes if o.action.verdict == 'skip')}, "
+                 f"failed {len(result.failed)}")
+    if result.failed:
+        ctx.exit(1)
+
+
+for _cmd in (catalog_group, cost_command, gc_command):
+    _cmd.section = SECTION  # type: ignore[attr-defined]
+
+commands = [catalog_group, cost_command, gc_command]

@@ -1,0 +1,210 @@
+"""What a run will cost before it starts, what it has cost so far, and the report behind `tpuctl cost`.
+
+All figures come from catalog prices times wall-clock lifetime: a TPU, VM or disk bills from its creation to
+its deletion. A queued resource itself costs nothing (the node it becomes bills as a TPU), and a bucket's
+accrued cost is left out of running totals because it depends on bytes stored, not on time alive; the
+estimate includes it from a size the caller gives.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from tpuctl.catalog import Catalog, region_of
+from tpuctl.errors import BadInput
+from tpuctl.ledger import Entry
+
+HOURS_PER_MONTH = 730.0  # Google's billing convention for per-month prices
+GROUPINGS = ("run", "owner", "type")
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str, *, field: str = "duration") -> float:
+    """"90m", "2h", "1h30m", "7d" -> seconds; BadInput naming `field` otherwise."""
+    s = str(text).strip().lower().replace(" ", "")
+    parts = _DURATION.findall(s)
+    if not s or "".join(n + u for n, u in parts) != s:
+        raise BadInput(f"{text!r} is not a duration", field=field, hint="write it like 90m, 2h, 1h30m or 7d")
+    return float(sum(float(n) * _UNIT_SECONDS[u] for n, u in parts))
+
+
+# -- prices of one resource ---------------------------------------------------------------------------------
+
+
+def hourly(e: Entry, catalog: Catalog) -> float:
+    """USD per hour the resource bills while it exists."""
+    if e.kind == "tpu" and e.accelerator:
+        return catalog.tpu_price_per_hour(e.accelerator, e.location, e.spot)
+    if e.kind == "vm" and e.machine_type:
+        disk = e.disk_gb * catalog.disk_price_per_gb_month() / HOURS_PER_MONTH
+        return catalog.vm_price_per_hour(e.machine_type, e.location) + disk
+    return 0.0
+
+
+def lifetime_hours(e: Entry, *, since: float, now: float) -> float:
+    """Hours of the resource's life inside the window [since, now]."""
+    end = now if e.deleted is None else min(e.deleted, now)
+    return max(0.0, end - max(e.created, since)) / 3600.0
+
+
+def accrued(e: Entry, catalog: Catalog, *, now: float, since: float = 0.0) -> float:
+    """USD the resource has cost from its creation (or `since`) to its deletion (or `now`)."""
+    return hourly(e, catalog) * lifetime_hours(e, since=since, now=now)
+
+
+def accrued_by_run(entries: Iterable[Entry], catalog: Catalog, *, now: float) -> dict[str, float]:
+    """USD per run over the whole lifetime of each resource (what `status`/`list` show, and budgets check)."""
+    out: dict[str, float] = {}
+    for e in entries:
+        if e.run:
+            out[e.run] = out.get(e.run, 0.0) + accrued(e, catalog, now=now)
+    return out
+
+
+# -- estimate before spending -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LineItem:
+    what: str  # "tpu v3-8 (spot) in europe-west4-a", "vm driver e2-standard-2 + 20 GB disk", ...
+    usd_per_hour: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    items: tuple[LineItem, ...]
+    usd_per_hour: float
+    hours: float | None  # set when the spec bounds the run
+    bound: str | None  # what bounds it: "ttl 2h", "2000 steps x 0.5 s"
+    total_usd: float | None
+    prices_from: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"usd_per_hour": round(self.usd_per_hour, 4), "hours": self.hours, "bound": self.bound,
+                "total_usd": None if self.total_usd is None else round(self.total_usd, 2),
+                "items": [{"what": i.what, "usd_per_hour": round(i.usd_per_hour, 4)} for i in self.items],
+                "prices_from": self.prices_from}
+
+
+@dataclass(frozen=True)
+class VmPlan:
+    name: str
+    machine_type: str
+    disk_gb: int = 0
+
+
+def estimate(catalog: Catalog, *, accelerator: str, zone: str, spot: bool, vms: Sequence[VmPlan] = (),
+             bucket_gb: float = 0.0, hours: float | None = None, bound: str | None = None) -> Estimate:
+    """$/hour of a plan and, when `hours` bounds it, the total. Pure: no API calls."""
+    kind = " (spot)" if spot else ""
+    items = [LineItem(f"tpu {accelerator}{kind} in {zone}", catalog.tpu_price_per_hour(accelerator, zone, spot))]
+    for vm in vms:
+        e = Entry(kind="vm", name=vm.name, project="", location=zone, run=None, owner=None, created=0.0,
+                  machine_type=vm.machine_type, disk_gb=vm.disk_gb)
+        disk = f" + {vm.disk_gb} GB disk" if vm.disk_gb else ""
+        items.append(LineItem(f"vm {vm.name} {vm.machine_type}{disk}", hourly(e, catalog)))
+    if bucket_gb:
+        per_hour = bucket_gb * catalog.storage_price_per_gb_month(region_of(zone)) / HOURS_PER_MONTH
+        items.append(LineItem(f"bucket ~{bucket_gb:g} GB", per_hour))
+    per_hour = sum(i.usd_per_hour for i in items)
+    return Estimate(items=tuple(items), usd_per_hour=per_hour, hours=hours, bound=bound,
+                    total_usd=None if hours is None else per_hour * hours, prices_from=catalog.prices_from)
+
+
+def run_bound(*, steps: int | None = None, step_seconds: float | None = None,
+              ttl: str | None = None) -> tuple[float | None, str | None]:
+    """Hours a run can last and why: steps x expected step time when both are known, else the TTL.
+
+    The smaller bound wins when both exist: the TTL deletes the run even if the steps are not done.
+    """
+    bounds: list[tuple[float, str]] = []
+    if steps and step_seconds:
+        bounds.append((steps * step_seconds / 3600.0, f"{steps} steps x {step_seconds:g} s"))
+    if ttl:
+        bounds.append((parse_duration(ttl, field="ttl") / 3600.0, f"ttl {ttl}"))
+    if not bounds:
+        return None, None
+    return min(bounds)
+
+
+def estimate_spec(spec: Any, catalog: Catalog, *, step_seconds: float | None = None,
+                  bucket_gb: float = 0.0) -> Estimate:
+    """The estimate for a `tpuctl.spec.RunSpec` in its first zone; `step_seconds` is the caller's expected
+    time per training step (the job config's `steps`/`train_steps` give the count)."""
+    zones = getattr(spec, "zones", None) or [spec.zone]
+    zone = zones[0] if isinstance(zones, (list, tuple)) else zones
+    job = getattr(spec, "job", None)
+    config = dict(getattr(job, "config", None) or {})
+    steps = config.get("steps") or config.get("train_steps")
+    hours, bound = run_bound(steps=int(steps) if steps else None, step_seconds=step_seconds,
+                             ttl=getattr(spec, "ttl", None))
+    vms = [VmPlan(v.name, v.machine_type, int(getattr(v, "disk_gb", 0) or 0)) for v in (spec.vms or ())]
+    return estimate(catalog, accelerator=spec.accelerator, zone=zone,
+                    spot=spec.provisioning in ("spot", "preemptible"), vms=vms, bucket_gb=bucket_gb,
+                    hours=hours, bound=bound)
+
+
+# -- the report behind `tpuctl cost` ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostRow:
+    key: str  # a run name, an owner, or a type ("v3-8", "e2-standard-2")
+    resources: int
+    live: int
+    hours: float  # resource-hours inside the window
+    usd: float
+    usd_per_hour_now: float  # what the live ones bill per hour right now
+
+
+@dataclass(frozen=True)
+class CostReport:
+    by: str
+    since: float
+    until: float
+    rows: tuple[CostRow, ...]
+    total_usd: float
+    usd_per_hour_now: float
+    prices_from: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"by": self.by, "since": self.since, "until": self.until, "total_usd": round(self.total_usd, 4),
+                "usd_per_hour_now": round(self.usd_per_hour_now, 4), "prices_from": self.prices_from,
+                "rows": [{"key": r.key, "resources": r.resources, "live": r.live, "hours": round(r.hours, 4),
+                          "usd": round(r.usd, 4), "usd_per_hour_now": round(r.usd_per_hour_now, 4)}
+                         for r in self.rows]}
+
+
+def _group_key(e: Entry, by: str) -> str:
+    if by == "run":
+        return e.run or "(no run)"
+    if by == "owner":
+        return e.owner or "(no owner)"
+    return e.accelerator or e.machine_type or e.kind
+
+
+def report(entries: Iterable[Entry], catalog: Catalog, *, since: float, now: float, by: str = "run") -> CostReport:
+    """Cost per run/owner/type of every resource alive at some point in [since, now], dearest first."""
+    if by not in GROUPINGS:
+        raise BadInput(f"cannot group by {by!r}", field="by", hint=f"use one of: {', '.join(GROUPINGS)}")
+    acc: dict[str, list[float]] = {}
+    for e in entries:
+        if e.created > now or (e.deleted is not None and e.deleted < since):
+            continue
+        per_hour = hourly(e, catalog)
+        hours = lifetime_hours(e, since=since, now=now)
+        live = e.deleted is None
+        row = acc.setdefault(_group_key(e, by), [0, 0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += live
+        row[2] += hours
+        row[3] += per_hour * hours
+        row[4] += per_hour if live else 0.0
+    rows = tuple(sorted((CostRow(k, int(v[0]), int(v[1]), v[2], v[3], v[4]) for k, v in acc.items()),
+                        key=lambda r: (-r.usd, r.key)))
+    return CostReport(by=by, since=since, until=now, rows=rows, total_usd=sum(r.usd for r in rows),
+                      usd_per_hour_now=sum(r.usd_per_hour_now for r in rows), prices_from=catalog.prices_from)

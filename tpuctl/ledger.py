@@ -1,0 +1,137 @@
+"""A small local ledger of the resources tpuctl saw created and deleted: the memory behind `tpuctl cost`.
+
+Labels on the cloud resources decide what exists; the ledger only remembers what no longer does (a deleted
+TPU has no labels left to read), so cost reports can include finished runs. Losing the file loses history,
+never control: `gc` and `down` never consult it to decide what to delete.
+
+Concurrency: every read-modify-write holds an exclusive `fcntl` lock on a sidecar file, and the JSON is
+replaced atomically (write then rename), so two tpuctl processes never interleave or tear it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from tpuctl import paths
+from tpuctl.catalog import write_json_atomic
+
+_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One resource's lifetime as tpuctl last knew it; times are unix seconds."""
+
+    kind: str  # provision.resources.Kind value: "tpu", "queued-resource", "vm", "bucket"
+    name: str
+    project: str
+    location: str
+    run: str | None
+    owner: str | None
+    created: float
+    deleted: float | None = None
+    accelerator: str | None = None
+    machine_type: str | None = None
+    spot: bool = False
+    disk_gb: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.project}/{self.kind}/{self.location}/{self.name}"
+
+
+def entry_of(r: Any, *, now: float | None = None) -> Entry:
+    """The ledger entry of a live `tpuctl.provision.resources.Resource`.
+
+    Creation time: the API's own create time, else the `tpuctl-created` label, else `now` (a resource seen
+    for the first time without either is costed from when it was first seen).
+    """
+    created = r.created.timestamp() if r.created is not None else None
+    if created is None:
+        try:
+            created = float(r.labels["tpuctl-created"])
+        except (KeyError, ValueError):
+            created = time.time() if now is None else now
+    return Entry(kind=r.kind.value, name=r.name, project=r.project, location=r.location, run=r.run,
+                 owner=r.labels.get("tpuctl-owner"), created=created, accelerator=r.accelerator,
+                 machine_type=r.machine_type, spot=bool(r.spot), disk_gb=int(r.detail.get("disk_gb", 0) or 0))
+
+
+def key_of(r: Any) -> str:
+    """The ledger key of a live resource (same as `entry_of(r).key`)."""
+    return f"{r.project}/{r.kind.value}/{r.location}/{r.name}"
+
+
+class Ledger:
+    """The ledger file at `path` (default `tpuctl.paths.ledger()`). Each method is one locked transaction."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or paths.ledger()
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                doc = self._read()
+                before = json.dumps(doc, sort_keys=True)
+                yield doc
+                if json.dumps(doc, sort_keys=True) != before:
+                    write_json_atomic(self.path, doc)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            doc = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {"version": _VERSION, "resources": {}}
+        except ValueError:
+            # A corrupt cache is set aside rather than trusted or fatal; labels still decide what exists.
+            self.path.replace(self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}"))
+            return {"version": _VERSION, "resources": {}}
+        doc.setdefault("resources", {})
+        return doc
+
+    def entries(self) -> list[Entry]:
+        """Every entry, live and deleted, oldest first."""
+        with self._locked() as doc:
+            out = [Entry(**e) for e in doc["resources"].values()]
+        return sorted(out, key=lambda e: e.created)
+
+    def record(self, entries: Iterable[Entry]) -> None:
+        """Remember resources seen alive (idempotent: an entry already known keeps its earliest creation
+        time and its deletion time, if any)."""
+        with self._locked() as doc:
+            res = doc["resources"]
+            for e in entries:
+                old = res.get(e.key)
+                if old is not None:
+                    e = replace(e, created=min(e.created, old["created"]), deleted=old.get("deleted"))
+                res[e.key] = asdict(e)
+
+    def mark_deleted(self, keys: Iterable[str], at: float | None = None) -> None:
+        """Mark resources deleted at `at` (default now). Idempotent: a first deletion time is kept."""
+        at = time.time() if at is None else at
+        with self._locked() as doc:
+            for k in keys:
+                e = doc["resources"].get(k)
+                if e is not None and e.get("deleted") is None:
+                    e["deleted"] = at
+
+    def reconcile(self, live_keys: Iterable[str], scanned_projects: Iterable[str], at: float | None = None) -> None:
+        """After a complete scan of `scanned_projects`: entries of those projects the scan did not see were
+        deleted by someone else (console, `down` on another machine); close them at `at` (default now)."""
+        live = set(live_keys)
+        projects = set(scanned_projects)
+        with self._locked() as doc:
+            gone = [k for k, e in doc["resources"].items()
+                    if e["project"] in projects and e.get("deleted") is None and k not in live]
+        self.mark_deleted(gone, at)
