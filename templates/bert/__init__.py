@@ -1,0 +1,1 @@
+"""BERT masked-LM pretraining."""

@@ -1,0 +1,205 @@
+"""The training program's configuration: one JSON file, a typed schema split into task / trainer / runtime.
+
+File shape (every section and field optional; unknown keys are refused so typos fail loudly)::
+
+    {"preset": "bert-tiny",
+     "task":    {"hidden_size": 256, ...},
+     "trainer": {"max_steps": 1000, ...},
+     "runtime": {"data_dir": "gs://b/data", "model_dir": "gs://b/model", "export_dir": "gs://b/export"}}
+
+Resolution: the dataclass defaults (BERT-base shaped), then the named preset (`presets` in template.json,
+which the jobs side reads too), then the file's sections.
+
+- `task` is *what* is learned: the encoder's shape, the sequence length and the masking rate. `vocab_size`
+  left at 0 is taken from the prepared data's manifest; set explicitly it must match the manifest.
+- `trainer` is *how*: batch, steps, optimiser schedule, checkpoint and logging cadence.
+- `runtime` is *where*: data/model/export locations, accelerator choice and numeric policy.
+
+Pure stdlib: this module is imported on TPU workers and by tpuctl on a laptop without TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The model and the masked-LM objective. Defaults are BERT-base."""
+
+    seq_len: int = 128
+    vocab_size: int = 0  # 0: from the data manifest
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    dropout: float = 0.1
+    mask_rate: float = 0.15  # of maskable tokens; of those 80% [MASK], 10% random, 10% unchanged
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Optimisation and bookkeeping cadence.
+
+    The effective peak learning rate is `learning_rate` scaled from `base_batch_size` to the global batch:
+    `lr_scaling="sqrt"` (default; what large-batch Adam/LAMB BERT recipes use) multiplies by
+    sqrt(global/base), `"linear"` by global/base, `"none"` keeps it.
+    """
+
+    per_replica_batch_size: int = 128  # multiple of 8: TPU matrix units tile by 8
+    max_steps: int = 100_000
+    learning_rate: float = 1e-4
+    base_batch_size: int = 256
+    lr_scaling: str = "sqrt"
+    warmup_steps: int = 10_000
+    end_learning_rate_fraction: float = 0.0  # linear decay to this fraction of the peak at max_steps
+    weight_decay: float = 0.01
+    adam_beta_1: float = 0.9
+    adam_beta_2: float = 0.999
+    adam_epsilon: float = 1e-6
+    clipnorm: float = 1.0
+    steps_per_execution: int = 100
+    checkpoint_every: int = 1000  # steps; a multiple of steps_per_execution
+    keep_checkpoints: int = 3
+    log_every: int = 100  # steps; a multiple of steps_per_execution
+    shuffle_buffer: int = 10_000  # sequences
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where the program reads and writes, and how it uses the machine.
+
+    `tpu`: "" probes (TPU VM device files, then `COLAB_TPU_ADDR` / a `grpc://` `TPU_NAME`, then GPUs, then
+    the CPU); "local" forces this TPU VM's chips; a node name or `grpc://host:8470` forces that TPU.
+    `replicas` > 0 forces a CPU rehearsal with that many logical devices (see strategy.py).
+    """
+
+    data_dir: str = ""
+    model_dir: str = ""
+    export_dir: str = ""
+    tpu: str = ""
+    replicas: int = 0
+    mixed_precision: str = "auto"  # auto: mixed_bfloat16 on TPU, float32 elsewhere
+    jit_compile: bool = False  # TPUs always compile; True on CPU/GPU rehearses XLA compatibility
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    task: TaskConfig = field(default_factory=TaskConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    preset: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Presets live in template.json (the jobs side reads the same file); "description" is for people.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    name: {k: v for k, v in preset.items() if k != "description"}
+    for name, preset in json.loads((Path(__file__).parent / "template.json").read_text(encoding="utf-8"))[
+        "presets"].items()
+}
+
+_SECTIONS = {"task": TaskConfig, "trainer": TrainerConfig, "runtime": RuntimeConfig}
+
+
+def build(data: dict[str, Any]) -> BertConfig:
+    """Defaults, then `data["preset"]`, then the sections of `data`; validated. Raises ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError("config: expected a JSON object")
+    unknown = set(data) - {"preset", *_SECTIONS}
+    if unknown:
+        raise ConfigError(f"config: unknown key(s) {sorted(unknown)}; expected preset, task, trainer, runtime")
+    preset = data.get("preset") or ""
+    if preset and preset not in PRESETS:
+        raise ConfigError(f"config.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        values = {**PRESETS.get(preset, {}).get(name, {}), **(data.get(name) or {})}
+        sections[name] = _section(cls, name, values)
+    cfg = BertConfig(preset=preset, **sections)
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | Path) -> BertConfig:
+    """Read one JSON config file (local path; the jobs side copies it next to the program)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc}") from exc
+    return build(data)
+
+
+def with_overrides(cfg: BertConfig, **sections: dict[str, Any]) -> BertConfig:
+    """A copy with some fields of some sections replaced, validated (tests and the CLI use this)."""
+    data = cfg.to_dict()
+    for name, values in sections.items():
+        data[name] = {**data[name], **values}
+    data.pop("preset")
+    out = BertConfig(preset=cfg.preset, **{n: _section(c, n, data[n]) for n, c in _SECTIONS.items()})
+    validate(out)
+    return out
+
+
+def _section(cls, name: str, values: dict[str, Any]):
+    if not isinstance(values, dict):
+        raise ConfigError(f"config.{name}: expected an object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ConfigError(f"config.{name}: unknown field(s) {sorted(unknown)}; known: {sorted(fields)}")
+    typed = {}
+    for key, value in values.items():
+        want = type(fields[key].default)
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not want:
+            raise ConfigError(f"config.{name}.{key}: expected {want.__name__}, got {value!r}")
+        typed[key] = value
+    return cls(**typed)
+
+
+def validate(cfg: BertConfig) -> None:
+    """The rules that keep shapes static and TPU-friendly. Raises ConfigError naming the field."""
+    t, tr, rt = cfg.task, cfg.trainer, cfg.runtime
+    checks = [
+        (t.seq_len in (128, 256, 512), "task.seq_len", "must be 128, 256 or 512"),
+        (t.vocab_size >= 0, "task.vocab_size", "must be >= 0 (0 takes it from the data manifest)"),
+        (t.num_heads > 0 and t.hidden_size > 0 and t.hidden_size % t.num_heads == 0,
+         "task.hidden_size", "must be a positive multiple of task.num_heads (> 0)"),
+        (t.num_layers > 0, "task.num_layers", "must be > 0"),
+        (t.intermediate_size > 0, "task.intermediate_size", "must be > 0"),
+        (0.0 <= t.dropout < 1.0, "task.dropout", "must be in [0, 1)"),
+        (0.0 < t.mask_rate < 1.0, "task.mask_rate", "must be in (0, 1)"),
+        (tr.per_replica_batch_size > 0 and tr.per_replica_batch_size % 8 == 0,
+         "trainer.per_replica_batch_size", "must be a positive multiple of 8"),
+        (tr.max_steps > 0 and tr.max_steps % tr.steps_per_execution == 0,
+         "trainer.max_steps", "must be a positive multiple of trainer.steps_per_execution"),
+        (tr.learning_rate > 0, "trainer.learning_rate", "must be > 0"),
+        (tr.base_batch_size > 0, "trainer.base_batch_size", "must be > 0"),
+        (tr.lr_scaling in ("sqrt", "linear", "none"), "trainer.lr_scaling", "must be sqrt, linear or none"),
+        (tr.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0"),
+        (0.0 <= tr.end_learning_rate_fraction <= 1.0, "trainer.end_learning_rate_fraction", "must be in [0, 1]"),
+        (tr.steps_per_execution > 0, "trainer.steps_per_execution", "must be > 0"),
+        (tr.checkpoint_every > 0 and tr.checkpoint_every % tr.steps_per_execution == 0,
+         "trainer.checkpoint_every", "must be a positive multiple of trainer.steps_per_execution"),
+        (tr.log_every > 0 and tr.log_every % tr.steps_per_execution == 0,
+         "trainer.log_every", "must be a positive multiple of trainer.steps_per_execution"),
+        (tr.keep_checkpoints > 0, "trainer.keep_checkpoints", "must be > 0"),
+        (tr.shuffle_buffer > 0, "trainer.shuffle_buffer", "must be > 0"),
+        (rt.replicas >= 0, "runtime.replicas", "must be >= 0"),
+        (rt.mixed_precision in ("auto", "float32", "mixed_bfloat16"),
+         "runtime.mixed_precision", "must be auto, float32 or mixed_bfloat16"),
+    ]
+    for ok, name, rule in checks:
+        if not ok:
+            raise ConfigError(f"config.{name}: {rule}")

@@ -1,0 +1,23 @@
+"""The template's own errors: it runs on TPU workers without tpuctl, so tpuctl's CLI maps these to BadInput."""
+
+from __future__ import annotations
+
+
+class TemplateError(Exception):
+    """Base of the errors the BERT template raises for bad configs or data; one line, names the culprit."""
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class ConfigError(TemplateError, ValueError):
+    """The config file is missing, malformed or breaks a rule (message starts with the field)."""
+
+
+class DataError(TemplateError, ValueError):
+    """A corpus file or prepared data set is unusable; `path` names the file at fault."""
+
+
+class AcceleratorError(TemplateError, RuntimeError):
+    """The requested accelerator could not be found or initialised."""

@@ -1,0 +1,113 @@
+"""A compact BERT encoder with a tied masked-LM head, in Keras 3.
+
+Why not keras-hub's BertBackbone: it would serve from-scratch pretraining (random init needs no download),
+but keras-hub pulls tensorflow-text and with it the full `tensorflow` wheel (+0.9 GB next to
+tensorflow-cpu), and on the reference laptop a hand-written encoder trained faster under bf16 (181 vs 137
+examples/s, ../shared/api-notes.md) and saves with its optimizer state intact. This one is the published
+architecture: learned positions, post-LayerNorm blocks, GELU, tied input/output embeddings with an output bias.
+
+Inputs are int32 `input_ids` and `input_mask` [B, L] (no bool inputs: Keras averages inputs across
+replicas and AddN has no bool kernel). Output: float32 logits [B, L, V] whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import layers, ops
+
+from .config import TaskConfig
+
+_INIT = {"class_name": "TruncatedNormal", "config": {"stddev": 0.02}}
+
+
+@keras.saving.register_keras_serializable(package="bert")
+class ReversibleEmbedding(layers.Embedding):
+    """Token embedding that also projects hidden states back to vocabulary logits (weight tying)."""
+
+    def build(self, input_shape=None):
+        super().build(input_shape)
+        self.output_bias = self.add_weight(shape=(self.input_dim,), initializer="zeros", name="output_bias")
+
+    def call(self, inputs, reverse=False):
+        if not reverse:
+            return super().call(inputs)
+        kernel = ops.cast(ops.transpose(self.embeddings), self.compute_dtype)
+        logits = ops.matmul(inputs, kernel) + ops.cast(self.output_bias, self.compute_dtype)
+        return ops.cast(logits, "float32")  # softmax cross-entropy in float32 under mixed_bfloat16
+
+    # Embedding's own (quantisation-aware) save/load knows only `embeddings`; the generic one saves every variable.
+    def save_own_variables(self, store):
+        layers.Layer.save_own_variables(self, store)
+
+    def load_own_variables(self, store):
+        layers.Layer.load_own_variables(self, store)
+
+    def compute_output_spec(self, inputs, reverse=False):
+        if reverse:
+            return keras.KerasTensor((*inputs.shape[:-1], self.input_dim), dtype="float32")
+        return super().compute_output_spec(inputs)
+
+
+@keras.saving.register_keras_serializable(package="bert")
+class PositionEmbedding(layers.Layer):
+    """Adds a learned embedding per position; the sequence length is fixed (static shapes)."""
+
+    def __init__(self, seq_len: int, **kwargs):
+        super().__init__(**kwargs)
+        self.seq_len = seq_len
+
+    def build(self, input_shape):
+        self.positions = self.add_weight(shape=(self.seq_len, input_shape[-1]),
+                                         initializer=keras.initializers.get(_INIT), name="positions")
+
+    def call(self, x):
+        return x + ops.cast(self.positions, x.dtype)[None]
+
+    def get_config(self):
+        return {**super().get_config(), "seq_len": self.seq_len}
+
+
+def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
+    """The MLM model for `task` (dtype policy: whatever is global when called). Creates variables: call in scope."""
+    h, L = task.hidden_size, task.seq_len
+    ids = keras.Input((L,), dtype="int32", name="input_ids")
+    mask = keras.Input((L,), dtype="int32", name="input_mask")
+    embedding = ReversibleEmbedding(vocab_size, h, embeddings_initializer=keras.initializers.get(_INIT),
+                                    name="token_embedding")
+    x = PositionEmbedding(L, name="position_embedding")(embedding(ids))
+    x = layers.LayerNormalization(epsilon=1e-12, name="embedding_norm")(x)
+    x = layers.Dropout(task.dropout)(x)
+    attention_mask = ops.expand_dims(ops.cast(mask, "bool"), 1)  # [B, 1, L]: every query sees the real keys
+    for i in range(task.num_layers):
+        a = layers.MultiHeadAttention(task.num_heads, h // task.num_heads, dropout=task.dropout,
+                                      kernel_initializer=keras.initializers.get(_INIT), name=f"layer{i}_attention")(
+            x, x, attention_mask=attention_mask)
+        a = layers.Dropout(task.dropout)(a)
+        x = layers.LayerNormalization(epsilon=1e-12, name=f"layer{i}_attention_norm")(x + a)
+        f = layers.Dense(task.intermediate_size, activation="gelu", kernel_initializer=keras.initializers.get(_INIT),
+                         name=f"layer{i}_intermediate")(x)
+        f = layers.Dense(h, kernel_initializer=keras.initializers.get(_INIT), name=f"layer{i}_output")(f)
+        f = layers.Dropout(task.dropout)(f)
+        x = layers.LayerNormalization(epsilon=1e-12, name=f"layer{i}_output_norm")(x + f)
+    x = layers.Dense(h, activation="gelu", kernel_initializer=keras.initializers.get(_INIT), name="mlm_transform")(x)
+    x = layers.LayerNormalization(epsilon=1e-12, name="mlm_norm")(x)
+    logits = embedding(x, reverse=True)
+    return keras.Model({"input_ids": ids, "input_mask": mask}, logits, name="bert_mlm")
+
+
+@keras.saving.register_keras_serializable(package="bert")
+class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up from 0 to `peak` over `warmup_steps`, then linear decay to `end` at `total_steps`."""
+
+    def __init__(self, peak: float, warmup_steps: int, total_steps: int, end: float):
+        self.peak, self.warmup_steps, self.total_steps, self.end = peak, warmup_steps, total_steps, end
+
+    def __call__(self, step):
+        step = ops.cast(step, "float32")
+        warm = self.peak * step / max(self.warmup_steps, 1)
+        frac = ops.clip((step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1), 0.0, 1.0)
+        decay = self.peak + (self.end - self.peak) * frac
+        return ops.where(step < self.warmup_steps, warm, decay)
+
+    def get_config(self):
+        return {"peak": self.peak, "warmup_steps": self.warmup_steps, "total_steps": self.total_steps, "end": self.end}

@@ -1,0 +1,220 @@
+"""BERT masked-LM pretraining: `python -m bert.train --config CONFIG.json [--replicas N]`.
+
+Reads one config file (config.py), the prepared data's manifest (refusing data that disagrees with the
+config or with the checkpoints already in `model_dir`), resolves the strategy (strategy.py), restores the
+latest checkpoint if any, trains to `trainer.max_steps` and exports. Safe to kill at any moment: checkpoints
+are written atomically every `trainer.checkpoint_every` steps and at the end, and a rerun with the same
+config resumes from the latest one (step counter, optimizer state and the loss curve continue; the data
+order does not, it is reshuffled). A rerun after completion only re-exports.
+
+Output lines on stdout, one event per line, `key=value` fields separated by single spaces (values have no
+spaces); the first word says what the line is:
+
+    start strategy=cpu replicas=8 hosts=1 global_batch=64 step=0 max_steps=200 vocab_size=8000 seq_len=128
+    step=120 loss=6.1234 mlm_accuracy=0.0412 learning_rate=0.00012 examples_per_sec=812.3
+    checkpoint step=200 path=/model/checkpoints/ckpt-200
+    done step=200 loss=5.9876 mlm_accuracy=0.0833 export_dir=/model/export
+    idle worker=3 reason=pod-slice-driven-by-worker-0     (workers 1..N-1 of a multi-host TPU slice; exit 0)
+
+`step=` lines come every `trainer.log_every` steps; loss and accuracy there are averages over the steps since
+the previous line; examples_per_sec counts global-batch examples over that window's wall time (the first
+window includes tracing and compilation). TensorBoard scalars (loss, mlm_accuracy, learning_rate,
+examples_per_sec) go to `model_dir/tensorboard` at the same steps.
+
+Artifacts in `export_dir` (default `model_dir/export`): model.keras, vocab.txt, tokenizer.json,
+manifest.json, config.json (the resolved config), metrics.json (final step, loss, accuracy, throughput).
+Exit status: 0 done, 2 bad config or data (one `error: ...` line on stderr), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+from . import config as config_mod
+from .config import BertConfig
+from .errors import ConfigError, TemplateError
+
+RUN_STATE = "run.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bert.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="JSON config file (see bert/config.py)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="rehearse an N-core TPU on the CPU with N logical devices")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep stdout/stderr parseable; before TF is imported
+    try:
+        cfg = config_mod.load(args.config)
+        if args.replicas is not None:
+            cfg = config_mod.with_overrides(cfg, runtime={"replicas": args.replicas})
+        run(cfg)
+    except TemplateError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def run(cfg: BertConfig, *, log=None) -> dict:
+    """Train per `cfg` to max_steps (resuming if checkpoints exist) and export. Returns the final metrics.
+
+    Blocks for the whole training. `log(line)` receives the progress lines (default: print to stdout).
+    On workers 1..N-1 of a multi-host TPU slice it returns {} at once (worker 0 drives the slice).
+    Raises ConfigError / DataError for a config or data that cannot work, AcceleratorError if the
+    requested accelerator is missing.
+    """
+    emit = log or (lambda line: print(line, flush=True))
+    rt = cfg.runtime
+    if not rt.data_dir or not rt.model_dir:
+        raise ConfigError("config.runtime: data_dir and model_dir are required")
+    from . import strategy as strategy_mod
+
+    if strategy_mod.is_follower():
+        emit(f"idle worker={os.environ.get('TPU_WORKER_ID')} reason=pod-slice-driven-by-worker-0")
+        return {}
+    resolved = strategy_mod.resolve(rt)  # first: the CPU split must precede any other TF device use
+
+    import keras
+    import tensorflow as tf
+
+    from .callbacks import Monitor
+    from .data import join, make_dataset, read_manifest
+    from .model import WarmupLinearDecay, build_model
+
+    manifest = read_manifest(rt.data_dir)
+    cfg = _bind_model_dir(tf, cfg, manifest)
+
+    tr = cfg.trainer
+    global_batch = tr.per_replica_batch_size * resolved.replicas
+    peak = _peak_learning_rate(tr, global_batch)
+    schedule = WarmupLinearDecay(peak, tr.warmup_steps, tr.max_steps, peak * tr.end_learning_rate_fraction)
+    precision = rt.mixed_precision if rt.mixed_precision != "auto" else (
+        "mixed_bfloat16" if resolved.kind == "tpu" else "float32")
+    keras.config.set_dtype_policy(precision)
+    keras.utils.set_random_seed(rt.seed)
+
+    strategy = resolved.strategy
+    with strategy.scope():
+        model = build_model(cfg.task, vocab_size=manifest.vocab_size)
+        optimizer = _compile(keras, model, tr, schedule, jit_compile=rt.jit_compile and resolved.kind != "tpu")
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    manager = tf.train.CheckpointManager(checkpoint, join(rt.model_dir, "checkpoints"),
+                                         max_to_keep=tr.keep_checkpoints, step_counter=optimizer.iterations)
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+    start = int(optimizer.iterations.numpy())
+    export_dir = rt.export_dir or join(rt.model_dir, "export")
+    metrics_path = join(export_dir, "metrics.json")
+    if start >= tr.max_steps and tf.io.gfile.exists(metrics_path):
+        metrics = json.loads(_read(tf, metrics_path))  # finished and exported before: nothing to do
+        _done(emit, metrics, export_dir)
+        return metrics
+    emit(f"start strategy={resolved.kind} replicas={resolved.replicas} hosts={resolved.hosts} "
+         f"global_batch={global_batch} step={start} max_steps={tr.max_steps} "
+         f"vocab_size={manifest.vocab_size} seq_len={cfg.task.seq_len}")
+
+    monitor = Monitor(manager, schedule, global_batch, tr.log_every, tr.checkpoint_every,
+                       tf.summary.create_file_writer(join(rt.model_dir, "tensorboard")), emit, start)
+    if start < tr.max_steps:
+        dataset = strategy.distribute_datasets_from_function(
+            lambda ctx: make_dataset(rt.data_dir, manifest, ctx.get_per_replica_batch_size(global_batch),
+                                     mask_rate=cfg.task.mask_rate, shuffle_buffer=tr.shuffle_buffer,
+                                     input_context=ctx, seed=rt.seed or None))
+        model.fit(dataset, epochs=1, steps_per_epoch=tr.max_steps - start, callbacks=[monitor], verbose=0,
+                  shuffle=False)
+    if monitor.saved_step != tr.max_steps and start < tr.max_steps:
+        monitor.save(tr.max_steps)
+    # loss/accuracy are None only when a previous process trained to the end but died before exporting.
+    metrics = {"final_step": int(optimizer.iterations.numpy()), "loss": None, "mlm_accuracy": None, **monitor.last,
+               "global_batch": global_batch, "replicas": resolved.replicas, "strategy": resolved.kind}
+    _export(tf, model, cfg, rt.data_dir, export_dir, metrics)
+    _done(emit, metrics, export_dir)
+    return metrics
+
+
+def _peak_learning_rate(tr, global_batch: int) -> float:
+    """`learning_rate` is tuned for `base_batch_size`; scale it to the global batch (see TrainerConfig)."""
+    ratio = global_batch / tr.base_batch_size
+    if tr.lr_scaling == "sqrt":
+        return tr.learning_rate * math.sqrt(ratio)
+    return tr.learning_rate * (ratio if tr.lr_scaling == "linear" else 1.0)
+
+
+def _bind_model_dir(tf, cfg: BertConfig, manifest) -> BertConfig:
+    """Check the data against the config and against what model_dir was trained with; record that on first use.
+
+    Returns `cfg` with the manifest's vocab_size. Raises DataError / ConfigError before anything is written.
+    """
+    from .data import join
+
+    rt = cfg.runtime
+    state_path = join(rt.model_dir, RUN_STATE)
+    previous = json.loads(_read(tf, state_path)) if tf.io.gfile.exists(state_path) else None
+    manifest.check_compatible(seq_len=cfg.task.seq_len, vocab_size=cfg.task.vocab_size,
+                              vocab_sha256=previous["vocab_sha256"] if previous else None, where=rt.data_dir)
+    cfg = config_mod.with_overrides(cfg, task={"vocab_size": manifest.vocab_size})
+    task = dataclasses.asdict(cfg.task)
+    if previous and previous["task"] != task:
+        changed = sorted(k for k in task if previous["task"].get(k) != task[k])
+        raise ConfigError(f"config.task: {changed} differ from the checkpoints in {rt.model_dir}; "
+                          "use a new model_dir or the original task settings")
+    tf.io.gfile.makedirs(rt.model_dir)
+    if not previous:
+        _write(tf, state_path, json.dumps({"vocab_sha256": manifest.vocab_sha256, "task": task}, indent=2))
+    return cfg
+
+
+def _compile(keras, model, tr, schedule, *, jit_compile: bool):
+    """AdamW (no decay on biases and LayerNorm), loss and accuracy weighted by the mask; slots built. In scope."""
+    optimizer = keras.optimizers.AdamW(
+        learning_rate=schedule, weight_decay=tr.weight_decay, beta_1=tr.adam_beta_1, beta_2=tr.adam_beta_2,
+        epsilon=tr.adam_epsilon, global_clipnorm=tr.clipnorm)
+    optimizer.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
+    model.compile(
+        optimizer=optimizer,
+        # Per-token loss x mask weight, summed, / sum of weights: the mean over masked tokens only.
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="mlm_accuracy")],
+        steps_per_execution=tr.steps_per_execution, jit_compile=jit_compile)
+    optimizer.build(model.trainable_variables)  # slots exist before restore: restored, not deferred
+    return optimizer
+
+
+def _done(emit, metrics: dict, export_dir: str) -> None:
+    emit(f"done step={metrics['final_step']} loss={_fmt(metrics['loss'])} "
+         f"mlm_accuracy={_fmt(metrics['mlm_accuracy'])} export_dir={export_dir}")
+
+
+def _fmt(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.4f}"
+
+
+def _read(tf, path: str) -> str:
+    with tf.io.gfile.GFile(path, "r") as f:
+        return f.read()
+
+
+def _write(tf, path: str, text: str) -> None:
+    with tf.io.gfile.GFile(path, "w") as f:
+        f.write(text)
+
+
+def _export(tf, model, cfg: BertConfig, data_dir: str, export_dir: str, metrics: dict) -> None:
+    from .data import join
+    from .manifest import MANIFEST_NAME, TOKENIZER_NAME, VOCAB_NAME
+
+    tf.io.gfile.makedirs(export_dir)
+    model.save(join(export_dir, "model.keras"))
+    for name in (VOCAB_NAME, TOKENIZER_NAME, MANIFEST_NAME):
+        tf.io.gfile.copy(join(data_dir, name), join(export_dir, name), overwrite=True)
+    _write(tf, join(export_dir, "config.json"), json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+    _write(tf, join(export_dir, "metrics.json"), json.dumps(metrics, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

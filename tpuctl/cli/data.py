@@ -1,0 +1,129 @@
+"""`tpuctl data prepare`: a text corpus -> WordPiece vocabulary + packed TFRecord shards + manifest.
+
+The work is the BERT template's own `prepare` module (which `tpuctl run` also calls for a spec's
+`job.data`); this layer parses flags, reaches Cloud Storage for gs:// inputs/outputs, renders progress and
+maps the template's DataError to BadInput.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+import time
+from collections.abc import Sequence
+
+import click
+
+from tpuctl import console
+from tpuctl.errors import BadInput, TpuctlError
+from tpuctl.templates.bert import prepare as prep
+from tpuctl.templates.bert.errors import DataError
+from tpuctl.templates.bert.manifest import Manifest
+
+SECTION = "Data"
+
+
+class _Progress:
+    """At most one plain stderr line per stage every few seconds: prep runs for minutes to hours."""
+
+    def __init__(self, every_s: float = 5.0):
+        self.every_s, self.last = every_s, {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last.get(stage, -self.every_s) >= self.every_s or done >= total:
+            self.last[stage] = now
+            pct = f" ({100 * done / total:.0f}%)" if total else ""
+            console.note(f"{stage}: {done / 1e6:,.1f} / {total / 1e6:,.1f} MB{pct}")
+
+
+def prepare_corpus(corpus: Sequence[str], out: str, options: prep.PrepareOptions, *, storage_client=None,
+                   progress: prep.Progress | None = None) -> Manifest:
+    """Prepare `corpus` into `out` (a local directory, or gs://bucket/prefix via a local staging directory).
+
+    Re-running with the same inputs rewrites the same data; uploads skip objects whose CRC32C already
+    matches. `storage_client` is needed only when an input or `out` is gs:// (else built from the settings).
+    Blocks until done. Raises BadInput naming the file or option at fault.
+    """
+    if not corpus:
+        raise BadInput("no corpus files given", field="corpus", hint="pass text files, globs or gs:// URLs")
+    missing = [m for m in ("tokenizers", "numpy", "google_crc32c") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise TpuctlError(f"data preparation needs {', '.join(missing)}, which this install lacks",
+                          hint="pip install 'tpuctl[train]'")
+    remote = out.startswith("gs://") or any(c.startswith("gs://") for c in corpus)
+    client = storage_client if storage_client is not None or not remote else _storage_client()
+    try:
+        if not out.startswith("gs://"):
+            return prep.prepare(corpus, out, options, storage_client=client, progress=progress)
+        with tempfile.TemporaryDirectory(prefix="tpuctl-data-") as staging:
+            manifest = prep.prepare(corpus, staging, options, storage_client=client, progress=progress)
+            prep.upload(staging, out, storage_client=client, progress=progress)
+            return manifest
+    except DataError as exc:
+        hint = ("corpus files must be UTF-8 text, one sentence or paragraph per line" if exc.path
+                else "see `tpuctl data prepare --help`")
+        raise BadInput(str(exc), hint=hint) from exc
+
+
+def _storage_client():
+    from tpuctl import config
+    from tpuctl.provision.clients import connect
+
+    return connect(config.settings()).storage
+
+
+@click.group("data")
+def data_group() -> None:
+    """Prepare training data: vocabulary, packed shards, manifest."""
+
+
+@data_group.command("prepare")
+@click.argument("corpus", nargs=-1, required=True)
+@click.option("--out", required=True, help="output directory, or gs://bucket/prefix (staged locally, then uploaded)")
+@click.option("--vocab-size", type=click.IntRange(6, 1 << 24), default=30522, show_default=True,
+              help="WordPiece vocabulary size to train")
+@click.option("--seq-len", type=click.Choice(["128", "256", "512"]), default="128", show_default=True,
+              help="tokens per packed sequence")
+@click.option("--vocab", "vocab_file", type=click.Path(exists=True, dir_okay=False),
+              help="use this vocab.txt instead of training one")
+@click.option("--lowercase/--cased", default=True, show_default=True, help="lowercase before tokenising")
+@click.option("--strip-accents/--keep-accents", default=None,
+              help="strip accents (default: when lowercasing); --keep-accents keeps Hangul syllables whole")
+@click.option("--limit-alphabet", type=click.IntRange(1), default=4000, show_default=True,
+              help="max initial characters in the vocabulary (raise for CJK/Korean)")
+@click.option("--min-frequency", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--doc-format", type=click.Choice(["blank", "line"]), default="blank", show_default=True,
+              help="blank: a blank line ends a document; line: each line is a document")
+@click.option("--sample-mb", type=click.IntRange(1), default=64, show_default=True,
+              help="text the tokenizer trains on, sampled evenly across the corpus (bounds its memory)")
+@click.option("--shard-sequences", type=click.IntRange(1), default=65536, show_default=True,
+              help="sequences per TFRecord shard")
+@click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")
+def prepare_command(corpus: tuple[str, ...], out: str, vocab_size: int, seq_len: str, vocab_file: str | None,
+                    lowercase: bool, strip_accents: bool | None, limit_alphabet: int, min_frequency: int,
+                    doc_format: str, sample_mb: int, shard_sequences: int, as_json: bool) -> None:
+    """Tokenise CORPUS (UTF-8 files, globs or gs:// URLs) into packed TFRecord shards for BERT pretraining."""
+    options = prep.PrepareOptions(
+        vocab_size=vocab_size, seq_len=int(seq_len), lowercase=lowercase, strip_accents=strip_accents,
+        limit_alphabet=limit_alphabet, min_frequency=min_frequency, vocab_file=vocab_file, doc_format=doc_format,
+        tokenizer_sample_bytes=sample_mb << 20, shard_sequences=shard_sequences)
+    started = time.monotonic()
+    manifest = prepare_corpus(list(corpus), out, options, progress=_Progress())
+    elapsed = time.monotonic() - started
+    summary = {
+        "out": out, "sequences": manifest.sequences, "documents": manifest.documents, "tokens": manifest.tokens,
+        "unk_rate": round(manifest.unk_tokens / max(manifest.tokens, 1), 6), "vocab_size": manifest.vocab_size,
+        "seq_len": manifest.seq_len, "shards": len(manifest.shards), "raw_bytes": manifest.raw_bytes,
+        "prepared_bytes": manifest.prepared_bytes,
+        "prepared_over_raw": round(manifest.prepared_bytes / max(manifest.raw_bytes, 1), 4),
+        "seconds": round(elapsed, 2), "mb_per_s": round(manifest.raw_bytes / 1e6 / max(elapsed, 1e-9), 2),
+    }
+    if as_json:
+        console.emit_json(summary)
+    else:
+        console.table(("field", "value"), summary.items())
+
+
+data_group.section = SECTION
+commands = [data_group]
