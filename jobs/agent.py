@@ -1,0 +1,386 @@
+"""The worker-side agent: shipped in every job bundle as `tpuctl_agent.py`, run by the bootstrap.
+
+Needs only the standard library and google-cloud-storage (the worker's runtime Python has no tpuctl).
+
+`prepare`: installs the template's requirements into this Python once per requirements hash (a marker file
+caches it), skipping distributions that are already installed (the local cloud has no network).
+
+`run`: wraps the training process. When storage is emulated (`STORAGE_EMULATOR_HOST`: TensorFlow cannot read
+gs:// from an emulator) it mirrors the config's gs:// data and model locations to local disk, restores the
+latest checkpoint from the bucket before the start (resume after preemption), and worker 0 syncs the model
+directory (checkpoints, TensorBoard events, exports) back periodically and at exit. On a real TPU VM the
+program writes gs:// itself and the agent only heartbeats and copies logs. Every worker copies its log to
+`gs://BUCKET/runs/RUN/logs/worker-N.log` and its state to `.../workers/worker-N.json`; `.../status.json`
+aggregates them: {"state": running|succeeded|failed, "heartbeat", "step", "recovering": false, "exit_code"}.
+`exit_code` (local file) is written last: when it exists, logs and checkpoints are in the bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+STEP = re.compile(rb"\bstep=(\d+)")
+PATH_KEYS = ("data_dir", "model_dir", "export_dir")
+TERM_GRACE_S = 20.0
+
+
+def _emulated() -> bool:
+    return bool(os.environ.get("STORAGE_EMULATOR_HOST"))
+
+
+def _client(project: str):
+    from google.cloud import storage
+
+    if _emulated():
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(project=project, credentials=AnonymousCredentials())
+    return storage.Client(project=project)
+
+
+def _split(url: str) -> tuple[str, str]:
+    bucket, _, prefix = url[len("gs://"):].partition("/")
+    return bucket, prefix.rstrip("/")
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+
+def _requirements(path: Path) -> list[str]:
+    reqs = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if ";" in line:
+            try:
+                from packaging.markers import Marker
+
+                if not Marker(line.split(";", 1)[1]).evaluate():
+                    continue
+            except ImportError:
+                pass
+            line = line.split(";", 1)[0].strip()
+        reqs.append(line)
+    return reqs
+
+
+def _installed(requirement: str) -> bool:
+    """Installed, and at a version the requirement accepts (version checks need `packaging`, which pip
+    environments have; without it presence is enough)."""
+    from importlib import metadata
+
+    try:
+        from packaging.requirements import Requirement
+
+        req = Requirement(requirement)
+        name, specifier = req.name, req.specifier
+    except ImportError:
+        name, specifier = re.split(r"[\s\[<>=!~]", requirement, maxsplit=1)[0], None
+    try:
+        version = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return specifier is None or specifier.contains(version, prereleases=True)
+
+
+def prepare(bundle: Path, cache: Path) -> int:
+    job = json.loads((bundle / "job.json").read_text())
+    req_rel = job.get("requirements")
+    if not req_rel:
+        return 0
+    req_file = bundle / req_rel
+    digest = hashlib.sha256(req_file.read_bytes() + sys.executable.encode()).hexdigest()[:16]
+    marker = cache / f"{digest}.ok"
+    if marker.exists():
+        return 0
+    missing = [r for r in _requirements(req_file) if not _installed(r)]
+    if missing:
+        print(f"tpuctl agent: installing {' '.join(missing)}", flush=True)
+        base = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        in_venv = sys.prefix != sys.base_prefix
+        done = subprocess.run(base + ([] if in_venv else ["--user"]) + missing)
+        if done.returncode != 0:
+            print(f"tpuctl agent: pip install failed ({done.returncode})", file=sys.stderr, flush=True)
+            return done.returncode
+    cache.mkdir(parents=True, exist_ok=True)
+    marker.write_text(" ".join(missing) + "\n")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- storage
+
+class Store:
+    """The run's bucket prefix plus the local mirror of gs:// locations used when storage is emulated."""
+
+    def __init__(self, job: dict, worker: int, mirror_root: Path):
+        self.job = job
+        self.worker = worker
+        self.client = _client(job["project"])
+        self.bucket = self.client.bucket(job["bucket"])
+        self.prefix = job["prefix"].rstrip("/")
+        self.mirror_root = mirror_root
+        self._uploaded: dict[str, tuple[int, int]] = {}
+
+    def local(self, url: str) -> Path:
+        bucket, prefix = _split(url)
+        return self.mirror_root / bucket / prefix
+
+    def download_prefix(self, url: str) -> int:
+        bucket, prefix = _split(url)
+        dest = self.local(url)
+        n = 0
+        for blob in self.client.list_blobs(bucket, prefix=prefix + "/"):
+            rel = blob.name[len(prefix) + 1:]
+            if not rel or rel.endswith("/"):
+                continue
+            target = dest / rel
+            if target.exists() and target.stat().st_size == blob.size:
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".part")
+            blob.download_to_filename(str(tmp))
+            tmp.replace(target)
+            n += 1
+        dest.mkdir(parents=True, exist_ok=True)
+        return n
+
+    def upload_dir(self, url: str) -> int:
+        """Upload files changed since the last call; checkpoint index files (`checkpoint*` names without a
+        data suffix, which TF and the stand-in write last) go last so a reader never sees an index before
+        its data."""
+        bucket, prefix = _split(url)
+        src = self.local(url)
+        if not src.exists():
+            return 0
+        files = [p for p in src.rglob("*") if p.is_file() and not p.name.endswith((".part", ".tmp"))]
+        files.sort(key=lambda p: (p.name in ("checkpoint", "latest"), str(p)))
+        n = 0
+        dest = self.client.bucket(bucket)
+        for p in files:
+            st = p.stat()
+            sig = (st.st_size, st.st_mtime_ns)
+            if self._uploaded.get(str(p)) == sig:
+                continue
+            try:
+                dest.blob(f"{prefix}/{p.relative_to(src)}").upload_from_filename(str(p))
+            except FileNotFoundError:  # rotated away by the program between listing and upload
+                continue
+            self._uploaded[str(p)] = sig
+            n += 1
+        return n
+
+    def put_json(self, name: str, doc: dict) -> None:
+        self.bucket.blob(f"{self.prefix}/{name}").upload_from_string(
+            json.dumps(doc, sort_keys=True), content_type="application/json")
+
+    def get_json(self, name: str) -> dict | None:
+        from google.api_core.exceptions import NotFound
+
+        try:
+            return json.loads(self.bucket.blob(f"{self.prefix}/{name}").download_as_bytes())
+        except NotFound:
+            return None
+
+    def put_file(self, name: str, path: Path) -> None:
+        if path.exists():
+            self.bucket.blob(f"{self.prefix}/{name}").upload_from_filename(str(path), content_type="text/plain")
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+class Agent:
+    def __init__(self, bundle: Path, worker: int):
+        self.bundle = bundle.resolve()
+        self.home = self.bundle.parent
+        self.job = json.loads((self.bundle / "job.json").read_text())
+        self.worker = worker
+        self.num_workers = int(self.job.get("num_workers") or 1)
+        self.store = Store(self.job, worker, self.home / "gcs")
+        self.step: int | None = None
+        self.state = "running"
+        self.exit_code: int | None = None
+        self.ended: float | None = None
+        self.log_path = self.home / "job.log"
+        self._log_size = -1
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.child: subprocess.Popen | None = None
+        self.terminated = False
+
+    def say(self, message: str) -> None:
+        """The agent's own notes go into the job's log, where `tpuctl logs` and the bucket copy show them."""
+        with open(self.log_path, "ab") as log:  # O_APPEND: whole lines, interleaved safely
+            log.write(f"tpuctl agent: {message}\n".encode())
+
+    # --- config paths
+    def _config(self) -> dict:
+        config = json.loads(json.dumps(self.job.get("config") or {}))
+        runtime = config.get("runtime") or {}
+        if _emulated():
+            for key in PATH_KEYS:
+                url = runtime.get(key)
+                if isinstance(url, str) and url.startswith("gs://"):
+                    runtime[key] = str(self.store.local(url))
+        return config
+
+    def _model_urls(self) -> list[str]:
+        runtime = (self.job.get("config") or {}).get("runtime") or {}
+        model = runtime.get("model_dir")
+        urls = [u for u in (model, runtime.get("export_dir")) if isinstance(u, str) and u.startswith("gs://")]
+        # An export directory under the model directory is synced with it.
+        return [u for u in urls if u == model or not model or not u.startswith(model.rstrip("/") + "/")]
+
+    def stage(self) -> None:
+        if not _emulated():
+            return
+        runtime = (self.job.get("config") or {}).get("runtime") or {}
+        data = runtime.get("data_dir")
+        if isinstance(data, str) and data.startswith("gs://"):
+            n = self.store.download_prefix(data)
+            self.say(f"data: {n} file(s) from {data}")
+        for url in self._model_urls():
+            n = self.store.download_prefix(url)
+            if n:
+                self.say(f"restored {n} file(s) from {url}")
+
+    # --- status
+    def _worker_doc(self) -> dict:
+        return {"worker": self.worker, "state": self.state, "step": self.step, "heartbeat": int(time.time()),
+                "exit_code": self.exit_code, "ended": self.ended}
+
+    def publish(self, final: bool = False) -> None:
+        with self._lock:
+            if self.worker == 0 and _emulated():
+                for url in self._model_urls():
+                    self.store.upload_dir(url)
+            size = self.log_path.stat().st_size if self.log_path.exists() else -1
+            if size != self._log_size or final:
+                self.store.put_file(f"logs/worker-{self.worker}.log", self.log_path)
+                self._log_size = size
+            self.store.put_json(f"workers/worker-{self.worker}.json", self._worker_doc())
+            if self.worker == 0 or final:
+                self.store.put_json("status.json", self._aggregate())
+
+    def _aggregate(self) -> dict:
+        docs = {self.worker: self._worker_doc()}
+        for i in range(self.num_workers):
+            if i != self.worker:
+                doc = self.store.get_json(f"workers/worker-{i}.json")
+                if doc:
+                    docs[i] = doc
+        states = [d.get("state") for d in docs.values()]
+        failed = [d for d in docs.values() if d.get("state") == "failed"]
+        if failed:
+            # The first worker to fail is the cause; the others were usually stopped because of it.
+            first = min(failed, key=lambda d: d.get("ended") or float("inf"))
+            state, code = "failed", first.get("exit_code")
+        elif len(docs) == self.num_workers and all(s == "succeeded" for s in states):
+            state, code = "succeeded", 0
+        else:
+            state, code = "running", None
+        steps = [d.get("step") for d in docs.values() if d.get("step") is not None]
+        return {"state": state, "heartbeat": int(time.time()), "step": max(steps) if steps else None,
+                "recovering": False, "exit_code": code, "workers": self.num_workers}
+
+    def _heartbeat_loop(self) -> None:
+        interval = float(self.job.get("heartbeat_s") or 10)
+        while not self._stop.wait(interval):
+            try:
+                self.publish()
+            except Exception as exc:  # a flaky bucket must not kill training; the next beat retries
+                self.say(f"sync failed: {type(exc).__name__}: {exc}")
+
+    # --- process
+    def _on_term(self, signum, frame) -> None:
+        self.terminated = True
+        if self.child and self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        # The log exists from the first moment, so `tpuctl logs -f` follows staging (which can take long)
+        # instead of giving up waiting for the file.
+        self.log_path.touch()
+        self.stage()
+        work = self.home / "config.json"
+        work.write_text(json.dumps(self._config(), indent=1))
+        argv = [sys.executable, "-u", "-m", self.job["module"], "--config", str(work), *self.job.get("args", [])]
+        env = {**os.environ, **{str(k): str(v) for k, v in (self.job.get("env") or {}).items()},
+               "PYTHONPATH": os.pathsep.join(p for p in (str(self.bundle), os.environ.get("PYTHONPATH")) if p),
+               "TPUCTL_RUN": self.job["run"], "TPUCTL_WORKER": str(self.worker)}
+        self.publish()
+        beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+        beat.start()
+        with open(self.log_path, "ab", buffering=0) as log:
+            self.child = subprocess.Popen(argv, cwd=self.bundle, env=env, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            assert self.child.stdout is not None
+            for line in iter(self.child.stdout.readline, b""):
+                log.write(line)
+                m = STEP.search(line)
+                if m:
+                    self.step = int(m.group(1))
+            code = self.child.wait()
+        self.ended = time.time()
+        self.exit_code = 128 - code if code < 0 else code
+        self.state = "succeeded" if self.exit_code == 0 else "failed"
+        self._stop.set()
+        beat.join(timeout=30)
+        for attempt in range(5):
+            try:
+                self.publish(final=True)
+                break
+            except Exception as exc:
+                self.say(f"final sync failed: {type(exc).__name__}: {exc}")
+                time.sleep(1 + attempt)
+        tmp = self.home / "exit_code.tmp"
+        tmp.write_text(f"{self.exit_code}\n")
+        tmp.replace(self.home / "exit_code")
+        if self.worker == 0 and self.num_workers > 1:
+            self._settle_status()
+        return self.exit_code
+
+    def _settle_status(self) -> None:
+        """Workers finishing together can each aggregate before seeing the others' final state; worker 0
+        waits (bounded) until every worker reported, so a detached run's status.json ends final for gc.
+        An attached `tpuctl run` does not wait for this: it reads the exit_code files and writes its own."""
+        end = time.monotonic() + max(60.0, 10 * float(self.job.get("heartbeat_s") or 10))
+        while time.monotonic() < end:
+            try:
+                doc = self._aggregate()
+                if doc["state"] != "running":
+                    self.store.put_json("status.json", doc)
+                    return
+            except Exception as exc:  # noqa: BLE001 - retried until the deadline
+                self.say(f"status aggregation failed: {type(exc).__name__}: {exc}")
+            time.sleep(1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tpuctl_agent")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--cache", type=Path, required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--bundle", type=Path, required=True)
+    r.add_argument("--worker", type=int, required=True)
+    a = parser.parse_args(argv)
+    if a.cmd == "prepare":
+        return prepare(a.bundle, a.cache)
+    return Agent(a.bundle, a.worker).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""A job bundle: the template program + the resolved config + the user's files + the worker agent, packed
+into one reproducible tar.gz named by its sha256 and uploaded to `gs://BUCKET/runs/RUN/`.
+
+Reproducible (sorted entries, zeroed times and owners): the same inputs give the same hash, so shipping
+an unchanged job again uploads nothing.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import re
+import tarfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from tpuctl.errors import BadInput, from_google
+
+from .remote import check_run_name
+
+AGENT_NAME = "tpuctl_agent.py"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache", ".mypy_cache"}
+
+
+@dataclass(frozen=True)
+class JobDescription:
+    """Everything the worker agent needs, written into the bundle as `job.json`."""
+
+    run: str
+    project: str
+    bucket: str
+    module: str  # run as `python -m MODULE --config CONFIG.json ARGS...`
+    config: Mapping
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    num_workers: int = 1
+    heartbeat_s: float = 10.0
+
+    @property
+    def prefix(self) -> str:
+        return f"runs/{self.run}"
+
+
+@dataclass(frozen=True)
+class Bundle:
+    path: Path
+    sha256: str
+    run: str
+
+    @property
+    def object_name(self) -> str:
+        return f"runs/{self.run}/bundle-{self.sha256[:16]}.tar.gz"
+
+
+def resolve_template(template: str) -> Path:
+    """A template name under `templates/`, or a local directory (its name is the Python package name)."""
+    candidate = Path(template).expanduser()
+    if candidate.is_dir():
+        root = candidate.resolve()
+    else:
+        root = Path(str(resources.files("tpuctl.templates").joinpath(template)))
+        if "/" in template or not root.is_dir():
+            available = sorted(p.name for p in Path(str(resources.files("tpuctl.templates"))).iterdir()
+                               if p.is_dir() and not p.name.startswith("_"))
+            raise BadInput(f"no template {template!r}", field="job.template",
+                           hint=f"use one of {', '.join(available)} or a local directory holding a train.py")
+    if not (root / "train.py").is_file() and not (root / "train").is_dir():
+        raise BadInput(f"template {root} has no train.py", field="job.template",
+                       hint="a template is a Python package run as `python -m NAME.train --config CONFIG.json`")
+    if not root.name.isidentifier():
+        raise BadInput(f"template directory name {root.name!r} is not a Python package name", field="job.template",
+                       hint="rename the directory to letters, digits and underscores")
+    return root
+
+
+def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, run: str,
+               data_url: str | None) -> dict:
+    """The template's config: the user's overrides plus where to read and write. Model, TensorBoard events
+    and exports live under `gs://BUCKET/runs/RUN/model/`, so the run's results outlive its TPU."""
+    config = json.loads(json.dumps(dict(overrides or {})))
+    if preset:
+        config.setdefault("preset", preset)
+    runtime = dict(config.get("runtime") or {})
+    model = f"gs://{bucket}/runs/{run}/model"
+    runtime.setdefault("model_dir", model)
+    runtime.setdefault("export_dir", f"{model}/export")
+    if data_url:
+        runtime.setdefault("data_dir", data_url)
+    config["runtime"] = runtime
+    return config
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = mode
+    info.mtime = 0
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*")
+                  if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts) and p.suffix != ".pyc")
+
+
+def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequence[Path] = ()) -> Bundle:
+    """Pack the bundle into `out_dir`. Pure and deterministic; user files land under `files/`."""
+    check_run_name(job.run)
+    bad_env = [k for k in job.env if not _ENV_NAME.match(k)]
+    if bad_env:
+        raise BadInput(f"environment variable name(s) {bad_env!r} are not valid", field="job.env",
+                       hint="use letters, digits and underscores, not starting with a digit")
+    package = template_dir.name
+    requirements = template_dir / "requirements.txt"
+    doc = {
+        "run": job.run, "project": job.project, "bucket": job.bucket, "prefix": job.prefix, "module": job.module,
+        "config": job.config, "args": list(job.args), "env": dict(job.env), "num_workers": job.num_workers,
+        "heartbeat_s": job.heartbeat_s,
+        "requirements": f"{package}/requirements.txt" if requirements.is_file() else None,
+    }
+    raw = io.BytesIO()
+    # gzip with mtime 0 and no file name: byte-identical output for identical input.
+    with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        _add_bytes(tar, "job.json", json.dumps(doc, sort_keys=True, indent=1).encode())
+        _add_bytes(tar, AGENT_NAME, resources.files("tpuctl.jobs").joinpath("agent.py").read_bytes())
+        for p in _files_under(template_dir):
+            _add_bytes(tar, f"{package}/{p.relative_to(template_dir).as_posix()}", p.read_bytes())
+        for f in files:
+            f = Path(f)
+            if not f.exists():
+                raise BadInput(f"no such file {f}", field="job.files", hint="paths are relative to the spec file")
+            entries = [(f.name, f)] if f.is_file() else [(f"{f.name}/{p.relative_to(f).as_posix()}", p) for p in _files_under(f)]
+            for rel, p in entries:
+                _add_bytes(tar, f"files/{rel}", p.read_bytes())
+    data = raw.getvalue()
+    sha = hashlib.sha256(data).hexdigest()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"bundle-{sha[:16]}.tar.gz"
+    if not path.exists():
+        tmp = path.with_suffix(".part")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return Bundle(path=path, sha256=sha, run=job.run)
+
+
+def upload(storage_client, bucket: str, bundle: Bundle) -> bool:
+    """Upload unless an object of that (content-addressed) name exists. Returns whether bytes were sent.
+    Idempotent."""
+    from google.api_core import exceptions as gexc
+
+    blob = storage_client.bucket(bucket).blob(bundle.object_name)
+    try:
+        if blob.exists():
+            return False
+        blob.upload_from_filename(str(bundle.path), content_type="application/gzip")
+    except gexc.GoogleAPICallError as exc:
+        raise from_google(exc, what=f"upload job bundle to gs://{bucket}/{bundle.object_name}") from exc
+    return True

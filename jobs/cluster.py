@@ -1,0 +1,136 @@
+"""A run as the jobs layer sees it in the cloud: its TPU node, its workers' SSH targets, its bucket, and the
+two small JSON records kept there (`runs/RUN/launch.json`: what was launched; `runs/RUN/status.json`: how
+the job is doing, written by the worker agents and by `tpuctl run`).
+
+Everything cloud-side goes through `tpuctl.provision`; this module adds no API calls of its own besides
+reading and writing those two objects.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from tpuctl import console
+from tpuctl import provision
+from tpuctl.errors import NotFound, from_google
+from tpuctl.provision import Kind, Resource, State
+
+if TYPE_CHECKING:
+    from tpuctl.provision import Clients
+
+from .keys import KeyPair, ensure_keypair
+from .remote import check_run_name
+from .launch import targets_from_workers
+from .ssh import Target
+
+@dataclass(frozen=True)
+class Located:
+    run: str
+    zone: str
+    node: str
+    bucket: str | None
+    state: State
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """What `tpuctl run` launched, so `--attach`, `job status` and recovery can find it again."""
+
+    run: str
+    zone: str
+    node: str
+    bucket: str
+    bundle_object: str
+    bundle_sha: str
+    python: str
+    workers: int
+    max_recoveries: int
+    launched: float
+
+
+def locate(clients: Clients, run: str) -> Located:
+    """The run's TPU node (and bucket) by label. Raises NotFound when the run has no TPU node. Read-only."""
+    check_run_name(run)
+    found = provision.list_resources(clients, run)
+    tpu = next((r for r in found if r.kind is Kind.TPU), None)
+    bucket = next((r.name for r in found if r.kind is Kind.BUCKET), None)
+    if tpu is None:
+        raise NotFound(f"run {run} has no TPU node", field="run",
+                       hint="see `tpuctl list`; a finished run's logs and status stay in its bucket")
+    return Located(run=run, zone=tpu.location, node=tpu.name, bucket=bucket, state=tpu.state)
+
+
+def authorize(clients: Clients, zone: str, node: str) -> tuple[KeyPair, list[Target]]:
+    """Make sure our key can log in (idempotent metadata update) and return the workers' SSH targets, with
+    the host keys the node publishes. Blocks for the metadata update."""
+    key = ensure_keypair()
+    provision.add_ssh_key(clients, zone, node, key.user, key.public_key)
+    return key, targets_from_workers(provision.workers(clients, zone, node))
+
+
+def node_state(clients: Clients, zone: str, node: str) -> Resource | None:
+    """The node, or None when it is gone. Read-only."""
+    try:
+        return provision.get_node(clients, zone, node)
+    except NotFound:
+        return None
+
+
+# --- bucket records -------------------------------------------------------------------------------------
+
+def _blob(clients: Clients, bucket: str, name: str):
+    return clients.storage.bucket(bucket).blob(name)
+
+
+def read_json(clients: Clients, bucket: str, name: str) -> dict | None:
+    from google.api_core import exceptions as gexc
+
+    try:
+        return json.loads(_blob(clients, bucket, name).download_as_bytes())
+    except gexc.NotFound:
+        return None
+    except gexc.GoogleAPICallError as exc:
+        raise from_google(exc, what=f"read gs://{bucket}/{name}") from exc
+
+
+def write_json(clients: Clients, bucket: str, name: str, doc: dict) -> None:
+    from google.api_core import exceptions as gexc
+
+    try:
+        _blob(clients, bucket, name).upload_from_string(json.dumps(doc, sort_keys=True),
+                                                        content_type="application/json")
+    except gexc.GoogleAPICallError as exc:
+        raise from_google(exc, what=f"write gs://{bucket}/{name}") from exc
+
+
+def save_launch(clients: Clients, record: LaunchRecord) -> None:
+    write_json(clients, record.bucket, f"runs/{record.run}/launch.json", asdict(record))
+
+
+def load_launch(clients: Clients, bucket: str, run: str) -> LaunchRecord:
+    doc = read_json(clients, bucket, f"runs/{run}/launch.json")
+    if doc is None:
+        raise NotFound(f"run {run} was not launched by `tpuctl run` (no gs://{bucket}/runs/{run}/launch.json)",
+                       field="run", hint=f"start it with `tpuctl run SPEC --name {run}`")
+    return LaunchRecord(**doc)
+
+
+def read_status(clients: Clients, bucket: str, run: str) -> dict | None:
+    return read_json(clients, bucket, f"runs/{run}/status.json")
+
+
+def update_status(clients: Clients, bucket: str, run: str, **fields) -> dict:
+    """Merge `fields` into status.json (the laptop's view: recovering, final state). Best effort: a status
+    write must never stop a teardown, so failures are a warning."""
+    try:
+        doc = read_status(clients, bucket, run) or {}
+        doc.update(fields)
+        doc["heartbeat"] = int(time.time())
+        write_json(clients, bucket, f"runs/{run}/status.json", doc)
+        return doc
+    except Exception as exc:  # noqa: BLE001 - see docstring
+        console.warn(f"could not update gs://{bucket}/runs/{run}/status.json: {exc}")
+        return {}

@@ -1,0 +1,510 @@
+"""`tpuctl run`: validate -> up -> prepare data -> upload -> ship -> launch -> stream -> collect -> tear down.
+
+The TPU and VMs are torn down in a `finally`: on success, job failure, any exception, Ctrl-C and SIGTERM
+(the CLI turns SIGTERM into KeyboardInterrupt). The bucket stays (it carries a TTL label) unless
+`delete_bucket`. `detach` returns right after launch; `attach` picks a detached run up again.
+
+Preemption: every `poll_s` the node's state is read; PREEMPTED, gone, or a worker that lost its job
+triggers recovery: status.json says `recovering: true` (so gc leaves the run alone), the node is recreated
+(same zone; if that fails, the plan's failover zones), the same bundle is launched again and the job resumes
+from the latest checkpoint in the bucket. `max_recoveries` bounds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import glob
+import json
+import re
+import signal
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tpuctl import console, provision
+from tpuctl.errors import BadInput, CapacityError, JobFailed, NotFound, TpuctlError
+from tpuctl.provision import Kind, State
+
+if TYPE_CHECKING:
+    from tpuctl.provision import Clients
+
+from . import bundle as bundles
+from . import cluster, launch as launching, logs
+from .ssh import Fleet, Target
+
+STEP_LINE = re.compile(r"\bstep=(\d+)(?:.*?\bloss=(\S+))?(?:.*?\bexamples_per_sec=(\S+))?")
+TAIL_LINES = 20
+UNREACHABLE_POLLS = 3  # consecutive polls a READY node's worker may not answer before it counts as lost
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    name: str | None = None
+    yes: bool = False
+    detach: bool = False
+    attach: str | None = None
+    download: Path | None = None
+    delete_bucket: bool = False
+    max_recoveries: int | None = None
+    dry_run: bool = False
+    poll_s: float = 2.0
+    python: str = "python3"  # the runtime's interpreter on TPU VMs (the venv python on the local cloud)
+
+
+@dataclass
+class Outcome:
+    """What happened, for the summary (`as_dict` is the --json form)."""
+
+    run: str
+    state: str = "planned"  # planned | detached | succeeded | failed | interrupted
+    phases: dict[str, float] = field(default_factory=dict)
+    step: int | None = None
+    loss: str | None = None
+    examples_per_sec: str | None = None
+    recoveries: int = 0
+    bucket: str | None = None
+    artifacts: list[str] = field(default_factory=list)
+    downloaded: str | None = None
+    cost_usd: float | None = None
+    price_per_hour: float | None = None
+    last_step_to_delete_s: float | None = None
+    failing_worker: int | None = None
+    tail: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def model_url(self) -> str | None:
+        return f"gs://{self.bucket}/runs/{self.run}/model" if self.bucket else None
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["model_url"] = self.model_url
+        d["tensorboard"] = f"tensorboard --logdir {self.model_url}" if self.model_url else None
+        return d
+
+
+class _Phases:
+    def __init__(self, outcome: Outcome):
+        self.outcome = outcome
+
+    @contextmanager
+    def __call__(self, name: str, detail: str = "", *, quiet: bool = False):
+        if not quiet:
+            console.info(f"==> {name}{': ' + detail if detail else ''}")
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.outcome.phases[name] = round(self.outcome.phases.get(name, 0.0) + time.monotonic() - start, 2)
+
+
+class _Stream:
+    """Log sink: prints worker-prefixed lines, remembers each worker's last lines and worker 0's metrics."""
+
+    def __init__(self, outcome: Outcome, echo: bool = True):
+        self.outcome = outcome
+        self.echo = echo
+        self.tails: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
+        self.last_step_at: float | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self, worker: int, line: str) -> None:
+        with self.lock:
+            self.tails[worker].append(line)
+            m = STEP_LINE.search(line)
+            if m and worker == 0 and line.startswith(("step=", "done ")):
+                self.outcome.step = int(m.group(1))
+                self.outcome.loss = m.group(2) or self.outcome.loss
+                self.outcome.examples_per_sec = m.group(3) or self.outcome.examples_per_sec
+                self.last_step_at = time.time()
+        # Every worker trains the same steps: worker 0's progress lines stand for all, so a 64-host slice
+        # does not print each step 64 times. Anything else (warnings, tracebacks) shows from every worker.
+        if self.echo and (worker == 0 or not line.startswith("step=")):
+            console.info(f"[w{worker}] {line}")
+
+
+def template_module(template_dir: Path) -> str:
+    meta = template_dir / "template.json"
+    if meta.is_file():
+        try:
+            return json.loads(meta.read_text())["entry_module"]
+        except (ValueError, KeyError) as exc:
+            raise BadInput(f"{meta}: no entry_module ({exc})", field="job.template") from exc
+    return f"{template_dir.name}.train"
+
+
+def _corpus_path(pattern: str, spec_dir: Path) -> str:
+    """A relative corpus path is taken from the working directory if it matches there (the README runs
+    specs from the repo root), else from the spec file's directory."""
+    if pattern.startswith("gs://") or Path(pattern).is_absolute() or glob.glob(pattern):
+        return pattern
+    return str(spec_dir / pattern)
+
+
+def _record(resources, *, deleted: bool = False) -> None:
+    """Cache created/deleted resources for `tpuctl cost` (the ledger never decides anything)."""
+    from tpuctl import ledger
+
+    rows = [r for r in resources if r.kind is not Kind.IAM]
+    try:
+        book = ledger.Ledger()
+        if deleted:
+            book.mark_deleted([ledger.key_of(r) for r in rows])
+        else:
+            book.record([ledger.entry_of(r) for r in rows])
+    except OSError as exc:
+        console.warn(f"could not update the local cost ledger: {exc}")
+
+
+@contextmanager
+def _shielded():
+    """Teardown must finish: while it runs, Ctrl-C and SIGTERM only say so (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum, frame):
+        console.warn("tearing down the TPU and VMs; interrupting now would leave them billing")
+
+    old = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+# --- the pipeline ------------------------------------------------------------------------------------
+
+class Pipeline:
+    """One `tpuctl run`. Construct, then `run()` (blocks to the end) or `attach()`."""
+
+    def __init__(self, clients: Clients | None, spec=None, *, project: str | None = None, spec_dir: Path | None = None,
+                 options: RunOptions = RunOptions(), echo_logs: bool = True):
+        # `clients` may be None for a dry run, which only validates and plans.
+        self.clients = clients
+        self.project = project or clients.project
+        self.spec = spec
+        self.spec_dir = spec_dir or Path.cwd()
+        self.opts = options
+        self.plan = None
+        self.run_name = options.attach or options.name or (spec.name if spec is not None else None)
+        self.outcome = Outcome(run=self.run_name or "")
+        self.phase = _Phases(self.outcome)
+        self.stream = _Stream(self.outcome, echo=echo_logs)
+        self.cursor = logs.Cursor()
+        self.zone = ""
+        self.node = ""
+        self.record: cluster.LaunchRecord | None = None
+        self.template_dir: Path | None = None  # set by validate()
+        self.module = ""
+        self.max_recoveries = 0
+        self.num_workers = 0  # set by up()
+        self._up_started: float | None = None
+        self.delete_requested_at: float | None = None
+
+    # -- phases
+    def validate(self):
+        with self.phase("validate", quiet=True):  # bad input: one error line, nothing before it
+            if self.spec is None or self.spec.job is None:
+                raise BadInput("the spec has no job: section", field="job",
+                               hint="add `job: {template: bert, preset: bert-tiny}` (see examples/bert-tiny.yaml)")
+            # A directory next to the spec wins over a built-in template of the same name.
+            local = self.spec_dir / self.spec.job.template
+            self.template_dir = bundles.resolve_template(str(local) if local.is_dir() else self.spec.job.template)
+            self.module = template_module(self.template_dir)
+            self.plan = provision.plan(self.spec, project=self.project)
+            self.run_name = self.outcome.run = self.plan.run
+            self.outcome.bucket = self.plan.bucket
+            self.outcome.price_per_hour = round(self.plan.price_per_hour, 4)
+            self.max_recoveries = (self.opts.max_recoveries if self.opts.max_recoveries is not None
+                                   else self.spec.job.max_recoveries)
+            self._check_data()
+            for note in self.plan.notes:
+                console.note(note)
+            console.info(f"run {self.plan.run}: {self.plan.accelerator.name} in {', '.join(self.plan.zones)} "
+                         f"({self.plan.provisioning}), bucket gs://{self.plan.bucket}, ~${self.plan.price_per_hour:.2f}/h")
+
+    def _check_data(self) -> None:
+        """Corpus files and options are checked before anything is created: bad input costs nothing."""
+        data = self.spec.job.data
+        if not data.corpus:
+            return
+        from tpuctl.templates.bert import prepare as prep
+        from tpuctl.templates.bert.errors import DataError
+
+        for c in data.corpus:
+            if not c.startswith("gs://") and not glob.glob(_corpus_path(c, self.spec_dir)):
+                raise BadInput(f"corpus {c!r} matches no file (from {Path.cwd()} or {self.spec_dir})",
+                               field="job.data.corpus", hint="list UTF-8 text files, globs or gs:// URLs")
+        try:
+            prep.PrepareOptions(vocab_size=data.vocab_size, seq_len=data.seq_len, lowercase=data.lowercase).validate()
+        except DataError as exc:
+            raise BadInput(str(exc), field="job.data", hint="see `tpuctl data prepare --help`") from exc
+
+    def up(self):
+        # The function itself, not `provision.apply`: that package attribute is replaced by the `apply`
+        # submodule once anything imports it (the package loads it lazily), and a module is not callable.
+        from tpuctl.provision.apply import apply as apply_plan
+
+        with self.phase("up"), console.ProgressBoard(f"up {self.plan.run}") as board:
+            self._up_started = self._up_started or time.time()
+            result = apply_plan(self.clients, self.plan, progress=board.update)
+        _record(result.resources)
+        tpu = result.get(Kind.TPU)
+        if tpu is None:
+            raise TpuctlError(f"up finished without a TPU node for run {self.plan.run}")
+        self.zone, self.node = tpu.location, tpu.name
+        self.num_workers = max(len(tpu.workers), self.plan.accelerator.hosts)
+
+    def prepare_data(self) -> str | None:
+        data = self.spec.job.data
+        if not data.corpus:
+            return None
+        url = f"gs://{self.plan.bucket}/runs/{self.plan.run}/data"
+        from tpuctl.templates.bert import prepare as prep
+        from tpuctl.templates.bert.errors import DataError
+        from tpuctl.templates.bert.manifest import MANIFEST_NAME
+
+        with self.phase("prepare data"):
+            blob = self.clients.storage.bucket(self.plan.bucket).blob(f"runs/{self.plan.run}/data/{MANIFEST_NAME}")
+            if blob.exists():
+                console.note(f"prepared data already in {url}")
+                return url
+            corpus = [_corpus_path(c, self.spec_dir) for c in data.corpus]
+            options = prep.PrepareOptions(vocab_size=data.vocab_size, seq_len=data.seq_len, lowercase=data.lowercase)
+            try:
+                with tempfile.TemporaryDirectory(prefix="tpuctl-data-") as staging:
+                    manifest = prep.prepare(corpus, staging, options, storage_client=self.clients.storage)
+                    prep.upload(staging, url, storage_client=self.clients.storage)
+            except DataError as exc:
+                raise BadInput(str(exc), field="job.data",
+                               hint="corpus files must be UTF-8 text, one sentence or paragraph per line") from exc
+            console.info(f"data: {manifest.sequences} sequences of {manifest.seq_len} tokens, vocab {manifest.vocab_size}")
+        return url
+
+    def ship(self, data_url: str | None) -> bundles.Bundle:
+        with self.phase("upload"):
+            job = self.spec.job
+            config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
+                                        data_url=data_url)
+            description = bundles.JobDescription(
+                run=self.plan.run, project=self.project, bucket=self.plan.bucket, module=self.module,
+                config=config, args=tuple(job.args), env=dict(job.env), num_workers=self.num_workers,
+                heartbeat_s=10.0 if not self.clients.local else 2.0)
+            from tpuctl import paths
+
+            b = bundles.build(self.template_dir, description, paths.home() / "bundles")
+            sent = bundles.upload(self.clients.storage, self.plan.bucket, b)
+            console.info(f"bundle {b.sha256[:16]} {'uploaded' if sent else 'unchanged, not uploaded'}")
+        self.record = cluster.LaunchRecord(
+            run=self.plan.run, zone=self.zone, node=self.node, bucket=self.plan.bucket, bundle_object=b.object_name,
+            bundle_sha=b.sha256, python=self.opts.python, workers=self.num_workers,
+            max_recoveries=self.max_recoveries, launched=time.time())
+        return b
+
+    def launch(self) -> None:
+        rec = self.record
+        with self.phase("launch", f"{rec.workers} worker(s)"):
+            key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
+            bundle = bundles.Bundle(path=Path(), sha256=rec.bundle_sha, run=rec.run)
+
+            async def go():
+                async with Fleet(targets, key, on_retry=lambda t, why: console.note(f"worker {t.index}: waiting for ssh ({why})")) as fleet:
+                    await launching.launch(fleet, run=rec.run, project=self.project, bucket=rec.bucket,
+                                           bundle=bundle, python=rec.python)
+
+            asyncio.run(go())
+            cluster.save_launch(self.clients, rec)
+            self.cursor = logs.Cursor()  # a (re)launched job starts a fresh log on every worker
+
+    # -- watching
+    async def _watch(self, targets: list[Target], key) -> tuple[str, launching.WorkerState | None]:
+        """Stream logs and poll until the job ends on every worker ("done"), fails on one ("failed"), or the
+        node/a worker is lost ("lost")."""
+        rec = self.record
+
+        async def stream(fleet: Fleet) -> None:
+            try:
+                await logs.follow(fleet, rec.run, self.stream, cursor=self.cursor)
+            except TpuctlError:  # the node went away mid-stream; the poll loop decides what that means
+                pass
+
+        async with Fleet(targets, key, deadline_s=max(10.0, self.opts.poll_s * 5)) as fleet:
+            follower = asyncio.create_task(stream(fleet))
+            unreachable = 0
+            try:
+                while True:
+                    node = await asyncio.to_thread(cluster.node_state, self.clients, rec.zone, rec.node)
+                    if node is None or node.state is not State.READY:
+                        console.warn(f"TPU node {rec.node} is {'gone' if node is None else node.state.value}")
+                        return "lost", None
+                    states = await launching.poll(fleet, rec.run)
+                    failed = [s for s in states if s.done and s.exit_code != 0]
+                    if failed:
+                        return "failed", failed[0]
+                    if all(s.done for s in states):
+                        return "done", None
+                    if any(s.state in ("lost", "absent") for s in states):
+                        return "lost", None
+                    unreachable = unreachable + 1 if any(s.state == "unreachable" for s in states) else 0
+                    if unreachable >= UNREACHABLE_POLLS:
+                        return "lost", None
+                    # The log streams end when every job process exited: poll at once then, not a tick later.
+                    await asyncio.wait([follower], timeout=self.opts.poll_s)
+            finally:
+                # Let the streams print what the workers wrote last, briefly, then stop them.
+                try:
+                    await asyncio.wait_for(asyncio.shield(follower), timeout=0.5)
+                except (asyncio.TimeoutError, Exception):
+                    follower.cancel()
+
+    def watch(self) -> None:
+        rec = self.record
+        while True:
+            with self.phase("train"):
+                key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
+                verdict, failed = asyncio.run(self._watch(targets, key))
+            if verdict == "done":
+                return
+            if verdict == "failed":
+                self._fail(targets, key, failed)
+            self._recover()
+
+    def _fail(self, targets, key, failed: launching.WorkerState) -> None:
+        rec = self.record
+        with self.phase("stop workers"):
+            async def stop():
+                async with Fleet(targets, key, deadline_s=30) as fleet:
+                    await launching.cancel(fleet, rec.run)
+            try:
+                asyncio.run(stop())
+            except TpuctlError as exc:
+                console.warn(f"could not stop every worker: {exc}")
+        self.outcome.failing_worker = failed.index
+        self.outcome.tail = list(self.stream.tails.get(failed.index, []))
+        cluster.update_status(self.clients, rec.bucket, rec.run, state="failed", exit_code=failed.exit_code,
+                              recovering=False)
+        lines = "\n".join(f"  [w{failed.index}] {line}" for line in self.outcome.tail[-10:])
+        raise JobFailed(f"the job failed on worker {failed.index} with exit code {failed.exit_code}",
+                        hint=f"last lines of worker {failed.index}:\n{lines}\n  full logs: "
+                             f"gs://{rec.bucket}/runs/{rec.run}/logs/worker-{failed.index}.log")
+
+    def _recover(self) -> None:
+        rec = self.record
+        if self.outcome.recoveries >= rec.max_recoveries:
+            raise JobFailed(f"the TPU node was lost {self.outcome.recoveries + 1} time(s); max recoveries is "
+                            f"{rec.max_recoveries}", hint="raise --max-recoveries, or use on-demand provisioning")
+        self.outcome.recoveries += 1
+        cluster.update_status(self.clients, rec.bucket, rec.run, state="running", recovering=True)
+        with self.phase("recover", f"attempt {self.outcome.recoveries} of {rec.max_recoveries}"):
+            try:
+                node = provision.recreate_node(self.clients, rec.zone, rec.node, force=True)
+            except (NotFound, CapacityError) as exc:
+                if self.plan is None:
+                    raise JobFailed(f"cannot recreate TPU node {rec.node}: {exc}",
+                                    hint=f"run `tpuctl run SPEC --name {rec.run}` again to resume from the checkpoint") from exc
+                console.warn(f"recreating {rec.node} in {rec.zone} failed ({exc}); trying the plan's zones")
+                provision.delete_node(self.clients, rec.zone, rec.node)
+                self.up()
+                node = None
+            if node is not None:
+                self.zone, self.node = node.location, node.name
+            self.record = rec = cluster.LaunchRecord(**{**rec.__dict__, "zone": self.zone, "node": self.node})
+        self.launch()
+
+    # -- results and teardown
+    def collect(self) -> None:
+        rec = self.record
+        with self.phase("collect"):
+            prefix = f"runs/{rec.run}/model/"
+            blobs = list(self.clients.storage.list_blobs(rec.bucket, prefix=prefix))
+            self.outcome.artifacts = sorted(b.name[len(prefix):] for b in blobs)
+            if self.opts.download:
+                dest = Path(self.opts.download)
+                for b in blobs:
+                    target = dest / b.name[len(prefix):]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    b.download_to_filename(str(target))
+                self.outcome.downloaded = str(dest)
+
+    def teardown(self) -> None:
+        run = self.run_name
+        if not run:
+            return
+        with self.phase("tear down"), _shielded():
+            self.delete_requested_at = time.time()
+            if self.stream.last_step_at is not None:
+                self.outcome.last_step_to_delete_s = round(self.delete_requested_at - self.stream.last_step_at, 2)
+            with console.ProgressBoard(f"down {run}") as board:
+                gone = provision.down(self.clients, run, delete_bucket=self.opts.delete_bucket, progress=board.update)
+            _record(gone.deleted, deleted=True)
+        if self._up_started is not None and self.outcome.price_per_hour is not None:
+            self.outcome.cost_usd = round(self.outcome.price_per_hour * (time.time() - self._up_started) / 3600, 4)
+
+    # -- entry points
+    def run(self) -> Outcome:
+        self.validate()
+        if self.opts.dry_run:
+            return self.outcome
+        # Like `up`: ask on a terminal; scripts and CI (no TTY) proceed, as they cannot answer.
+        if console.interactive() and not console.confirm(
+                f"create {self.plan.accelerator.name} for run {self.plan.run} at ~${self.plan.price_per_hour:.2f}/h "
+                "(torn down when the job ends)?", yes=self.opts.yes):
+            raise BadInput("not confirmed; nothing was created", field="yes",
+                           hint="pass --yes to create resources without asking")
+        return self._drive(fresh=True)
+
+    def attach(self) -> Outcome:
+        with self.phase("attach"):
+            where = cluster.locate(self.clients, self.run_name)
+            if where.bucket is None:
+                raise NotFound(f"run {self.run_name} has no bucket", field="run")
+            self.record = cluster.load_launch(self.clients, where.bucket, self.run_name)
+            self.record = cluster.LaunchRecord(**{**self.record.__dict__, "zone": where.zone, "node": where.node})
+            self.outcome.bucket = where.bucket
+            self._up_started = self.record.launched
+        return self._drive(fresh=False)
+
+    def _drive(self, *, fresh: bool) -> Outcome:
+        torn_down = False
+        try:
+            if fresh:
+                self.up()
+                data_url = self.prepare_data()
+                self.ship(data_url)
+                self.launch()
+                if self.opts.detach:
+                    torn_down = True  # nothing to tear down: the run goes on without us
+                    self.outcome.state = "detached"
+                    return self.outcome
+            self.watch()
+            self.outcome.state = "succeeded"
+            if self.opts.delete_bucket:
+                self.collect()  # while the bucket still exists
+            # Otherwise the TPU goes first: artifacts are in the bucket already, and every second up is billed.
+            torn_down = True
+            self.teardown()
+            if not self.opts.delete_bucket:
+                cluster.update_status(self.clients, self.record.bucket, self.record.run, state="succeeded",
+                                      exit_code=0, recovering=False, step=self.outcome.step)
+                self.collect()
+            return self.outcome
+        except KeyboardInterrupt:
+            self.outcome.state = "interrupted"
+            if self.record is not None:
+                cluster.update_status(self.clients, self.record.bucket, self.record.run, state="failed",
+                                      recovering=False, interrupted=True)
+            raise
+        except BaseException as exc:
+            self.outcome.state = "failed"
+            self.outcome.error = str(exc)
+            raise
+        finally:
+            if not torn_down:
+                self.teardown()

@@ -1,0 +1,1 @@
+"""Training programs shipped to TPU workers, and their bootstrap."""

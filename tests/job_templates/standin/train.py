@@ -1,0 +1,57 @@
+"""A stand-in training program for fast jobs tests: "trains" max_steps steps, checkpoints to model_dir
+every checkpoint_every steps (data file first, then the `checkpoint` index naming it) and resumes from the
+latest checkpoint. Same command line and config shape as the BERT template:
+`python -m standin.train --config CONFIG.json [ARGS...]`.
+
+Echoes its extra arguments and TPUCTL_TEST_* environment as JSON so tests can check they arrived verbatim,
+and HOME, where a shell that wrongly ran a hostile `$(touch PWNED)` would have left its file.
+`trainer.fail_at_step` + `trainer.fail_worker` make one worker exit 3 at that step.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    known, extra = parser.parse_known_args()
+    config = json.loads(Path(known.config).read_text())
+    trainer = config.get("trainer", {})
+    model_dir = Path(config["runtime"]["model_dir"])
+    model_dir.mkdir(parents=True, exist_ok=True)
+    worker = int(os.environ.get("TPUCTL_WORKER", "0"))
+    print("args=" + json.dumps(extra), flush=True)
+    print("env=" + json.dumps({k: v for k, v in sorted(os.environ.items()) if k.startswith("TPUCTL_TEST_")}), flush=True)
+    print("home=" + os.environ.get("HOME", ""), flush=True)
+    step = 0
+    index = model_dir / "checkpoint"
+    if index.exists():
+        step = json.loads((model_dir / index.read_text().strip()).read_text())["step"]
+        print(f"restored step={step}", flush=True)
+    max_steps = int(trainer.get("max_steps", 20))
+    every = int(trainer.get("checkpoint_every", 5))
+    for step in range(step + 1, max_steps + 1):
+        time.sleep(float(trainer.get("step_seconds", 0.05)))
+        if step == trainer.get("fail_at_step") and worker == int(trainer.get("fail_worker", 0)):
+            print(f"worker {worker}: boom at step {step}", flush=True)
+            return 3
+        print(f"step={step} loss={10.0 / step:.3f} examples_per_sec=100.0", flush=True)
+        if step % every == 0 or step == max_steps:
+            name = f"ckpt-{step}.json"
+            (model_dir / name).write_text(json.dumps({"step": step}))
+            tmp = model_dir / "checkpoint.tmp"
+            tmp.write_text(name)
+            tmp.replace(index)
+    export = Path(config["runtime"].get("export_dir") or model_dir / "export")
+    export.mkdir(parents=True, exist_ok=True)
+    (export / "final.json").write_text(json.dumps({"step": max_steps}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""Jobs layer on a fake 4-worker slice (asyncssh servers on 127.0.0.1) and an emulated bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import subprocess
+import time
+
+import pytest
+
+from test_jobs_harness import PYTHON, STANDIN, make_slice, slice4, storage, tpuctl_home  # noqa: F401
+from tpuctl.errors import BadInput
+from tpuctl.jobs import bundle as bundles
+from tpuctl.jobs import launch as launching
+from tpuctl.jobs import logs, remote
+from tpuctl.jobs.keys import ensure_keypair
+from tpuctl.jobs.ssh import Fleet
+
+HOSTILE = ["it's", 'say "hi"', "$(touch PWNED)", "`touch PWNED2`", "a; touch PWNED3", "line1\nline2", "--x=$HOME", "*"]
+
+
+def _job(run: str, storage, *, workers: int = 4, trainer: dict | None = None, args=(), env=None):
+    config = bundles.job_config({"trainer": {"max_steps": 12, "checkpoint_every": 4, **(trainer or {})}},
+                                preset=None, bucket=storage.bucket_name, run=run, data_url=None)
+    return bundles.JobDescription(run=run, project="test-project", bucket=storage.bucket_name, module="standin.train",
+                                  config=config, args=tuple(args), env=env or {}, num_workers=workers, heartbeat_s=0.5)
+
+
+def _ship(tmp_path, storage, job) -> bundles.Bundle:
+    b = bundles.build(STANDIN, job, tmp_path / "bundles")
+    bundles.upload(storage.client(), storage.bucket_name, b)
+    return b
+
+
+async def _wait_done(fleet: Fleet, run: str, timeout: float = 60) -> list[launching.WorkerState]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        states = await launching.poll(fleet, run)
+        if all(s.done for s in states):
+            return states
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"job not done: {states}")
+
+
+def _blob_text(storage, name: str) -> str:
+    return storage.client().bucket(storage.bucket_name).blob(name).download_as_text()
+
+
+# ------------------------------------------------------------------------------------------ pure parts
+
+def test_render_quotes_every_value_and_refuses_missing(tmp_path):
+    script = remote.render("printf '%s\\n' {{a}} {{b}}", {"a": HOSTILE[2], "b": "x; touch " + str(tmp_path / "bad")})
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path, check=True).stdout
+    assert out.splitlines() == [HOSTILE[2], "x; touch " + str(tmp_path / "bad")]
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(KeyError):
+        remote.render("{{a}} {{typo}}", {"a": 1})
+
+
+def test_bootstrap_script_is_valid_bash_for_hostile_values():
+    script = remote.bootstrap_script(run="r1", worker=3, python="python3", project="p'; rm -rf /",
+                                     bucket="$(reboot)", bundle_object="runs/r1/x\ny", bundle_sha="abc",
+                                     launch_id="l1")
+    subprocess.run(["bash", "-n", "-c", script], check=True)
+    assert "BUCKET='$(reboot)'" in script
+
+
+@pytest.mark.parametrize("name", ["Bad", "a b", "x;y", "$(id)", "../up", "", "a" * 64, "-a"])
+def test_hostile_run_names_are_refused(name):
+    with pytest.raises(BadInput) as e:
+        remote.workdir(name, 0)
+    assert e.value.field == "name"
+
+
+def test_keypair_created_once_private(tpuctl_home):
+    a = ensure_keypair()
+    b = ensure_keypair()
+    assert a == b
+    assert stat.S_IMODE(a.private_path.stat().st_mode) == 0o600
+    assert a.metadata_line().startswith(f"{a.user}:ssh-ed25519 ")
+    os.chmod(a.private_path, 0o644)
+    with pytest.raises(BadInput):
+        ensure_keypair()
+
+
+def test_bundle_is_content_addressed(tmp_path):
+    job = bundles.JobDescription(run="r1", project="p", bucket="b", module="standin.train", config={"x": 1})
+    a = bundles.build(STANDIN, job, tmp_path / "a")
+    b = bundles.build(STANDIN, job, tmp_path / "b")
+    assert a.sha256 == b.sha256 and a.path.read_bytes() == b.path.read_bytes()
+    c = bundles.build(STANDIN, bundles.JobDescription(**{**job.__dict__, "config": {"x": 2}}), tmp_path / "c")
+    assert c.sha256 != a.sha256
+    assert a.object_name == f"runs/r1/bundle-{a.sha256[:16]}.tar.gz"
+
+
+def test_unknown_template_names_the_field():
+    with pytest.raises(BadInput) as e:
+        bundles.resolve_template("no-such-template")
+    assert e.value.field == "job.template"
+
+
+# ------------------------------------------------------------------------------------------ on a slice
+
+def test_job_runs_on_all_four_workers_with_logs_status_and_checkpoints(tmp_path, slice4, storage):
+    run = "four"
+    job = _job(run, storage)
+    b = _ship(tmp_path, storage, job)
+    assert not bundles.upload(storage.client(), storage.bucket_name, b), "unchanged bundle is not re-uploaded"
+    lines: list[tuple[int, str]] = []
+
+    async def go():
+        async with Fleet(slice4.targets(), ensure_keypair()) as fleet:
+            lid = await launching.launch(fleet, run=run, project="test-project", bucket=storage.bucket_name,
+                                         bundle=b, python=PYTHON)
+            pids = [s.pid for s in await launching.poll(fleet, run)]
+            # Retrying the same launch is a no-op while it runs.
+            await launching.launch(fleet, run=run, project="test-project", bucket=storage.bucket_name, bundle=b,
+                                   python=PYTHON, launch_id=lid)
+            assert [s.pid for s in await launching.poll(fleet, run)] == pids
+            await logs.follow(fleet, run, lambda w, line: lines.append((w, line)))
+            return await _wait_done(fleet, run)
+
+    states = asyncio.run(go())
+    assert [s.exit_code for s in states] == [0, 0, 0, 0]
+    for w in range(4):
+        mine = [line for i, line in lines if i == w]
+        assert sum(line.startswith("step=") for line in mine) == 12, mine
+        assert f"step=12" in _blob_text(storage, f"runs/{run}/logs/worker-{w}.log")
+    status = json.loads(_blob_text(storage, f"runs/{run}/status.json"))
+    assert status["state"] == "succeeded" and status["exit_code"] == 0 and status["step"] == 12
+    assert status["recovering"] is False
+    assert _blob_text(storage, f"runs/{run}/model/checkpoint") == "ckpt-12.json"
+    assert json.loads(_blob_text(storage, f"runs/{run}/model/export/final.json")) == {"step": 12}
+
+
+def test_hostile_args_and_env_arrive_verbatim_and_execute_nothing(tmp_path, tpuctl_home, storage):
+    s = make_slice(tmp_path, storage, 1)
+    try:
+        run = "hostile"
+        env = {"TPUCTL_TEST_V": HOSTILE[2] + "\n" + HOSTILE[4]}
+        b = _ship(tmp_path, storage, _job(run, storage, workers=1, args=HOSTILE, env=env))
+
+        async def go():
+            async with Fleet(s.targets(), ensure_keypair()) as fleet:
+                await launching.launch(fleet, run=run, project="test-project", bucket=storage.bucket_name,
+                                       bundle=b, python=PYTHON)
+                return await _wait_done(fleet, run)
+
+        assert asyncio.run(go())[0].exit_code == 0
+        log = (s.workdir(run, 0) / "job.log").read_text().splitlines()
+        assert json.loads(log[0][len("args="):]) == HOSTILE
+        assert json.loads(log[1][len("env="):]) == env
+        assert not [p for p in tmp_path.rglob("PWNED*")]
+    finally:
+        s.close()
+
+
+def test_failing_worker_is_reported_and_others_can_be_cancelled(tmp_path, slice4, storage):
+    run = "fails"
+    b = _ship(tmp_path, storage, _job(run, storage, trainer={"max_steps": 400, "fail_at_step": 3, "fail_worker": 2}))
+
+    async def go():
+        async with Fleet(slice4.targets(), ensure_keypair()) as fleet:
+            await launching.launch(fleet, run=run, project="test-project", bucket=storage.bucket_name, bundle=b,
+                                   python=PYTHON)
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
+                states = await launching.poll(fleet, run)
+                if states[2].done:
+                    break
+                await asyncio.sleep(0.2)
+            assert states[2].exit_code == 3
+            assert all(s.state == "running" for i, s in enumerate(states) if i != 2)
+            await launching.cancel(fleet, run)
+            return await _wait_done(fleet, run, timeout=30)
+
+    states = asyncio.run(go())
+    assert states[2].exit_code == 3
+    assert {s.exit_code for i, s in enumerate(states) if i != 2} == {143}
+    status = json.loads(_blob_text(storage, f"runs/{run}/status.json"))
+    assert status["state"] == "failed" and status["exit_code"] == 3, status
+    assert "boom at step 3" in _blob_text(storage, f"runs/{run}/logs/worker-2.log")
+
+
+def test_logs_follow_resumes_at_offset_after_ssh_drop(tmp_path, slice4, storage):
+    run = "drops"
+    b = _ship(tmp_path, storage, _job(run, storage, trainer={"max_steps": 40, "step_seconds": 0.05}))
+    lines: list[tuple[int, str]] = []
+
+    async def go():
+        async with Fleet(slice4.targets(), ensure_keypair()) as fleet:
+            await launching.launch(fleet, run=run, project="test-project", bucket=storage.bucket_name, bundle=b,
+                                   python=PYTHON)
+            cursor = logs.Cursor()
+            task = asyncio.create_task(logs.follow(fleet, run, lambda w, l: lines.append((w, l)), cursor=cursor))
+            while sum(1 for _, l in lines if l.startswith("step=")) < 8:
+                await asyncio.sleep(0.05)
+            assert slice4.drop_connections() > 0
+            await task
+            return cursor
+
+    cursor = asyncio.run(go())
+    assert cursor.reconnects >= 1
+    for w in range(4):
+        steps = [line for i, line in lines if i == w and line.startswith("step=")]
+        assert steps == [f"step={n} loss={10.0 / n:.3f} examples_per_sec=100.0" for n in range(1, 41)]
+
+
+def test_unpublished_host_key_is_trusted_on_first_use_then_verified(tmp_path, tpuctl_home, storage, monkeypatch):
+    from tpuctl import console
+
+    warnings: list[str] = []
+    monkeypatch.setattr(console, "warn", warnings.append)
+    s = make_slice(tmp_path, storage, 1)
+    try:
+        from tpuctl.jobs.ssh import HostKeyMismatch, Target
+
+        async def hello(target):
+            async with Fleet([target], ensure_keypair(), deadline_s=5) as fleet:
+                return (await fleet.run(0, "echo hi")).stdout
+
+        t = s.targets(publish_host_keys=False)[0]
+        assert asyncio.run(hello(t)) == "hi\n"
+        assert asyncio.run(hello(t)) == "hi\n"
+        assert len(warnings) == 1 and "trusting it on first use" in warnings[0]
+        other = ensure_keypair().load_private().export_public_key().decode().strip()
+        with pytest.raises(HostKeyMismatch):
+            asyncio.run(hello(Target(0, t.host, t.port, host_key=other)))
+    finally:
+        s.close()
+
+
+def test_detached_job_survives_the_launching_process(tmp_path, tpuctl_home, storage):
+    s = make_slice(tmp_path, storage, 2)
+    try:
+        run = "detached"
+        b = _ship(tmp_path, storage, _job(run, storage, workers=2, trainer={"max_steps": 30, "step_seconds": 0.05}))
+        targets = [(t.index, t.host, t.port, t.host_key) for t in s.targets()]
+        code = f"""
+import asyncio, sys
+from tpuctl.jobs.ssh import Fleet, Target
+from tpuctl.jobs.keys import ensure_keypair
+from tpuctl.jobs.bundle import Bundle
+from tpuctl.jobs import launch
+from pathlib import Path
+async def go():
+    async with Fleet([Target(*t) for t in {targets!r}], ensure_keypair()) as f:
+        await launch.launch(f, run={run!r}, project="test-project", bucket={storage.bucket_name!r},
+                            bundle=Bundle(Path({str(b.path)!r}), {b.sha256!r}, {run!r}), python={PYTHON!r})
+        print("launched", flush=True)
+        await asyncio.sleep(600)
+asyncio.run(go())
+"""
+        proc = subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        assert proc.stdout.readline().strip() == "launched"
+        proc.kill()
+        proc.wait()
+
+        async def wait():
+            async with Fleet(s.targets(), ensure_keypair()) as fleet:
+                return await _wait_done(fleet, run)
+
+        assert [st.exit_code for st in asyncio.run(wait())] == [0, 0]
+        assert "step=30" in (s.workdir(run, 1) / "job.log").read_text()
+    finally:
+        s.close()
+
+
+
+def test_a_new_launch_replaces_the_running_one(tmp_path, tpuctl_home, storage):
+    s = make_slice(tmp_path, storage, 1)
+    try:
+        run = "relaunch"
+        b = _ship(tmp_path, storage, _job(run, storage, workers=1, trainer={"max_steps": 60, "step_seconds": 0.05}))
+
+        async def go():
+            async with Fleet(s.targets(), ensure_keypair()) as fleet:
+                await launching.launch(fleet, run=run, project="test-project", bucket=storage.bucket_name,
+                                       bundle=b, python=PYTHON)
+                first = (await launching.poll(fleet, run))[0].pid
+                log = s.workdir(run, 0) / "job.log"
+                while "step=5 " not in (log.read_text() if log.exists() else ""):
+                    await asyncio.sleep(0.05)
+                await launching.launch(fleet, run=run, project="test-project", bucket=storage.bucket_name,
+                                       bundle=b, python=PYTHON)
+                second = (await launching.poll(fleet, run))[0].pid
+                assert first != second
+                return first, await _wait_done(fleet, run)
+
+        first, states = asyncio.run(go())
+        assert states[0].exit_code == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(first, 0)
+        assert "restored step=" in (s.workdir(run, 0) / "job.log").read_text()
+    finally:
+        s.close()
+
+
+def test_agent_prepare_skips_installed_requirements_and_caches(tmp_path, monkeypatch):
+    from tpuctl.jobs import agent
+
+    bundle = tmp_path / "bundle"
+    (bundle / "tpl").mkdir(parents=True)
+    (bundle / "tpl" / "requirements.txt").write_text("# already here\npytest>=7\nasyncssh ; python_version >= '3'\n")
+    (bundle / "job.json").write_text(json.dumps({"requirements": "tpl/requirements.txt"}))
+    calls = []
+    monkeypatch.setattr(agent.subprocess, "run", lambda *a, **k: calls.append(a))
+    assert agent.prepare(bundle, tmp_path / "cache") == 0
+    assert calls == [] and len(list((tmp_path / "cache").iterdir())) == 1
+    (bundle / "tpl" / "requirements.txt").write_text("pytest<1\n")
+    monkeypatch.setattr(agent.subprocess, "run", lambda argv, **k: calls.append(argv) or subprocess.CompletedProcess(argv, 0))
+    assert agent.prepare(bundle, tmp_path / "cache") == 0
+    assert calls and calls[0][-1] == "pytest<1", "an installed version outside the specifier is installed"
+
+
+@pytest.mark.parametrize("name", ["A;B", "$(id)", "X=Y", "1X", "a b", "L\nM"])
+def test_hostile_env_names_are_refused(tmp_path, name):
+    job = bundles.JobDescription(run="r1", project="p", bucket="b", module="standin.train", config={},
+                                 env={name: "v"})
+    with pytest.raises(BadInput) as e:
+        bundles.build(STANDIN, job, tmp_path)
+    assert e.value.field == "job.env"

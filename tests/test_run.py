@@ -1,0 +1,369 @@
+"""`tpuctl run` on the local cloud: the whole pipeline with the stand-in template on a 4-worker slice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from test_jobs_harness import STANDIN
+from tpuctl import spec as spec_mod
+from tpuctl.errors import JobFailed
+from tpuctl.jobs.pipeline import Pipeline, RunOptions
+
+HOSTILE = ["it's", "$(touch PWNED)", "a; touch PWNED2", "line1\nline2", "`id`"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch) -> str:
+    """A fresh project on the session's local cloud (conftest `cloud`), and a private TPUCTL_HOME."""
+    from conftest import new_project
+
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
+    return new_project()
+
+
+@pytest.fixture
+def tpc(cloud, project):
+    """tpuctl's own clients (`provision.Clients`) for that project."""
+    from google.auth.credentials import AnonymousCredentials
+
+    from tpuctl.provision.clients import build
+
+    return build(project=project, credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
+                 storage_host=cloud.storage_host, local=True)
+
+
+def _spec(name: str, *, trainer: dict | None = None, args=(), accelerator="v3-32", **job) -> dict:
+    return {"name": name, "zone": "us-central1-a", "accelerator": accelerator, "provisioning": "spot",
+            "job": {"template": str(STANDIN), "args": list(args),
+                    "config": {"trainer": {"max_steps": 15, "checkpoint_every": 5, **(trainer or {})}}, **job}}
+
+
+def _live(cloud, project: str) -> dict:
+    inv = cloud.inventory()
+    return {"nodes": [n["name"] for n in inv["nodes"] if n["project"] == project],
+            "instances": [i["name"] for i in inv["instances"] if i["project"] == project],
+            "queued": [q["name"] for q in inv["queued_resources"] if f"projects/{project}/" in q["name"]]}
+
+
+def _zero(cloud, project: str) -> bool:
+    return _live(cloud, project) == {"nodes": [], "instances": [], "queued": []}
+
+
+def _buckets(cloud, project: str) -> list[str]:
+    return [b["name"] for b in cloud.inventory()["buckets"] if b["project"] == project]
+
+
+def _node_path(p: Pipeline) -> str:
+    """The node's full name: the session cloud holds other tests' projects, where short names repeat."""
+    return f"projects/{p.project}/locations/{p.zone}/nodes/{p.node}"
+
+
+def _no_pwned(log: str) -> bool:
+    """The stand-in prints its worker's HOME, where a hostile `$(touch PWNED)` run by a shell would land."""
+    home = next(line[len("home="):] for line in log.splitlines() if line.startswith("home="))
+    return not list(Path(home).rglob("PWNED*"))
+
+
+def _text(clients, bucket: str, name: str) -> str:
+    return clients.storage.bucket(bucket).blob(name).download_as_text()
+
+
+def test_run_trains_on_every_worker_and_tears_down(tpc, cloud, project, tmp_path):
+    spec = spec_mod.from_mapping(_spec("ok-run", args=HOSTILE))
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5, download=tmp_path / "out"), echo_logs=False)
+    o = p.run()
+    assert o.state == "succeeded" and o.step == 15 and o.recoveries == 0
+    assert _zero(cloud, project)
+    assert _buckets(cloud, project) == [o.bucket], "bucket kept"
+    assert _text(tpc, o.bucket, "runs/ok-run/model/checkpoint") == "ckpt-15.json"
+    assert (tmp_path / "out" / "export" / "final.json").exists()
+    status = json.loads(_text(tpc, o.bucket, "runs/ok-run/status.json"))
+    assert status["state"] == "succeeded" and status["step"] == 15 and status["recovering"] is False
+    for w in range(4):
+        log = _text(tpc, o.bucket, f"runs/ok-run/logs/worker-{w}.log").splitlines()
+        assert json.loads(log[0][len("args="):]) == HOSTILE
+        assert "step=15 loss=0.667 examples_per_sec=100.0" in log
+    assert _no_pwned(_text(tpc, o.bucket, "runs/ok-run/logs/worker-0.log"))
+    assert set(o.phases) >= {"validate", "up", "upload", "launch", "train", "tear down", "collect"}
+    assert o.last_step_to_delete_s is not None and o.last_step_to_delete_s <= 5
+
+
+def test_run_job_failure_stops_all_tears_down_and_shows_the_log(tpc, cloud, project):
+    spec = spec_mod.from_mapping(_spec("bad-run", trainer={"max_steps": 500, "fail_at_step": 4, "fail_worker": 2}))
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    with pytest.raises(JobFailed) as e:
+        p.run()
+    assert "worker 2" in str(e.value) and "exit code 3" in str(e.value)
+    assert "boom at step 4" in e.value.hint
+    assert _zero(cloud, project)
+    status = json.loads(_text(tpc, p.outcome.bucket, "runs/bad-run/status.json"))
+    assert status["state"] == "failed" and status["exit_code"] == 3
+
+
+def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
+    spec = spec_mod.from_mapping(_spec("pre-run", trainer={"max_steps": 40, "checkpoint_every": 5,
+                                                           "step_seconds": 0.1}))
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    preempted = threading.Event()
+
+    def preempt_at_step_12():
+        while not preempted.is_set():
+            if (p.outcome.step or 0) >= 12 and p.node:
+                cloud.preempt(_node_path(p))
+                preempted.set()
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=preempt_at_step_12, daemon=True)
+    killer.start()
+    try:
+        o = p.run()
+    finally:
+        preempted.set()
+    assert o.state == "succeeded" and o.recoveries == 1 and o.step == 40
+    assert _zero(cloud, project)
+    log = _text(tpc, o.bucket, "runs/pre-run/logs/worker-0.log")
+    restored = [int(line.split("=")[1]) for line in log.splitlines() if line.startswith("restored step=")]
+    assert restored and restored[0] >= 10, log[:500]
+    first_step_after = int(log.split("restored step=")[1].split("\n", 2)[1].split()[0].split("=")[1])
+    assert first_step_after == restored[0] + 1
+
+
+def test_max_recoveries_zero_fails_on_preemption_and_tears_down(tpc, cloud, project):
+    spec = spec_mod.from_mapping(_spec("pre-zero", trainer={"max_steps": 200, "step_seconds": 0.05}, max_recoveries=0))
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    threading.Thread(target=lambda: (time.sleep(0.1), [time.sleep(0.05) for _ in iter(lambda: (p.outcome.step or 0) >= 3, True)],
+                                     cloud.preempt(_node_path(p))), daemon=True).start()
+    with pytest.raises(JobFailed) as e:
+        p.run()
+    assert "max recoveries is 0" in str(e.value)
+    assert _zero(cloud, project)
+
+
+# ---------------------------------------------------------------------------------- the CLI, as a process
+
+def _env(cloud, tmp_path, project: str) -> dict:
+    return {**os.environ, "TPUCTL_API_ENDPOINT": cloud.endpoint, "TPUCTL_STORAGE_HOST": cloud.storage_host,
+            "TPUCTL_PROJECT": project, "TPUCTL_HOME": str(tmp_path / "home"), "NO_COLOR": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def _spec_file(tmp_path, spec: dict) -> Path:
+    import yaml
+
+    f = tmp_path / f"{spec['name']}.yaml"
+    f.write_text(yaml.safe_dump(spec))
+    return f
+
+
+def _start(cloud, tmp_path, project, *argv) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tpuctl", *argv], env=_env(cloud, tmp_path, project), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_line(proc: subprocess.Popen, needle: str, seen: list[str], timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stderr.readline()
+        if not line:
+            raise AssertionError(f"exited before {needle!r}: {''.join(seen)}")
+        seen.append(line)
+        if needle in line:
+            return
+    raise AssertionError(f"no {needle!r} within {timeout}s: {''.join(seen)}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("phase", ["up", "upload", "launch", "train"])
+def test_run_tears_down_on_signal_at_each_phase(cloud, project, tmp_path, phase, sig):
+    spec = _spec_file(tmp_path, _spec("sig-run", accelerator="v3-8", trainer={"max_steps": 2000, "step_seconds": 0.05}))
+    proc = _start(cloud, tmp_path, project, "run", str(spec), "--yes", "--poll", "0.5")
+    seen: list[str] = []
+    try:
+        _wait_line(proc, f"==> {phase}", seen)
+        if phase == "train":
+            _wait_line(proc, "[w0] step=", seen)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, "".join(seen) + err
+    assert "==> tear down" in err
+    assert _zero(cloud, project), _live(cloud, project)
+
+
+def test_killed_launcher_leaves_the_job_running_and_attach_finishes_it(tpc, cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, _spec("det-run", trainer={"max_steps": 40, "step_seconds": 0.05}))
+    proc = _start(cloud, tmp_path, project, "run", str(spec), "--yes", "--poll", "0.5")
+    seen: list[str] = []
+    try:
+        _wait_line(proc, "[w0] step=3 ", seen)
+    finally:
+        proc.kill()  # no teardown possible: the job must go on without the laptop
+        proc.wait()
+    assert _live(cloud, project)["nodes"], "TPU still up"
+    attach = _start(cloud, tmp_path, project, "run", "--attach", "det-run", "--json", "--poll", "0.5")
+    out, err = attach.communicate(timeout=120)
+    assert attach.returncode == 0, err
+    summary = json.loads(out)
+    assert summary["state"] == "succeeded" and summary["step"] == 40
+    assert _zero(cloud, project)
+    assert "step=40 " in _text(tpc, summary["bucket"], "runs/det-run/logs/worker-3.log")
+
+
+def test_detach_returns_after_launch_and_job_commands_see_it(tpc, cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, _spec("dt-run", accelerator="v3-8", trainer={"max_steps": 30, "step_seconds": 0.05}))
+    run = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes", "--detach"], env=_env(cloud, tmp_path, project),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "tpuctl run --attach dt-run" in run.stderr
+    logs = subprocess.run([sys.executable, "-m", "tpuctl", "logs", "dt-run", "-f"], env=_env(cloud, tmp_path, project),
+                          capture_output=True, text=True, timeout=120)
+    assert logs.returncode == 0, logs.stderr
+    assert "[w0] step=30 loss=0.333 examples_per_sec=100.0" in logs.stdout.splitlines()
+    status = subprocess.run([sys.executable, "-m", "tpuctl", "job", "status", "dt-run", "--json"],
+                            env=_env(cloud, tmp_path, project), capture_output=True, text=True, timeout=120)
+    doc = json.loads(status.stdout)
+    assert doc["workers"][0]["state"] == "exited" and doc["workers"][0]["exit_code"] == 0
+    down = subprocess.run([sys.executable, "-m", "tpuctl", "down", "dt-run", "--yes"], env=_env(cloud, tmp_path, project),
+                          capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert _zero(cloud, project)
+
+
+def test_bad_spec_is_one_line_exit_2_and_creates_nothing(cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, {**_spec("bad-spec"), "job": {"template": "no-such-template"}})
+    r = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes"], env=_env(cloud, tmp_path, project),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: job.template: no template 'no-such-template'")
+    assert _buckets(cloud, project) == [] and _zero(cloud, project)
+
+
+@pytest.mark.slow
+@pytest.mark.tf
+def test_real_bert_tiny_run_ends_with_a_checkpoint_in_the_bucket_and_nothing_live(tpc, cloud, project):
+    spec = spec_mod.from_mapping({
+        "name": "bert-e2e", "zone": "europe-west4-a", "accelerator": "v3-8", "provisioning": "spot",
+        "job": {"template": "bert", "preset": "bert-tiny",
+                "config": {"trainer": {"max_steps": 20, "checkpoint_every": 10, "log_every": 10,
+                                       "steps_per_execution": 10, "warmup_steps": 5}},
+                "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    o = p.run()
+    assert o.state == "succeeded" and o.step == 20
+    assert _zero(cloud, project)
+    assert any(a.startswith("checkpoints/") for a in o.artifacts), o.artifacts
+    assert any(a.startswith("tensorboard/") for a in o.artifacts), o.artifacts
+    assert {"export/model.keras", "export/vocab.txt", "export/metrics.json"} <= set(o.artifacts)
+
+
+def test_lost_worker_is_detected_and_the_run_recovers(tpc, cloud, project):
+    spec = spec_mod.from_mapping(_spec("kw-run", trainer={"max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.1}))
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    fired = threading.Event()
+
+    def kill_worker_1():
+        while not fired.is_set():
+            if (p.outcome.step or 0) >= 8 and p.node:
+                cloud.faults.add("kill-worker", node=_node_path(p), worker=1)
+                fired.set()
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_worker_1, daemon=True).start()
+    try:
+        o = p.run()
+    finally:
+        fired.set()
+    assert o.state == "succeeded" and o.recoveries == 1 and o.step == 30
+    assert _zero(cloud, project)
+
+
+def _tpuctl(cloud, tmp_path, project, *argv, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpuctl", *argv], env=_env(cloud, tmp_path, project), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_logs_follow_survives_an_injected_ssh_drop(cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, _spec("lg-run", accelerator="v3-8", trainer={"max_steps": 50, "step_seconds": 0.1}))
+    assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "tpuctl", "logs", "lg-run", "-f"], env=_env(cloud, tmp_path, project),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("[w0] step=10 "):
+                cloud.faults.add("drop-ssh", node=f"projects/{project}/locations/us-central1-a/nodes/lg-run")
+                break
+        lines += proc.stdout.read().splitlines()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = [line for line in lines if line.startswith("[w0] step=")]
+    assert steps == [f"[w0] step={n} loss={10.0 / n:.3f} examples_per_sec=100.0" for n in range(1, 51)], lines
+    assert _tpuctl(cloud, tmp_path, project, "down", "lg-run", "--yes").returncode == 0
+    assert _zero(cloud, project)
+
+
+def test_ssh_passes_words_verbatim_and_job_cancel_stops_the_job(cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, _spec("cx-run", accelerator="v3-8", trainer={"max_steps": 5000, "step_seconds": 0.05}))
+    assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0
+    r = _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "printf", "%s\\n", "a; b", "$(touch PWNED)", "it's")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["a; b", "$(touch PWNED)", "it's"]
+    assert "PWNED" not in _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "ls", "-a").stdout
+    assert _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "exit 7").returncode == 7
+    r = _tpuctl(cloud, tmp_path, project, "job", "cancel", "cx-run")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(_tpuctl(cloud, tmp_path, project, "job", "status", "cx-run", "--json").stdout)
+    assert doc["workers"] == [{"index": 0, "state": "exited", "exit_code": 143, "pid": None}]
+    assert doc["status"]["state"] == "failed" and doc["status"]["cancelled"] is True
+    assert _tpuctl(cloud, tmp_path, project, "down", "cx-run", "--yes").returncode == 0
+    logs = _tpuctl(cloud, tmp_path, project, "logs", "cx-run")
+    assert logs.returncode == 0 and "[w0] step=1 loss=10.000 examples_per_sec=100.0" in logs.stdout.splitlines()
+
+
+def test_dry_run_plans_and_creates_nothing(cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, _spec("dry-run"))
+    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "plan for run dry-run" in r.stdout and "v3-32" in r.stderr
+    assert _buckets(cloud, project) == [] and _zero(cloud, project)
+
+
+def test_missing_corpus_is_bad_input_before_anything_is_created(cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, {**_spec("no-data"), "job": {"template": str(STANDIN),
+                                                               "data": {"corpus": ["nowhere/*.txt"]}}})
+    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: job.data.corpus: corpus 'nowhere/*.txt' matches no file")
+    assert _buckets(cloud, project) == [] and _zero(cloud, project)
+
+
+@pytest.mark.parametrize("name", ["$(touch PWNED)", "a;b", "it's", "x\ny"])
+def test_hostile_run_name_is_refused_and_creates_nothing(cloud, project, tmp_path, name):
+    spec = _spec_file(tmp_path, _spec("fine-name"))
+    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--name", name)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: name:")
+    assert _buckets(cloud, project) == [] and _zero(cloud, project)
+    assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_delete_bucket_leaves_nothing_at_all(tpc, cloud, project):
+    spec = spec_mod.from_mapping(_spec("gone-run", accelerator="v3-8", trainer={"max_steps": 3}))
+    o = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5, delete_bucket=True), echo_logs=False).run()
+    assert o.state == "succeeded" and o.step == 3
+    assert _zero(cloud, project) and _buckets(cloud, project) == []

@@ -1,0 +1,303 @@
+"""`tpuctl run` (the one-shot run), `tpuctl ssh`, `tpuctl logs`, `tpuctl job status|cancel`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from tpuctl import config, console
+from tpuctl.errors import BadInput, NotFound
+
+SECTION = "Run a training job"
+
+
+def _cloud_options(f):
+    f = click.option("--cloud", type=click.Choice(config.TARGETS), help="force the target (default: auto)")(f)
+    f = click.option("--project", help="Google Cloud project [env TPUCTL_PROJECT]")(f)
+    return f
+
+
+def _clients(project: str | None, cloud: str | None):
+    from tpuctl import provision
+
+    return provision.connect(config.settings(project=project, cloud=cloud))
+
+
+def _summary(o) -> None:
+    d = o.as_dict()
+    phases = ", ".join(f"{k} {v:.0f}s" for k, v in o.phases.items())
+    console.info(f"run {o.run}: {o.state}" + (f" after {o.recoveries} recovery(ies)" if o.recoveries else ""))
+    if phases:
+        console.info(f"  phases: {phases}")
+    if o.step is not None:
+        console.info(f"  last step {o.step}" + (f", loss {o.loss}" if o.loss else "")
+                     + (f", {o.examples_per_sec} examples/s" if o.examples_per_sec else ""))
+    if o.cost_usd is not None:
+        console.info(f"  cost: about ${o.cost_usd:.4f} (${o.price_per_hour:.2f}/h while up)")
+    if o.last_step_to_delete_s is not None:
+        console.info(f"  last step to TPU delete request: {o.last_step_to_delete_s:.1f}s")
+    if d["model_url"]:
+        console.info(f"  artifacts: {d['model_url']}/ ({len(o.artifacts)} files)"
+                     + (f", copied to {o.downloaded}" if o.downloaded else ""))
+        console.info(f"  TensorBoard: {d['tensorboard']}")
+
+
+@click.command("run")
+@click.argument("spec_file", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.option("--name", help="run name (default: the spec's name, else OWNER-ACCELERATOR)")
+@click.option("--yes", "-y", is_flag=True, help="create resources without asking")
+@click.option("--detach", is_flag=True, help="return after launch; `tpuctl run --attach RUN` or `tpuctl gc` finish it")
+@click.option("--attach", "attach", metavar="RUN", help="watch a detached run to its end, then tear it down")
+@click.option("--download", type=click.Path(file_okay=False), help="copy the artifacts to this directory")
+@click.option("--delete-bucket", is_flag=True, help="also delete the bucket at the end (default: kept, with a TTL)")
+@click.option("--max-recoveries", type=click.IntRange(0), help="preemptions to recover from (default: the spec's, 3)")
+@click.option("--poll", "poll_s", type=click.FloatRange(0.2), default=2.0, show_default=True,
+              help="seconds between job/node checks")
+@click.option("--dry-run", is_flag=True, help="validate and show the plan; create nothing")
+@click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
+@_cloud_options
+def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, dry_run,
+                as_json, cloud, project) -> None:
+    """Run a training job end to end: up, prepare data, ship, train on every worker, collect, tear down.
+
+    The TPU and VMs are deleted whatever happens (success, failure, Ctrl-C, SIGTERM); the bucket with the
+    checkpoints, logs and TensorBoard events is kept with a TTL label unless --delete-bucket.
+    """
+    from tpuctl.jobs.pipeline import Pipeline, RunOptions
+
+    if attach and (spec_file or detach or dry_run):
+        raise BadInput("--attach takes a run name and no spec, --detach or --dry-run", field="attach",
+                       hint="tpuctl run --attach RUN")
+    if not attach and not spec_file:
+        raise BadInput("no spec file given", field="spec", hint="tpuctl run examples/bert-tiny.yaml --yes")
+    opts = RunOptions(name=name, yes=yes, detach=detach, attach=attach, download=Path(download) if download else None,
+                      delete_bucket=delete_bucket, max_recoveries=max_recoveries, dry_run=dry_run, poll_s=poll_s)
+    if attach:
+        pipeline = Pipeline(_clients(project, cloud), options=opts)
+        outcome = pipeline.attach()
+    else:
+        from tpuctl import provision
+        from tpuctl import spec as spec_mod
+
+        # Flags > TPUCTL_* env > spec file > user config > gcloud config > defaults, as for `up`.
+        merged, sources = config.layered({"name": name, "project": project}, spec_mod.read_file(spec_file))
+        spec = spec_mod.from_mapping(merged)
+        settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=not dry_run)
+        clients = None if dry_run else provision.connect(settings)
+        pipeline = Pipeline(clients, spec, project=settings.project, spec_dir=Path(spec_file).resolve().parent,
+                            options=opts)
+        try:
+            outcome = pipeline.run()
+        finally:
+            if as_json:
+                console.emit_json(pipeline.outcome.as_dict())
+            elif pipeline.outcome.state != "planned":
+                _summary(pipeline.outcome)
+        if dry_run and not as_json:
+            plan = pipeline.plan
+            console.table(("step", "kind", "name", "where", "$/h"),
+                          [(s.key, s.kind.value, s.name, s.location, f"{s.price_per_hour:.2f}" if s.price_per_hour else "-")
+                           for s in plan.steps], title=f"plan for run {plan.run} ({settings.target})")
+        elif outcome.state == "detached":
+            console.info(f"detached: follow with `tpuctl logs {outcome.run} -f`; finish with "
+                         f"`tpuctl run --attach {outcome.run}` (or `tpuctl gc` tears it down when it ends)")
+        return
+    if as_json:
+        console.emit_json(outcome.as_dict())
+    else:
+        _summary(outcome)
+
+
+run_command.section = SECTION
+
+
+def _fleet_for(clients, run: str, worker: str | None):
+    from tpuctl.jobs import cluster
+
+    where = cluster.locate(clients, run)
+    key, targets = cluster.authorize(clients, where.zone, where.node)
+    if worker not in (None, "all"):
+        try:
+            index = int(worker)
+        except ValueError:
+            raise BadInput(f"--worker must be a number or all, not {worker!r}", field="worker") from None
+        chosen = [t for t in targets if t.index == index]
+        if not chosen:
+            raise BadInput(f"run {run} has workers 0-{len(targets) - 1}", field="worker")
+        targets = chosen
+    return where, key, targets
+
+
+@click.command("ssh", context_settings={"ignore_unknown_options": True})
+@click.argument("run")
+@click.option("--worker", "-w", default=None, help="worker index, or all (default: 0 for a shell, all for a command)")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@_cloud_options
+def ssh_command(run, worker, command, cloud, project) -> None:
+    """Open a shell on a worker, or run `-- CMD` on one or all workers (output prefixed per worker)."""
+    from tpuctl.jobs.remote import shell_command
+    from tpuctl.jobs.ssh import Fleet
+
+    clients = _clients(project, cloud)
+    if not command:
+        _, key, targets = _fleet_for(clients, run, worker or "0")
+        if len(targets) != 1:
+            raise BadInput("an interactive shell needs one worker", field="worker", hint="--worker 0, or pass -- CMD")
+        _interactive(key, targets[0])
+        return
+    _, key, targets = _fleet_for(clients, run, worker or "all")
+    line = shell_command(list(command))
+    prefix = len(targets) > 1
+
+    async def go():
+        async with Fleet(targets, key) as fleet:
+            return await fleet.run_all(lambda t: line)
+
+    worst = 0
+    for r in asyncio.run(go()):
+        for stream, text in ((sys.stdout, r.stdout), (sys.stderr, r.stderr)):
+            for out_line in text.splitlines():
+                stream.write(f"[w{r.index}] {out_line}\n" if prefix else out_line + "\n")
+        worst = worst or r.exit_status
+    sys.stdout.flush()
+    if worst:
+        raise SystemExit(worst)
+
+
+def _interactive(key, target) -> None:
+    """Hand the terminal to the system ssh client, pinned to the published (or recorded) host key."""
+    from tpuctl import paths
+
+    exe = shutil.which("ssh")
+    if exe is None:
+        raise BadInput("no ssh client on PATH for an interactive shell", field="command",
+                       hint="install OpenSSH, or pass a command: tpuctl ssh RUN -- CMD")
+    known = paths.ssh_dir() / "known_hosts"
+    if target.host_key:
+        # The key the node publishes now, not whatever an earlier node at this address had.
+        known = paths.ssh_dir() / "published_known_hosts"
+        known.write_text(f"{target.known_hosts_name} {target.host_key}\n")
+    argv = [exe, "-i", str(key.private_path), "-p", str(target.port), "-o", f"UserKnownHostsFile={known}",
+            "-o", "StrictHostKeyChecking=yes" if known.exists() else "StrictHostKeyChecking=ask",
+            "-o", "IdentitiesOnly=yes", f"{key.user}@{target.host}"]
+    os.execv(exe, argv)
+
+
+@click.command("logs")
+@click.argument("run")
+@click.option("--follow", "-f", is_flag=True, help="keep streaming until the job ends (reconnects on drops)")
+@click.option("--worker", "-w", default=None, help="worker index, or all (default)")
+@_cloud_options
+def logs_command(run, follow, worker, cloud, project) -> None:
+    """Print the job's log from every worker, prefixed [wN]; from the bucket once the TPU is gone."""
+    from tpuctl.jobs import logs
+    from tpuctl.jobs.ssh import Fleet
+
+    clients = _clients(project, cloud)
+
+    def sink(index: int, line: str) -> None:
+        sys.stdout.write(f"[w{index}] {line}\n")
+        sys.stdout.flush()
+
+    try:
+        _, key, targets = _fleet_for(clients, run, worker)
+    except NotFound:
+        _logs_from_bucket(clients, run, worker, sink)
+        return
+
+    async def go():
+        async with Fleet(targets, key) as fleet:
+            await logs.follow(fleet, run, sink, follow=follow)
+
+    asyncio.run(go())
+
+
+def _logs_from_bucket(clients, run: str, worker: str | None, sink) -> None:
+    from tpuctl import provision
+    from tpuctl.provision import Kind
+
+    bucket = next((r.name for r in provision.list_resources(clients, run) if r.kind is Kind.BUCKET), None)
+    if bucket is None:
+        raise NotFound(f"run {run} has neither a TPU node nor a bucket", field="run", hint="see `tpuctl list`")
+    prefix = f"runs/{run}/logs/"
+    blobs = sorted(clients.storage.list_blobs(bucket, prefix=prefix), key=lambda b: b.name)
+    console.note(f"the TPU is gone; logs from gs://{bucket}/{prefix}")
+    for b in blobs:
+        index = int(b.name[len(prefix):].removeprefix("worker-").removesuffix(".log"))
+        if worker in (None, "all") or str(index) == worker:
+            for line in b.download_as_text().splitlines():
+                sink(index, line)
+
+
+@click.group("job")
+def job_group() -> None:
+    """Inspect or stop a launched job."""
+
+
+job_group.section = SECTION
+
+
+@job_group.command("status")
+@click.argument("run")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@_cloud_options
+def job_status(run, as_json, cloud, project) -> None:
+    """The job's state per worker (over SSH) and its status record in the bucket."""
+    from tpuctl import provision
+    from tpuctl.jobs import cluster, launch
+    from tpuctl.jobs.ssh import Fleet
+    from tpuctl.provision import Kind
+
+    clients = _clients(project, cloud)
+    found = provision.list_resources(clients, run)
+    bucket = next((r.name for r in found if r.kind is Kind.BUCKET), None)
+    doc = {"run": run, "status": cluster.read_status(clients, bucket, run) if bucket else None, "workers": []}
+    if any(r.kind is Kind.TPU for r in found):
+        _, key, targets = _fleet_for(clients, run, None)
+
+        async def go():
+            async with Fleet(targets, key, deadline_s=30) as fleet:
+                return await launch.poll(fleet, run)
+
+        doc["workers"] = [s.__dict__ for s in asyncio.run(go())]
+    if doc["status"] is None and not doc["workers"]:
+        raise NotFound(f"run {run} has no job", field="run", hint="see `tpuctl list`")
+    if as_json:
+        console.emit_json(doc)
+        return
+    st = doc["status"] or {}
+    console.info(f"run {run}: {st.get('state', 'unknown')}, step {st.get('step')}"
+                 + (" (recovering)" if st.get("recovering") else ""))
+    console.table(("worker", "state", "exit code", "pid"),
+                  [(w["index"], w["state"], w["exit_code"], w["pid"]) for w in doc["workers"]])
+
+
+@job_group.command("cancel")
+@click.argument("run")
+@_cloud_options
+def job_cancel(run, cloud, project) -> None:
+    """Stop the job on every worker (SIGTERM, then SIGKILL); the TPU stays up (`tpuctl down RUN`)."""
+    from tpuctl.jobs import cluster, launch
+    from tpuctl.jobs.ssh import Fleet
+
+    clients = _clients(project, cloud)
+    where, key, targets = _fleet_for(clients, run, None)
+
+    async def go():
+        async with Fleet(targets, key, deadline_s=60) as fleet:
+            await launch.cancel(fleet, run)
+
+    asyncio.run(go())
+    if where.bucket:
+        cluster.update_status(clients, where.bucket, run, state="failed", cancelled=True, recovering=False)
+    console.info(f"run {run}: job cancelled on {len(targets)} worker(s); `tpuctl down {run}` deletes the TPU")
+
+
+ssh_command.section = SECTION
+logs_command.section = SECTION
+commands = [run_command, ssh_command, logs_command, job_group]
