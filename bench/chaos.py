@@ -1,0 +1,657 @@
+"""Seeded chaos runner: random run shapes and fault schedules against ONE local cloud, then the invariants.
+
+    .venv/bin/python bench/chaos.py --scenarios 200 --seed 1
+
+Each scenario picks a shape (single/multi-host, on-demand/spot/queued) and one fault schedule (capacity in
+some zones, 429 storms, 503s, operations that never finish, preemption mid-job, worker death, SSH drops,
+SIGINT/SIGTERM/kill -9 of `tpuctl up` or `tpuctl run` at a random phase), then cleans up with `down` or `gc`.
+Afterwards it checks, from the local cloud's own inventory (`/_localcloud/status`):
+
+- leaked: a tpuctl resource of the scenario's run still present after the scenario's cleanup, or (after an
+  exit 130) a resource the interrupted command promised to remove before any cleanup ran;
+- lost checkpoints: a checkpoint object seen in the bucket during the job missing at the end, or a resumed
+  job restoring a step below the last checkpoint it had written (the step count went backwards);
+- wrong exit codes: the exit code (0 ok/recovered, 3 capacity, 130 interrupted, -9 killed) or the error
+  line does not match the injected fault. A create that never finishes, or a queued resource waiting for
+  capacity, is the user pressing Ctrl-C 1-3 s in (exit 130).
+
+The last four lines are `leaked: N`, `lost checkpoints: N`, `wrong exit codes: N`, `scenarios: N`.
+
+Provisioning is always a real `tpuctl up SPEC --yes` process and every job scenario a real `tpuctl run SPEC
+--yes` process (exit codes and error lines are the CLI's own; recovery from preemption, worker death and SSH
+drops is `tpuctl run`'s). Cleanup is `provision.down` or one `gc.run` pass with the TTL passed.
+The job is the fast stand-in from tests/job_templates/standin, not BERT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+STANDIN = REPO / "tests" / "job_templates" / "standin"
+PROJECT = "tpuctl-local"
+# Exit codes as the README documents them; -9 is the kill itself.
+EXIT = {"ok": 0, "capacity": 3, "interrupted": 130, "killed": -signal.SIGKILL}
+
+# Shapes: (accelerator, zones in failover order, hosts). Zones come from the catalog's offerings.
+SHAPES = (
+    ("v3-8", ("us-central1-a", "us-central1-b"), 1),
+    ("v2-8", ("us-central1-b", "us-central1-c", "us-central1-f"), 1),
+    ("v4-16", ("us-central2-b",), 2),
+    ("v5litepod-16", ("us-east5-a", "us-east5-b"), 2),
+)
+PROVISIONING = ("on-demand", "spot", "queued")
+FAULTS = ("none", "capacity-first-zone", "capacity-all-zones", "429-storm", "503s", "stuck-create",
+          "preempt-mid-job", "kill-worker", "drop-ssh", "sigint", "sigterm", "kill9")
+# Faults that need a running job (and, for preemption, a spot node).
+JOB_FAULTS = ("none", "preempt-mid-job", "kill-worker", "drop-ssh")
+SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "kill9": signal.SIGKILL}
+
+_SECRET_PATTERNS = (
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    re.compile(r"\bya29\.[0-9A-Za-z_-]{10,}"),  # OAuth2 access tokens
+    re.compile(r"\b1//[0-9A-Za-z_-]{20,}"),  # OAuth2 refresh tokens
+    re.compile(r'"(private_key|private_key_id|client_secret|refresh_token|access_token)"\s*:'),
+    re.compile(r"\bAKIA[0-9A-Z]{16}\b"),
+    re.compile(r"\bAIza[0-9A-Za-z_-]{35}\b"),  # Google API keys
+    re.compile(r"\b(?:authorization|x-goog-api-key)\s*:\s*\S+", re.IGNORECASE),
+)
+
+
+def secrets_in(text: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """Credential-looking fragments of `text` (private keys, OAuth tokens, key files, API keys), plus any of
+    the `extra` literal secrets (e.g. the base64 body of the user's private SSH key)."""
+    found = [m.group(0)[:40] for p in _SECRET_PATTERNS for m in p.finditer(text)]
+    found += [s[:16] + "..." for s in extra if s and s in text]
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- the stack
+
+class Stack:
+    """One local cloud (speed high) plus clients and a private TPUCTL_HOME, as a context manager.
+
+    `env` is what a child tpuctl process needs to target this cloud. Nothing here mocks a Google class: the
+    official clients talk HTTP to the local cloud.
+    """
+
+    def __init__(self, speed: float = 1000.0):
+        self.speed = speed
+        self.cloud = None
+        self.clients = None
+        self.home: Path | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._saved_env: dict[str, str | None] = {}
+
+    def __enter__(self) -> "Stack":
+        from google.auth.credentials import AnonymousCredentials
+
+        from tpuctl.localcloud.cloud import LocalCloud
+        from tpuctl.provision.clients import build
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="tpuctl-chaos-")
+        self.home = Path(self._tmp.name) / "home"
+        self.cloud = LocalCloud(speed=self.speed, strict=True).start()
+        self.env = {"TPUCTL_HOME": str(self.home), "TPUCTL_API_ENDPOINT": self.cloud.endpoint,
+                    "TPUCTL_STORAGE_HOST": self.cloud.storage_host, "STORAGE_EMULATOR_HOST": self.cloud.storage_host,
+                    "TPUCTL_CLOUD": "local", "TPUCTL_PROJECT": PROJECT, "NO_COLOR": "1"}
+        for k, v in self.env.items():
+            self._saved_env[k] = os.environ.get(k)
+            os.environ[k] = v
+        self.clients = build(project=PROJECT, credentials=AnonymousCredentials(), endpoint=self.cloud.endpoint,
+                             storage_host=self.cloud.storage_host, local=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cloud is not None:
+            self.cloud.stop()
+        for k, v in self._saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    # -- the admin API, over HTTP like any other client of the local cloud
+    def admin(self, verb: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.cloud.endpoint}/_localcloud/{path}", data=data, method=verb,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return json.load(resp)
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"{verb} /_localcloud/{path}: {exc.code} {exc.read().decode()[:300]}") from None
+
+    def status(self) -> dict:
+        return self.admin("GET", "status")
+
+    def fault(self, kind: str, **options: Any) -> dict:
+        return self.admin("POST", "faults", {"kind": kind, **options})["fault"]
+
+    def clear_faults(self) -> None:
+        self.admin("DELETE", "faults")
+
+    def live(self, run: str | None = None, *, status: dict | None = None) -> list[str]:
+        """Keys of every live resource carrying a tpuctl run label (of `run`), from the cloud's inventory."""
+        res = (status or self.status())["resources"]
+        out = []
+        for kind in ("nodes", "queued_resources", "instances", "buckets"):
+            for r in res.get(kind, []):
+                labels = r.get("labels") or {}
+                if "tpuctl-run" in labels and (run is None or labels["tpuctl-run"] == run):
+                    out.append(f"{kind}/{r['name']}")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- provisioning
+
+def spec_for(run: str, accelerator: str, zones: tuple[str, ...], provisioning: str, *, ttl: str = "2h",
+             extra: dict | None = None):
+    from tpuctl import spec
+
+    return spec.from_mapping({"name": run, "zone": list(zones), "accelerator": accelerator,
+                              "provisioning": provisioning, "ttl": ttl, **(extra or {})})
+
+
+@dataclass(frozen=True)
+class UpResult:
+    """What a `tpuctl up` process did: its exit code and its stderr on one line."""
+
+    run: str
+    exit_code: int
+    message: str
+
+
+def up_command(spec_path: Path) -> list[str]:
+    return [sys.executable, "-m", "tpuctl", "up", str(spec_path), "--yes"]
+
+
+def write_spec(stack: Stack, run: str, accelerator: str, zones: tuple[str, ...], provisioning: str, *,
+               ttl: str = "2h", extra: dict | None = None) -> Path:
+    path = stack.home / "specs" / f"{run}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # JSON is YAML: the spec file is written exactly as a user could.
+    path.write_text(json.dumps({"name": run, "zone": list(zones), "accelerator": accelerator,
+                                "provisioning": provisioning, "ttl": ttl, **(extra or {})}))
+    return path
+
+
+def child_env(stack: Stack, owner: str) -> dict[str, str]:
+    # The owner label comes from the login name (getpass), so the child runs as that user.
+    return {**os.environ, **stack.env, "TPUCTL_OWNER": owner, "USER": owner, "LOGNAME": owner}
+
+
+def up(stack: Stack, run: str, accelerator: str, zones: tuple[str, ...], provisioning: str, *, owner: str = "chaos",
+       ttl: str = "2h", extra: dict | None = None, timeout_s: float = 300.0) -> UpResult:
+    """`tpuctl up SPEC --yes` as its own process against the stack's cloud; blocks until it exits."""
+    spec_path = write_spec(stack, run, accelerator, zones, provisioning, ttl=ttl, extra=extra)
+    proc = subprocess.run(up_command(spec_path), env=child_env(stack, owner), capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout_s)
+    return UpResult(run, proc.returncode, error_line(proc.stderr))
+
+
+def error_line(stderr: str) -> str:
+    """The CLI's `error: ...` line (what a user reads), else the end of its stderr."""
+    errors = [l for l in stderr.splitlines() if l.startswith("error:")]
+    return errors[-1] if errors else " ".join(stderr.split())[-400:]
+
+
+# ---------------------------------------------------------------------------------------------- the job
+
+@dataclass
+class JobRecord:
+    """What a scenario observed of its job: checkpoints seen in the bucket, steps restored after a fault."""
+
+    checkpoints_seen: set[str] = field(default_factory=set)
+    last_checkpoint_step: int = 0
+    restored: list[tuple[int, int]] = field(default_factory=list)  # (last checkpoint step before, step restored)
+
+
+def _ckpt_step(name: str) -> int | None:
+    m = re.search(r"ckpt-(\d+)\.json$", name)
+    return int(m.group(1)) if m else None
+
+
+class Job:
+    """The stand-in job on a run that `tpuctl up` provisioned, driven through the jobs layer directly (for
+    tests that inspect the run's resources afterwards, which `tpuctl run` would tear down)."""
+
+    def __init__(self, stack: Stack, run: str, *, max_steps: int = 30, checkpoint_every: int = 5,
+                 step_seconds: float = 0.04, args: tuple[str, ...] = (), env: dict[str, str] | None = None):
+        from tpuctl import provision
+        from tpuctl.jobs import bundle as bundles
+        from tpuctl.jobs.keys import ensure_keypair
+
+        found = provision.list_resources(stack.clients, run)
+        node = next(r for r in found if r.kind.value == "tpu")
+        self.stack, self.run, self.zone = stack, run, node.location
+        self.service_account = node.detail.get("service_account")
+        self.bucket = next(r.name for r in found if r.kind.value == "bucket")
+        self.key = ensure_keypair()
+        self.hosts = max(1, len(node.workers))
+        config = bundles.job_config({"trainer": {"max_steps": max_steps, "checkpoint_every": checkpoint_every,
+                                                 "step_seconds": step_seconds}},
+                                    preset=None, bucket=self.bucket, run=self.run, data_url=None)
+        desc = bundles.JobDescription(run=self.run, project=PROJECT, bucket=self.bucket, module="standin.train",
+                                      config=config, args=tuple(args), env=dict(env or {}),
+                                      num_workers=self.hosts, heartbeat_s=0.3)
+        self.bundle = bundles.build(STANDIN, desc, stack.home / "bundles" / self.run)
+        bundles.upload(stack.clients.storage, self.bucket, self.bundle)
+
+    def run_to_end(self, *, timeout_s: float = 120.0) -> list:
+        """Add the user's key to the node, launch on every worker and block until all exited; the states."""
+        from tpuctl import provision
+        from tpuctl.jobs import launch as launching
+        from tpuctl.jobs.launch import targets_from_workers
+        from tpuctl.jobs.ssh import Fleet
+
+        provision.add_ssh_key(self.stack.clients, self.zone, self.run, self.key.user, self.key.public_key,
+                              deadline_s=60)
+        targets = targets_from_workers(provision.workers(self.stack.clients, self.zone, self.run))
+
+        async def go():
+            async with Fleet(targets, self.key) as fleet:
+                await launching.launch(fleet, run=self.run, project=PROJECT, bucket=self.bucket,
+                                       bundle=self.bundle, python=sys.executable)
+                end = time.monotonic() + timeout_s
+                while time.monotonic() < end:
+                    states = await launching.poll(fleet, self.run)
+                    if all(s.done for s in states):
+                        return states
+                    await asyncio.sleep(0.15)
+                raise TimeoutError(f"job {self.run} not done after {timeout_s} s: {states}")
+
+        return asyncio.run(go())
+
+
+# ---------------------------------------------------------------------------------------------- scenarios
+
+@dataclass
+class Outcome:
+    index: int
+    shape: str
+    provisioning: str
+    fault: str
+    cleanup: str
+    exit_code: int | None
+    expected: tuple[int, ...]
+    message: str = ""
+    message_ok: bool = True
+    leaked: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def wrong_exit(self) -> bool:
+        return self.exit_code not in self.expected or not self.message_ok
+
+    def line(self) -> str:
+        flags = []
+        if self.leaked:
+            flags.append(f"LEAKED {self.leaked}")
+        if self.lost:
+            flags.append(f"LOST {self.lost}")
+        if self.wrong_exit:
+            flags.append(f"WRONG EXIT {self.exit_code} (expected {self.expected}) {self.message[:160]!r}")
+        return (f"#{self.index:03d} {self.shape:6s} {self.provisioning:9s} {self.fault:19s} cleanup={self.cleanup:4s} "
+                f"exit={self.exit_code} {self.seconds:5.1f}s " + ("; ".join(flags) or "ok"))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    index: int
+    accelerator: str
+    zones: tuple[str, ...]
+    hosts: int
+    provisioning: str
+    fault: str
+    cleanup: str  # "down" | "gc"
+    phase: float  # signal faults: seconds after start, or a fraction of the job for job faults
+    storm: int  # 429/503 count
+    command: str = "up"  # which process a signal hits: "up", or "run" (any phase: creating, training, teardown)
+
+    @property
+    def waits_forever(self) -> bool:
+        """A create that never finishes, or a queued resource waiting for capacity that never comes (queued
+        resources wait rather than fail over): the user gives up with Ctrl-C."""
+        return self.fault == "stuck-create" or (self.provisioning == "queued" and self.fault.startswith("capacity"))
+
+    @property
+    def uses_run(self) -> bool:
+        """Job faults, and half the signal faults, exercise a whole `tpuctl run` rather than `tpuctl up`."""
+        return self.fault in JOB_FAULTS or (self.fault in SIGNALS and self.command == "run")
+
+    @property
+    def run(self) -> str:
+        return f"chaos-{self.index:03d}-{self.fault.split('-')[0][:5]}"
+
+
+def pick(rng: random.Random, index: int, faults: tuple[str, ...] = FAULTS) -> Scenario:
+    accelerator, zones, hosts = rng.choice(SHAPES)
+    fault = rng.choice(faults)
+    provisioning = rng.choice(PROVISIONING)
+    if fault == "preempt-mid-job":
+        provisioning = "spot"  # only spot/preemptible nodes are preempted (a queued one here is on-demand)
+    if fault == "capacity-first-zone" and len(zones) == 1:
+        fault = "capacity-all-zones"
+    return Scenario(index=index, accelerator=accelerator, zones=zones, hosts=hosts, provisioning=provisioning,
+                    fault=fault, cleanup=rng.choice(("down", "gc")), phase=rng.random(), storm=rng.randint(1, 4),
+                    command=rng.choice(("up", "run")))
+
+
+def expected_exit(s: Scenario) -> tuple[int, ...]:
+    if s.waits_forever:
+        return (EXIT["interrupted"],)
+    if s.fault == "capacity-all-zones":
+        return (EXIT["capacity"],)
+    if s.fault == "429-storm" and s.storm >= _quota_attempts():
+        # The local cloud's 429 names the quota it hit; tpuctl's contract retries such a 429 a fixed number of
+        # times and then reports the quota (exit 3) instead of waiting out a limit that will not lift.
+        return (EXIT["capacity"],)
+    if s.fault in ("sigint", "sigterm"):
+        # A signal landing after the child finished its work lets it exit 0; one landing before the child
+        # installed its handler is the plain signal. Both are legitimate for a random phase.
+        return (EXIT["interrupted"], EXIT["ok"])
+    if s.fault == "kill9":
+        return (EXIT["killed"], EXIT["ok"])
+    return (EXIT["ok"],)
+
+
+def _quota_attempts() -> int:
+    from tpuctl.provision.waits import QUOTA_ATTEMPTS
+
+    return QUOTA_ATTEMPTS
+
+
+_MESSAGES = {
+    "429-storm": re.compile(r"quota", re.IGNORECASE),
+    "capacity-all-zones": re.compile(r"capacity", re.IGNORECASE),
+    "sigint": re.compile(r"interrupt", re.IGNORECASE),
+    "sigterm": re.compile(r"interrupt", re.IGNORECASE),
+}
+
+
+def cleanup(stack: Stack, run: str, how: str, *, owner: str = "chaos") -> None:
+    """`down` (delete everything of the run, bucket included) or one `gc` pass run after the TTL expired."""
+    from tpuctl import catalog, paths, provision
+    from tpuctl.ledger import Ledger
+    from tpuctl.provision import gc
+
+    if how == "down":
+        provision.down(stack.clients, run, delete_bucket=True, deadline_s=120)
+        return
+    policy = gc.Policy(now=time.time() + 3 * 3600, owner=owner, buckets=True)
+    gc.run(stack.clients, policy, dry_run=False, catalog=catalog.load(), ledger=Ledger(paths.ledger()),
+           lock=paths.gc_lock(), lock_wait_s=30)
+
+
+def _settle(stack: Stack, run: str, timeout_s: float = 20.0) -> list[str]:
+    """The run's live resources once deletions settled (a deletion in flight is not a leak yet)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        live = stack.live(run)
+        if not live or time.monotonic() > end:
+            return live
+        time.sleep(0.2)
+
+
+def run_scenario(stack: Stack, s: Scenario) -> Outcome:
+    from tpuctl.errors import TpuctlError
+
+    t0 = time.monotonic()
+    label = f"{s.fault}@{s.command}" if s.fault in SIGNALS else s.fault
+    out = Outcome(s.index, s.accelerator, s.provisioning, label, s.cleanup, None, expected_exit(s))
+    stack.clear_faults()
+    try:
+        if s.uses_run:
+            _arm_request_faults(stack, s)
+            out.exit_code, out.message, _, out.lost = _tpuctl_run_with_fault(stack, s)
+            if out.exit_code == EXIT["interrupted"]:
+                # `tpuctl run` tears its TPU down even on Ctrl-C/SIGTERM; the bucket stays (it holds checkpoints).
+                out.leaked += [f"after interrupted run: {k}" for k in _settle(stack, s.run) if not k.startswith("buckets/")]
+        elif s.fault in SIGNALS or s.waits_forever:
+            _arm_request_faults(stack, s)
+            out.exit_code, out.message = _signalled_up(stack, s)
+            if out.exit_code == EXIT["interrupted"]:
+                # Exit 130 promises that what this invocation created was removed (before any down/gc).
+                out.leaked += [f"after rollback: {k}" for k in _settle(stack, s.run)]
+        else:
+            _arm_request_faults(stack, s)
+            result = up(stack, s.run, s.accelerator, s.zones, s.provisioning)
+            out.exit_code, out.message = result.exit_code, result.message
+        pattern = _MESSAGES["sigint"] if s.waits_forever else _MESSAGES.get(s.fault)
+        if pattern is not None and out.exit_code not in (EXIT["ok"], EXIT["killed"]):
+            out.message_ok = bool(pattern.search(out.message))
+    finally:
+        stack.clear_faults()
+        try:
+            cleanup(stack, s.run, s.cleanup)
+        except TpuctlError as exc:
+            out.message += f" | cleanup failed: {exc}"
+        out.leaked += _settle(stack, s.run)
+        out.seconds = time.monotonic() - t0
+    return out
+
+
+def _arm_request_faults(stack: Stack, s: Scenario) -> None:
+    create = "queuedResources.create" if s.provisioning == "queued" else "nodes.create"
+    if s.fault == "capacity-first-zone":
+        stack.fault("capacity", service="tpu", method=create, zone=s.zones[0])
+    elif s.fault == "capacity-all-zones":
+        for z in s.zones:
+            stack.fault("capacity", service="tpu", method=create, zone=z)
+    elif s.fault == "429-storm":
+        stack.fault("quota", service="tpu", method=create, count=s.storm)
+        stack.fault("quota", service="tpu", method="operations.get", count=s.storm)
+    elif s.fault == "503s":
+        stack.fault("unavailable", method="*", count=s.storm)
+    elif s.fault == "stuck-create":
+        stack.fault("stuck", service="tpu", method=create)
+
+
+def run_command(spec_path: Path) -> list[str]:
+    return [sys.executable, "-m", "tpuctl", "run", str(spec_path), "--yes", "--poll", "0.3"]
+
+
+def _tpuctl_run_with_fault(stack: Stack, s: Scenario) -> tuple[int, str, JobRecord, list[str]]:
+    """A real `tpuctl run` of the stand-in job; once the bucket holds a checkpoint at or past a random step the
+    fault strikes, and `tpuctl run` must recover by itself. Returns (exit code, error line, what was observed,
+    checkpoint problems)."""
+    from tpuctl.provision.labels import auto_bucket
+
+    spec_path = write_spec(stack, s.run, s.accelerator, s.zones, s.provisioning, extra={"job": {
+        "template": str(STANDIN), "max_recoveries": 3,
+        "config": {"trainer": {"max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.05}}}})
+    bucket = auto_bucket(PROJECT, s.run)
+    record = JobRecord()
+    proc = subprocess.Popen(run_command(spec_path), env=child_env(stack, "chaos"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+    def observe() -> None:
+        try:
+            names = [b.name for b in stack.clients.storage.list_blobs(bucket, prefix=f"runs/{s.run}/model/")]
+        except Exception:  # noqa: BLE001 - the bucket may not exist yet
+            return
+        ckpts = [n for n in names if _ckpt_step(n) is not None]
+        record.checkpoints_seen.update(ckpts)
+        record.last_checkpoint_step = max([record.last_checkpoint_step, *(_ckpt_step(n) for n in ckpts)])
+
+    at_step = 5 + 5 * int(s.phase * 4)  # 5, 10, 15 or 20 of 30
+    before = 0
+    end = time.monotonic() + 240
+    struck = s.fault == "none"
+    first_seen: float | None = None
+    while proc.poll() is None and time.monotonic() < end:
+        observe()
+        if s.fault in SIGNALS:
+            # A whole run takes ~6-10 s here: 0-6 s after its first resource appears spans up, upload,
+            # training and teardown.
+            if first_seen is None and stack.live(s.run):
+                first_seen = time.monotonic()
+            if not struck and first_seen is not None and time.monotonic() - first_seen >= s.phase * 6:
+                proc.send_signal(SIGNALS[s.fault])
+                struck = True
+        elif not struck and record.last_checkpoint_step >= at_step:
+            before = record.last_checkpoint_step
+            if s.fault == "preempt-mid-job":
+                stack.admin("POST", "preempt", {"node": s.run})
+            elif s.fault == "kill-worker":
+                stack.fault("kill-worker", node=s.run, worker=int(s.phase * 7) % s.hosts)
+            elif s.fault == "drop-ssh":
+                stack.fault("drop-ssh", node=s.run)
+            struck = True
+        time.sleep(0.1)
+    if proc.poll() is None and not struck:
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    code = proc.returncode
+    if s.fault in ("sigint", "sigterm") and code == -SIGNALS[s.fault] and re.search(rf"run {s.run}: \w+", err):
+        code = EXIT["ok"]  # it had finished and printed its summary: the signal met interpreter exit (see below)
+    observe()
+    problems: list[str] = []
+    try:
+        now = {b.name for b in stack.clients.storage.list_blobs(bucket, prefix=f"runs/{s.run}/model/")}
+    except Exception as exc:  # noqa: BLE001 - a vanished bucket loses every checkpoint it held
+        now = set()
+        if record.checkpoints_seen:
+            problems.append(f"bucket unreadable: {type(exc).__name__}")
+    problems += sorted(record.checkpoints_seen - now)
+    for w in range(s.hosts):
+        try:
+            log = stack.clients.storage.bucket(bucket).blob(f"runs/{s.run}/logs/worker-{w}.log").download_as_text()
+        except Exception:  # noqa: BLE001 - no log, no restore to check
+            continue
+        for m in re.finditer(r"restored step=(\d+)", log):
+            record.restored.append((before, int(m.group(1))))
+            if int(m.group(1)) < before:
+                problems.append(f"worker {w} restored step {m.group(1)} < checkpoint {before}")
+    if s.fault in ("preempt-mid-job", "kill-worker") and struck and not record.restored and before < 30:
+        problems.append(f"the job did not resume from checkpoint {before} after {s.fault}")
+    return code, error_line(err), record, problems
+
+
+def _signalled_up(stack: Stack, s: Scenario) -> tuple[int, str]:
+    """Start a provisioning process, signal it at a random phase, return (exit code, its stderr)."""
+    spec_path = write_spec(stack, s.run, s.accelerator, s.zones, s.provisioning)
+    proc = subprocess.Popen(up_command(spec_path), env=child_env(stack, "chaos"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    # The phase is measured from the moment the cloud shows the run's first resource (so interpreter start-up
+    # on a loaded machine does not decide it): 0-0.3 s later spans creating, READY and after at speed 1000.
+    # A create that never finishes (or a queue that never gets capacity) is given up on 1-3 s in.
+    end = time.monotonic() + 60
+    while proc.poll() is None and not stack.live(s.run) and time.monotonic() < end:
+        time.sleep(0.02)
+    delay = 1 + 2 * s.phase if s.waits_forever else s.phase * 0.3
+    try:
+        proc.wait(timeout=delay)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(SIGNALS.get(s.fault, signal.SIGINT))
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        return 124, "did not exit within 120 s of the signal: " + err[-300:]
+    code, message = proc.returncode, error_line(err)
+    if s.fault in ("sigint", "sigterm") and code == -SIGNALS[s.fault] and _tpu_ready(stack, s.run):
+        # The signal met a process that had finished (READY) and was exiting: CPython restores the default
+        # handlers during finalization, so the signal kills it. Its work was complete; count it as exit 0.
+        return EXIT["ok"], message + " (signal arrived during interpreter exit, after READY)"
+    return code, message
+
+
+def _tpu_ready(stack: Stack, run: str) -> bool:
+    nodes = stack.status()["resources"]["nodes"]
+    return any((n.get("labels") or {}).get("tpuctl-run") == run and n["state"] == "READY" for n in nodes)
+
+
+# ---------------------------------------------------------------------------------------------- the runner
+
+@dataclass
+class Totals:
+    leaked: int = 0
+    lost: int = 0
+    wrong: int = 0
+    scenarios: int = 0
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def add(self, o: Outcome) -> None:
+        self.outcomes.append(o)
+        self.scenarios += 1
+        self.leaked += len(o.leaked)
+        self.lost += len(o.lost)
+        self.wrong += int(o.wrong_exit)
+
+    def summary(self) -> list[str]:
+        return [f"leaked: {self.leaked}", f"lost checkpoints: {self.lost}", f"wrong exit codes: {self.wrong}",
+                f"scenarios: {self.scenarios}"]
+
+
+def scenarios(n: int, seed: int, faults: tuple[str, ...] = FAULTS) -> Iterator[Scenario]:
+    """The first len(faults) scenarios take every fault once (in a seeded order), so even a short slice
+    covers each kind; the rest draw faults at random."""
+    rng = random.Random(seed)
+    first = list(faults)
+    rng.shuffle(first)
+    for i in range(n):
+        yield pick(rng, i, (first[i],) if i < len(first) else faults)
+
+
+def run_all(n: int, seed: int, *, speed: float = 1000.0, faults: tuple[str, ...] = FAULTS,
+            say: Callable[[str], None] = print) -> Totals:
+    totals = Totals()
+    with Stack(speed=speed) as stack:
+        for s in scenarios(n, seed, faults):
+            o = run_scenario(stack, s)
+            totals.add(o)
+            say(o.line())
+        stray = stack.live()
+        if stray:
+            say(f"left in the cloud at the end: {stray}")
+    return totals
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenarios", type=int, default=20)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--speed", type=float, default=1000.0)
+    p.add_argument("--faults", help=f"comma-separated subset of: {', '.join(FAULTS)} (default: all)")
+    a = p.parse_args(argv)
+    faults = tuple(a.faults.split(",")) if a.faults else FAULTS
+    if set(faults) - set(FAULTS):
+        p.error(f"unknown fault(s) {', '.join(sorted(set(faults) - set(FAULTS)))}")
+    # SIGTERM (a CI timeout) takes the KeyboardInterrupt path so the local cloud stops and kills its workers.
+    signal.signal(signal.SIGTERM, _interrupt)
+    t0 = time.monotonic()
+    totals = run_all(a.scenarios, a.seed, speed=a.speed, faults=faults, say=lambda line: print(line, flush=True))
+    print(f"seed {a.seed}, {time.monotonic() - t0:.0f} s on {os.cpu_count()} cores")
+    for line in totals.summary():
+        print(line)
+    return 0 if (totals.leaked, totals.lost, totals.wrong) == (0, 0, 0) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
