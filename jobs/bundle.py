@@ -19,11 +19,11 @@ from importlib import resources
 from pathlib import Path
 
 from tpuctl.errors import BadInput, from_google
+from tpuctl.spec import ENV_NAME
 
 from .remote import check_run_name
 
 AGENT_NAME = "tpuctl_agent.py"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache", ".mypy_cache"}
 
 
@@ -111,7 +111,7 @@ def _files_under(root: Path) -> list[Path]:
 def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequence[Path] = ()) -> Bundle:
     """Pack the bundle into `out_dir`. Pure and deterministic; user files land under `files/`."""
     check_run_name(job.run)
-    bad_env = [k for k in job.env if not _ENV_NAME.match(k)]
+    bad_env = [k for k in job.env if not ENV_NAME.match(k)]
     if bad_env:
         raise BadInput(f"environment variable name(s) {bad_env!r} are not valid", field="job.env",
                        hint="use letters, digits and underscores, not starting with a digit")

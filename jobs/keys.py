@@ -39,6 +39,27 @@ def ssh_user() -> str:
     return name[:32]
 
 
+def _write_atomically(path: Path, data: bytes, *, mode: int) -> None:
+    """Write `path` whole or not at all; when another process got there first, its file wins."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.link(tmp, path)  # atomic, and fails if the name exists: the first writer wins
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _create_private_key(private: Path, *, comment: str) -> None:
+    # Written 0600 before any byte of it is; concurrent first runs all end up with the winner's key.
+    key = asyncssh.generate_private_key("ssh-ed25519", comment=comment)
+    _write_atomically(private, key.export_private_key(), mode=0o600)
+
+
 def ensure_keypair(directory: Path | None = None) -> KeyPair:
     """The key pair, generated on first use. Idempotent; a private key readable by others is refused."""
     directory = directory or paths.ssh_dir()
@@ -46,17 +67,14 @@ def ensure_keypair(directory: Path | None = None) -> KeyPair:
     public = directory / f"{KEY_NAME}.pub"
     user = ssh_user()
     if not private.exists():
-        key = asyncssh.generate_private_key("ssh-ed25519", comment=user)
-        fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.export_private_key())
-        public.write_bytes(key.export_public_key())
+        _create_private_key(private, comment=user)
     mode = private.stat().st_mode & 0o077
     if mode:
         from tpuctl.errors import BadInput
 
         raise BadInput(f"{private} is readable by other users", field="ssh key", hint=f"chmod 600 {private}")
+    # Derived from the private half every time: a public file another process is still writing is never read.
+    algorithm_and_key = " ".join(asyncssh.read_private_key(str(private)).export_public_key().decode().split()[:2])
     if not public.exists():
-        public.write_bytes(asyncssh.read_private_key(str(private)).export_public_key())
-    public_key = " ".join(public.read_text().split()[:2]) + f" {user}"
-    return KeyPair(private_path=private, public_key=public_key, user=user)
+        _write_atomically(public, f"{algorithm_and_key} {user}\n".encode(), mode=0o644)
+    return KeyPair(private_path=private, public_key=f"{algorithm_and_key} {user}", user=user)

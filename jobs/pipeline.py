@@ -2,7 +2,8 @@
 
 The TPU and VMs are torn down in a `finally`: on success, job failure, any exception, Ctrl-C and SIGTERM
 (the CLI turns SIGTERM into KeyboardInterrupt). The bucket stays (it carries a TTL label) unless
-`delete_bucket`. `detach` returns right after launch; `attach` picks a detached run up again.
+`delete_bucket`, or unless this invocation created it and failed before the job launched: then it holds
+nothing but staged inputs, and a failed run must not leave half of itself behind. `detach` returns right after launch; `attach` picks a detached run up again.
 
 Preemption: every `poll_s` the node's state is read; PREEMPTED, gone, or a worker that lost its job
 triggers recovery: status.json says `recovering: true` (so gc leaves the run alone), the node is recreated
@@ -206,6 +207,8 @@ class Pipeline:
         self.max_recoveries = 0
         self.num_workers = 0  # set by up()
         self._up_started: float | None = None
+        self._created_bucket = False  # this invocation made the bucket (set by up())
+        self._launched = False  # a job was started on the workers, so the bucket may hold checkpoints
         self.delete_requested_at: float | None = None
 
     # -- phases
@@ -256,6 +259,8 @@ class Pipeline:
             self._up_started = self._up_started or time.time()
             result = apply_plan(self.clients, self.plan, progress=board.update)
         _record(result.resources)
+        bucket = result.get(Kind.BUCKET)
+        self._created_bucket = bucket is not None and bucket.key in result.created
         tpu = result.get(Kind.TPU)
         if tpu is None:
             raise TpuctlError(f"up finished without a TPU node for run {self.plan.run}")
@@ -312,6 +317,7 @@ class Pipeline:
         rec = self.record
         with self.phase("launch", f"{rec.workers} worker(s)"):
             key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
+            self._launched = True
             bundle = bundles.Bundle(path=Path(), sha256=rec.bundle_sha, run=rec.run)
 
             async def go():
@@ -441,8 +447,9 @@ class Pipeline:
             self.delete_requested_at = time.time()
             if self.stream.last_step_at is not None:
                 self.outcome.last_step_to_delete_s = round(self.delete_requested_at - self.stream.last_step_at, 2)
+            delete_bucket = self.opts.delete_bucket or (self._created_bucket and not self._launched)
             with console.ProgressBoard(f"down {run}") as board:
-                gone = provision.down(self.clients, run, delete_bucket=self.opts.delete_bucket, progress=board.update)
+                gone = provision.down(self.clients, run, delete_bucket=delete_bucket, progress=board.update)
             _record(gone.deleted, deleted=True)
         if self._up_started is not None and self.outcome.price_per_hour is not None:
             self.outcome.cost_usd = round(self.outcome.price_per_hour * (time.time() - self._up_started) / 3600, 4)

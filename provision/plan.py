@@ -127,8 +127,8 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     if reserved:
         raise BadInput(f"labels {', '.join(sorted(reserved))} are set by tpuctl", field="labels")
     labels = L.run_labels(run, owner_name=owner, ttl_s=spec.ttl_s, extra=spec.labels, now=now)
-    for vm in spec.vms:
-        L.check_name(f"{run}-{vm.name}", field=f"vms.{vm.name}")
+    for i, vm in enumerate(spec.vms):
+        L.check_name(f"{run}-{vm.name}", field=f"vms.{i}.name")
         catalog.vm_price_per_hour(vm.machine_type, region)
     for tag in spec.tags:
         L.check_name(tag, field="tags")

@@ -72,7 +72,7 @@ def test_twenty_parallel_ups_and_runs_four_owners_then_one_owners_gc(tmp_path):
                                      "--yes")
         results = {run: (p.wait(timeout=400), p.communicate()[1]) for run, p in procs.items()}
         codes = Counter(code for code, _ in results.values())
-        assert set(codes) <= {0, 1, 3}, results
+        assert set(codes) <= {0, 1, 3}, {run: r for run, r in results.items() if r[0] not in (0, 1, 3)}
         for run, (code, err) in results.items():
             if code != 0:  # a clean failure leaves nothing of its run behind
                 assert stack.live(run) == [], (run, err)

@@ -103,7 +103,7 @@ def _bad_spec():
         st.tuples(st.just("runtime_version"), hostile.map(lambda v: {**VALID, "runtime_version": v})),
         st.tuples(st.just("job.max_recoveries"), st.integers(max_value=-1).map(
             lambda v: {**VALID, "job": {"max_recoveries": v}})),
-        st.tuples(st.just("vms"), hostile.filter(lambda v: len(f"x{v}x".splitlines()) == 1)  # line breaks: see the xfail below
+        st.tuples(st.just("vms"), hostile
                   .map(lambda v: {**VALID, "vms": [{"name": v}]})),
         st.tuples(st.just("unknown"), st.from_regex(r"[a-z]{3,12}", fullmatch=True)
                   .filter(lambda k: k not in {"name", "project", "zone", "zones", "accelerator", "bucket", "labels",
@@ -134,9 +134,9 @@ def test_invalid_spec_file_exits_2_naming_the_field_and_creates_nothing(stack, t
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, allow_unicode=True))
     result = _invoke(stack, ["up", str(path), "--yes"])
-    # The unknown-key case names the key itself; vms errors may name the VM's field path.
+    # The unknown-key case names the key itself; vms errors name the VM's field path.
     fields = (next(k for k in spec if k not in VALID),) if field == "unknown" else (
-        field, "vms", f"vms.{(spec.get('vms') or [{}])[0].get('name')}") if field == "vms" else (field,)
+        "vms.0.name",) if field == "vms" else (field,)
     if field == "labels":
         fields = ("labels", f"labels.{next(iter(spec['labels']))}")
     _assert_rejected(stack, result, fields, tmp_path)
@@ -158,8 +158,6 @@ def test_invalid_cli_arguments_exit_2_naming_the_field_and_create_nothing(stack,
     _assert_rejected(stack, result, (field, field.replace("_", "-"), "zone" if field == "zone" else field), tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: provision/plan.py names the field `vms.<raw VM name>`, so a VM name "
-                   "with a newline splits the one-line error (field should be e.g. `vms[0].name`)")
 def test_vm_name_with_newline_still_gives_a_one_line_error(stack, tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump({**VALID, "vms": [{"name": "data\n$(touch PWNED)"}]}))
@@ -229,9 +227,7 @@ def test_shell_command_for_ssh_quotes_each_word(tmp_path):
 
 @pytest.mark.parametrize("job", [
     {"args": [a for a in HOSTILE_TEXT if "\x00" not in a]},
-    pytest.param({"env": {"TPUCTL_TEST_X": "$(touch PWNED-v)", "BAD KEY;touch PWNED-k": "x"}}, marks=pytest.mark.xfail(
-        strict=True, reason="bug: `tpuctl run` checks job.env names only at upload, after up created the TPU and "
-                            "bucket; exit 2 then leaves the bucket (bad input must create nothing)")),
+    {"env": {"TPUCTL_TEST_X": "$(touch PWNED-v)", "BAD KEY;touch PWNED-k": "x"}},
     {"data": {"corpus": ["$(touch PWNED-c).txt", "`touch PWNED-d`", "/nonexistent/\n;touch PWNED-e"]}},
     {"template": "$(touch PWNED-t)"},
     {"preset": "x; touch PWNED-p"},

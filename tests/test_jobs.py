@@ -86,6 +86,26 @@ def test_keypair_created_once_private(tpuctl_home):
         ensure_keypair()
 
 
+def test_concurrent_first_runs_share_one_whole_keypair(tmp_path):
+    """Parallel `tpuctl run`s on a fresh machine race to create the key; every one must get the same one."""
+    keys, go = tmp_path / "keys", tmp_path / "go"
+    keys.mkdir()
+    code = ("import sys, time; from pathlib import Path; from tpuctl.jobs.keys import ensure_keypair\n"
+            "while not Path(sys.argv[2]).exists(): time.sleep(0.001)\n"  # all start together, after the imports
+            "print(ensure_keypair(Path(sys.argv[1])).public_key)")
+    procs = [subprocess.Popen([PYTHON, "-c", code, str(keys), str(go)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    time.sleep(3)
+    go.touch()
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 8, [err for _, err in results]
+    assert len({out for out, _ in results}) == 1
+    private = keys / "tpuctl_ed25519"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    assert sorted(p.name for p in keys.iterdir()) == ["tpuctl_ed25519", "tpuctl_ed25519.pub"]
+    assert (keys / "tpuctl_ed25519.pub").read_text().split()[:2] == results[0][0].split()[:2]
+
+
 def test_bundle_is_content_addressed(tmp_path):
     job = bundles.JobDescription(run="r1", project="p", bucket="b", module="standin.train", config={"x": 1})
     a = bundles.build(STANDIN, job, tmp_path / "a")

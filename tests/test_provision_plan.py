@@ -73,7 +73,7 @@ def test_failover_zones_same_region_first():
     ({"labels": {"team": "NLP"}}, "labels"),
     ({"labels": {L.RUN: "other"}}, "labels"),
     ({"vms": [{"name": "x", "machine_type": "e2-gigantic"}]}, "machine_type"),
-    ({"vms": [{"name": "X_1"}]}, "vms.X_1"),
+    ({"vms": [{"name": "X_1"}]}, "vms.0.name"),
     ({"tags": ["Bad Tag"]}, "tags"),
 ])
 def test_bad_input_names_the_field(fields, field):

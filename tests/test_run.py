@@ -110,6 +110,25 @@ def test_run_job_failure_stops_all_tears_down_and_shows_the_log(tpc, cloud, proj
     assert status["state"] == "failed" and status["exit_code"] == 3
 
 
+def test_failure_before_launch_removes_the_bucket_it_created_and_keeps_an_adopted_one(tpc, cloud, project):
+    from tpuctl.errors import BadInput
+    from tpuctl.jobs.keys import ensure_keypair
+
+    os.chmod(ensure_keypair().private_path, 0o644)  # refused at launch, after up and upload
+    spec = spec_mod.from_mapping(_spec("early-fail"))
+    with pytest.raises(BadInput, match="readable by other users"):
+        Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False).run()
+    assert _zero(cloud, project) and _buckets(cloud, project) == [], "nothing of the failed run is left"
+
+    # A bucket that existed before (it may hold an earlier run's checkpoints) is never deleted that way.
+    kept = Pipeline(tpc, spec, options=RunOptions(poll_s=0.5), echo_logs=False)
+    kept.validate()
+    tpc.storage.create_bucket(kept.plan.bucket, location=kept.plan.region)
+    with pytest.raises(BadInput):
+        Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False).run()
+    assert _zero(cloud, project) and _buckets(cloud, project) == [kept.plan.bucket]
+
+
 def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("pre-run", trainer={"max_steps": 40, "checkpoint_every": 5,
                                                            "step_seconds": 0.1}))

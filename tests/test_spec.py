@@ -37,6 +37,8 @@ def test_durations(text, seconds, normal):
     ({"vms": [{"name": "a"}, {"name": "a"}]}, "vms"),
     ({"vms": [{"name": "a", "cpus": 2}]}, "vms.0.cpus"),
     ({"job": {"data": {"corpus": ["x"], "vocab": 3}}}, "job.data.vocab"),
+    ({"job": {"env": {"OK": "1", "BAD KEY;x": "2"}}}, "job.env"),
+    ({"job": {"env": {"9LIVES": "1"}}}, "job.env"),
     ({"zone": "a", "zones": ["b"]}, "spec"),
 ])
 def test_bad_fields_are_named(raw, field):

@@ -26,6 +26,8 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _DURATION_PARTS = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 # Keys and values that only a legacy TPU Node request carries.
 _LEGACY_KEYS = ("tensorflow_version", "tensorflowVersion", "tpu_node", "api_version")
+# What a POSIX shell accepts as a variable name; anything else could not be exported on the workers.
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LEGACY_RUNTIME = re.compile(r"^(\d+\.\d+(\.\d+)?|nightly|pytorch-[\d.]+|tpu-vm-base-legacy)$")
 
 
@@ -92,6 +94,15 @@ class JobSpec(_Strict):
     args: list[str] = Field(default_factory=list)
     max_recoveries: int = Field(default=3, ge=0)
     env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in env if not ENV_NAME.match(k)]
+        if bad:
+            raise ValueError(f"environment variable name(s) {bad!r} are not valid: use letters, digits and "
+                             "underscores, not starting with a digit")
+        return env
 
 
 class RunSpec(_Strict):
