@@ -11,7 +11,6 @@ import gzip
 import hashlib
 import io
 import json
-import re
 import tarfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field

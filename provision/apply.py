@@ -232,7 +232,7 @@ def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted:
             failures.append(f"{zone}: {exc.message}")
             say(key, State.FAILED.value, "no capacity" + (", trying the next zone" if zone != zones[-1] else ""))
             if undo in created.items():
-                _delete(clients, undo, cancel=cancel)
+                delete(clients, undo, cancel=cancel)
                 created.discard(undo)
             continue
         say(key, State.READY.value, f"{len(r.workers)} worker(s)")
@@ -269,7 +269,7 @@ def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, ado
             failures.append(f"{zone}: {exc.message}")
             say(undo.key, State.FAILED.value, "no capacity" + (", trying the next zone" if zone != zones[-1] else ""))
             if issued.is_set():
-                _delete(clients, undo, cancel=cancel)
+                delete(clients, undo, cancel=cancel)
                 created.discard(undo)
             continue
         if not issued.is_set():
@@ -280,42 +280,66 @@ def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, ado
                         + "; ".join(failures))
 
 
-def _delete(clients: Clients, undo: Undo, *, cancel: threading.Event | None = None,
-            progress: Callable[[State, str], None] | None = None) -> None:
-    if undo.kind is Kind.TPU:
-        tpu.delete_node(clients, undo.location, undo.name, cancel=cancel, progress=progress)
-    elif undo.kind is Kind.QUEUED:
-        tpu.delete_queued(clients, undo.location, undo.name, cancel=cancel, progress=progress)
-    elif undo.kind is Kind.VM:
-        vm.delete(clients, undo.location, undo.name, cancel=cancel, progress=progress)
-    elif undo.kind is Kind.BUCKET:
-        bucket.delete(clients, undo.name, cancel=cancel, progress=progress)
-    elif undo.kind is Kind.IAM:
-        bucket.revoke(clients, undo.name, undo.service_account or "", cancel=cancel)
+def delete(clients: Clients, target: Undo, *, deadline_s: float = 900.0, cancel: threading.Event | None = None,
+           progress: Callable[[State, str], None] | None = None) -> None:
+    """Delete one resource (an IAM target revokes its binding) and block until it is gone.
+
+    Idempotent: NotFound, before or during, is done. `deadline_s` bounds the wait on each operation."""
+    if target.kind is Kind.TPU:
+        tpu.delete_node(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+    elif target.kind is Kind.QUEUED:
+        tpu.delete_queued(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel,
+                          progress=progress)
+    elif target.kind is Kind.VM:
+        vm.delete(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+    elif target.kind is Kind.BUCKET:
+        bucket.delete(clients, target.name, cancel=cancel, progress=progress)
+    elif target.kind is Kind.IAM:
+        bucket.revoke(clients, target.name, target.service_account or "", cancel=cancel)
+
+
+# Compute first, the bucket last: a TPU or VM that is still running may be writing checkpoints, and a bucket
+# deleted under it would lose them (or, after a kill -9 mid-teardown, leave compute without its bucket).
+# A queued resource's node is never in the same list: the queued resource's force delete takes it along.
+_TEARDOWN_ORDER = ((Kind.QUEUED, Kind.TPU, Kind.VM), (Kind.IAM,), (Kind.BUCKET,))
+
+
+def _delete_in_order(clients: Clients, todo: list[Undo], say: ProgressFn, *, done_detail: str, pool_name: str,
+                     deadline_s: float) -> None:
+    """Delete `todo`, in parallel within each stage of _TEARDOWN_ORDER; block until done.
+
+    The first failure stops before the next stage (the bucket outlives compute that could not be deleted)
+    and is raised. On Ctrl-C the deletes still waiting give up and KeyboardInterrupt is re-raised."""
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=max(1, len(todo)), thread_name_prefix=pool_name)
+    try:
+        for kinds in _TEARDOWN_ORDER:
+            stage = [u for u in todo if u.kind in kinds]
+            futures = [pool.submit(delete, clients, u, deadline_s=deadline_s, cancel=stop,
+                                   progress=lambda s, d, k=u.key: say(k, s.value, d)) for u in stage]
+            for u, f in zip(stage, futures):
+                f.add_done_callback(lambda f, k=u.key: say(k, State.DELETED.value if f.exception() is None
+                                                           else State.FAILED.value, done_detail))
+            _wait_all(futures, threading.Event())
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
 
 
 def rollback(clients: Clients, undo: list[Undo], say: ProgressFn, plan: Plan) -> None:
-    """Delete `undo` in parallel (an IAM binding only when its bucket stays). Blocks; a second Ctrl-C stops it."""
+    """Delete `undo` (an IAM binding only when its bucket stays), compute first. Blocks; a second Ctrl-C stops it."""
     buckets = {u.name for u in undo if u.kind is Kind.BUCKET}
     todo = [u for u in undo if not (u.kind is Kind.IAM and u.name in buckets)]
-    stop = threading.Event()
-    pool = ThreadPoolExecutor(max_workers=max(1, len(todo)), thread_name_prefix=f"undo-{plan.run}")
     try:
-        futures = [pool.submit(_delete, clients, u, cancel=stop,
-                               progress=lambda s, d, k=u.key: say(k, s.value, d)) for u in todo]
-        for u, f in zip(todo, futures):
-            f.add_done_callback(lambda f, k=u.key: say(k, State.DELETED.value if f.exception() is None
-                                                       else State.FAILED.value, "rolled back"))
-        try:
-            _wait_all(futures, threading.Event())
-        except KeyboardInterrupt:
-            stop.set()
-            raise _second_interrupt(plan) from None
-        except TpuctlError as exc:
-            raise type(exc)(f"cleanup of run {plan.run} failed: {exc.message}",
-                            hint=f"finish it with `tpuctl down {plan.run} --yes`") from exc
-    finally:
-        pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
+        _delete_in_order(clients, todo, say, done_detail="rolled back", pool_name=f"undo-{plan.run}",
+                         deadline_s=900.0)
+    except KeyboardInterrupt:
+        raise _second_interrupt(plan) from None
+    except TpuctlError as exc:
+        raise type(exc)(f"cleanup of run {plan.run} failed: {exc.message}",
+                        hint=f"finish it with `tpuctl down {plan.run} --yes`") from exc
 
 
 @dataclass(frozen=True)
@@ -327,7 +351,8 @@ class DownResult:
 
 def down(clients: Clients, run: str, found: list[Resource], *, delete_bucket: bool = False,
          progress: ProgressFn | None = None, deadline_s: float = 1800.0) -> DownResult:
-    """Delete `found` (the run's resources) in parallel, then verify by listing that none remain."""
+    """Delete `found` (the run's resources) in parallel, compute before the bucket, then verify by listing
+    that none remain."""
     from tpuctl.provision import inventory
 
     say = progress or (lambda key, state, detail: None)
@@ -337,22 +362,11 @@ def down(clients: Clients, run: str, found: list[Resource], *, delete_bucket: bo
             if r not in keep and r.kind is not Kind.IAM
             # A queued resource's force delete takes its node with it.
             and not (r.kind is Kind.TPU and (r.location, r.name) in queued_nodes)]
-    stop = threading.Event()
-    pool = ThreadPoolExecutor(max_workers=max(1, len(todo)), thread_name_prefix=f"down-{run}")
     try:
-        futures = [pool.submit(_delete, clients, u, cancel=stop, progress=lambda s, d, k=u.key: say(k, s.value, d))
-                   for u in todo]
-        for u, f in zip(todo, futures):
-            f.add_done_callback(lambda f, k=u.key: say(k, State.DELETED.value if f.exception() is None
-                                                       else State.FAILED.value, ""))
-        try:
-            _wait_all(futures, threading.Event())
-        except KeyboardInterrupt:
-            stop.set()
-            raise Interrupted(f"interrupted: run {run} is partly deleted",
-                              hint=f"run `tpuctl down {run} --yes` again to finish") from None
-    finally:
-        pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
+        _delete_in_order(clients, todo, say, done_detail="", pool_name=f"down-{run}", deadline_s=deadline_s)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted: run {run} is partly deleted",
+                          hint=f"run `tpuctl down {run} --yes` again to finish") from None
     left = [r for r in inventory.resources(clients, run)
             if not (r.kind is Kind.BUCKET and not delete_bucket)]
     if left:

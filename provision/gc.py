@@ -38,7 +38,8 @@ from tpuctl.catalog import Catalog
 from tpuctl.cost import accrued_by_run
 from tpuctl.errors import BadInput, TpuctlError
 from tpuctl.ledger import Entry, Ledger, entry_of, key_of
-from tpuctl.provision import bucket, list_resources, tpu, vm, waits
+from tpuctl.provision import list_resources, waits
+from tpuctl.provision.apply import Undo, delete
 from tpuctl.provision import labels as L
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.resources import Kind, Resource, State
@@ -272,17 +273,6 @@ class Outcome:
         return rec
 
 
-def _delete(clients: Clients, r: Resource, deadline_s: float, cancel: threading.Event | None) -> None:
-    if r.kind == Kind.QUEUED:
-        tpu.delete_queued(clients, r.location, r.name, deadline_s=deadline_s, cancel=cancel)
-    elif r.kind == Kind.TPU:
-        tpu.delete_node(clients, r.location, r.name, deadline_s=deadline_s, cancel=cancel)
-    elif r.kind == Kind.VM:
-        vm.delete(clients, r.location, r.name, deadline_s=deadline_s, cancel=cancel)
-    elif r.kind == Kind.BUCKET:
-        bucket.delete(clients, r.name, cancel=cancel)
-
-
 # Queued resources first (their force delete takes the node with it), then nodes and VMs, buckets last:
 # a bucket must outlive the compute that may still write checkpoints to it.
 _PHASES = ((Kind.QUEUED,), (Kind.TPU, Kind.VM), (Kind.BUCKET,))
@@ -312,7 +302,8 @@ def execute(clients: Clients, actions: Iterable[Action], *, dry_run: bool, ledge
     def one(a: Action) -> Outcome:
         t0 = time.monotonic()
         try:
-            _delete(clients, a.resource, deadline_s, cancel)
+            r = a.resource
+            delete(clients, Undo(r.kind, r.name, r.location), deadline_s=deadline_s, cancel=cancel)
         except TpuctlError as exc:
             return Outcome(a, ok=False, dry_run=False, error=str(exc), seconds=time.monotonic() - t0)
         if ledger is not None:

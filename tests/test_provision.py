@@ -86,6 +86,17 @@ def test_single_host_spot_tpu_vm_bucket_and_iam_then_down(pc):
     assert everything(pc) == [other.name]
 
 
+def test_down_deletes_the_bucket_only_after_the_tpu_and_vms_are_gone(pc):
+    """A teardown killed half-way must never leave compute running without the bucket it writes to."""
+    prov.apply(pc, make_plan(pc, vms=[{"name": "driver"}]), deadline_s=FAST_DEADLINE)
+    events: list[tuple[str, str]] = []
+    prov.down(pc, "run1", delete_bucket=True, progress=lambda k, s, d: events.append((k.split("/")[0], s)))
+    first_bucket_event = next(i for i, (kind, _s) in enumerate(events) if kind == prov.Kind.BUCKET.value)
+    compute_done = [i for i, e in enumerate(events) if e in (("tpu", "deleted"), ("vm", "deleted"))]
+    assert len(compute_done) == 2 and max(compute_done) < first_bucket_event, events
+    assert everything(pc) == []
+
+
 def test_multi_host_slice_has_one_worker_per_host_with_host_keys(pc):
     plan = make_plan(pc, accelerator="v4-32", zone="us-central2-b")
     result = prov.apply(pc, plan, deadline_s=FAST_DEADLINE)
