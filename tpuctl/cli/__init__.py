@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import signal
-import sys
 
 import click
 
@@ -30,13 +29,14 @@ class SectionedGroup(click.Group):
     """Groups `--help` by purpose instead of one alphabetical list."""
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        commands = [(name, cmd) for name in self.list_commands(ctx)
+                    if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
+        # One line per command: as much of its first sentence as fits beside the widest name.
+        limit = max(30, formatter.width - formatter.current_indent - max((len(n) for n, _ in commands), default=0) - 6)
         by_section: dict[str, list[tuple[str, str]]] = {}
-        for name in self.list_commands(ctx):
-            cmd = self.get_command(ctx, name)
-            if cmd is None or cmd.hidden:
-                continue
+        for name, cmd in commands:
             section = getattr(cmd, "section", "Other")
-            by_section.setdefault(section, []).append((name, cmd.get_short_help_str(limit=70)))
+            by_section.setdefault(section, []).append((name, cmd.get_short_help_str(limit=limit)))
         for section in (*SECTIONS, *sorted(set(by_section) - set(SECTIONS))):
             if section in by_section:
                 with formatter.section(section):

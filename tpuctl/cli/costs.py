@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,8 +17,10 @@ from tpuctl import console, cost, paths
 from tpuctl.errors import BadInput, CloudError
 from tpuctl.config import settings
 from tpuctl.ledger import Ledger
-from tpuctl.provision import gc, labels
-from tpuctl.provision.clients import connect
+
+# tpuctl.provision loads the Google client libraries (seconds); only the commands that need it import it.
+if TYPE_CHECKING:
+    from tpuctl.provision import gc
 
 SECTION = "Cost and cleanup"
 
@@ -80,6 +83,8 @@ def catalog_show(accelerator: str, as_json: bool) -> None:
 
 
 def _clients(project: str | None, cloud: str | None):
+    from tpuctl.provision.clients import connect
+
     return connect(settings(project=project, cloud=cloud))
 
 
@@ -114,6 +119,8 @@ def cost_command(since: str, by: str, project: str | None, cloud: str | None, as
 
     Live resources are found by their tpuctl labels; deleted ones come from the local ledger.
     """
+    from tpuctl.provision import gc
+
     window = cost.parse_duration(since, field="since")
     clients = _clients(project, cloud)
     now = time.time()
@@ -150,6 +157,8 @@ def _tpuctl_argv() -> list[str]:
 
 
 def _install_schedule(sched: gc.Schedule) -> None:
+    from tpuctl.provision import gc
+
     unit_dir = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "systemd" / "user"
     unit_dir.mkdir(parents=True, exist_ok=True)
     (unit_dir / "tpuctl-gc.service").write_text(sched.service_unit)
@@ -204,6 +213,7 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
     is recovering it, or it is over --budget. Never touches resources without tpuctl labels, nor other
     owners' runs unless --all-owners. Exit 0 all done, 1 some deletions failed, 2 bad input.
     """
+    from tpuctl.provision import gc, labels
 
     idle_s = None if idle.strip().lower() in ("off", "0", "none") else cost.parse_duration(idle, field="idle")
     if budget is not None and budget <= 0:

@@ -1,19 +1,25 @@
-"""`tpuctl up / down / status / list`: plan and create a run's resources, tear them down, look at them."""
+"""`tpuctl up / down / status / list`: plan and create a run's resources, tear them down, look at them.
+
+`tpuctl.provision` (and with it the Google client libraries, seconds to import) is imported inside the
+commands that talk to a cloud, so `tpuctl --help` and the other commands start fast.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from tpuctl import catalog as catalog_mod
 from tpuctl import config, console, cost, ledger
-from tpuctl import provision as prov
 from tpuctl import spec as spec_mod
 from tpuctl.errors import BadInput
-from tpuctl.provision import inventory
+
+if TYPE_CHECKING:
+    from tpuctl import provision as prov
+    from tpuctl.provision import inventory
 
 SECTION = "Provision and inspect"
 
@@ -37,6 +43,8 @@ def _price(cat: catalog_mod.Catalog):
 
 def _record(resources, *, deleted: bool = False) -> None:
     """Cache what was created/deleted for `tpuctl cost`; the ledger never decides anything."""
+    from tpuctl import provision as prov
+
     book = ledger.Ledger()
     rows = [r for r in resources if r.kind is not prov.Kind.IAM]
     if deleted:
@@ -90,6 +98,9 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
 def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot, provisioning, bucket,
        service_account, ttl, allow_cross_region, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
     """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
+    from tpuctl import provision as prov
+    from tpuctl.provision import inventory
+
     flags = {"name": name, "project": project, "zone": zone, "accelerator": accelerator,
              "runtime_version": runtime_version, "provisioning": "spot" if spot else provisioning, "bucket": bucket,
              "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region}
@@ -112,7 +123,6 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
     _record(result.resources)
     tpu_r = result.get(prov.Kind.TPU)
     if as_json:
-    
         console.emit_json({"plan": plan.to_json(), "target": settings.target, "zone": result.zone,
                            "created": list(result.created), "adopted": list(result.adopted),
                            "service_account": result.service_account,
@@ -132,6 +142,8 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
 @click.option("--json", "as_json", is_flag=True, help="print what was deleted as JSON")
 def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
     """Delete every resource of RUN in parallel, then verify nothing with its label remains."""
+    from tpuctl import provision as prov
+    from tpuctl.provision import inventory
 
     settings = config.settings(project=project, cloud=cloud)
     clients = prov.connect(settings)
@@ -166,6 +178,7 @@ def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
 
 
 def _runs_table(runs: list[inventory.RunStatus]) -> None:
+    from tpuctl.provision import inventory
 
     now = time.time()
     console.table(("run", "owner", "state", "zone", "accelerator", "workers", "age", "expires in", "$/h", "accrued"),
@@ -183,6 +196,8 @@ def _runs_table(runs: list[inventory.RunStatus]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def status(run, cloud, project, as_json) -> None:
     """One run's resources (or every run): state, zone, age, workers, accrued cost."""
+    from tpuctl import provision as prov
+    from tpuctl.provision import inventory
 
     settings = config.settings(project=project, cloud=cloud)
     clients = prov.connect(settings)
@@ -211,6 +226,8 @@ def status(run, cloud, project, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def list_runs(cloud, project, as_json) -> None:
     """Every run in the project, found by its labels."""
+    from tpuctl import provision as prov
+
     settings = config.settings(project=project, cloud=cloud)
     runs = prov.status(prov.connect(settings), price=_price(catalog_mod.load()))
     if as_json:
