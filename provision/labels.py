@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import hashlib
+import os
 import re
 import time
 from collections.abc import Mapping
@@ -33,6 +34,11 @@ def label_value(text: str) -> str:
 
 
 def owner() -> str:
+    """Who the run belongs to, as a label value: $TPUCTL_OWNER (a team, a CI bot, the account a scheduled gc
+    acts for), else the login name. gc acts on its owner's runs only, so shared machines should set it."""
+    explicit = os.environ.get("TPUCTL_OWNER", "").strip()
+    if explicit:
+        return label_value(explicit)
     try:
         return label_value(getpass.getuser()) or "unknown"
     except (KeyError, OSError):

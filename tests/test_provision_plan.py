@@ -82,6 +82,17 @@ def test_bad_input_names_the_field(fields, field):
     assert e.value.field == field and e.value.exit_code == 2
 
 
+def test_owner_is_tpuctl_owner_else_the_login_name(monkeypatch):
+    monkeypatch.setenv("USER", "Alice")
+    monkeypatch.setenv("LOGNAME", "Alice")
+    monkeypatch.delenv("TPUCTL_OWNER", raising=False)
+    assert L.owner() == "alice"
+    monkeypatch.setenv("TPUCTL_OWNER", "ML Infra Bot")
+    assert L.owner() == "ml-infra-bot"
+    plan = prov.plan(spec.from_mapping({"name": "r1", "accelerator": "v3-8", "zone": "europe-west4-a"}), project="p-1")
+    assert plan.labels[L.OWNER] == "ml-infra-bot"
+
+
 def test_label_helpers():
     assert L.label_value("Alice.Smith@X") == "alice-smith-x"
     assert L.suggest_name("My Run!") == "my-run"

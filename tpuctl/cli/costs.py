@@ -147,7 +147,7 @@ def _outcome_line(o) -> str:
     return line
 
 
-_SCHEDULE_ENV = ("TPUCTL_HOME", "TPUCTL_PROJECT", "TPUCTL_CLOUD", "TPUCTL_API_ENDPOINT", "TPUCTL_STORAGE_HOST",
+_SCHEDULE_ENV = ("TPUCTL_HOME", "TPUCTL_OWNER", "TPUCTL_PROJECT", "TPUCTL_CLOUD", "TPUCTL_API_ENDPOINT", "TPUCTL_STORAGE_HOST",
                  "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG")
 
 
@@ -191,7 +191,7 @@ def _install_schedule(sched: gc.Schedule) -> None:
 @click.option("--budget-per", type=click.Choice(["run", "owner"]), default="run", show_default=True,
               help="apply --budget to each run, or to the sum of an owner's runs")
 @click.option("--all-owners", is_flag=True, help="also act on other owners' runs (default: only yours)")
-@click.option("--owner", help="act as this owner label (default: your user name)")
+@click.option("--owner", help="act as this owner label (default: $TPUCTL_OWNER, else your user name)")
 @click.option("--buckets", is_flag=True, help="also delete buckets whose own TTL passed (they hold models)")
 @click.option("--lock-wait", type=float, default=0.0, show_default=True,
               help="seconds to wait for another gc run to finish before skipping this one")

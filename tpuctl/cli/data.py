@@ -92,7 +92,8 @@ def data_group() -> None:
               help="strip accents (default: when lowercasing); --keep-accents keeps Hangul syllables whole")
 @click.option("--limit-alphabet", type=click.IntRange(1), default=4000, show_default=True,
               help="max initial characters in the vocabulary (raise for CJK/Korean)")
-@click.option("--min-frequency", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--min-frequency", type=click.IntRange(1), default=2, show_default=True,
+              help="how often a pair of pieces must occur to be merged into the vocabulary")
 @click.option("--doc-format", type=click.Choice(["blank", "line"]), default="blank", show_default=True,
               help="blank: a blank line ends a document; line: each line is a document")
 @click.option("--sample-mb", type=click.IntRange(1), default=64, show_default=True,
