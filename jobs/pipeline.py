@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpuctl import console, provision
+from tpuctl import catalog, console, cost, ledger, provision
 from tpuctl.errors import BadInput, CapacityError, JobFailed, NotFound, TpuctlError
 from tpuctl.provision import Kind, State
 
@@ -147,21 +147,6 @@ def _corpus_path(pattern: str, spec_dir: Path) -> str:
     return str(spec_dir / pattern)
 
 
-def _record(resources, *, deleted: bool = False) -> None:
-    """Cache created/deleted resources for `tpuctl cost` (the ledger never decides anything)."""
-    from tpuctl import ledger
-
-    rows = [r for r in resources if r.kind is not Kind.IAM]
-    try:
-        book = ledger.Ledger()
-        if deleted:
-            book.mark_deleted([ledger.key_of(r) for r in rows])
-        else:
-            book.record([ledger.entry_of(r) for r in rows])
-    except OSError as exc:
-        console.warn(f"could not update the local cost ledger: {exc}")
-
-
 @contextmanager
 def _shielded():
     """Teardown must finish: while it runs, Ctrl-C and SIGTERM only say so (main thread only)."""
@@ -258,7 +243,7 @@ class Pipeline:
         with self.phase("up"), console.ProgressBoard(f"up {self.plan.run}") as board:
             self._up_started = self._up_started or time.time()
             result = apply_plan(self.clients, self.plan, progress=board.update)
-        _record(result.resources)
+        ledger.remember(result.resources)
         bucket = result.get(Kind.BUCKET)
         self._created_bucket = bucket is not None and bucket.key in result.created
         tpu = result.get(Kind.TPU)
@@ -410,7 +395,11 @@ class Pipeline:
         cluster.update_status(self.clients, rec.bucket, rec.run, state="running", recovering=True)
         with self.phase("recover", f"attempt {self.outcome.recoveries} of {rec.max_recoveries}"):
             try:
+                # A lost node bills no more; its successor (same name) is a new ledger entry.
+                lost = provision.list_resources(self.clients, rec.run)
+                ledger.remember([r for r in lost if r.kind is Kind.TPU and r.name == rec.node], deleted=True)
                 node = provision.recreate_node(self.clients, rec.zone, rec.node, force=True)
+                ledger.remember([node])
             except (NotFound, CapacityError) as exc:
                 if self.plan is None:
                     raise JobFailed(f"cannot recreate TPU node {rec.node}: {exc}",
@@ -450,9 +439,18 @@ class Pipeline:
             delete_bucket = self.opts.delete_bucket or (self._created_bucket and not self._launched)
             with console.ProgressBoard(f"down {run}") as board:
                 gone = provision.down(self.clients, run, delete_bucket=delete_bucket, progress=board.update)
-            _record(gone.deleted, deleted=True)
-        if self._up_started is not None and self.outcome.price_per_hour is not None:
-            self.outcome.cost_usd = round(self.outcome.price_per_hour * (time.time() - self._up_started) / 3600, 4)
+            ledger.remember(gone.deleted, deleted=True)
+        if self._up_started is not None:
+            self.outcome.cost_usd = round(self._cost_since(self._up_started), 4)
+
+    def _cost_since(self, since: float) -> float:
+        """What this invocation's resources cost: each one's own price over its own lifetime, recreated
+        nodes included, from the ledger that up, recovery and teardown keep."""
+        try:
+            entries = [e for e in ledger.Ledger().entries() if e.run == self.run_name and e.project == self.project]
+        except OSError:
+            entries = []
+        return cost.accrued_by_run(entries, catalog.load(), now=time.time(), since=since).get(self.run_name, 0.0)
 
     # -- entry points
     def run(self) -> Outcome:

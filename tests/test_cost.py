@@ -131,6 +131,19 @@ def test_ledger_record_delete_reconcile(tmp_path):
     assert {e.name: e.deleted for e in led.entries()} == {"a": 30, "b": 40}
 
 
+def test_a_run_started_again_under_the_same_name_costs_both_lifetimes(tmp_path, cat):
+    led = Ledger(tmp_path / "ledger.json")
+    first = tpu("bert-tiny", "bert-tiny", created=0)
+    led.record([first])
+    led.mark_deleted([first.key], at=H)
+    led.record([tpu("bert-tiny", "bert-tiny", created=2 * H)])  # `tpuctl run` again, same node name
+    led.mark_deleted([first.key], at=4 * H)
+    lives = sorted((e.created, e.deleted) for e in led.entries())
+    assert lives == [(0, H), (2 * H, 4 * H)]
+    hourly = cost.hourly(first, cat)
+    assert cost.accrued_by_run(led.entries(), cat, now=10 * H) == {"bert-tiny": pytest.approx(3 * hourly)}
+
+
 def test_corrupt_ledger_is_set_aside(tmp_path):
     path = tmp_path / "ledger.json"
     path.write_text("{oops")

@@ -155,6 +155,15 @@ def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
     assert restored and restored[0] >= 10, log[:500]
     first_step_after = int(log.split("restored step=")[1].split("\n", 2)[1].split()[0].split("=")[1])
     assert first_step_after == restored[0] + 1
+    # The cost counts both incarnations of the node, each over its own life, and nothing after teardown.
+    from tpuctl import catalog, cost
+    from tpuctl.ledger import Ledger
+
+    nodes = sorted((e for e in Ledger().entries() if e.kind == "tpu" and e.run == "pre-run"), key=lambda e: e.created)
+    assert len(nodes) == 2 and all(e.deleted is not None for e in nodes)
+    assert nodes[0].deleted <= nodes[1].created
+    expected = sum(cost.accrued(e, catalog.load(), now=time.time()) for e in nodes)
+    assert o.cost_usd == pytest.approx(expected, rel=0.05, abs=1e-4) and o.cost_usd > 0
 
 
 def test_max_recoveries_zero_fails_on_preemption_and_tears_down(tpc, cloud, project):

@@ -56,12 +56,13 @@ def accrued(e: Entry, catalog: Catalog, *, now: float, since: float = 0.0) -> fl
     return hourly(e, catalog) * lifetime_hours(e, since=since, now=now)
 
 
-def accrued_by_run(entries: Iterable[Entry], catalog: Catalog, *, now: float) -> dict[str, float]:
-    """USD per run over the whole lifetime of each resource (what `status`/`list` show, and budgets check)."""
+def accrued_by_run(entries: Iterable[Entry], catalog: Catalog, *, now: float, since: float = 0.0) -> dict[str, float]:
+    """USD per run over each resource's lifetime from `since` (default: all of it; what `status`/`list` show,
+    and budgets check)."""
     out: dict[str, float] = {}
     for e in entries:
         if e.run:
-            out[e.run] = out.get(e.run, 0.0) + accrued(e, catalog, now=now)
+            out[e.run] = out.get(e.run, 0.0) + accrued(e, catalog, now=now, since=since)
     return out
 
 

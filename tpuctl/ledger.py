@@ -68,6 +68,24 @@ def key_of(r: Any) -> str:
     return f"{r.project}/{r.kind.value}/{r.location}/{r.name}"
 
 
+def remember(resources: Iterable[Any], *, deleted: bool = False) -> None:
+    """Best effort: record `tpuctl.provision` resources as alive (or mark them deleted) in the default ledger.
+
+    IAM bindings cost nothing and are skipped. A ledger that cannot be written warns on stderr and never fails
+    the command: labels, not the ledger, decide what exists."""
+    from tpuctl import console
+
+    rows = [r for r in resources if r.kind.value != "iam"]
+    try:
+        book = Ledger()
+        if deleted:
+            book.mark_deleted([key_of(r) for r in rows])
+        else:
+            book.record([entry_of(r) for r in rows])
+    except OSError as exc:
+        console.warn(f"could not update the local cost ledger: {exc}")
+
+
 class Ledger:
     """The ledger file at `path` (default `tpuctl.paths.ledger()`). Each method is one locked transaction."""
 
@@ -108,12 +126,18 @@ class Ledger:
 
     def record(self, entries: Iterable[Entry]) -> None:
         """Remember resources seen alive (idempotent: an entry already known keeps its earliest creation
-        time and its deletion time, if any)."""
+        time and its deletion time, if any).
+
+        A resource created after an earlier one of the same name was deleted (the same run started again,
+        a preempted node recreated) is a new incarnation: the old one is kept under `KEY@CREATED`, so both
+        lifetimes are costed."""
         with self._locked() as doc:
             res = doc["resources"]
             for e in entries:
                 old = res.get(e.key)
-                if old is not None:
+                if old is not None and old.get("deleted") is not None and e.created > old["deleted"]:
+                    res[f"{e.key}@{old['created']:.0f}"] = old
+                elif old is not None:
                     e = replace(e, created=min(e.created, old["created"]), deleted=old.get("deleted"))
                 res[e.key] = asdict(e)
 

@@ -41,18 +41,6 @@ def _price(cat: catalog_mod.Catalog):
     return price
 
 
-def _record(resources, *, deleted: bool = False) -> None:
-    """Cache what was created/deleted for `tpuctl cost`; the ledger never decides anything."""
-    from tpuctl import provision as prov
-
-    book = ledger.Ledger()
-    rows = [r for r in resources if r.kind is not prov.Kind.IAM]
-    if deleted:
-        book.mark_deleted([ledger.key_of(r) for r in rows])
-    else:
-        book.record([ledger.entry_of(r) for r in rows])
-
-
 def resolve(spec_path: str | None, flags: Mapping[str, Any], *, cloud: str | None,
             migrate: bool) -> tuple[spec_mod.RunSpec, config.Settings]:
     """Flags > TPUCTL_* env > spec file > user config > gcloud config > defaults, then the target.
@@ -120,7 +108,7 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
     started = time.monotonic()
     with console.ProgressBoard(f"tpuctl up {plan.run}") as board:
         result = prov.apply(clients, plan, progress=board.update, keep_on_failure=keep_on_failure)
-    _record(result.resources)
+    ledger.remember(result.resources)
     tpu_r = result.get(prov.Kind.TPU)
     if as_json:
         console.emit_json({"plan": plan.to_json(), "target": settings.target, "zone": result.zone,
@@ -167,7 +155,7 @@ def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
         raise BadInput("not confirmed; nothing was deleted", field="yes", hint="pass --yes to skip the question")
     with console.ProgressBoard(f"tpuctl down {run}") as board:
         result = prov.down(clients, run, delete_bucket=delete_bucket, progress=board.update)
-    _record(result.deleted, deleted=True)
+    ledger.remember(result.deleted, deleted=True)
     if as_json:
         console.emit_json({"run": run, "deleted": [inventory.resource_json(r) for r in result.deleted],
                            "kept": [inventory.resource_json(r) for r in result.kept]})
