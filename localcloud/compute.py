@@ -264,8 +264,10 @@ class ComputeService:
                 rec["deleting"] = True
                 rec["instance"]["status"] = "STOPPING"
                 self._stop_worker(rec)
-                if not self.w.faults.take("stuck", "compute", "instances.delete", p["zone"]):
-                    self.w.later(DELETE_S, "compute.delete_done", key=key)
+            # A repeated delete finishes one that never did (a stuck fault, a daemon restart), as a retry does
+            # on Google's side; a second completion is a no-op.
+            if not self.w.faults.take("stuck", "compute", "instances.delete", p["zone"]):
+                self.w.later(DELETE_S, "compute.delete_done", key=key)
             self.w.changed()
             return copy.deepcopy(op)
 

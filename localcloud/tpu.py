@@ -305,6 +305,10 @@ class TpuService:
             rec["delete_ops"].append(op["name"])
             if rec["node"]["state"] != "DELETING":
                 self._begin_delete(rec, "nodes.delete")
+            elif not self.w.faults.take("stuck", "tpu", "nodes.delete", rec["zone"]):
+                # A repeated delete of a node whose delete never finished (a stuck fault, a daemon restart)
+                # finishes it, as a retry does on Google's side; a second completion is a no-op.
+                self.w.later(DELETE_S, "tpu.delete_done", node=name)
             self.w.changed()
             return op
 

@@ -277,40 +277,21 @@ def delete_node(clients: Clients, zone: str, name: str, *, deadline_s: float = 9
                 cancel: threading.Event | None = None, progress: Progress | None = None) -> None:
     """Delete a node and block until it is gone. Idempotent: NotFound (before or during) is success."""
     what = f"delete TPU node {name} in {zone}"
-    try:
-        op = waits.call(lambda: clients.tpu.delete_node(name=node_path(clients.project, zone, name)),
-                        what=what, cancel=cancel)
-    except TpuctlError as exc:
-        if isinstance(exc.__cause__, gexc.NotFound):
-            return
-        raise
-    if progress:
-        progress(State.DELETING, "requested")
-    try:
-        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.DELETING)
-    except TpuctlError as exc:
-        if not isinstance(exc.__cause__, gexc.NotFound):
-            raise
+    waits.delete(lambda: clients.tpu.delete_node(name=node_path(clients.project, zone, name)),
+                 lambda op: wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
+                                           state=State.DELETING),
+                 what=what, cancel=cancel, progress=progress)
 
 
 def delete_queued(clients: Clients, zone: str, name: str, *, deadline_s: float = 900.0,
                   cancel: threading.Event | None = None, progress: Progress | None = None) -> None:
     """Delete a queued resource and (force) its node; block until gone. NotFound is success."""
     what = f"delete queued resource {name} in {zone}"
-    try:
-        op = waits.call(lambda: clients.tpu.delete_queued_resource(
-            request={"name": queued_path(clients.project, zone, name), "force": True}), what=what, cancel=cancel)
-    except TpuctlError as exc:
-        if isinstance(exc.__cause__, gexc.NotFound):
-            return
-        raise
-    if progress:
-        progress(State.DELETING, "requested")
-    try:
-        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.DELETING)
-    except TpuctlError as exc:
-        if not isinstance(exc.__cause__, gexc.NotFound):
-            raise
+    waits.delete(lambda: clients.tpu.delete_queued_resource(
+                     request={"name": queued_path(clients.project, zone, name), "force": True}),
+                 lambda op: wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
+                                           state=State.DELETING),
+                 what=what, cancel=cancel, progress=progress)
     # The force delete removes the node too, but not necessarily before the queued resource is gone.
     delete_node(clients, zone, name, deadline_s=deadline_s, cancel=cancel, progress=progress)
 

@@ -167,14 +167,7 @@ def delete(clients: Clients, zone: str, name: str, *, deadline_s: float = 600.0,
            cancel: threading.Event | None = None, progress: Progress | None = None) -> None:
     """Delete a VM and block until gone. Idempotent: NotFound is success."""
     what = f"delete VM {name} in {zone}"
-    try:
-        op = waits.call(lambda: clients.instances.delete_unary(project=clients.project, zone=zone, instance=name),
-                        what=what, cancel=cancel)
-    except TpuctlError as exc:
-        if isinstance(exc.__cause__, gexc.NotFound):
-            return
-        raise
-    if progress:
-        progress(State.DELETING, "requested")
-    wait_zone_op(clients, zone, op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
-                 state=State.DELETING)
+    waits.delete(lambda: clients.instances.delete_unary(project=clients.project, zone=zone, instance=name),
+                 lambda op: wait_zone_op(clients, zone, op, what=what, deadline_s=deadline_s, cancel=cancel,
+                                         progress=progress, state=State.DELETING),
+                 what=what, cancel=cancel, progress=progress)

@@ -12,12 +12,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from google.api_core import exceptions as gexc
 from google.rpc import error_details_pb2
 
-from tpuctl.errors import Interrupted, QuotaError, WaitTimeout, from_google
+from tpuctl.errors import Interrupted, QuotaError, TpuctlError, WaitTimeout, from_google
+from tpuctl.provision.resources import State
 
 T = TypeVar("T")
 
@@ -128,3 +129,18 @@ def until(poll: Callable[[], tuple[bool, T]], *, what: str, deadline_s: float,
         if elapsed >= deadline_s:
             raise WaitTimeout(f"{what}: not done after {deadline_s:.0f} s")
         _sleep(min(next_delay(elapsed), max(0.0, deadline_s - elapsed) + 0.001), cancel)
+
+
+def delete(request: Callable[[], Any], wait: Callable[[Any], None], *, what: str,
+           cancel: threading.Event | None = None, progress: Callable[[State, str], None] | None = None) -> None:
+    """Issue a delete (`request`, retried like `call`), report it, and block in `wait(operation)` until done.
+
+    Idempotent: NotFound, when asked or while waiting, means the resource is gone, which is what was wanted."""
+    try:
+        op = call(request, what=what, cancel=cancel)
+        if progress is not None:
+            progress(State.DELETING, "requested")
+        wait(op)
+    except TpuctlError as exc:
+        if not isinstance(exc.__cause__, gexc.NotFound):
+            raise

@@ -4,7 +4,6 @@ runs alone."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,23 +12,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import load_chaos
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_chaos():
-    """bench/ is not a package; load bench/chaos.py (the local-cloud stack and job driver) once by path."""
-    if "tpuctl_bench_chaos" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("tpuctl_bench_chaos", REPO / "bench" / "chaos.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["tpuctl_bench_chaos"]
-
-
-chaos = _load_chaos()
+chaos = load_chaos()
 
 OWNERS = ("ana", "bo", "cy", "dee")
 SHAPES = (("v2-8", "us-central1-b"), ("v3-8", "us-central1-a"), ("v5litepod-16", "us-east5-a"))
@@ -41,6 +31,12 @@ def _tpuctl(stack, owner: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, **stack.env, "USER": owner, "LOGNAME": owner, "TPUCTL_OWNER": owner}
     return subprocess.Popen([sys.executable, "-m", "tpuctl", *args], env=env, cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """Exit code and stderr; the pipes are drained while waiting, so a chatty child cannot block on them."""
+    _out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
 
 
 def _labelled(stack) -> list[tuple[str, str, dict]]:
@@ -70,7 +66,7 @@ def test_twenty_parallel_ups_and_runs_four_owners_then_one_owners_gc(tmp_path):
                 procs[run] = _tpuctl(stack, owner, "up", "--name", run, "--accelerator", accelerator, "--zone", zone,
                                      "--provisioning", ("on-demand", "spot", "queued")[i % 3], "--ttl", "20s",
                                      "--yes")
-        results = {run: (p.wait(timeout=400), p.communicate()[1]) for run, p in procs.items()}
+        results = {run: _finish(p, 400) for run, p in procs.items()}
         codes = Counter(code for code, _ in results.values())
         assert set(codes) <= {0, 1, 3}, {run: r for run, r in results.items() if r[0] not in (0, 1, 3)}
         for run, (code, err) in results.items():
@@ -102,7 +98,7 @@ def test_twenty_parallel_ups_and_runs_four_owners_then_one_owners_gc(tmp_path):
 
         time.sleep(21)  # every TTL has now passed
         gc = _tpuctl(stack, OWNERS[0], "gc", "--buckets", "--lock-wait", "30")
-        code, (out, err) = gc.wait(timeout=300), gc.communicate()
+        code, err = _finish(gc, 300)
         assert code == 0, err
         left = {labels["tpuctl-run"] for _, _, labels in _labelled(stack)}
         mine = {r for r in ok if runs[r] == OWNERS[0]}

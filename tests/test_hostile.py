@@ -7,16 +7,15 @@ line), and the local cloud must show that nothing was created.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_chaos
 import yaml
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
@@ -27,17 +26,7 @@ pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_chaos():
-    """bench/ is not a package; load bench/chaos.py (the local-cloud stack and job driver) once by path."""
-    if "tpuctl_bench_chaos" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("tpuctl_bench_chaos", REPO / "bench" / "chaos.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["tpuctl_bench_chaos"]
-
-
-chaos = _load_chaos()
+chaos = load_chaos()
 
 VALID = {"name": "ok-run", "zone": "us-central1-a", "accelerator": "v3-8"}
 HOSTILE_TEXT = ["$(touch PWNED)", "`touch PWNED2`", "a; touch PWNED3", "x\ny", "it's", 'say "hi"', "--x=$HOME",

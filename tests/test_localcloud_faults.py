@@ -105,6 +105,27 @@ def test_stuck_operation_never_finishes(clients, cloud):
     clients.tpu.delete_node(name=f"{clients.parent(ZONE)}/nodes/stuck").result(polling=FAST_POLLING)
 
 
+def test_a_stuck_delete_is_finished_by_a_repeated_delete(clients, cloud):
+    """A delete stuck once must not leave the node DELETING forever: the retry (tpuctl down again) ends it."""
+    node = clients.tpu.create_node(parent=clients.parent(ZONE), node_id="stuck-del", node=_node()).result(
+        polling=FAST_POLLING)
+    clients.wait_compute(ZONE, clients.instances.insert_unary(project=clients.project, zone=ZONE,
+                                                              instance_resource=_instance("stuck-del", zone=ZONE)))
+    cloud.faults.add("stuck", service="tpu", method="nodes.delete", count=1)
+    cloud.faults.add("stuck", service="compute", method="instances.delete", count=1)
+    stuck = clients.tpu.delete_node(name=node.name)
+    clients.instances.delete_unary(project=clients.project, zone=ZONE, instance="stuck-del")
+    time.sleep(0.5)
+    assert not clients.tpu.get_operation(request={"name": stuck.operation.name}).done
+    assert clients.tpu.get_node(name=node.name).state == tpu_v2.Node.State.DELETING
+    clients.tpu.delete_node(name=node.name).result(polling=FAST_POLLING)
+    clients.wait_compute(ZONE, clients.instances.delete_unary(project=clients.project, zone=ZONE, instance="stuck-del"))
+    with pytest.raises(gexc.NotFound):
+        clients.tpu.get_node(name=node.name)
+    with pytest.raises(gexc.NotFound):
+        clients.instances.get(project=clients.project, zone=ZONE, instance="stuck-del")
+
+
 def test_preempt_spot_node_at_a_chosen_time_and_refuse_on_demand(clients, cloud):
     spot = clients.tpu.create_node(parent=clients.parent(ZONE), node_id="spot",
                                    node=_node(scheduling_config=tpu_v2.SchedulingConfig(preemptible=True))).result(polling=FAST_POLLING)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import importlib.util
 import json
 import os
 import stat
@@ -18,23 +17,14 @@ from pathlib import Path
 
 import asyncssh
 import pytest
+from conftest import load_chaos
 
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_chaos():
-    """bench/ is not a package; load bench/chaos.py (the local-cloud stack and job driver) once by path."""
-    if "tpuctl_bench_chaos" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("tpuctl_bench_chaos", REPO / "bench" / "chaos.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["tpuctl_bench_chaos"]
-
-
-chaos = _load_chaos()
+chaos = load_chaos()
 
 RUN = "secure"
 # A credential the user has on their laptop; it must never travel anywhere.
