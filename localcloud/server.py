@@ -255,13 +255,20 @@ class _Handler(BaseHTTPRequestHandler):
         return None
 
 
+class _Listener(ThreadingHTTPServer):
+    # The listen() backlog: the default 5 drops connections when a few dozen tpuctl processes start at once,
+    # and a client's retry of a create whose request did get through then meets 409. Must be a class
+    # attribute: the constructor calls listen().
+    request_queue_size = 256
+    daemon_threads = True
+
+
 class HttpServer:
     """Serves `api` on 127.0.0.1:port (0 = ephemeral) from a background thread."""
 
     def __init__(self, api: Api, port: int = 0):
         handler = type("Handler", (_Handler,), {"api": api})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Listener(("127.0.0.1", port), handler)
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="localcloud-http", daemon=True)

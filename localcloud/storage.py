@@ -88,6 +88,8 @@ _ROUTES = [
     ("upload", re.compile(rf"{_UPLOAD}/b/(?P<bucket>[^/]+)/o")),
     ("download", re.compile(rf"/download{_API}/b/(?P<bucket>[^/]+)/o/(?P<object>.+)")),
 ]
+# Requests about a bucket itself (metadata, IAM): these wait for an insert of the same name to finish.
+_BUCKET_LEVEL = frozenset({"bucket", "iam"})
 
 
 class _Reject(Exception):
@@ -201,6 +203,12 @@ def _checked_labels(labels: dict) -> dict:
 _EMULATOR_LOGGERS = ("gcp_storage_emulator", "api.bucket", "api.object")
 
 
+class _EmulatorListener(HTTPServer):
+    # Several proxy threads may connect at once while a large upload is being served. A class attribute:
+    # the constructor calls listen() with it.
+    request_queue_size = 256
+
+
 class _Backend:
     """The emulator on its private port, reached with one short HTTP/1.0 exchange per request."""
 
@@ -208,9 +216,7 @@ class _Backend:
         for name in _EMULATOR_LOGGERS:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         storage = EmulatorStorage(use_memory_fs=data_dir is None, data_dir=str(data_dir) if data_dir else None)
-        self.server = HTTPServer((LOOPBACK, 0), partial(EmulatorHandler, storage))
-        # Several proxy threads may connect at once while a large upload is being served.
-        self.server.request_queue_size = 64
+        self.server = _EmulatorListener((LOOPBACK, 0), partial(EmulatorHandler, storage))
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, args=(_POLL_S,), name="localcloud-gcs",
                                        daemon=True)
@@ -258,6 +264,14 @@ class _Proxy(BaseHTTPRequestHandler):
         content_type = self.headers.get("Content-Type", "")
         metadata = _carries_metadata(route, query, content_type)
         special = _SPECIAL.get((method, route))
+        if route in _BUCKET_LEVEL:
+            with self.server.bucket_lock(params["bucket"]):
+                self._dispatch(method, route, params, query, content_type, metadata, special)
+        else:
+            self._dispatch(method, route, params, query, content_type, metadata, special)
+
+    def _dispatch(self, method: str, route: str | None, params: dict, query: dict, content_type: str,
+                  metadata: bool, special: str | None) -> None:
         try:
             # Read every body the proxy answers itself, so an early rejection never desyncs keep-alive.
             body = self._read_body() if metadata or special or self._is_chunked() else None
@@ -335,11 +349,16 @@ class _Proxy(BaseHTTPRequestHandler):
         if "labels" in fields:
             _checked_labels(fields["labels"] or {})
         backend = self.server.backend
-        status, created = backend.call("POST", f"{_API}/b", {"name": name})
-        if status != 200:
-            return status, created
-        status, bucket = backend.call("PATCH", f"{_API}/b/{name}", fields)
-        if status == 200:
+        # Both emulator calls under the bucket's lock (a client retrying after a lost response must not see the
+        # bucket half made); a failed metadata write removes the bucket again.
+        with self.server.bucket_lock(name):
+            status, created = backend.call("POST", f"{_API}/b", {"name": name})
+            if status != 200:
+                return status, created
+            status, bucket = backend.call("PATCH", f"{_API}/b/{name}", fields)
+            if status != 200:
+                backend.call("DELETE", f"{_API}/b/{name}")
+                return status, bucket
             self.server.record_project(name, project)
         return status, bucket
 
@@ -493,6 +512,7 @@ class _FrontServer(ThreadingHTTPServer):
     """The address clients see; owns the bucket -> project record that GCS keeps and the emulator lacks."""
 
     daemon_threads = True
+    request_queue_size = 256  # see server._Listener: the default 5 drops connections under a burst
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client hanging up mid-transfer is routine (cancelled download); anything else is reported."""
@@ -509,6 +529,13 @@ class _FrontServer(ThreadingHTTPServer):
         # concurrent writers cannot both pass on the same etag.
         self.read_modify_write = threading.Lock()
         self._projects: dict[str, str] = json.loads(sidecar.read_text()) if sidecar and sidecar.exists() else {}
+        self._bucket_locks: dict[str, threading.Lock] = {}
+
+    def bucket_lock(self, bucket: str) -> threading.Lock:
+        """Held by a bucket insert (create + metadata) and by every bucket-level request for that name, so that
+        none sees the bucket half made; GCS creates a bucket with its metadata in one step."""
+        with self._lock:
+            return self._bucket_locks.setdefault(bucket, threading.Lock())
 
     def projects(self) -> dict[str, str]:
         with self._lock:

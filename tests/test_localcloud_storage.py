@@ -318,3 +318,25 @@ def test_resumable_upload_of_200_mb_streams_through(server, tmp_path):
     finally:
         source.unlink(missing_ok=True)
         copy.unlink(missing_ok=True)
+
+
+def test_a_bucket_is_never_seen_half_created(server):
+    """GCS creates a bucket with its location and labels at once; readers racing the create see all or nothing."""
+    gcs = client()
+    names = [f"race-{i}" for i in range(12)]
+    seen: dict[str, tuple[str, dict]] = {}
+
+    def watch(name: str) -> None:
+        reader = client()
+        for _ in range(2000):
+            b = reader.lookup_bucket(name)
+            if b is not None:
+                seen[name] = (b.location, dict(b.labels or {}))
+                return
+
+    with ThreadPoolExecutor(max_workers=len(names) * 2) as pool:
+        watchers = [pool.submit(watch, n) for n in names]
+        creators = [pool.submit(_create, gcs, n, "europe-west4", run=n) for n in names]
+        for f in creators + watchers:
+            f.result()
+    assert seen == {n: ("EUROPE-WEST4", {"run": n}) for n in names}
