@@ -9,7 +9,8 @@ is filled by a thin reverse proxy of ours in front of it (the address clients se
 
 - bucket insert: name, location and labels checked as GCS does (400, nothing created), then location (upper-cased, with its
   locationType), labels, uniform bucket-level access (mirrored as bucketPolicyOnly, with lockedTime) and
-  public access prevention ("inherited" unless given) are written through the emulator's own PATCH;
+  public access prevention ("inherited" unless given) are written through the emulator's own PATCH, under a
+  per-bucket lock that bucket-level requests also take, so that no client sees a bucket half created;
 - bucket PATCH merges labels (``null`` deletes a key) and iamConfiguration like GCS instead of replacing;
 - bucket list honours ``project`` (recorded at insert) and ``prefix``;
 - IAM setIamPolicy checks the etag (412 on a stale one) and issues a new etag per write;
