@@ -32,7 +32,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
-from google.api_core import exceptions as gexc
 
 from tpuctl.catalog import Catalog
 from tpuctl.cost import accrued_by_run
@@ -222,13 +221,8 @@ def status_path(run: str) -> str:
 def read_status(clients: Clients, bucket_name: str, run: str) -> JobStatus | None:
     """The run's job status object, or None when there is none (no job yet, or no bucket)."""
     blob = clients.storage.bucket(bucket_name).blob(status_path(run))
-    try:
-        raw = waits.call(blob.download_as_bytes, what=f"read gs://{bucket_name}/{status_path(run)}")
-    except TpuctlError as exc:
-        if isinstance(exc.__cause__, gexc.NotFound):
-            return None
-        raise
-    return JobStatus.parse(raw)
+    raw = waits.get_or_none(blob.download_as_bytes, what=f"read gs://{bucket_name}/{status_path(run)}")
+    return None if raw is None else JobStatus.parse(raw)
 
 
 def statuses(clients: Clients, resources: Iterable[Resource]) -> dict[str, JobStatus | None]:

@@ -15,7 +15,7 @@ from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 from google.protobuf import duration_pb2, field_mask_pb2
 
-from tpuctl.errors import BadInput, CapacityError, TpuctlError, from_google
+from tpuctl.errors import BadInput, CapacityError, from_google
 from tpuctl.provision import labels as L
 from tpuctl.provision import states, waits
 from tpuctl.provision.clients import Clients
@@ -104,23 +104,13 @@ def queued_to_resource(qr: tpu_v2.QueuedResource) -> Resource:
 
 def get_node(clients: Clients, zone: str, name: str) -> tpu_v2.Node | None:
     """The node, or None when it does not exist. Retries 429/503."""
-    try:
-        return waits.call(lambda: clients.tpu.get_node(name=node_path(clients.project, zone, name)),
-                          what=f"get TPU node {name} in {zone}")
-    except TpuctlError as exc:
-        if isinstance(exc.__cause__, gexc.NotFound):
-            return None
-        raise
+    return waits.get_or_none(lambda: clients.tpu.get_node(name=node_path(clients.project, zone, name)),
+                             what=f"get TPU node {name} in {zone}")
 
 
 def get_queued(clients: Clients, zone: str, name: str) -> tpu_v2.QueuedResource | None:
-    try:
-        return waits.call(lambda: clients.tpu.get_queued_resource(name=queued_path(clients.project, zone, name)),
-                          what=f"get queued resource {name} in {zone}")
-    except TpuctlError as exc:
-        if isinstance(exc.__cause__, gexc.NotFound):
-            return None
-        raise
+    return waits.get_or_none(lambda: clients.tpu.get_queued_resource(name=queued_path(clients.project, zone, name)),
+                             what=f"get queued resource {name} in {zone}")
 
 
 def list_nodes(clients: Clients, zones: Iterable[str] | None = None) -> list[tpu_v2.Node]:

@@ -71,13 +71,8 @@ def to_resource(inst: compute_v1.Instance, *, project: str) -> Resource:
 
 
 def get(clients: Clients, zone: str, name: str) -> compute_v1.Instance | None:
-    try:
-        return waits.call(lambda: clients.instances.get(project=clients.project, zone=zone, instance=name),
-                          what=f"get VM {name} in {zone}")
-    except TpuctlError as exc:
-        if isinstance(exc.__cause__, gexc.NotFound):
-            return None
-        raise
+    return waits.get_or_none(lambda: clients.instances.get(project=clients.project, zone=zone, instance=name),
+                             what=f"get VM {name} in {zone}")
 
 
 def list_all(clients: Clients, run: str | None = None) -> list[compute_v1.Instance]:

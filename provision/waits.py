@@ -97,6 +97,16 @@ def call(fn: Callable[[], T], *, what: str, deadline_s: float = 120.0, backoff: 
             raise from_google(exc, what=what) from exc
 
 
+def get_or_none(fn: Callable[[], T], *, what: str, cancel: threading.Event | None = None) -> T | None:
+    """One read, retried like `call`; None when the thing does not exist (NotFound)."""
+    try:
+        return call(fn, what=what, cancel=cancel)
+    except TpuctlError as exc:
+        if isinstance(exc.__cause__, gexc.NotFound):
+            return None
+        raise
+
+
 def quota_subject(exc: BaseException) -> str | None:
     """The quota a google.rpc.QuotaFailure detail names (REST gives details as dicts, gRPC as protos)."""
     for d in getattr(exc, "details", None) or ():
