@@ -2,8 +2,9 @@
 
 The TPU and VMs are torn down in a `finally`: on success, job failure, any exception, Ctrl-C and SIGTERM
 (the CLI turns SIGTERM into KeyboardInterrupt). The bucket stays (it carries a TTL label) unless
-`delete_bucket`, or unless this invocation created it and failed before the job launched: then it holds
-nothing but staged inputs, and a failed run must not leave half of itself behind. `detach` returns right after launch; `attach` picks a detached run up again.
+`delete_bucket`, or unless this invocation created it and failed before the job launched and before any
+prepared data landed in it: then it holds nothing worth keeping, and a failed run must not leave half of
+itself behind. (Prepared data is kept: a rerun finds it and skips the preparation.) `detach` returns right after launch; `attach` picks a detached run up again.
 
 Preemption: every `poll_s` the node's state is read; PREEMPTED, gone, or a worker that lost its job
 triggers recovery: status.json says `recovering: true` (so gc leaves the run alone), the node is recreated
@@ -194,6 +195,7 @@ class Pipeline:
         self._up_started: float | None = None
         self._created_bucket = False  # this invocation made the bucket (set by up())
         self._launched = False  # a job was started on the workers, so the bucket may hold checkpoints
+        self._holds_data = False  # prepared data is in the bucket (costly to make again)
         self.delete_requested_at: float | None = None
 
     # -- phases
@@ -265,6 +267,7 @@ class Pipeline:
             blob = self.clients.storage.bucket(self.plan.bucket).blob(f"runs/{self.plan.run}/data/{MANIFEST_NAME}")
             if blob.exists():
                 console.note(f"prepared data already in {url}")
+                self._holds_data = True
                 return url
             corpus = [_corpus_path(c, self.spec_dir) for c in data.corpus]
             options = prep.PrepareOptions(vocab_size=data.vocab_size, seq_len=data.seq_len, lowercase=data.lowercase)
@@ -272,6 +275,7 @@ class Pipeline:
                 with tempfile.TemporaryDirectory(prefix="tpuctl-data-") as staging:
                     manifest = prep.prepare(corpus, staging, options, storage_client=self.clients.storage)
                     prep.upload(staging, url, storage_client=self.clients.storage)
+                    self._holds_data = True
             except DataError as exc:
                 raise BadInput(str(exc), field="job.data",
                                hint="corpus files must be UTF-8 text, one sentence or paragraph per line") from exc
@@ -436,7 +440,8 @@ class Pipeline:
             self.delete_requested_at = time.time()
             if self.stream.last_step_at is not None:
                 self.outcome.last_step_to_delete_s = round(self.delete_requested_at - self.stream.last_step_at, 2)
-            delete_bucket = self.opts.delete_bucket or (self._created_bucket and not self._launched)
+            delete_bucket = self.opts.delete_bucket or (
+                self._created_bucket and not self._launched and not self._holds_data)
             with console.ProgressBoard(f"down {run}") as board:
                 gone = provision.down(self.clients, run, delete_bucket=delete_bucket, progress=board.update)
             ledger.remember(gone.deleted, deleted=True)

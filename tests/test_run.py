@@ -110,7 +110,8 @@ def test_run_job_failure_stops_all_tears_down_and_shows_the_log(tpc, cloud, proj
     assert status["state"] == "failed" and status["exit_code"] == 3
 
 
-def test_failure_before_launch_removes_the_bucket_it_created_and_keeps_an_adopted_one(tpc, cloud, project):
+def test_failure_before_launch_removes_the_bucket_it_created_and_keeps_an_adopted_one(tpc, cloud, project,
+                                                                                      tmp_path):
     from tpuctl.errors import BadInput
     from tpuctl.jobs.keys import ensure_keypair
 
@@ -124,9 +125,20 @@ def test_failure_before_launch_removes_the_bucket_it_created_and_keeps_an_adopte
     kept = Pipeline(tpc, spec, options=RunOptions(poll_s=0.5), echo_logs=False)
     kept.validate()
     tpc.storage.create_bucket(kept.plan.bucket, location=kept.plan.region)
-    with pytest.raises(BadInput):
+    with pytest.raises(BadInput, match="readable by other users"):
         Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False).run()
     assert _zero(cloud, project) and _buckets(cloud, project) == [kept.plan.bucket]
+    tpc.storage.bucket(kept.plan.bucket).delete(force=True)
+
+    # Prepared data is costly to make again: a bucket holding it is kept for the rerun, which reuses it.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"sentence {i} of a small corpus about tpus and buckets\n" for i in range(400)))
+    with_data = spec_mod.from_mapping({**_spec("early-fail"), "job": {
+        **_spec("early-fail")["job"], "data": {"corpus": [str(corpus)], "vocab_size": 400, "seq_len": 128}}})
+    with pytest.raises(BadInput, match="readable by other users"):
+        Pipeline(tpc, with_data, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False).run()
+    assert _zero(cloud, project) and _buckets(cloud, project) == [kept.plan.bucket]
+    assert tpc.storage.bucket(kept.plan.bucket).blob("runs/early-fail/data/manifest.json").exists()
 
 
 def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
