@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from tpuctl.errors import BadInput, from_google
-from tpuctl.spec import ENV_NAME
+from tpuctl.spec import ENV_NAME_RULE, bad_env_names
 
 from .remote import check_run_name
 
@@ -110,10 +110,11 @@ def _files_under(root: Path) -> list[Path]:
 def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequence[Path] = ()) -> Bundle:
     """Pack the bundle into `out_dir`. Pure and deterministic; user files land under `files/`."""
     check_run_name(job.run)
-    bad_env = [k for k in job.env if not ENV_NAME.match(k)]
+    # Checked again here, not only in the spec: this is where the names meet a shell on the workers.
+    bad_env = bad_env_names(job.env)
     if bad_env:
         raise BadInput(f"environment variable name(s) {bad_env!r} are not valid", field="job.env",
-                       hint="use letters, digits and underscores, not starting with a digit")
+                       hint=ENV_NAME_RULE)
     package = template_dir.name
     requirements = template_dir / "requirements.txt"
     doc = {

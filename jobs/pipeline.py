@@ -4,7 +4,8 @@ The TPU and VMs are torn down in a `finally`: on success, job failure, any excep
 (the CLI turns SIGTERM into KeyboardInterrupt). The bucket stays (it carries a TTL label) unless
 `delete_bucket`, or unless this invocation created it and failed before the job launched and before any
 prepared data landed in it: then it holds nothing worth keeping, and a failed run must not leave half of
-itself behind. (Prepared data is kept: a rerun finds it and skips the preparation.) `detach` returns right after launch; `attach` picks a detached run up again.
+itself behind (prepared data is kept: a rerun finds it and skips the preparation). `detach` returns right
+after launch; `attach` picks a detached run up again.
 
 Preemption: every `poll_s` the node's state is read; PREEMPTED, gone, or a worker that lost its job
 triggers recovery: status.json says `recovering: true` (so gc leaves the run alone), the node is recreated

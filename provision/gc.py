@@ -32,14 +32,13 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
-
 from tpuctl.catalog import Catalog
 from tpuctl.cost import accrued_by_run
 from tpuctl.errors import BadInput, TpuctlError
 from tpuctl.ledger import Entry, Ledger, entry_of, key_of
+from tpuctl.provision import labels as L
 from tpuctl.provision import list_resources, waits
 from tpuctl.provision.apply import Undo, delete
-from tpuctl.provision import labels as L
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.resources import Kind, Resource, State
 

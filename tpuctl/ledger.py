@@ -74,8 +74,9 @@ def remember(resources: Iterable[Any], *, deleted: bool = False) -> None:
     IAM bindings cost nothing and are skipped. A ledger that cannot be written warns on stderr and never fails
     the command: labels, not the ledger, decide what exists."""
     from tpuctl import console
+    from tpuctl.provision.resources import Kind  # loaded already: callers hold provision resources
 
-    rows = [r for r in resources if r.kind.value != "iam"]
+    rows = [r for r in resources if r.kind is not Kind.IAM]
     try:
         book = Ledger()
         if deleted:

@@ -28,7 +28,12 @@ _DURATION_PARTS = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _LEGACY_KEYS = ("tensorflow_version", "tensorflowVersion", "tpu_node", "api_version")
 # What a POSIX shell accepts as a variable name; anything else could not be exported on the workers.
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME_RULE = "use letters, digits and underscores, not starting with a digit"
 _LEGACY_RUNTIME = re.compile(r"^(\d+\.\d+(\.\d+)?|nightly|pytorch-[\d.]+|tpu-vm-base-legacy)$")
+
+
+def bad_env_names(env: Mapping[str, str]) -> list[str]:
+    return [k for k in env if not ENV_NAME.match(k)]
 
 
 def parse_duration(value: Any) -> float:
@@ -98,10 +103,9 @@ class JobSpec(_Strict):
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        bad = [k for k in env if not ENV_NAME.match(k)]
+        bad = bad_env_names(env)
         if bad:
-            raise ValueError(f"environment variable name(s) {bad!r} are not valid: use letters, digits and "
-                             "underscores, not starting with a digit")
+            raise ValueError(f"environment variable name(s) {bad!r} are not valid: {ENV_NAME_RULE}")
         return env
 
 
