@@ -19,6 +19,7 @@ import asyncio
 import collections
 import glob
 import json
+import math
 import re
 import signal
 import tempfile
@@ -67,8 +68,8 @@ class Outcome:
     state: str = "planned"  # planned | detached | succeeded | failed | interrupted
     phases: dict[str, float] = field(default_factory=dict)
     step: int | None = None
-    loss: str | None = None
-    examples_per_sec: str | None = None
+    loss: float | None = None
+    examples_per_sec: float | None = None
     recoveries: int = 0
     bucket: str | None = None
     artifacts: list[str] = field(default_factory=list)
@@ -106,6 +107,16 @@ class _Phases:
             self.outcome.phases[name] = round(self.outcome.phases.get(name, 0.0) + time.monotonic() - start, 2)
 
 
+def _number(text: str | None, previous: float | None) -> float | None:
+    """A metric from a step line as a number for --json; a finite one only (JSON has no NaN): a diverged loss
+    shows in the streamed lines themselves."""
+    try:
+        value = float(text) if text is not None else None
+    except ValueError:
+        return previous
+    return value if value is not None and math.isfinite(value) else previous
+
+
 class _Stream:
     """Log sink: prints worker-prefixed lines, remembers each worker's last lines and worker 0's metrics."""
 
@@ -122,8 +133,8 @@ class _Stream:
             m = STEP_LINE.search(line)
             if m and worker == 0 and line.startswith(("step=", "done ")):
                 self.outcome.step = int(m.group(1))
-                self.outcome.loss = m.group(2) or self.outcome.loss
-                self.outcome.examples_per_sec = m.group(3) or self.outcome.examples_per_sec
+                self.outcome.loss = _number(m.group(2), self.outcome.loss)
+                self.outcome.examples_per_sec = _number(m.group(3), self.outcome.examples_per_sec)
                 self.last_step_at = time.time()
         # Every worker trains the same steps: worker 0's progress lines stand for all, so a 64-host slice
         # does not print each step 64 times. Anything else (warnings, tracebacks) shows from every worker.

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import tpu_v2
 
 from conftest import FAST_POLLING
-from tpuctl import console
+from tpuctl import config, console
 from tpuctl.cli import cli
 from tpuctl.localcloud import daemon
 
@@ -136,3 +137,24 @@ def test_daemon_is_ready_quickly_and_ensure_running_reuses_it(tmp_path):
     assert daemon.status(tmp_path) is None
     with pytest.raises(daemon.NotRunning):
         daemon.stop(tmp_path)
+
+
+def _readme_row(first_cell_has: str) -> str:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return next(line for line in readme.splitlines() if line.startswith("|") and first_cell_has in line.split("|")[1])
+
+
+def test_readme_names_exactly_the_variables_local_env_sets_and_tpuctl_reads_them():
+    row = _readme_row("TPUCTL_API_ENDPOINT")
+    assert "tpuctl local env" in row
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split("|")[1]))
+    info = {"endpoint": "http://127.0.0.1:1", "storage_host": "http://127.0.0.1:2"}
+    exported = dict(line.removeprefix("export ").split("=", 1) for line in daemon.env_lines(info))
+    assert documented == set(exported)
+    resolved = config.settings(env=exported, config_path=Path("/nonexistent"))
+    assert (resolved.endpoint, resolved.storage_host) == (info["endpoint"], info["storage_host"])
+
+
+def test_readme_exit_code_130_says_an_interrupted_run_keeps_its_bucket():
+    row = _readme_row(" 130 ")
+    assert "bucket" in row and "kept" in row

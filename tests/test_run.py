@@ -192,7 +192,7 @@ def test_max_recoveries_zero_fails_on_preemption_and_tears_down(tpc, cloud, proj
 # ---------------------------------------------------------------------------------- the CLI, as a process
 
 def _env(cloud, tmp_path, project: str) -> dict:
-    return {**os.environ, "TPUCTL_API_ENDPOINT": cloud.endpoint, "TPUCTL_STORAGE_HOST": cloud.storage_host,
+    return {**os.environ, "TPUCTL_API_ENDPOINT": cloud.endpoint, "STORAGE_EMULATOR_HOST": cloud.storage_host,
             "TPUCTL_PROJECT": project, "TPUCTL_HOME": str(tmp_path / "home"), "NO_COLOR": "1",
             "PYTHONUNBUFFERED": "1"}
 
@@ -407,3 +407,13 @@ def test_delete_bucket_leaves_nothing_at_all(tpc, cloud, project):
     o = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5, delete_bucket=True), echo_logs=False).run()
     assert o.state == "succeeded" and o.step == 3
     assert _zero(cloud, project) and _buckets(cloud, project) == []
+
+
+def test_run_json_gives_loss_and_rate_as_numbers():
+    from tpuctl.jobs.pipeline import Outcome, _Stream
+
+    stream = _Stream(Outcome(run="nums"), echo=False)
+    stream(0, "step=10 loss=2.500 examples_per_sec=93.5")
+    stream(0, "step=20 loss=nan examples_per_sec=94.0")  # no NaN in JSON: the last finite loss stands
+    doc = json.loads(json.dumps(stream.outcome.as_dict()))
+    assert (doc["step"], doc["loss"], doc["examples_per_sec"]) == (20, 2.5, 94.0)

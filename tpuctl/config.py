@@ -147,7 +147,7 @@ def settings(*, project: str | None = None, cloud: str | None = None, env: Mappi
         return Settings(target="gcp", project=project, sources=sources)
     project = project or LOCAL_PROJECT
     sources.setdefault("project", "default")
-    storage_host = env.get("TPUCTL_STORAGE_HOST") or env.get("STORAGE_EMULATOR_HOST") or None
+    storage_host = env.get("STORAGE_EMULATOR_HOST") or None
     if not start_local and endpoint is None:
         # A dry run names the target without starting anything.
         return Settings(target="local", project=project, sources=sources)
