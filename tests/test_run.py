@@ -94,6 +94,8 @@ def test_run_trains_on_every_worker_and_tears_down(tpc, cloud, project, tmp_path
         assert json.loads(log[0][len("args="):]) == HOSTILE
         assert "step=15 loss=0.667 examples_per_sec=100.0" in log
     assert _no_pwned(_text(tpc, o.bucket, "runs/ok-run/logs/worker-0.log"))
+    # Paths as the user will use them, not the local cloud worker's mirror of the bucket.
+    assert f"checkpoint step=15 path=gs://{o.bucket}/runs/ok-run/model/ckpt-15.json" in log
     assert set(o.phases) >= {"validate", "up", "upload", "launch", "train", "tear down", "collect"}
     assert o.last_step_to_delete_s is not None and o.last_step_to_delete_s <= 5
 
