@@ -153,11 +153,10 @@ def template_module(template_dir: Path) -> str:
 
 
 def _corpus_path(pattern: str, spec_dir: Path) -> str:
-    """A relative corpus path is taken from the working directory if it matches there (the README runs
-    specs from the repo root), else from the spec file's directory."""
-    if pattern.startswith("gs://") or Path(pattern).is_absolute() or glob.glob(pattern):
+    """Paths in a spec are relative to the spec file, so it works from any directory."""
+    if pattern.startswith("gs://"):
         return pattern
-    return str(spec_dir / pattern)
+    return str(spec_dir / Path(pattern).expanduser())
 
 
 @contextmanager
@@ -216,9 +215,11 @@ class Pipeline:
             if self.spec is None or self.spec.job is None:
                 raise BadInput("the spec has no job: section", field="job",
                                hint="add `job: {template: bert, preset: bert-tiny}` (see examples/bert-tiny.yaml)")
-            # A directory next to the spec wins over a built-in template of the same name.
-            local = self.spec_dir / self.spec.job.template
-            self.template_dir = bundles.resolve_template(str(local) if local.is_dir() else self.spec.job.template)
+            # A directory relative to the spec wins over a built-in template of the same name; a template given
+            # as a path is only ever looked for there.
+            template = self.spec.job.template
+            local = self.spec_dir / Path(template).expanduser()
+            self.template_dir = bundles.resolve_template(str(local) if local.is_dir() or "/" in template else template)
             self.module = template_module(self.template_dir)
             self.plan = provision.plan(self.spec, project=self.project)
             self.run_name = self.outcome.run = self.plan.run
@@ -242,8 +243,9 @@ class Pipeline:
 
         for c in data.corpus:
             if not c.startswith("gs://") and not glob.glob(_corpus_path(c, self.spec_dir)):
-                raise BadInput(f"corpus {c!r} matches no file (from {Path.cwd()} or {self.spec_dir})",
-                               field="job.data.corpus", hint="list UTF-8 text files, globs or gs:// URLs")
+                raise BadInput(f"corpus {c!r} matches no file (paths are relative to the spec's directory, "
+                               f"{self.spec_dir})", field="job.data.corpus",
+                               hint="list UTF-8 text files, globs or gs:// URLs")
         try:
             prep.PrepareOptions(vocab_size=data.vocab_size, seq_len=data.seq_len, lowercase=data.lowercase).validate()
         except DataError as exc:

@@ -419,3 +419,20 @@ def test_run_json_gives_loss_and_rate_as_numbers():
     stream(0, "step=20 loss=nan examples_per_sec=94.0")  # no NaN in JSON: the last finite loss stands
     doc = json.loads(json.dumps(stream.outcome.as_dict()))
     assert (doc["step"], doc["loss"], doc["examples_per_sec"]) == (20, 2.5, 94.0)
+
+
+def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
+    from tpuctl.jobs.pipeline import _corpus_path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "bert-tiny.yaml"
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "data").mkdir(parents=True)
+    (elsewhere / "data" / "decoy.txt").write_text("the working directory's file, not the spec's\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "GOOGLE_", "CLOUDSDK_"))}
+    dry = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(example), "--dry-run", "--json"], cwd=elsewhere,
+                         env={**env, "TPUCTL_HOME": str(tmp_path / "home"), "HOME": str(tmp_path), "NO_COLOR": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["state"] == "planned"
+    monkeypatch.chdir(elsewhere)  # a relative path means the spec's directory even where the cwd has a match
+    assert _corpus_path("data/*.txt", example.parent) == str(example.parent / "data" / "*.txt")
