@@ -34,6 +34,7 @@ import logging
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from functools import partial
@@ -274,6 +275,7 @@ class _Proxy(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
 
     def _handle(self) -> None:
+        self.server.last_request = time.time()
         method = self.headers.get("X-HTTP-Method-Override", self.command).upper()
         url = urlsplit(self.path)
         route, params = _route(url.path)
@@ -547,6 +549,7 @@ class _FrontServer(ThreadingHTTPServer):
         self.read_modify_write = threading.Lock()
         self._projects: dict[str, str] = json.loads(sidecar.read_text()) if sidecar and sidecar.exists() else {}
         self._bucket_locks: dict[str, threading.Lock] = {}
+        self.last_request = time.time()  # wall clock of the latest request (the daemon's idle stop reads it)
 
     def bucket_lock(self, bucket: str) -> threading.Lock:
         """Held by a bucket insert (create + metadata) and by every bucket-level request for that name, so that
@@ -611,6 +614,11 @@ class StorageServer:
                                               name="localcloud-gcs-proxy", daemon=True)
         self._front_thread.start()
         return self.url
+
+    @property
+    def last_request(self) -> float:
+        """Wall clock of the latest request served (the start time before any)."""
+        return self._front.last_request if self._front is not None else 0.0
 
     def stop(self) -> None:
         """Stop both servers; the data dir keeps everything for the next start."""

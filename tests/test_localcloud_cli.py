@@ -21,6 +21,7 @@ from google.cloud import tpu_v2
 from conftest import FAST_POLLING
 from tpuctl import config, console
 from tpuctl.cli import cli
+from tpuctl.errors import BadInput
 from tpuctl.localcloud import daemon
 
 TPUCTL = [sys.executable, "-m", "tpuctl"]
@@ -158,3 +159,49 @@ def test_readme_names_exactly_the_variables_local_env_sets_and_tpuctl_reads_them
 def test_readme_exit_code_130_says_an_interrupted_run_keeps_its_bucket():
     row = _readme_row(" 130 ")
     assert "bucket" in row and "kept" in row
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":  # exited; this test process started it and has not reaped it
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_daemon_stops_when_idle_but_never_while_a_tpu_is_billed_or_requests_come(home, invoke):
+    started = invoke("local", "start", "--speed", "1000", "--idle-stop", "2s")
+    assert "stops after 2s idle" in started.stderr
+    state = home / "localcloud"
+    info = daemon.status(state)
+    tpu = tpu_v2.TpuClient(transport="rest", credentials=AnonymousCredentials(),
+                           client_options=ClientOptions(api_endpoint=info["endpoint"]))
+    name = "projects/lc-idle/locations/us-central1-b/nodes/idle"
+    tpu.create_node(parent="projects/lc-idle/locations/us-central1-b", node_id="idle", node=tpu_v2.Node(
+        accelerator_type="v2-8", runtime_version="tpu-vm-tf-2.14.1")).result(polling=FAST_POLLING)
+    assert not _gone(info["pid"], 3.0), "stopped with a TPU billed"
+    tpu.delete_node(name=name).result(polling=FAST_POLLING)
+    for _ in range(10):  # requests keep it in use, for longer than the idle period
+        tpu.list_nodes(parent="projects/lc-idle/locations/us-central1-b")
+        time.sleep(0.4)
+    assert daemon.status(state) is not None
+    assert _gone(info["pid"], 15.0), "still running after 2 s idle"
+    assert daemon.status(state) is None
+    assert "idle for" in (state / "localcloud.log").read_text()
+    again = daemon.ensure_running(state, 1000, idle_stop_s=0)  # the state dir is free for the next daemon
+    assert again["pid"] != info["pid"] and again["idle_stop_s"] == 0
+
+
+def test_idle_stop_setting_flag_env_default():
+    assert config.local_idle_stop_s(env={}) == 1800
+    assert config.local_idle_stop_s("2h", env={"TPUCTL_LOCAL_IDLE": "5m"}) == 7200
+    assert config.local_idle_stop_s(env={"TPUCTL_LOCAL_IDLE": "5m"}) == 300
+    assert config.local_idle_stop_s(env={"TPUCTL_LOCAL_IDLE": "never"}) == 0
+    with pytest.raises(BadInput) as bad:
+        config.local_idle_stop_s(env={"TPUCTL_LOCAL_IDLE": "soon"})
+    assert bad.value.field == "TPUCTL_LOCAL_IDLE"
