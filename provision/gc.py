@@ -47,6 +47,7 @@ class Reason(str, Enum):
     EXPIRED = "expired"
     FINISHED = "finished"
     FAILED = "failed"
+    CANCELLED = "cancelled"
     IDLE = "idle"
     PREEMPTED = "preempted"
     OVER_BUDGET = "over-budget"
@@ -60,7 +61,7 @@ COMPUTE_KINDS = (Kind.TPU, Kind.QUEUED, Kind.VM)
 class JobStatus:
     """The job's own account of itself, as the jobs layer writes it."""
 
-    state: str  # "running" | "succeeded" | "failed"
+    state: str  # "running" | "succeeded" | "failed" | "cancelled" (`tpuctl job cancel`)
     heartbeat: float | None  # unix seconds of the last sign of life
     recovering: bool = False
 
@@ -160,6 +161,8 @@ def run_reasons(run: _Run, status: JobStatus | None, accrued_usd: float, owner_u
         reasons.append(Reason.FINISHED)
     if current and status.state == "failed" and not recovering:
         reasons.append(Reason.FAILED)
+    if current and status.state == "cancelled" and not recovering:
+        reasons.append(Reason.CANCELLED)
     if (policy.idle_s is not None and status is not None and status.state == "running" and not recovering
             and (status.heartbeat is None or policy.now - status.heartbeat > policy.idle_s)):
         reasons.append(Reason.IDLE)
