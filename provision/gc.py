@@ -11,10 +11,11 @@ Three steps, each testable alone:
 3. `execute` deletes the selected resources in parallel with the provisioning layer's delete functions
    (NotFound counts as done, so two gc runs racing never fail on each other's deletions).
 
-Why a run goes: its TTL (`tpuctl-expires`) passed; its job succeeded or failed; its job stopped heart-
-beating for the idle window; its TPU was preempted and nobody is recovering it; its accrued cost passed
-the budget (per run or per owner). A run whose status says `recovering` is safe from the preempted, idle and
-failed rules (the `run` command is bringing it back); TTL and budget are hard limits and still apply.
+Why a run goes: its TTL (`tpuctl-expires`) passed; its job succeeded, failed or was cancelled; its job
+stopped heart-beating for the idle window; its TPU was preempted and nobody is recovering it; its accrued
+cost passed the budget (per run or per owner). A run whose status says `recovering` is safe from the
+preempted, idle, failed and cancelled rules (the `run` command is bringing it back); TTL and budget are hard
+limits and still apply.
 Buckets go only with `buckets=True` and only once their *own* TTL passed: they hold the trained model.
 """
 

@@ -209,9 +209,9 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
                every: str, project: str | None, cloud: str | None, as_json: bool) -> None:
     """Delete runs that outlived their purpose (the cleanup cron).
 
-    A run goes when its TTL passed, its job finished or failed, it is idle, its TPU was preempted and nobody
-    is recovering it, or it is over --budget. Never touches resources without tpuctl labels, nor other
-    owners' runs unless --all-owners. Exit 0 all done, 1 some deletions failed, 2 bad input.
+    A run goes when its TTL passed, its job finished, failed or was cancelled, it is idle, its TPU was
+    preempted and nobody is recovering it, or it is over --budget. Never touches resources without tpuctl
+    labels, nor other owners' runs unless --all-owners. Exit 0 all done, 1 some deletions failed, 2 bad input.
     """
     from tpuctl.provision import gc, labels
 
