@@ -3,8 +3,9 @@
 One cycle is what a `tpuctl run` asks of the daemon: a TPU node created and deleted (its SSH worker started and
 stopped), a bucket created, checkpoint-sized objects uploaded concurrently (several workers write at once; below
 8 MiB the client sends them as multipart uploads, which the storage proxy buffers), read back, and the bucket
-deleted. The daemon's RSS is read from /proc after each reporting interval. Goal: flat after warm-up
-(growth from the first report to the last < 40 MB) and below 300 MB.
+deleted. The daemon's RSS is read from /proc after each reporting interval, right after the cycle, garbage of
+the last requests included (the daemon trims its heap every 2 s; `settle_s` waits for that, to see only what it
+keeps). Goal: flat after warm-up (growth from the first report to the last < 40 MB) and below 300 MB.
 
     .venv/bin/python bench/localcloud_soak.py [--cycles 300] [--uploads 4] [--upload-mb 6] [--every 25] [--json]
 """
@@ -64,7 +65,7 @@ def cycle(info: dict, project: str, index: int, uploads: int, payload: bytes) ->
         client.close()
 
 
-def run(cycles: int, uploads: int, upload_mb: float, every: int, speed: float = 1000.0) -> dict:
+def run(cycles: int, uploads: int, upload_mb: float, every: int, speed: float = 1000.0, settle_s: float = 0.0) -> dict:
     payload = os.urandom(int(upload_mb * (1 << 20)))
     with tempfile.TemporaryDirectory(prefix="tpuctl-soak-") as state:
         info = daemon.start(Path(state), speed, idle_stop_s=0)
@@ -75,6 +76,7 @@ def run(cycles: int, uploads: int, upload_mb: float, every: int, speed: float = 
             for i in range(1, cycles + 1):
                 cycle(info, project, i, uploads, payload)
                 if i % every == 0 or i == cycles:
+                    time.sleep(settle_s)
                     samples.append((i, round(rss_mb(info["pid"]), 1)))
         finally:
             daemon.stop(Path(state))
