@@ -8,6 +8,7 @@ import re
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import asyncssh
 import pytest
@@ -118,6 +119,33 @@ def test_v3_32_has_four_ssh_reachable_workers_that_know_themselves_only_from_met
     assert refused.value.code == 403 and b"Missing Metadata-Flavor:Google header" in refused.value.read()
     with urllib.request.urlopen(urllib.request.Request(url, headers={"Metadata-Flavor": "Google"}), timeout=10) as r:
         assert (r.read(), r.headers["Metadata-Flavor"]) == (b"1", "Google")
+
+
+def test_a_job_on_a_tpu_vm_without_chips_fails_loudly_unless_the_local_cloud_asks_for_a_cpu_rehearsal(clients):
+    """The template knows an emulated TPU VM from its metadata alone, and that it has no TPU: without localcloud's
+    explicit CPU-rehearsal flag it refuses, naming what it tried, instead of training on the CPU."""
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    node = _create(clients, "nochips", metadata={"ssh-keys": _key_line(key)})
+    templates = Path(__file__).resolve().parents[1] / "templates"
+    command = f"""cd {templates}
+probe() {{ python - <<'EOF'
+import os
+from bert import config, guest, strategy
+vm = guest.tpu_vm()
+print(vm.node, vm.worker, len(vm.hosts))
+if os.environ.get("LOCALCLOUD_TPU_REHEARSAL"):
+    print(strategy._check_tpu_host(vm, "local"))
+else:
+    strategy.resolve(config.RuntimeConfig())
+EOF
+}}
+probe; echo exit=$?; (unset LOCALCLOUD_TPU_REHEARSAL; probe 2>&1); echo exit=$?"""
+    (out,) = asyncio.run(_run_on_workers(node, _host_keys(clients, node.name), key, command))
+    rehearsal, refusal = out.split("exit=", 1)
+    assert rehearsal.splitlines()[:2] == ["nochips 0 1", "True"]  # the flag: a CPU rehearsal is what is asked
+    assert "AcceleratorError: runtime.tpu: TPU VM nochips (v3-8) worker 0 per its metadata server, but no TPU " \
+           "chips are attached: tried /dev/accel*, /dev/vfio/[0-9]*; libtpu: TPU_LIBRARY_PATH (unset)" in refusal
+    assert "/lib/libtpu.so (missing)" in refusal and refusal.rstrip().endswith("exit=1")
 
 
 @pytest.mark.parametrize("accelerator,workers", [("v2-8", 1), ("v5litepod-16", 2), ("v5litepod-4", 1), ("v4-32", 4)])
