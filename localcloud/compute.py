@@ -13,7 +13,6 @@ import copy
 import hashlib
 import json
 import re
-import secrets
 import time
 import uuid
 
@@ -150,10 +149,8 @@ class ComputeService:
             accounts = inst.get("serviceAccounts") or []
             return guest.guest_tree(
                 project=project, number=facts.project_number(project), zone=zone, name=inst["name"],
-                instance_id=inst["id"], hostname=f"{inst['name']}.{zone}.c.{project}.internal",
-                attributes=_metadata_dict(inst),
-                service_account=(accounts[0]["email"], list(accounts[0].get("scopes") or [])) if accounts else None,
-                token=lambda: f"ya29.localcloud-{secrets.token_urlsafe(24)}")
+                instance_id=inst["id"], attributes=_metadata_dict(inst),
+                service_account=(accounts[0]["email"], list(accounts[0].get("scopes") or [])) if accounts else None)
 
     def _stop_worker(self, rec: dict) -> None:
         rec["endpoints"] = []

@@ -19,6 +19,7 @@ value, a `Json` a JSON value that recursive listings leave out (as they leave ou
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import threading
 from collections.abc import Callable
@@ -46,24 +47,30 @@ class Json:
 Tree = dict[str, Any]
 
 
-def service_account_dir(email: str, scopes: list[str], token: Callable[[], str]) -> Tree:
-    """`instance/service-accounts/<account>/`, as google-auth's `get_service_account_info` and token fetch read it."""
+def service_account_dir(email: str, scopes: list[str]) -> Tree:
+    """`instance/service-accounts/<account>/`, as google-auth's `get_service_account_info` and token fetch read it.
+
+    The token is a fresh random string per read: nothing in the local cloud checks credentials.
+    """
+    token = f"ya29.localcloud-{secrets.token_urlsafe(24)}"
     return {"aliases": "default", "email": email, "scopes": "\n".join(scopes) + "\n",
-            "token": Json({"access_token": token(), "expires_in": 3599, "token_type": "Bearer"})}
+            "token": Json({"access_token": token, "expires_in": 3599, "token_type": "Bearer"})}
 
 
-def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: str, hostname: str,
-               attributes: dict[str, str], service_account: tuple[str, list[str]] | None,
-               token: Callable[[], str]) -> Tree:
-    """The paths a Compute Engine guest (a TPU VM worker is one) reads; see the module docstring."""
+def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: str, attributes: dict[str, str],
+               service_account: tuple[str, list[str]] | None) -> Tree:
+    """The paths a Compute Engine guest (a TPU VM worker is one) reads; see the module docstring.
+
+    `instance/hostname` is the VM's internal zonal DNS name, NAME.ZONE.c.PROJECT.internal.
+    """
     accounts: Tree = {}
     if service_account is not None:
         email, scopes = service_account
-        accounts = {"default": service_account_dir(email, scopes, token),
-                    email: service_account_dir(email, scopes, token)}
+        accounts = {"default": service_account_dir(email, scopes), email: service_account_dir(email, scopes)}
     return {
-        "instance": {"attributes": dict(attributes), "hostname": hostname, "id": instance_id, "name": name,
-                     "zone": f"projects/{number}/zones/{zone}", "service-accounts": accounts},
+        "instance": {"attributes": dict(attributes), "hostname": f"{name}.{zone}.c.{project}.internal",
+                     "id": instance_id, "name": name, "zone": f"projects/{number}/zones/{zone}",
+                     "service-accounts": accounts},
         "project": {"attributes": {}, "numeric-project-id": number, "project-id": project},
     }
 

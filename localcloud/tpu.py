@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import re
-import secrets
 import time
 import uuid
 
@@ -270,9 +269,7 @@ class TpuService:
             email = account.get("email") or f"{number}-compute@developer.gserviceaccount.com"
             return guest.guest_tree(
                 project=project, number=number, zone=zone, name=hosts[index], instance_id=f"{node['id']}{index}",
-                hostname=f"{hosts[index]}.{zone}.c.{project}.internal", attributes=attributes,
-                service_account=(email, list(account.get("scope") or DEFAULT_SCOPES)),
-                token=lambda: f"ya29.localcloud-{secrets.token_urlsafe(24)}")
+                attributes=attributes, service_account=(email, list(account.get("scope") or DEFAULT_SCOPES)))
 
     def _stop_workers(self, rec: dict) -> None:
         rec["endpoints"] = []

@@ -276,7 +276,7 @@ def test_startup_script_runs_at_worker_boot(clients, tmp_path):
               f"http://$GCE_METADATA_HOST/computeMetadata/v1/instance/attributes/agent-worker-number >> {marker}\n")
     _create(clients, "boot", metadata={"startup-script": script})
     deadline = time.monotonic() + 10
-    while not marker.exists() and time.monotonic() < deadline:
+    while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:  # >> creates it first
         time.sleep(0.05)
     assert marker.read_text().split() == ["0"]
 
