@@ -166,7 +166,8 @@ class Api:
     def handle(self, verb: str, raw_path: str, raw_body: bytes) -> tuple[int, dict]:
         url = urlsplit(raw_path)
         path = url.path
-        query = {k: v[0] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        # A repeated parameter (Service Usage `names=A&names=B`) stays a list; every other one is a string.
+        query = {k: v[0] if len(v) == 1 else v for k, v in parse_qs(url.query, keep_blank_values=True).items()}
         if path.startswith("/_localcloud/"):
             try:
                 body = json.loads(raw_body) if raw_body.strip() else {}

@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from tpuctl.errors import CapacityError, CloudError, Interrupted, TpuctlError
-from tpuctl.provision import bucket, tpu, vm
+from tpuctl.provision import bucket, preflight, tpu, vm
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.plan import Plan
 from tpuctl.provision.resources import Kind, Resource, State
@@ -151,10 +151,12 @@ def _names(undo: list[Undo]) -> str:
 
 def _run(clients: Clients, plan: Plan, pool: ThreadPoolExecutor, created: _Created, say: ProgressFn,
          cancel: threading.Event, deadline_s: float) -> ApplyResult:
-    # Read-only preflight, in parallel: refuse a cross-region bucket before anything is created.
+    # Read-only preflight, in parallel: refuse a project that cannot work (APIs, network, service account,
+    # permissions, OS Login) or a cross-region bucket before anything is created.
+    ready_f = pool.submit(preflight.require, clients, preflight.Target.of_plan(plan))
     sa_f = pool.submit(_service_account, clients, plan)
     existing_f = pool.submit(bucket.lookup, clients, plan.bucket)
-    _wait_all([sa_f, existing_f], cancel)
+    _wait_all([ready_f, sa_f, existing_f], cancel)
     existing = existing_f.result()
     if existing is not None:
         bucket.check_region(existing, plan.region, allow_cross_region=plan.allow_cross_region)

@@ -23,6 +23,15 @@ class Clients:
     projects: Any  # resourcemanager_v3.ProjectsClient (REST)
     billing_catalog: Any  # billing_v1.CloudCatalogClient (REST)
     local: bool
+    service_usage: Any = None  # service_usage_v1.ServiceUsageClient (REST)
+    compute_projects: Any = None  # compute_v1.ProjectsClient: project-wide metadata (enable-oslogin)
+    networks: Any = None  # compute_v1.NetworksClient
+    subnetworks: Any = None  # compute_v1.SubnetworksClient
+    oslogin: Any = None  # oslogin_v1.OsLoginServiceClient (REST)
+    # IAM has no REST-capable GAPIC client: an authorized session and the API root for serviceAccounts.get.
+    iam_session: Any = None  # google.auth.transport.requests.AuthorizedSession
+    iam_root: str = "https://iam.googleapis.com"
+    account: str | None = None  # the caller's email (OS Login user), when known
 
 
 def connect(settings: Settings) -> Clients:
@@ -31,16 +40,19 @@ def connect(settings: Settings) -> Clients:
         from google.auth.credentials import AnonymousCredentials
 
         return build(project=settings.project, credentials=AnonymousCredentials(), endpoint=settings.endpoint,
-                     storage_host=settings.storage_host, local=True)
+                     storage_host=settings.storage_host, local=True, account=settings.account)
     import google.auth
 
     credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
-    return build(project=settings.project, credentials=credentials, endpoint=None, storage_host=None, local=False)
+    return build(project=settings.project, credentials=credentials, endpoint=None, storage_host=None, local=False,
+                 account=settings.account or getattr(credentials, "service_account_email", None))
 
 
-def build(*, project: str, credentials: Any, endpoint: str | None, storage_host: str | None, local: bool) -> Clients:
+def build(*, project: str, credentials: Any, endpoint: str | None, storage_host: str | None, local: bool,
+          account: str | None = None) -> Clients:
     from google.api_core.client_options import ClientOptions
-    from google.cloud import billing_v1, compute_v1, resourcemanager_v3, storage, tpu_v2
+    from google.auth.transport.requests import AuthorizedSession
+    from google.cloud import billing_v1, compute_v1, oslogin_v1, resourcemanager_v3, service_usage_v1, storage, tpu_v2
 
     opts = ClientOptions(api_endpoint=endpoint) if endpoint else None
     storage_opts = {"api_endpoint": storage_host} if storage_host else None
@@ -54,4 +66,12 @@ def build(*, project: str, credentials: Any, endpoint: str | None, storage_host:
         projects=resourcemanager_v3.ProjectsClient(transport="rest", credentials=credentials, client_options=opts),
         billing_catalog=billing_v1.CloudCatalogClient(transport="rest", credentials=credentials, client_options=opts),
         local=local,
+        service_usage=service_usage_v1.ServiceUsageClient(transport="rest", credentials=credentials, client_options=opts),
+        compute_projects=compute_v1.ProjectsClient(credentials=credentials, client_options=opts),
+        networks=compute_v1.NetworksClient(credentials=credentials, client_options=opts),
+        subnetworks=compute_v1.SubnetworksClient(credentials=credentials, client_options=opts),
+        oslogin=oslogin_v1.OsLoginServiceClient(transport="rest", credentials=credentials, client_options=opts),
+        iam_session=AuthorizedSession(credentials),
+        iam_root=endpoint or "https://iam.googleapis.com",
+        account=account,
     )
