@@ -138,7 +138,7 @@ class LocalCloud:
         """Set up `project` otherwise than fully (see `projects.SHAPE_OPTIONS`): `disabled_services`,
         `default_network=False`, `networks`, `subnetworks` ("REGION/NAME/NETWORK"), `compute_sa=False`,
         `service_accounts` (the only others that exist), `metadata` (project-wide, e.g. enable-oslogin),
-        `denied_permissions`. Returns the project's shape. ValueError on unknown options."""
+        `denied_permissions`, `external_ips_denied` (org policy constraints/compute.vmExternalIpAccess). Returns the project's shape. ValueError on unknown options."""
         return self.projects.shape(project, **options)
 
     def meter_report(self) -> dict:
@@ -168,12 +168,12 @@ class LocalCloud:
         tp = "tpu.projects.locations."
 
         def tpu_create(p, q, body):
-            pr.check_tpu_node(p["projectsId"], p["locationsId"], body)
+            pr.check_tpu_node(p["projectsId"], p["locationsId"], body, q.get("nodeId") or "")
             return t.nodes_create(p, q, body)
 
         def queued_create(p, q, body):
             for spec in ((body or {}).get("tpu") or {}).get("nodeSpec") or []:
-                pr.check_tpu_node(p["projectsId"], p["locationsId"], spec.get("node") or {})
+                pr.check_tpu_node(p["projectsId"], p["locationsId"], spec.get("node") or {}, spec.get("nodeId") or "")
             return t.queued_create(p, q, body)
 
         def vm_insert(p, q, body):
@@ -209,6 +209,7 @@ class LocalCloud:
             "iam.projects.serviceAccounts.get": pr.service_accounts_get,
             "oslogin.users.getLoginProfile": pr.get_login_profile,
             "oslogin.users.importSshPublicKey": pr.import_ssh_public_key,
+            "orgpolicy.projects.policies.getEffectivePolicy": pr.effective_policy,
             "cloudbilling.services.list": a.services_list, "cloudbilling.services.skus.list": a.skus_list,
         }
 

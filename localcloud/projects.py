@@ -35,12 +35,17 @@ SERVICES = {
     "oslogin.googleapis.com": "Cloud OS Login API",
     "cloudresourcemanager.googleapis.com": "Cloud Resource Manager API",
     "serviceusage.googleapis.com": "Service Usage API",
+    "orgpolicy.googleapis.com": "Organization Policy API",
 }
 # localcloud's route services -> the API that must be enabled for them.
 _SERVICE_OF_ROUTE = {"tpu": "tpu.googleapis.com", "compute": "compute.googleapis.com",
-                     "iam": "iam.googleapis.com", "oslogin": "oslogin.googleapis.com"}
+                     "iam": "iam.googleapis.com", "oslogin": "oslogin.googleapis.com",
+                     "orgpolicy": "orgpolicy.googleapis.com"}
 SHAPE_OPTIONS = ("disabled_services", "default_network", "networks", "subnetworks", "compute_sa",
-                 "service_accounts", "metadata", "denied_permissions")
+                 "service_accounts", "metadata", "denied_permissions", "external_ips_denied")
+EXTERNAL_IP_CONSTRAINT = "compute.vmExternalIpAccess"
+# Public image families a VM may boot from (debian-cloud's as listed in googleapis/google-cloud-go#10484).
+PUBLIC_IMAGE_FAMILIES = {"debian-cloud": ("debian-11", "debian-12", "debian-11-arm64", "debian-12-arm64")}
 _TRUE = "true"
 
 
@@ -79,6 +84,15 @@ def posix_username(email: str) -> str:
     return re.sub(r"[^a-z0-9_-]", "_", email.lower())[:32]
 
 
+def _public_image(url: str) -> bool:
+    m = re.search(r"projects/([^/]+)/global/images/(family/)?([^/]+)$", url)
+    if not m:
+        return False
+    families = PUBLIC_IMAGE_FAMILIES.get(m.group(1), ())
+    # A named image is one of a family's (debian-12-bookworm-v20240701 belongs to debian-12).
+    return m.group(3) in families if m.group(2) else any(m.group(3).startswith(f + "-") for f in families)
+
+
 class ProjectsService:
     name = "projects"
 
@@ -115,7 +129,8 @@ class ProjectsService:
                  "subnetworks": sorted(options.get("subnetworks") or ()),   # "REGION/NAME/NETWORK"
                  "compute_sa": bool(options.get("compute_sa", True)),
                  "service_accounts": None if options.get("service_accounts") is None else sorted(options["service_accounts"]),
-                 "denied_permissions": sorted(options.get("denied_permissions") or ())}
+                 "denied_permissions": sorted(options.get("denied_permissions") or ()),
+                 "external_ips_denied": bool(options.get("external_ips_denied", False))}
         with self.w.lock:
             self.shapes[project] = shape
             if options.get("metadata") is not None:
@@ -132,7 +147,7 @@ class ProjectsService:
     def _shape(self, project: str) -> dict:
         return self.shapes.get(project) or {"disabled_services": [], "default_network": True, "networks": [],
                                             "subnetworks": [], "compute_sa": True, "service_accounts": None,
-                                            "denied_permissions": []}
+                                            "denied_permissions": [], "external_ips_denied": False}
 
     def enabled(self, project: str, service: str) -> bool:
         return service not in self._shape(project)["disabled_services"]
@@ -203,22 +218,49 @@ class ProjectsService:
         if not self.sa_exists(project, email):
             raise ApiError("INVALID_ARGUMENT", f"Invalid value for field '{field}': Service account \"{email}\" does not exist.")
 
-    def check_tpu_node(self, project: str, zone: str, node: dict) -> None:
-        """A TPU create naming a network, subnetwork or service account the project lacks: 400."""
+    def _external_ip_error(self, project: str, zone: str, name: str, **kw) -> ApiError:
+        return ApiError("FAILED_PRECONDITION", f"Constraint constraints/{EXTERNAL_IP_CONSTRAINT} violated for project "
+                        f"{facts.project_number(project)}. Add instance projects/{project}/zones/{zone}/instances/{name} "
+                        "to the constraint to use external IP with it.", **kw)
+
+    def check_tpu_node(self, project: str, zone: str, node: dict, node_id: str) -> None:
+        """A TPU create naming a network, subnetwork or service account the project lacks, or asking for
+        external IPs where the organization policy denies them: 400."""
         net = node.get("networkConfig") or {}
         with self.w.lock:
             self._check_network(project, facts.region_of(zone), net.get("network"), net.get("subnetwork"),
                                 "node.networkConfig")
             self._check_sa(project, (node.get("serviceAccount") or {}).get("email"), "node.serviceAccount.email")
+            if net.get("enableExternalIps") and self._shape(project)["external_ips_denied"]:
+                raise self._external_ip_error(project, zone, node_id)
 
     def check_instance(self, project: str, zone: str, body: dict) -> None:
-        """A VM insert naming a network, subnetwork or service account the project lacks: 400."""
+        """A VM insert naming a network, subnetwork, image or service account the project lacks (400, an
+        image 404), or an external IP the organization policy denies (412 conditionNotMet)."""
         with self.w.lock:
             for i, nic in enumerate(body.get("networkInterfaces") or [{}]):
                 self._check_network(project, facts.region_of(zone), nic.get("network"), nic.get("subnetwork"),
                                     f"resource.networkInterfaces[{i}]")
+                if nic.get("accessConfigs") and self._shape(project)["external_ips_denied"]:
+                    raise self._external_ip_error(project, zone, body.get("name", ""), http=412, reason="conditionNotMet")
             for i, sa in enumerate(body.get("serviceAccounts") or []):
                 self._check_sa(project, sa.get("email"), f"resource.serviceAccounts[{i}].email")
+        for disk in body.get("disks") or []:
+            image = (disk.get("initializeParams") or {}).get("sourceImage")
+            if image and not _public_image(image):
+                raise ApiError("NOT_FOUND", f"The resource '{image.split('compute/v1/')[-1]}' was not found")
+
+    # ---------------------------------------------------------------------------------- org policy
+    def effective_policy(self, p: dict, q: dict, body: None) -> dict:
+        """`compute.vmExternalIpAccess` as the project's shape sets it: deny all, or allow all (the
+        constraint's default); every other constraint is served unset."""
+        project, constraint = p["projectsId"], p["policiesId"]
+        name = f"projects/{facts.project_number(project)}/policies/{constraint}"
+        if constraint != EXTERNAL_IP_CONSTRAINT:
+            return {"name": name}
+        with self.w.lock:
+            denied = self._shape(project)["external_ips_denied"]
+        return {"name": name, "spec": {"rules": [{"denyAll": True} if denied else {"allowAll": True}]}}
 
     # ---------------------------------------------------------------------------------- service usage
     def _service_view(self, project: str, service: str) -> dict:

@@ -36,6 +36,7 @@ _DOC_FILES = {
     "serviceusage.v1": "serviceusage.v1.json",
     "iam.v1": "iam.v1.json",
     "oslogin.v1": "oslogin.v1.json",
+    "orgpolicy.v2": "orgpolicy.v2.json",
 }
 
 _INT64_FORMATS = {"int64", "uint64"}

@@ -28,10 +28,11 @@ _APIS = (
     ("serviceusage.v1", "serviceusage.", "google", "google.cloud.service_usage_v1.types"),
     ("iam.v1", "iam.", "google", None),
     ("oslogin.v1", "oslogin.", "google", "google.cloud.oslogin_v1.types"),
+    ("orgpolicy.v2", "orgpolicy.", "google", None),
 )
 SERVICE_OF_DOC = {"tpu.v2": "tpu", "compute.v1": "compute", "cloudresourcemanager.v3": "cloudresourcemanager",
                   "cloudbilling.v1": "cloudbilling", "serviceusage.v1": "serviceusage", "iam.v1": "iam",
-                  "oslogin.v1": "oslogin"}
+                  "oslogin.v1": "oslogin", "orgpolicy.v2": "orgpolicy"}
 # Request bodies of these methods may carry output-only fields: clients send back what they read.
 _UPDATE_METHODS = {"tpu.projects.locations.nodes.patch"}
 

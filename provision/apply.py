@@ -206,7 +206,8 @@ def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted:
         name=plan.run, zone=plan.zones[0], accelerator=plan.accelerator.name, runtime_version=plan.runtime_version,
         labels=plan.labels, service_account=sa, spot=plan.provisioning == "spot",
         preemptible=plan.provisioning == "preemptible", queued=plan.provisioning == "queued",
-        valid_until_s=plan.valid_until_s, network=plan.network, subnet=plan.subnet, tags=plan.tags)
+        valid_until_s=plan.valid_until_s, network=plan.network, subnet=plan.subnet, tags=plan.tags,
+        internal_ips=plan.internal_ips)
     kind = Kind.QUEUED if base.queued else Kind.TPU
     zones = list(plan.zones)
     # A node left by an earlier `up` may sit in a failover zone: adopt it there rather than create a twin.
@@ -257,7 +258,7 @@ def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, ado
         undo = Undo(Kind.VM, name, zone)
         req = vm.VmRequest(name=name, zone=zone, machine_type=spec.machine_type, disk_gb=spec.disk_gb,
                            image=spec.image, labels=plan.labels, service_account=sa, network=plan.network,
-                           subnet=plan.subnet, tags=plan.tags)
+                           subnet=plan.subnet, tags=plan.tags, internal_ips=plan.internal_ips)
         issued = threading.Event()
 
         def on_issued(undo: Undo = undo, issued: threading.Event = issued) -> None:

@@ -28,10 +28,21 @@ class Clients:
     networks: Any = None  # compute_v1.NetworksClient
     subnetworks: Any = None  # compute_v1.SubnetworksClient
     oslogin: Any = None  # oslogin_v1.OsLoginServiceClient (REST)
-    # IAM has no REST-capable GAPIC client: an authorized session and the API root for serviceAccounts.get.
-    iam_session: Any = None  # google.auth.transport.requests.AuthorizedSession
-    iam_root: str = "https://iam.googleapis.com"
+    # IAM and Org Policy have no REST-capable client installed: plain authorized GETs (see `get_json`).
+    session: Any = None  # google.auth.transport.requests.AuthorizedSession
+    endpoint: str | None = None  # the local cloud's; None: each API's googleapis.com host
     account: str | None = None  # the caller's email (OS Login user), when known
+
+    def get_json(self, api: str, path: str) -> dict:
+        """GET `path` ("v1/projects/...") of `api` ("iam"). Raises the google.api_core exception of an error
+        response, as the generated clients do, so `waits.call` retries and maps it the same way."""
+        from google.api_core import exceptions as gexc
+
+        root = self.endpoint or f"https://{api}.googleapis.com"
+        resp = self.session.get(f"{root.rstrip('/')}/{path}", timeout=60)
+        if resp.status_code >= 400:
+            raise gexc.from_http_response(resp)
+        return resp.json()
 
 
 def connect(settings: Settings) -> Clients:
@@ -71,7 +82,7 @@ def build(*, project: str, credentials: Any, endpoint: str | None, storage_host:
         networks=compute_v1.NetworksClient(credentials=credentials, client_options=opts),
         subnetworks=compute_v1.SubnetworksClient(credentials=credentials, client_options=opts),
         oslogin=oslogin_v1.OsLoginServiceClient(transport="rest", credentials=credentials, client_options=opts),
-        iam_session=AuthorizedSession(credentials),
-        iam_root=endpoint or "https://iam.googleapis.com",
+        session=AuthorizedSession(credentials),
+        endpoint=endpoint,
         account=account,
     )

@@ -10,6 +10,8 @@ Checks (their primary sources are cited in localcloud/README.md, which answers t
 - service-account: IAM `serviceAccounts.get` of the TPU's account (the default compute account exists only
   once the Compute Engine API was enabled);
 - permissions: Resource Manager `projects.testIamPermissions` for what `up` and `down` do;
+- external-ips: Org Policy `getEffectivePolicy` of constraints/compute.vmExternalIpAccess, unless the workers
+  get internal IPs only (`--internal-ips`);
 - os-login: Compute `projects.get`; with `enable-oslogin` TRUE tpuctl must know the caller's account.
 """
 
@@ -32,6 +34,7 @@ PERMISSIONS = (
     "storage.buckets.create", "storage.buckets.get", "storage.buckets.getIamPolicy", "storage.buckets.setIamPolicy",
     "iam.serviceAccounts.actAs",
 )
+EXTERNAL_IP_CONSTRAINT = "compute.vmExternalIpAccess"
 QUEUED_PERMISSIONS = ("tpu.queuedresources.create", "tpu.queuedresources.get", "tpu.queuedresources.delete")
 VM_PERMISSIONS = ("compute.instances.create", "compute.instances.delete", "compute.instances.get")
 
@@ -57,11 +60,13 @@ class Target:
     service_account: str = "default"
     queued: bool = False
     vms: bool = False
+    internal_ips: bool = False
 
     @classmethod
     def of_plan(cls, plan) -> Target:
         return cls(region=plan.region, network=plan.network, subnet=plan.subnet,
-                   service_account=plan.service_account, queued=plan.provisioning == "queued", vms=bool(plan.vms))
+                   service_account=plan.service_account, queued=plan.provisioning == "queued", vms=bool(plan.vms),
+                   internal_ips=plan.internal_ips)
 
 
 @dataclass(frozen=True)
@@ -124,14 +129,9 @@ def _service_account(clients: Clients, target: Target) -> Check:
     email = (bucket.default_service_account(clients) if target.service_account == "default"
              else target.service_account)
 
-    def get():
-        resp = clients.iam_session.get(f"{clients.iam_root.rstrip('/')}/v1/projects/-/serviceAccounts/{email}", timeout=60)
-        if resp.status_code >= 400:
-            raise gexc.from_http_response(resp)
-        return resp.json()
-
     try:
-        waits.call(get, what=f"read service account {email}")
+        waits.call(lambda: clients.get_json("iam", f"v1/projects/-/serviceAccounts/{email}"),
+                   what=f"read service account {email}")
     except TpuctlError as exc:
         if not isinstance(exc.__cause__, gexc.NotFound):
             raise
@@ -155,6 +155,26 @@ def _permissions(clients: Clients, target: Target) -> Check:
     return Check("permissions", True, f"{len(wanted)} permissions held")
 
 
+def _external_ips(clients: Clients, target: Target) -> Check:
+    if target.internal_ips:
+        return Check("external-ips", True, "not used: workers get internal IPs only (run tpuctl from inside the VPC)")
+    try:
+        policy = waits.call(lambda: clients.get_json(
+            "orgpolicy", f"v2/projects/{clients.project}/policies/{EXTERNAL_IP_CONSTRAINT}:getEffectivePolicy"),
+            what=f"read the organization policy {EXTERNAL_IP_CONSTRAINT}")
+    except TpuctlError as exc:
+        if not isinstance(exc.__cause__, gexc.Forbidden):
+            raise
+        # The Org Policy API is often disabled, or not readable by the caller: the create would tell.
+        return Check("external-ips", True, f"assumed allowed: cannot read constraints/{EXTERNAL_IP_CONSTRAINT}")
+    rules = (policy.get("spec") or {}).get("rules") or []
+    if any(r.get("denyAll") or (r.get("values") or {}).get("allowedValues") for r in rules):
+        return Check("external-ips", False, f"the organization policy constraints/{EXTERNAL_IP_CONSTRAINT} denies "
+                     "external IPs to new VMs", "pass --internal-ips (`internal_ips: true`) and run tpuctl from inside "
+                     "the VPC, or ask for an exception to the constraint")
+    return Check("external-ips", True, "external IPs allowed")
+
+
 def _os_login(clients: Clients, target: Target) -> Check:
     meta = oslogin.project_metadata(clients)
     problem = oslogin.unusable(clients, meta)
@@ -169,7 +189,7 @@ def checks(clients: Clients, target: Target) -> list[Check]:
     """Every check, run concurrently; a check that could not be made at all fails with the reason. Read-only."""
     fns: list[tuple[str, Callable[[Clients, Target], Check]]] = [
         ("apis", _apis), ("network", _network), ("service-account", _service_account),
-        ("permissions", _permissions), ("os-login", _os_login)]
+        ("permissions", _permissions), ("external-ips", _external_ips), ("os-login", _os_login)]
     if target.region:
         fns.insert(2, ("subnetwork", _subnetwork))
 

@@ -152,6 +152,38 @@ def test_creates_naming_a_missing_network_subnetwork_or_service_account_are_refu
     assert compute_v1.SubnetworksClient(**kw).get(project=project, region=REGION, subnetwork="sub").network.endswith("/vpc")
 
 
+def test_external_ips_denied_by_org_policy_and_unknown_images_are_refused(cloud, kw):
+    project = new_project()
+    cloud.shape_project(project, external_ips_denied=True)
+    import urllib.request
+
+    url = f"{cloud.endpoint}/v2/projects/{project}/policies/compute.vmExternalIpAccess:getEffectivePolicy"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert json.load(resp)["spec"]["rules"] == [{"denyAll": True}]
+    tpu = tpu_client(kw)
+    with pytest.raises(gexc.BadRequest, match="constraints/compute.vmExternalIpAccess violated"):
+        tpu.create_node(parent=f"projects/{project}/locations/{ZONE}", node_id="ext", node=tpu_v2.Node(
+            accelerator_type="v3-8", runtime_version=TF, network_config=tpu_v2.NetworkConfig(enable_external_ips=True)))
+    tpu.create_node(parent=f"projects/{project}/locations/{ZONE}", node_id="int", node=tpu_v2.Node(
+        accelerator_type="v3-8", runtime_version=TF)).result(polling=FAST_POLLING)
+
+    instances = compute_v1.InstancesClient(**kw)
+
+    def insert(name: str, image: str, external: bool):
+        return instances.insert(project=project, zone=ZONE, instance_resource=compute_v1.Instance(
+            name=name, machine_type=f"zones/{ZONE}/machineTypes/e2-small",
+            disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
+                source_image=image))],
+            network_interfaces=[compute_v1.NetworkInterface(network="global/networks/default", access_configs=[
+                compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")] if external else [])]))
+
+    with pytest.raises(gexc.PreconditionFailed, match="vmExternalIpAccess"):  # Compute: 412 conditionNotMet
+        insert("vm1", "projects/debian-cloud/global/images/family/debian-12", True)
+    with pytest.raises(gexc.NotFound, match="images/family/debian-8' was not found"):
+        insert("vm2", "projects/debian-cloud/global/images/family/debian-8", False)
+    insert("vm3", "projects/debian-cloud/global/images/debian-12-bookworm-v20240701", False)
+
+
 def test_test_iam_permissions_returns_only_the_held_ones(cloud, kw):
     project = new_project()
     cloud.shape_project(project, denied_permissions=["tpu.nodes.create"])
@@ -198,7 +230,8 @@ def make_plan(project: str):
 def test_preflight_passes_on_a_set_up_project(cloud):
     pc = pclients(cloud, new_project())
     checks = preflight.require(pc, preflight.Target.of_plan(make_plan(pc.project)))
-    assert [c.name for c in checks] == ["apis", "network", "subnetwork", "service-account", "permissions", "os-login"]
+    assert [c.name for c in checks] == ["apis", "network", "subnetwork", "service-account", "permissions",
+                                        "external-ips", "os-login"]
 
 
 @pytest.mark.parametrize("shape,account,failed", [
@@ -209,6 +242,7 @@ def test_preflight_passes_on_a_set_up_project(cloud):
     ({"compute_sa": False}, ACCOUNT, {"service-account"}),
     ({"denied_permissions": ["iam.serviceAccounts.actAs"]}, ACCOUNT, {"permissions"}),
     ({"metadata": {"enable-oslogin": "TRUE"}}, None, {"os-login"}),
+    ({"external_ips_denied": True}, ACCOUNT, {"external-ips"}),
     ({"metadata": {"enable-oslogin": "TRUE", "enable-oslogin-2fa": "TRUE"}}, ACCOUNT, {"os-login"}),
 ])
 def test_up_stops_before_creating_anything_on_a_project_that_cannot_work(cloud, shape, account, failed):
@@ -238,6 +272,19 @@ def test_ssh_on_an_oslogin_project_logs_in_as_the_profiles_posix_user(cloud, tmp
         imported = dict(cloud.projects.users[ACCOUNT]["keys"])
         assert cluster.authorize(pc, result.zone, "run1")[0].user == key.user
         assert cloud.projects.users[ACCOUNT]["keys"] == imported  # idempotent: the key is not imported twice
+    finally:
+        prov.down(pc, "run1", delete_bucket=True)
+
+
+def test_internal_ips_satisfy_the_org_policy(cloud):
+    pc = pclients(cloud, new_project())
+    cloud.shape_project(pc.project, external_ips_denied=True)
+    plan = prov.plan(spec.from_mapping({"name": "run1", "accelerator": "v3-8", "zone": ZONE, "ttl": "2h",
+                                        "internal_ips": True}), project=pc.project, owner="tester")
+    result = prov.apply(pc, plan, deadline_s=60)
+    try:
+        node = pc.tpu.get_node(name=f"projects/{pc.project}/locations/{ZONE}/nodes/run1")
+        assert not node.network_config.enable_external_ips and result.get(prov.Kind.TPU).workers
     finally:
         prov.down(pc, "run1", delete_bucket=True)
 
@@ -272,7 +319,7 @@ def env(cloud, tmp_path):
 def test_doctor_prints_one_line_per_check_and_exits_by_the_result(cloud, env):
     p = tpuctl(env, "doctor", "--zone", ZONE)
     assert p.returncode == 0, p.stderr
-    assert [ln.split()[0] for ln in p.stdout.splitlines()] == ["ok"] * 6
+    assert [ln.split()[0] for ln in p.stdout.splitlines()] == ["ok"] * 7
     cloud.shape_project(env["TPUCTL_PROJECT"], default_network=False, metadata={"enable-oslogin": "TRUE"})
     p = tpuctl(env, "doctor", "--zone", ZONE, "--json")
     assert p.returncode == 2, p.stderr

@@ -24,21 +24,23 @@ SECTION = "Provision and inspect"
 @click.option("--service-account", help="email the TPU VM runs as (default: the project's compute SA)")
 @click.option("--provisioning", type=click.Choice(("on-demand", "spot", "preemptible", "queued")),
               help="queued also checks the queued-resource permissions")
+@click.option("--internal-ips", is_flag=True, default=None, help="the workers will have no external IPs")
 @click.option("--json", "as_json", is_flag=True, help="print the checks as JSON")
 @click.pass_context
-def doctor(ctx, spec_file, cloud, project, zone, network, subnet, service_account, provisioning, as_json) -> None:
-    """Check the project before a run: APIs, network, service account, permissions, OS Login."""
+def doctor(ctx, spec_file, cloud, project, zone, network, subnet, service_account, provisioning, internal_ips,
+           as_json) -> None:
+    """Check the project before a run: APIs, network, service account, permissions, external IPs, OS Login."""
     from tpuctl import provision as prov
     from tpuctl.cli.provision import resolve
     from tpuctl.provision import preflight
     from tpuctl.provision.preflight import PreflightFailed
 
     flags = {"project": project, "zone": zone, "network": network, "subnet": subnet,
-             "service_account": service_account, "provisioning": provisioning}
+             "service_account": service_account, "provisioning": provisioning, "internal_ips": internal_ips}
     spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=False)
     target = preflight.Target(region=region_of(spec.zones[0]) if spec.zones else None, network=spec.network,
                               subnet=spec.subnet, service_account=spec.service_account,
-                              queued=spec.provisioning == "queued", vms=bool(spec.vms))
+                              queued=spec.provisioning == "queued", vms=bool(spec.vms), internal_ips=spec.internal_ips)
     clients = prov.connect(config.ensure_endpoint(settings))
     checks = preflight.checks(clients, target)
     ok = all(c.ok for c in checks)
