@@ -1,8 +1,9 @@
 """Preflight: is the project ready for a run? The checks `tpuctl doctor` prints and every `up` makes first.
 
 Each check is a few read-only GETs; all run at once in threads, so the whole preflight costs about one round
-trip. A check that fails says what is wrong and how to fix it; `require` raises PreflightFailed (exit 2)
-before anything is created, so a project that cannot work never starts billing for a TPU.
+trip. A check that finds a problem says what is wrong and how to fix it; `require` raises PreflightFailed
+(exit 2) before anything is created, so a project that cannot work never starts billing for a TPU. A check
+that cannot be made (the caller may not read Service Usage or the org policy) is "unknown" and stops nothing.
 
 Checks (their primary sources are cited in localcloud/README.md, which answers them from its own state):
 - apis: Service Usage `services.batchGet` for the APIs a run calls;
@@ -72,13 +73,18 @@ class Target:
 @dataclass(frozen=True)
 class Check:
     name: str
-    ok: bool
+    status: str  # "ok"; "problem" (stops `up`); "unknown" (could not be read, e.g. no permission to: never stops `up`)
     detail: str
     fix: str | None = None
     missing: tuple[str, ...] = ()  # the disabled APIs, the permissions not held
 
+    @property
+    def ok(self) -> bool:
+        return self.status != "problem"
+
     def to_json(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v not in (None, ())}
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v not in (None, ())}
+        return {**out, "ok": self.ok}
 
 
 def _last(path: str) -> str:
@@ -91,9 +97,9 @@ def _apis(clients: Clients, target: Target) -> Check:
         what=f"read which APIs project {clients.project} has enabled")
     disabled = sorted(_last(s.name) for s in resp.services if s.state.name != "ENABLED")
     if disabled:
-        return Check("apis", False, f"disabled: {', '.join(disabled)}",
+        return Check("apis", "problem", f"disabled: {', '.join(disabled)}",
                      f"gcloud services enable {' '.join(disabled)} --project {clients.project}", tuple(disabled))
-    return Check("apis", True, f"enabled: {', '.join(SERVICES)}")
+    return Check("apis", "ok", f"enabled: {', '.join(SERVICES)}")
 
 
 def _network(clients: Clients, target: Target) -> Check:
@@ -106,8 +112,8 @@ def _network(clients: Clients, target: Target) -> Check:
             raise
         fix = (f"gcloud compute networks create default --subnet-mode=auto --project {clients.project}"
                if name == "default" else f"create network {name}, or name an existing one with --network/`network:`")
-        return Check("network", False, f"network {name} does not exist in project {clients.project}", fix)
-    return Check("network", True, f"network {name} exists")
+        return Check("network", "problem", f"network {name} does not exist in project {clients.project}", fix)
+    return Check("network", "ok", f"network {name} exists")
 
 
 def _subnetwork(clients: Clients, target: Target) -> Check:
@@ -119,10 +125,10 @@ def _subnetwork(clients: Clients, target: Target) -> Check:
     except TpuctlError as exc:
         if not isinstance(exc.__cause__, gexc.NotFound):
             raise
-        return Check("subnetwork", False, f"{what} does not exist",
+        return Check("subnetwork", "problem", f"{what} does not exist",
                      f"create it (gcloud compute networks subnets create {name} --network {_last(target.network)} "
                      f"--region {target.region} --range 10.128.0.0/20), or name another with --subnet/`subnet:`")
-    return Check("subnetwork", True, f"{what} exists")
+    return Check("subnetwork", "ok", f"{what} exists")
 
 
 def _service_account(clients: Clients, target: Target) -> Check:
@@ -138,8 +144,8 @@ def _service_account(clients: Clients, target: Target) -> Check:
         fix = (f"enable the Compute Engine API (it creates {email}): gcloud services enable compute.googleapis.com "
                f"--project {clients.project}" if target.service_account == "default"
                else f"create it, or pass --service-account with one that exists")
-        return Check("service-account", False, f"service account {email} does not exist", fix)
-    return Check("service-account", True, f"service account {email} exists")
+        return Check("service-account", "problem", f"service account {email} does not exist", fix)
+    return Check("service-account", "ok", f"service account {email} exists")
 
 
 def _permissions(clients: Clients, target: Target) -> Check:
@@ -149,40 +155,35 @@ def _permissions(clients: Clients, target: Target) -> Check:
         what=f"test your permissions on project {clients.project}")
     missing = [p for p in wanted if p not in set(resp.permissions)]
     if missing:
-        return Check("permissions", False, f"missing on project {clients.project}: {', '.join(missing)}",
+        return Check("permissions", "problem", f"missing on project {clients.project}: {', '.join(missing)}",
                      "ask for TPU Admin, Storage Admin and Service Account User (and Compute Instance Admin for VMs) "
                      "on the project", tuple(missing))
-    return Check("permissions", True, f"{len(wanted)} permissions held")
+    return Check("permissions", "ok", f"{len(wanted)} permissions held")
 
 
 def _external_ips(clients: Clients, target: Target) -> Check:
     if target.internal_ips:
-        return Check("external-ips", True, "not used: workers get internal IPs only (run tpuctl from inside the VPC)")
-    try:
-        policy = waits.call(lambda: clients.get_json(
-            "orgpolicy", f"v2/projects/{clients.project}/policies/{EXTERNAL_IP_CONSTRAINT}:getEffectivePolicy"),
-            what=f"read the organization policy {EXTERNAL_IP_CONSTRAINT}")
-    except TpuctlError as exc:
-        if not isinstance(exc.__cause__, gexc.Forbidden):
-            raise
-        # The Org Policy API is often disabled, or not readable by the caller: the create would tell.
-        return Check("external-ips", True, f"assumed allowed: cannot read constraints/{EXTERNAL_IP_CONSTRAINT}")
+        return Check("external-ips", "ok", "not used: workers get internal IPs only (run tpuctl from inside the VPC)")
+    # The Org Policy API is often disabled or unreadable to the caller: then the check is unknown (see `checks`).
+    policy = waits.call(lambda: clients.get_json(
+        "orgpolicy", f"v2/projects/{clients.project}/policies/{EXTERNAL_IP_CONSTRAINT}:getEffectivePolicy"),
+        what=f"read the organization policy {EXTERNAL_IP_CONSTRAINT}")
     rules = (policy.get("spec") or {}).get("rules") or []
     if any(r.get("denyAll") or (r.get("values") or {}).get("allowedValues") for r in rules):
-        return Check("external-ips", False, f"the organization policy constraints/{EXTERNAL_IP_CONSTRAINT} denies "
+        return Check("external-ips", "problem", f"the organization policy constraints/{EXTERNAL_IP_CONSTRAINT} denies "
                      "external IPs to new VMs", "pass --internal-ips (`internal_ips: true`) and run tpuctl from inside "
                      "the VPC, or ask for an exception to the constraint")
-    return Check("external-ips", True, "external IPs allowed")
+    return Check("external-ips", "ok", "external IPs allowed")
 
 
 def _os_login(clients: Clients, target: Target) -> Check:
     meta = oslogin.project_metadata(clients)
     problem = oslogin.unusable(clients, meta)
     if problem:
-        return Check("os-login", False, problem, oslogin.fix_for(problem))
+        return Check("os-login", "problem", problem, oslogin.fix_for(problem))
     if oslogin.enabled(meta):
-        return Check("os-login", True, f"on: tpuctl logs in as {clients.account}'s OS Login user")
-    return Check("os-login", True, "off: keys go into the TPU's ssh-keys metadata")
+        return Check("os-login", "ok", f"on: tpuctl logs in as {clients.account}'s OS Login user")
+    return Check("os-login", "ok", "off: keys go into the TPU's ssh-keys metadata")
 
 
 def checks(clients: Clients, target: Target) -> list[Check]:
@@ -194,17 +195,19 @@ def checks(clients: Clients, target: Target) -> list[Check]:
         fns.insert(2, ("subnetwork", _subnetwork))
 
     def run(name: str, fn: Callable[[Clients, Target], Check]) -> Check:
+        # A check that cannot be made (no permission to read it, an API error after retries) does not stop a
+        # run that may well work: the create itself would say what is wrong.
         try:
             return fn(clients, target)
         except TpuctlError as exc:
-            return Check(name, False, f"could not check: {exc.message}", exc.hint or "see `tpuctl doctor`")
+            return Check(name, "unknown", f"not checked: {exc.message}", exc.hint)
 
     with ThreadPoolExecutor(max_workers=len(fns), thread_name_prefix="preflight") as pool:
         results = list(pool.map(lambda nf: run(*nf), fns))
     apis = results[0]
     disabled = set(apis.missing)
-    return [Check(c.name, False, f"not checked: it needs {NEEDS[c.name]}, which is disabled", apis.fix)
-            if not c.ok and NEEDS.get(c.name) in disabled else c for c in results]
+    return [Check(c.name, "unknown", f"not checked: it needs {NEEDS[c.name]}, which is disabled", apis.fix)
+            if c.status != "ok" and NEEDS.get(c.name) in disabled else c for c in results]
 
 
 def require(clients: Clients, target: Target) -> list[Check]:

@@ -1,7 +1,7 @@
 """`tpuctl doctor`: is the project ready for a run? The same checks `up` and `run` make before creating anything.
 
-One line per check on stdout (`ok` or `problem`, what was found, and the fix), or `--json`; exit 0 when every
-check passes, 2 otherwise.
+One line per check on stdout (`ok`, `problem` or `unknown`: could not be read; what was found, and the fix),
+or `--json`; exit 2 when any check found a problem, else 0.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ def doctor(ctx, spec_file, cloud, project, zone, network, subnet, service_accoun
                            "checks": [c.to_json() for c in checks]})
     else:
         for c in checks:
-            line = f"{'ok' if c.ok else 'problem':<8} {c.name}: {c.detail}"
-            click.echo(line + (f" -> fix: {c.fix}" if not c.ok and c.fix else ""))
+            click.echo(f"{c.status:<8} {c.name}: {c.detail}" + (f" -> fix: {c.fix}" if c.status != "ok" and c.fix else ""))
     if not ok:
         ctx.exit(PreflightFailed.exit_code)
 
