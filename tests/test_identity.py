@@ -345,3 +345,15 @@ def test_up_exits_2_with_the_fix_and_creates_nothing(cloud, env):
     assert p.returncode == 2, p.stderr
     assert "error: project: project" in p.stderr and "gcloud services enable tpu.googleapis.com" in p.stderr
     assert created_in(cloud, pclients(cloud, env["TPUCTL_PROJECT"])) == []
+
+
+def test_project_shapes_and_oslogin_profiles_survive_a_restart(tmp_path):
+    from tpuctl.localcloud.cloud import LocalCloud
+
+    with LocalCloud(speed=1000, strict=True, state_dir=tmp_path) as first:
+        first.shape_project("keep-me-1", default_network=False, metadata={"enable-oslogin": "TRUE"})
+        first.projects.import_ssh_public_key({"usersId": ACCOUNT}, {}, {"key": public(asyncssh.generate_private_key("ssh-ed25519"))})
+        before = first.projects.describe("keep-me-1")
+    with LocalCloud(speed=1000, strict=True, state_dir=tmp_path) as again:
+        assert again.projects.describe("keep-me-1") == before
+        assert [k.split(":")[0] for k in again.projects.oslogin_keys()] == ["ann_lee_example_com"]
