@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tpuctl.errors import BadInput, from_google
 from tpuctl.spec import ENV_NAME_RULE, bad_env_names
+from tpuctl.templates import contract
 
 from .remote import check_run_name
 
@@ -58,23 +59,7 @@ class Bundle:
 
 def resolve_template(template: str) -> Path:
     """A template name under `templates/`, or a local directory (its name is the Python package name)."""
-    candidate = Path(template).expanduser()
-    if candidate.is_dir():
-        root = candidate.resolve()
-    else:
-        root = Path(str(resources.files("tpuctl.templates").joinpath(template)))
-        if "/" in template or not root.is_dir():
-            available = sorted(p.name for p in Path(str(resources.files("tpuctl.templates"))).iterdir()
-                               if p.is_dir() and not p.name.startswith("_"))
-            raise BadInput(f"no template {template!r}", field="job.template",
-                           hint=f"use one of {', '.join(available)} or a local directory holding a train.py")
-    if not (root / "train.py").is_file() and not (root / "train").is_dir():
-        raise BadInput(f"template {root} has no train.py", field="job.template",
-                       hint="a template is a Python package run as `python -m NAME.train --config CONFIG.json`")
-    if not root.name.isidentifier():
-        raise BadInput(f"template directory name {root.name!r} is not a Python package name", field="job.template",
-                       hint="rename the directory to letters, digits and underscores")
-    return root
+    return contract.find(template).root
 
 
 def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, run: str,
@@ -107,8 +92,10 @@ def _files_under(root: Path) -> list[Path]:
                   if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts) and p.suffix != ".pyc")
 
 
-def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequence[Path] = ()) -> Bundle:
-    """Pack the bundle into `out_dir`. Pure and deterministic; user files land under `files/`."""
+def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequence[Path] = (),
+          packages: Sequence[Path] = ()) -> Bundle:
+    """Pack the bundle into `out_dir`. Pure and deterministic; user files land under `files/`; `packages` (the
+    template's `uses`) ship beside the template's own package, importable by their directory names."""
     check_run_name(job.run)
     # Checked again here, not only in the spec: this is where the names meet a shell on the workers.
     bad_env = bad_env_names(job.env)
@@ -128,8 +115,9 @@ def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequenc
     with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz, tarfile.open(fileobj=gz, mode="w") as tar:
         _add_bytes(tar, "job.json", json.dumps(doc, sort_keys=True, indent=1).encode())
         _add_bytes(tar, AGENT_NAME, resources.files("tpuctl.jobs").joinpath("agent.py").read_bytes())
-        for p in _files_under(template_dir):
-            _add_bytes(tar, f"{package}/{p.relative_to(template_dir).as_posix()}", p.read_bytes())
+        for root in (template_dir, *packages):
+            for p in _files_under(root):
+                _add_bytes(tar, f"{root.name}/{p.relative_to(root).as_posix()}", p.read_bytes())
         for f in files:
             f = Path(f)
             if not f.exists():

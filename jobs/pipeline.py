@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from tpuctl import catalog, console, cost, ledger, provision
 from tpuctl.errors import BadInput, CapacityError, JobFailed, NotFound, TpuctlError
 from tpuctl.provision import Kind, State
+from tpuctl.templates import contract
 
 if TYPE_CHECKING:
     from tpuctl.provision import Clients
@@ -142,16 +143,6 @@ class _Stream:
             console.info(f"[w{worker}] {line}")
 
 
-def template_module(template_dir: Path) -> str:
-    meta = template_dir / "template.json"
-    if meta.is_file():
-        try:
-            return json.loads(meta.read_text())["entry_module"]
-        except (ValueError, KeyError) as exc:
-            raise BadInput(f"{meta}: no entry_module ({exc})", field="job.template") from exc
-    return f"{template_dir.name}.train"
-
-
 def _corpus_path(pattern: str, spec_dir: Path) -> str:
     """Paths in a spec are relative to the spec file, so it works from any directory."""
     if pattern.startswith("gs://"):
@@ -199,8 +190,7 @@ class Pipeline:
         self.zone = ""
         self.node = ""
         self.record: cluster.LaunchRecord | None = None
-        self.template_dir: Path | None = None  # set by validate()
-        self.module = ""
+        self.template: contract.Template | None = None  # set by validate()
         self.max_recoveries = 0
         self.num_workers = 0  # set by up()
         self._up_started: float | None = None
@@ -217,10 +207,10 @@ class Pipeline:
                                hint="add `job: {template: bert, preset: bert-tiny}` (see examples/bert-tiny.yaml)")
             # A directory relative to the spec wins over a built-in template of the same name; a template given
             # as a path is only ever looked for there.
-            template = self.spec.job.template
-            local = self.spec_dir / Path(template).expanduser()
-            self.template_dir = bundles.resolve_template(str(local) if local.is_dir() or "/" in template else template)
-            self.module = template_module(self.template_dir)
+            self.template = contract.find(self.spec.job.template, base_dir=self.spec_dir)
+            self.template.preset(self.spec.job.preset)
+            self.template.check_config({**self.spec.job.config,
+                                        **({"preset": self.spec.job.preset} if self.spec.job.preset else {})})
             self.plan = provision.plan(self.spec, project=self.project)
             self.run_name = self.outcome.run = self.plan.run
             self.outcome.bucket = self.plan.bucket
@@ -238,18 +228,33 @@ class Pipeline:
         data = self.spec.job.data
         if not data.corpus:
             return
-        from tpuctl.templates.bert import prepare as prep
-        from tpuctl.templates.bert.errors import DataError
-
+        prep = self.template.data
+        if prep is None:
+            raise BadInput(f"template {self.template.name} prepares no data, but the spec gives job.data.corpus",
+                           field="job.data.corpus", hint="remove job.data, or pass the data through job.config")
         for c in data.corpus:
             if not c.startswith("gs://") and not glob.glob(_corpus_path(c, self.spec_dir)):
                 raise BadInput(f"corpus {c!r} matches no file (paths are relative to the spec's directory, "
                                f"{self.spec_dir})", field="job.data.corpus",
                                hint="list UTF-8 text files, globs or gs:// URLs")
         try:
-            prep.PrepareOptions(vocab_size=data.vocab_size, seq_len=data.seq_len, lowercase=data.lowercase).validate()
-        except DataError as exc:
+            self._data_options().validate()
+        except prep.error as exc:
             raise BadInput(str(exc), field="job.data", hint="see `tpuctl data prepare --help`") from exc
+
+    def _data_options(self):
+        """The template's data options from `job.data`: fields the spec sets, else the preset's sequence length,
+        else the spec's defaults (a gpt2-small run prepares 1024-token blocks unless told otherwise)."""
+        data, prep = self.spec.job.data, self.template.data
+        given = data.model_fields_set
+        values = {k: getattr(data, k) for k in prep.spec_options if k in given or k != "seq_len"}
+        preset = self.template.preset(self.spec.job.preset or self.template.default_preset)
+        if "seq_len" in prep.spec_options and "seq_len" not in given:
+            values["seq_len"] = (preset.task.get("seq_len") if preset else None) or data.seq_len
+        unknown = sorted((given - {"corpus"}) - set(prep.spec_options))
+        if unknown:
+            prep.make_options(**{unknown[0]: getattr(data, unknown[0])})  # raises, naming the field
+        return prep.make_options(**values)
 
     def up(self):
         # The function itself, not `provision.apply`: that package attribute is replaced by the `apply`
@@ -273,24 +278,22 @@ class Pipeline:
         if not data.corpus:
             return None
         url = f"gs://{self.plan.bucket}/runs/{self.plan.run}/data"
-        from tpuctl.templates.bert import prepare as prep
-        from tpuctl.templates.bert.errors import DataError
-        from tpuctl.templates.bert.manifest import MANIFEST_NAME
+        prep = self.template.data
 
         with self.phase("prepare data"):
-            blob = self.clients.storage.bucket(self.plan.bucket).blob(f"runs/{self.plan.run}/data/{MANIFEST_NAME}")
+            blob = self.clients.storage.bucket(self.plan.bucket).blob(f"runs/{self.plan.run}/data/{prep.manifest}")
             if blob.exists():
                 console.note(f"prepared data already in {url}")
                 self._holds_data = True
                 return url
             corpus = [_corpus_path(c, self.spec_dir) for c in data.corpus]
-            options = prep.PrepareOptions(vocab_size=data.vocab_size, seq_len=data.seq_len, lowercase=data.lowercase)
+            options = self._data_options()
             try:
                 with tempfile.TemporaryDirectory(prefix="tpuctl-data-") as staging:
                     manifest = prep.prepare(corpus, staging, options, storage_client=self.clients.storage)
                     prep.upload(staging, url, storage_client=self.clients.storage)
                     self._holds_data = True
-            except DataError as exc:
+            except prep.error as exc:
                 raise BadInput(str(exc), field="job.data",
                                hint="corpus files must be UTF-8 text, one sentence or paragraph per line") from exc
             console.info(f"data: {manifest.sequences} sequences of {manifest.seq_len} tokens, vocab {manifest.vocab_size}")
@@ -302,12 +305,12 @@ class Pipeline:
             config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
                                         data_url=data_url)
             description = bundles.JobDescription(
-                run=self.plan.run, project=self.project, bucket=self.plan.bucket, module=self.module,
+                run=self.plan.run, project=self.project, bucket=self.plan.bucket, module=self.template.entry_module,
                 config=config, args=tuple(job.args), env=dict(job.env), num_workers=self.num_workers,
                 heartbeat_s=10.0 if not self.clients.local else 2.0)
             from tpuctl import paths
 
-            b = bundles.build(self.template_dir, description, paths.home() / "bundles")
+            b = bundles.build(self.template.root, description, paths.home() / "bundles", packages=self.template.uses)
             sent = bundles.upload(self.clients.storage, self.plan.bucket, b)
             console.info(f"bundle {b.sha256[:16]} {'uploaded' if sent else 'unchanged, not uploaded'}")
         self.record = cluster.LaunchRecord(

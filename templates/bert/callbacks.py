@@ -11,8 +11,10 @@ import tensorflow as tf
 class Monitor(keras.callbacks.Callback):
     """Progress lines, TensorBoard scalars and checkpoints, keyed by the optimizer's step counter."""
 
-    def __init__(self, manager, schedule, global_batch, log_every, checkpoint_every, writer, emit, start):
+    def __init__(self, manager, schedule, global_batch, log_every, checkpoint_every, writer, emit, start, *,
+                 accuracy: str = "mlm_accuracy"):
         super().__init__()
+        self.accuracy = accuracy  # the compiled accuracy metric's name, as it appears in the progress line
         self.manager, self.schedule, self.global_batch = manager, schedule, global_batch
         self.log_every, self.checkpoint_every, self.writer, self.emit = log_every, checkpoint_every, writer, emit
         self.window_step, self.window_time = start, time.monotonic()
@@ -25,9 +27,9 @@ class Monitor(keras.callbacks.Callback):
             now = time.monotonic()
             rate = self.global_batch * (step - self.window_step) / max(now - self.window_time, 1e-9)
             lr = float(self.schedule(step))
-            self.last = {"loss": float(logs["loss"]), "mlm_accuracy": float(logs["mlm_accuracy"]),
+            self.last = {"loss": float(logs["loss"]), self.accuracy: float(logs[self.accuracy]),
                          "learning_rate": lr, "examples_per_sec": rate}
-            self.emit(f"step={step} loss={self.last['loss']:.4f} mlm_accuracy={self.last['mlm_accuracy']:.4f} "
+            self.emit(f"step={step} loss={self.last['loss']:.4f} {self.accuracy}={self.last[self.accuracy]:.4f} "
                       f"learning_rate={lr:.6g} examples_per_sec={rate:.1f}")
             with self.writer.as_default(step=step):
                 for name, value in self.last.items():

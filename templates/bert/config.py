@@ -204,3 +204,13 @@ def validate(cfg: BertConfig) -> None:
     for ok, name, rule in checks:
         if not ok:
             raise ConfigError(f"config.{name}: {rule}")
+
+
+def parameter_count(preset: str, vocab_size: int = 30522) -> int:
+    """Weights of `preset` at `vocab_size` (BERT's own 30522 by default), for listings (`tpuctl templates`)."""
+    t = build({"preset": preset}).task
+    h, i = t.hidden_size, t.intermediate_size
+    embeddings = (vocab_size + t.seq_len) * h + 2 * h  # tied output projection; LayerNorm
+    layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h  # attention, feed-forward, two LayerNorms
+    head = h * h + h + 2 * h + vocab_size  # transform, LayerNorm, output bias
+    return embeddings + t.num_layers * layer + head

@@ -64,12 +64,13 @@ class Manifest:
         return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, *, where: str) -> Manifest:
-        """Parse a manifest; `where` names it in errors. Raises DataError."""
+    def from_json(cls, text: str, *, where: str, expect: str = FORMAT) -> Manifest:
+        """Parse a manifest of format `expect` (another template's packed token ids share this shape); `where`
+        names it in errors. Raises DataError."""
         try:
             data = json.loads(text)
-            if data.get("format") != FORMAT:
-                raise DataError(f"{where}: not a {FORMAT} manifest (format={data.get('format')!r})", path=where)
+            if data.get("format") != expect:
+                raise DataError(f"{where}: not a {expect} manifest (format={data.get('format')!r})", path=where)
             data["shards"] = tuple(Shard(**s) for s in data["shards"])
             return cls(**data)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:

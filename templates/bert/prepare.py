@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import DataError
-from .manifest import MANIFEST_NAME, SPECIAL_TOKENS, TOKENIZER_NAME, VOCAB_NAME, Manifest, Shard
+from .manifest import FORMAT, MANIFEST_NAME, SPECIAL_TOKENS, TOKENIZER_NAME, VOCAB_NAME, Manifest, Shard
 
 READ_CHUNK = 4 << 20
 SAMPLE_BLOCK = 1 << 20
@@ -593,23 +593,25 @@ def file_crc32c(path: Path) -> str:
 
 
 def upload(local_dir: str | Path, url: str, *, storage_client=None, workers: int = 8,
-           progress: Progress | None = None) -> tuple[int, int]:
+           progress: Progress | None = None, extra_files: Iterable[str] = (VOCAB_NAME, TOKENIZER_NAME),
+           manifest_format: str = FORMAT) -> tuple[int, int]:
     """Copy a prepared directory to `gs://bucket/prefix`; returns (uploaded, skipped) file counts.
 
-    Idempotent: objects already there with the same CRC32C are skipped. Shards, vocabulary and tokenizer
-    go up in parallel; the manifest goes last, so a reader that sees it sees complete data. Blocks.
+    Idempotent: objects already there with the same CRC32C are skipped. Shards and `extra_files` (vocabulary,
+    tokenizer) go up in parallel; the manifest goes last, so a reader that sees it sees complete data. Blocks.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     local = Path(local_dir)
-    manifest = Manifest.from_json((local / MANIFEST_NAME).read_text(encoding="utf-8"), where=str(local / MANIFEST_NAME))
+    manifest = Manifest.from_json((local / MANIFEST_NAME).read_text(encoding="utf-8"), where=str(local / MANIFEST_NAME),
+                                  expect=manifest_format)
     bucket_name, prefix = _split_gs(url.rstrip("/"))
     prefix = f"{prefix}/" if prefix else ""
     client = _storage(storage_client)
     bucket = client.bucket(bucket_name)
     existing = {b.name: b.crc32c for b in client.list_blobs(bucket_name, prefix=prefix)}
     files = [(s.path, s.crc32c, s.bytes) for s in manifest.shards]
-    files += [(n, file_crc32c(local / n), (local / n).stat().st_size) for n in (VOCAB_NAME, TOKENIZER_NAME)]
+    files += [(n, file_crc32c(local / n), (local / n).stat().st_size) for n in extra_files]
     todo = [(name, size) for name, crc, size in files if existing.get(prefix + name) != crc]
     total = sum(size for _, _, size in files)
     done = total - sum(size for _, size in todo)

@@ -1,24 +1,24 @@
-"""`tpuctl data prepare`: a text corpus -> WordPiece vocabulary + packed TFRecord shards + manifest.
+"""`tpuctl data prepare`: a text corpus -> the template's vocabulary + packed TFRecord shards + manifest.
 
-The work is the BERT template's own `prepare` module (which `tpuctl run` also calls for a spec's
-`job.data`); this layer parses flags, reaches Cloud Storage for gs:// inputs/outputs, renders progress and
-maps the template's DataError to BadInput.
+The work is the template's own data preparation, reached through its contract (templates/contract.py; `tpuctl
+run` calls the same for a spec's `job.data`); this layer parses flags, reaches Cloud Storage for gs://
+inputs/outputs, renders progress and maps the template's data error to BadInput.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import click
 
 from tpuctl import console
 from tpuctl.errors import BadInput, TpuctlError
-from tpuctl.templates.bert import prepare as prep
-from tpuctl.templates.bert.errors import DataError
-from tpuctl.templates.bert.manifest import Manifest
+from tpuctl.templates import contract
 
 SECTION = "Data"
 
@@ -37,14 +37,15 @@ class _Progress:
             console.note(f"{stage}: {done / 1e6:,.1f} / {total / 1e6:,.1f} MB{pct}")
 
 
-def prepare_corpus(corpus: Sequence[str], out: str, options: prep.PrepareOptions, *, storage_client=None,
-                   progress: prep.Progress | None = None) -> Manifest:
+def prepare_corpus(corpus: Sequence[str], out: str, options: Any, *, storage_client=None, progress=None,
+                   template: str = "bert") -> Any:
     """Prepare `corpus` into `out` (a local directory, or gs://bucket/prefix via a local staging directory).
 
     Re-running with the same inputs rewrites the same data; uploads skip objects whose CRC32C already
     matches. `storage_client` is needed only when an input or `out` is gs:// (else built from the settings).
-    Blocks until done. Raises BadInput naming the file or option at fault.
+    Blocks until done. Returns the template's manifest. Raises BadInput naming the file or option at fault.
     """
+    prep = _data_prep(template)
     if not corpus:
         raise BadInput("no corpus files given", field="corpus", hint="pass text files, globs or gs:// URLs")
     missing = [m for m in ("tokenizers", "numpy", "google_crc32c") if importlib.util.find_spec(m) is None]
@@ -62,7 +63,7 @@ def prepare_corpus(corpus: Sequence[str], out: str, options: prep.PrepareOptions
             manifest = prep.prepare(corpus, staging, options, storage_client=client, progress=progress)
             prep.upload(staging, out, storage_client=client, progress=progress)
             return manifest
-    except DataError as exc:
+    except prep.error as exc:
         hint = ("corpus files must be UTF-8 text, one sentence or paragraph per line" if exc.path
                 else "see `tpuctl data prepare --help`")
         raise BadInput(str(exc), hint=hint) from exc
@@ -97,6 +98,14 @@ def check_destination(client, out: str) -> None:
                        field="out", hint="ask for roles/storage.objectAdmin on it, or write to a local directory")
 
 
+def _data_prep(template: str) -> contract.DataPrep:
+    found = contract.find(template)
+    if found.data is None:
+        raise BadInput(f"template {found.name} prepares no data", field="template",
+                       hint="choose a template that does (`tpuctl templates`)")
+    return found.data
+
+
 def _storage_client():
     from tpuctl import config
     from tpuctl.provision.clients import connect
@@ -109,20 +118,29 @@ def data_group() -> None:
     """Prepare training data: vocabulary, packed shards, manifest."""
 
 
+# flag -> the template's options field; a flag the chosen template's options lack is refused when given.
+_FLAG_FIELDS = {"vocab_size": "vocab_size", "seq_len": "seq_len", "vocab_file": "vocab_file", "lowercase": "lowercase",
+                "strip_accents": "strip_accents", "limit_alphabet": "limit_alphabet", "min_frequency": "min_frequency",
+                "doc_format": "doc_format", "sample_mb": "tokenizer_sample_bytes",
+                "shard_sequences": "shard_sequences"}
+
+
 @data_group.command("prepare")
 @click.argument("corpus", nargs=-1, required=True)
 @click.option("--out", required=True, help="output directory, or gs://bucket/prefix (staged locally, then uploaded)")
-@click.option("--vocab-size", type=click.IntRange(6, 1 << 24), default=30522, show_default=True,
-              help="WordPiece vocabulary size to train")
-@click.option("--seq-len", type=click.Choice(["128", "256", "512"]), default="128", show_default=True,
-              help="tokens per packed sequence")
+@click.option("--template", "template", default="bert", show_default=True,
+              help="whose data to prepare: a template name (`tpuctl templates`) or directory")
+@click.option("--vocab-size", type=click.IntRange(6, 1 << 24), default=None,
+              help="vocabulary size to train [default: the template's: bert 30522, gpt2 50257]")
+@click.option("--seq-len", type=click.IntRange(8), default=None,
+              help="tokens per packed sequence [default: the template's: bert 128 (128|256|512), gpt2 1024]")
 @click.option("--vocab", "vocab_file", type=click.Path(exists=True, dir_okay=False),
-              help="use this vocab.txt instead of training one")
-@click.option("--lowercase/--cased", default=True, show_default=True, help="lowercase before tokenising")
+              help="bert: use this vocab.txt instead of training one")
+@click.option("--lowercase/--cased", default=True, show_default=True, help="bert: lowercase before tokenising")
 @click.option("--strip-accents/--keep-accents", default=None,
-              help="strip accents (default: when lowercasing); --keep-accents keeps Hangul syllables whole")
+              help="bert: strip accents (default: when lowercasing); --keep-accents keeps Hangul syllables whole")
 @click.option("--limit-alphabet", type=click.IntRange(1), default=4000, show_default=True,
-              help="max initial characters in the vocabulary (raise for CJK/Korean)")
+              help="bert: max initial characters in the vocabulary (raise for CJK/Korean)")
 @click.option("--min-frequency", type=click.IntRange(1), default=2, show_default=True,
               help="how often a pair of pieces must occur to be merged into the vocabulary")
 @click.option("--doc-format", type=click.Choice(["blank", "line"]), default="blank", show_default=True,
@@ -132,16 +150,26 @@ def data_group() -> None:
 @click.option("--shard-sequences", type=click.IntRange(1), default=65536, show_default=True,
               help="sequences per TFRecord shard")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")
-def prepare_command(corpus: tuple[str, ...], out: str, vocab_size: int, seq_len: str, vocab_file: str | None,
-                    lowercase: bool, strip_accents: bool | None, limit_alphabet: int, min_frequency: int,
-                    doc_format: str, sample_mb: int, shard_sequences: int, as_json: bool) -> None:
-    """Tokenise CORPUS (UTF-8 files, globs or gs:// URLs) into packed TFRecord shards for BERT pretraining."""
-    options = prep.PrepareOptions(
-        vocab_size=vocab_size, seq_len=int(seq_len), lowercase=lowercase, strip_accents=strip_accents,
-        limit_alphabet=limit_alphabet, min_frequency=min_frequency, vocab_file=vocab_file, doc_format=doc_format,
-        tokenizer_sample_bytes=sample_mb << 20, shard_sequences=shard_sequences)
+@click.pass_context
+def prepare_command(ctx: click.Context, corpus: tuple[str, ...], out: str, template: str, as_json: bool,
+                    **flags: Any) -> None:
+    """Tokenise CORPUS (UTF-8 files, globs or gs:// URLs) into the template's packed TFRecord shards."""
+    prep = _data_prep(template)
+    fields = {f.name for f in dataclasses.fields(prep.options)}
+    values = {}
+    for flag, value in flags.items():
+        name = _FLAG_FIELDS[flag]
+        given = ctx.get_parameter_source(flag) is not click.core.ParameterSource.DEFAULT
+        if name not in fields:
+            if given:
+                raise BadInput(f"template {template} has no option {name}", field=f"--{flag.replace('_', '-')}",
+                               hint="remove it (`tpuctl data prepare --help` marks template-specific flags)")
+            continue
+        if value is not None:
+            values[name] = value << 20 if flag == "sample_mb" else value
+    options = prep.options(**values)
     started = time.monotonic()
-    manifest = prepare_corpus(list(corpus), out, options, progress=_Progress())
+    manifest = prepare_corpus(list(corpus), out, options, progress=_Progress(), template=template)
     elapsed = time.monotonic() - started
     summary = {
         "out": out, "sequences": manifest.sequences, "documents": manifest.documents, "tokens": manifest.tokens,

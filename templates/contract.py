@@ -1,0 +1,237 @@
+"""Templates as a contract: what a training template declares, in one typed place, and where templates are found.
+
+A template is a Python package directory. Its `template.json` declares every part the laptop side uses:
+
+    entry_module   the program the workers run: `python -m ENTRY --config CONFIG.json`
+    presets        named shapes {"NAME": {"description", "task": {...}, "trainer": {...}}}
+    config         the config schema: `validate` ("PKG.config:build", raises on a bad config), `default_preset`,
+                   and optionally `parameters` ("PKG.config:parameter_count", preset -> weights, for listings)
+    data           how a corpus becomes training data, or null when the template reads its own: `tokenizer`
+                   (kind), `manifest` (written last), `files`, and hooks `options`, `prepare`, `upload`, `error`,
+                   `spec_options` (spec `job.data` field -> options field)
+    outputs        what it writes: `checkpoints`, `tensorboard`, `export` (formats with {model_dir}/{export_dir})
+    uses           other built-in template packages shipped beside it in the bundle (shared code, not copies)
+
+Hooks are "MODULE:ATTR"; a MODULE starting with the template's own package is imported from the template
+(`tpuctl.templates.NAME...` for a built-in, the directory itself for a user's). A directory with a `train.py`
+and no `template.json` is a program-only template: entry `NAME.train`, no presets, no data preparation.
+
+`jobs/` and the CLI reach templates only through `find()` / `builtins()` and the `Template` they return.
+Loading reads files and imports the hooks' modules (light: no TensorFlow); it creates nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from tpuctl.errors import BadInput
+
+MANIFEST = "template.json"
+# The parts template.json must declare, and what each is, for the error that names a missing one.
+REQUIRED_PARTS = {
+    "entry_module": "the module the workers run (`python -m MODULE --config CONFIG.json`)",
+    "presets": "named model shapes, {} for none",
+    "config": "the config schema: {\"validate\": \"PKG.config:build\", \"default_preset\": ...}",
+    "data": "data preparation (tokenizer, prepare, upload hooks), or null",
+    "outputs": "what the program writes: checkpoints, tensorboard, export",
+}
+DATA_PARTS = ("tokenizer", "manifest", "files", "options", "prepare", "upload", "error", "spec_options")
+FIELD = "job.template"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    task: Mapping[str, Any]
+    trainer: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class DataPrep:
+    """How a corpus becomes the template's training data (laptop side; no TensorFlow).
+
+    `prepare(corpus, out_dir, options, storage_client=, progress=)` blocks and returns a manifest with
+    `sequences`, `seq_len`, `vocab_size`, `raw_bytes`, `prepared_bytes`; `upload(local_dir, url, storage_client=,
+    progress=)` is idempotent; both raise `error` (with `.path` naming the file at fault) on bad input.
+    """
+
+    tokenizer: str
+    manifest: str
+    files: tuple[str, ...]
+    options: Callable[..., Any]
+    prepare: Callable[..., Any]
+    upload: Callable[..., Any]
+    error: type[Exception]
+    spec_options: Mapping[str, str]
+
+    def make_options(self, **values: Any) -> Any:
+        """The options object from spec-level names (`vocab_size`, `seq_len`, ...); a name this template does
+        not take is a BadInput naming `job.data.NAME`."""
+        unknown = sorted(set(values) - set(self.spec_options))
+        if unknown:
+            raise BadInput(f"this template's data preparation has no option {unknown[0]!r}",
+                           field=f"job.data.{unknown[0]}", hint=f"it takes {', '.join(sorted(self.spec_options))}")
+        return self.options(**{self.spec_options[k]: v for k, v in values.items()})
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    root: Path
+    builtin: bool
+    entry_module: str
+    description: str = ""
+    presets: Mapping[str, Preset] = field(default_factory=dict)
+    default_preset: str = ""
+    validate_config: Callable[[dict], Any] | None = None
+    parameter_count: Callable[[str], int] | None = None
+    data: DataPrep | None = None
+    outputs: Mapping[str, str] = field(default_factory=dict)
+    uses: tuple[Path, ...] = ()  # package directories shipped beside this one
+
+    @property
+    def package(self) -> str:
+        return self.root.name
+
+    def preset(self, name: str | None) -> Preset | None:
+        """The named preset (None for none); an unknown name is a BadInput listing the known ones."""
+        if not name:
+            return None
+        if name not in self.presets:
+            known = ", ".join(self.presets) or "none"
+            raise BadInput(f"template {self.name} has no preset {name!r}", field="job.preset",
+                           hint=f"presets of {self.name}: {known} (`tpuctl templates`)")
+        return self.presets[name]
+
+    def check_config(self, config: Mapping) -> None:
+        """Run the template's own config validation on a resolved job config; BadInput naming job.config."""
+        if self.validate_config is None:
+            return
+        try:
+            self.validate_config(json.loads(json.dumps(dict(config))))
+        except Exception as exc:  # the template's ConfigError: its message starts with the field
+            if not isinstance(exc, ValueError):
+                raise
+            raise BadInput(str(exc), field="job.config",
+                           hint=f"fields and rules: the `config` hook of template {self.name}") from exc
+
+
+def _bad(root: Path, what: str, hint: str = "") -> BadInput:
+    return BadInput(f"template {root.name} ({root}): {what}", field=FIELD,
+                    hint=hint or "see templates/README.md for the parts a template declares")
+
+
+def _import(root: Path, builtin: bool, module: str):
+    package, _, rest = module.partition(".")
+    if package != root.name:
+        return importlib.import_module(module)
+    if builtin:
+        return importlib.import_module(f"tpuctl.templates.{module}")
+    # A user's directory: imported under a private alias so it cannot shadow (or be shadowed by) a built-in.
+    alias = f"_tpuctl_template_{root.name}"
+    if alias not in sys.modules:
+        spec = importlib.util.spec_from_file_location(alias, root / "__init__.py", submodule_search_locations=[str(root)])
+        if spec is None or not (root / "__init__.py").is_file():
+            raise _bad(root, "has no __init__.py", "a template is a Python package")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[alias] = mod
+        spec.loader.exec_module(mod)
+    return importlib.import_module(f"{alias}.{rest}" if rest else alias)
+
+
+def _hook(root: Path, builtin: bool, ref: Any, part: str):
+    if not isinstance(ref, str) or ":" not in ref:
+        raise _bad(root, f"{part} must be \"MODULE:ATTR\", got {ref!r}")
+    module, _, attr = ref.partition(":")
+    try:
+        obj = getattr(_import(root, builtin, module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise _bad(root, f"{part} {ref!r} cannot be loaded ({exc})") from exc
+    return obj
+
+
+def load(root: Path, *, builtin: bool = False) -> Template:
+    """The contract of the template in directory `root`. Raises BadInput naming the missing or broken part."""
+    root = Path(root).resolve()
+    if not root.name.isidentifier():
+        raise BadInput(f"template directory name {root.name!r} is not a Python package name", field=FIELD,
+                       hint="rename the directory to letters, digits and underscores")
+    meta_path = root / MANIFEST
+    if not meta_path.is_file():
+        if not (root / "train.py").is_file() and not (root / "train").is_dir():
+            raise _bad(root, f"has neither {MANIFEST} nor train.py",
+                       "a template is a Python package run as `python -m NAME.train --config CONFIG.json`")
+        return Template(name=root.name, root=root, builtin=builtin, entry_module=f"{root.name}.train")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise _bad(root, f"{MANIFEST} is not JSON ({exc})") from exc
+    missing = [p for p in REQUIRED_PARTS if p not in meta]
+    if missing:
+        raise _bad(root, f"{MANIFEST} does not declare {missing[0]!r}: {REQUIRED_PARTS[missing[0]]}")
+    presets = {name: Preset(name=name, description=p.get("description", ""), task=p.get("task", {}),
+                            trainer=p.get("trainer", {})) for name, p in meta["presets"].items()}
+    config = meta["config"] or {}
+    if "validate" not in config:
+        raise _bad(root, f"{MANIFEST} config does not declare 'validate' (\"PKG.config:build\", raises on a bad config)")
+    default_preset = config.get("default_preset", "")
+    if default_preset and default_preset not in presets:
+        raise _bad(root, f"config.default_preset {default_preset!r} is not one of its presets")
+    data = None
+    if meta["data"] is not None:
+        d = meta["data"]
+        lacking = [p for p in DATA_PARTS if p not in d]
+        if lacking:
+            raise _bad(root, f"{MANIFEST} data does not declare {lacking[0]!r}")
+        data = DataPrep(tokenizer=d["tokenizer"], manifest=d["manifest"], files=tuple(d["files"]),
+                        options=_hook(root, builtin, d["options"], "data.options"),
+                        prepare=_hook(root, builtin, d["prepare"], "data.prepare"),
+                        upload=_hook(root, builtin, d["upload"], "data.upload"),
+                        error=_hook(root, builtin, d["error"], "data.error"), spec_options=dict(d["spec_options"]))
+    uses = []
+    for name in meta.get("uses", []):
+        used = builtin_root() / name
+        if not (used / "__init__.py").is_file():
+            raise _bad(root, f"uses {name!r}, which is not a built-in template package")
+        uses.append(used)
+    return Template(
+        name=meta.get("name", root.name), root=root, builtin=builtin, entry_module=meta["entry_module"],
+        description=meta.get("description", ""), presets=presets, default_preset=default_preset,
+        validate_config=_hook(root, builtin, config["validate"], "config.validate"),
+        parameter_count=(_hook(root, builtin, config["parameters"], "config.parameters")
+                         if "parameters" in config else None),
+        data=data, outputs=dict(meta["outputs"] or {}), uses=tuple(uses))
+
+
+def builtin_root() -> Path:
+    return Path(str(resources.files("tpuctl.templates")))
+
+
+def builtins() -> list[Template]:
+    """Every template shipped with tpuctl (a package directory under templates/ with a template.json)."""
+    return [load(p, builtin=True) for p in sorted(builtin_root().iterdir())
+            if p.is_dir() and (p / MANIFEST).is_file()]
+
+
+def find(template: str, *, base_dir: Path | None = None) -> Template:
+    """A template by name or directory. A directory relative to `base_dir` (the spec's) wins over a built-in of
+    the same name; a value with a `/` is only ever looked for as a directory. Raises BadInput."""
+    given = Path(template).expanduser()
+    local = (base_dir / given) if base_dir is not None and not given.is_absolute() else given
+    if local.is_dir():
+        return load(local)
+    builtin = builtin_root() / template
+    if "/" in template or not (builtin / MANIFEST).is_file():
+        names = ", ".join(t.name for t in builtins())
+        raise BadInput(f"no template {template!r}", field=FIELD,
+                       hint=f"use one of {names} or a local directory holding a train.py")
+    return load(builtin, builtin=True)

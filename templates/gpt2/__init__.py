@@ -1,0 +1,1 @@
+"""GPT-2 causal language-model pretraining template (see README.md)."""

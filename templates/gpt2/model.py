@@ -1,0 +1,88 @@
+"""GPT-2 in backend-agnostic Keras 3 (keras.ops only: runs on TensorFlow and JAX).
+
+Pre-LayerNorm decoder blocks (LN -> causal self-attention -> residual, LN -> MLP with GPT-2's tanh GELU ->
+residual), learned positions, final LayerNorm, and logits from the token embedding itself (tied input/output
+embeddings, no output bias), as in the original GPT-2: the gpt2-small preset has exactly its 124,439,808 weights.
+Causal attention uses Keras' fixed lower-triangular mask (`use_causal_mask`): static shapes, no padding mask
+(the prepared blocks are full). Logits are float32 under mixed_bfloat16 so the softmax cross-entropy is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+from keras import layers, ops
+
+from .config import TaskConfig
+
+STDDEV = 0.02
+
+
+def _init(stddev: float = STDDEV):
+    return keras.initializers.TruncatedNormal(stddev=stddev)
+
+
+@keras.saving.register_keras_serializable(package="gpt2")
+def gelu_tanh(x):
+    """GPT-2's GELU (the tanh approximation, Hugging Face's "gelu_new")."""
+    return keras.activations.gelu(x, approximate=True)
+
+
+@keras.saving.register_keras_serializable(package="gpt2")
+class TiedEmbedding(layers.Embedding):
+    """Token embedding that also maps hidden states to vocabulary logits with its transpose (weight tying)."""
+
+    def call(self, inputs, reverse=False):
+        if not reverse:
+            return super().call(inputs)
+        logits = ops.matmul(inputs, ops.cast(ops.transpose(self.embeddings), self.compute_dtype))
+        return ops.cast(logits, "float32")
+
+    def compute_output_spec(self, inputs, reverse=False):
+        if reverse:
+            return keras.KerasTensor((*inputs.shape[:-1], self.input_dim), dtype="float32")
+        return super().compute_output_spec(inputs)
+
+
+@keras.saving.register_keras_serializable(package="gpt2")
+class PositionEmbedding(layers.Layer):
+    """Learned absolute positions for a fixed context length, added to the token embeddings."""
+
+    def __init__(self, seq_len: int, **kwargs):
+        super().__init__(**kwargs)
+        self.seq_len = seq_len
+
+    def build(self, input_shape):
+        self.positions = self.add_weight(shape=(self.seq_len, input_shape[-1]), initializer=_init(0.01),
+                                         name="positions")
+
+    def call(self, x):
+        return x + ops.cast(self.positions, x.dtype)[None]
+
+    def get_config(self):
+        return {**super().get_config(), "seq_len": self.seq_len}
+
+
+def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
+    """The causal LM for `task` (dtype policy: whatever is global when called). Creates variables: call in scope.
+    Input {"input_ids": int32[B, L]}; output float32 logits [B, L, vocab]: position t predicts token t + 1."""
+    h, L, eps = task.hidden_size, task.seq_len, task.layer_norm_epsilon
+    residual = _init(STDDEV / math.sqrt(2 * task.num_layers))  # GPT-2's scaled init of residual projections
+    ids = keras.Input((L,), dtype="int32", name="input_ids")
+    embedding = TiedEmbedding(vocab_size, h, embeddings_initializer=_init(), name="token_embedding")
+    x = PositionEmbedding(L, name="position_embedding")(embedding(ids))
+    x = layers.Dropout(task.dropout)(x)
+    for i in range(task.num_layers):
+        a = layers.LayerNormalization(epsilon=eps, name=f"layer{i}_attention_norm")(x)
+        a = layers.MultiHeadAttention(task.num_heads, h // task.num_heads, dropout=task.dropout,
+                                      kernel_initializer=_init(), name=f"layer{i}_attention")(
+            a, a, use_causal_mask=True)
+        x = x + layers.Dropout(task.dropout)(a)
+        f = layers.LayerNormalization(epsilon=eps, name=f"layer{i}_mlp_norm")(x)
+        f = layers.Dense(task.intermediate_size, activation=gelu_tanh, kernel_initializer=_init(),
+                         name=f"layer{i}_mlp_in")(f)
+        f = layers.Dense(h, kernel_initializer=residual, name=f"layer{i}_mlp_out")(f)
+        x = x + layers.Dropout(task.dropout)(f)
+    x = layers.LayerNormalization(epsilon=eps, name="final_norm")(x)
+    return keras.Model({"input_ids": ids}, embedding(x, reverse=True), name="gpt2_clm")

@@ -1,0 +1,204 @@
+"""Data preparation for GPT-2: text corpus -> byte-level BPE -> fixed blocks of token ids in TFRecord shards.
+
+Laptop side (`tpuctl data prepare --template gpt2`, `tpuctl run` with `template: gpt2`); needs `tokenizers`,
+`numpy`, `google-crc32c`, not TensorFlow. Reading, sampling, streaming, shard framing and upload are the BERT
+template's (bert/prepare.py: same inputs, documents, gs:// handling, flat memory, atomic shards, manifest last).
+
+Tokenizer: byte-level BPE (what `tokenizers.ByteLevelBPETokenizer` builds: BPE over the 256-byte alphabet, GPT-2's
+pre-tokeniser, no prefix space, no normalisation, so every byte sequence round-trips) trained on a bounded sample, with one special token
+`<|endoftext|>`. Written as `vocab.json` + `merges.txt` (what Hugging Face's `GPT2Tokenizer` loads) and
+`tokenizer.json` (`GPT2TokenizerFast`).
+
+Packing (GPT-2 / `run_clm` "group_texts"): every document's ids followed by `<|endoftext|>`, concatenated and
+cut into blocks of exactly `seq_len` tokens; the final partial block is dropped (static shapes, no padding and
+no mask needed). Lines inside a document are joined by a newline. Records are raw little-endian uint16 ids
+(uint32 above 65536 tokens): 2 bytes per token, about 0.5 bytes or less per byte of text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .shared import bert
+
+_bert = bert("prepare")
+_manifest = bert("manifest")
+DataError = bert("errors").DataError
+Manifest, MANIFEST_NAME = _manifest.Manifest, _manifest.MANIFEST_NAME
+
+FORMAT = "tpuctl-gpt2-clm/1"
+EOT = "<|endoftext|>"
+VOCAB_NAME, MERGES_NAME, TOKENIZER_NAME = "vocab.json", "merges.txt", "tokenizer.json"
+FILES = (VOCAB_NAME, MERGES_NAME, TOKENIZER_NAME)
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    vocab_size: int = 50257  # GPT-2's: 256 bytes + 50000 merges + <|endoftext|>
+    seq_len: int = 1024
+    min_frequency: int = 2
+    doc_format: str = "blank"
+    tokenizer_sample_bytes: int = 64 << 20
+    shard_sequences: int = 16384
+    batch_bytes: int = 1 << 20
+
+    def validate(self) -> None:
+        checks = [
+            (self.seq_len >= 8 and self.seq_len % 8 == 0, "seq_len", "must be a positive multiple of 8 (1024 for GPT-2)"),
+            (257 < self.vocab_size <= 1 << 24, "vocab_size", "must be between 258 (256 bytes + <|endoftext|> + 1) and 16777216"),
+            (self.min_frequency > 0, "min_frequency", "must be > 0"),
+            (self.doc_format in ("blank", "line"), "doc_format", "must be 'blank' or 'line'"),
+            (self.tokenizer_sample_bytes >= _bert.SAMPLE_BLOCK, "tokenizer_sample_bytes", "must be >= 1 MiB"),
+            (self.shard_sequences > 0, "shard_sequences", "must be > 0"),
+            (self.batch_bytes > 0, "batch_bytes", "must be > 0"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise DataError(f"{name}: {rule}")
+
+
+def build_tokenizer(sources, opts: PrepareOptions, *, storage_client=None, progress=None):
+    """Train byte-level BPE on a bounded sample of the corpus. Raises DataError on an empty corpus."""
+    # ByteLevelBPETokenizer's own pipeline, built on a plain Tokenizer for its encode_batch_fast.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=opts.vocab_size, min_frequency=opts.min_frequency, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    seen = {"bytes": 0}
+    budget = min(opts.tokenizer_sample_bytes, sum(s.size for s in sources))
+
+    def batches() -> Iterator[list[str]]:
+        batch: list[str] = []
+        for line in _bert.sample_lines(sources, opts.tokenizer_sample_bytes, storage_client=storage_client):
+            if line.strip():
+                batch.append(line)
+                seen["bytes"] += len(line.encode("utf-8")) + 1
+            if len(batch) >= 1000:
+                yield batch
+                batch = []
+                if progress:
+                    progress("tokenizer", seen["bytes"], budget)
+        if batch:
+            yield batch
+
+    tok.train_from_iterator(batches(), trainer=trainer)
+    if not seen["bytes"]:
+        raise DataError(f"corpus is empty: {_bert._names(sources)} has no text", path=sources[0].url)
+    return tok
+
+
+class Packer:
+    """Documents' ids, each followed by <|endoftext|>, cut into `seq_len`-token blocks; the tail is carried to
+    the next batch and the final partial block dropped."""
+
+    def __init__(self, writer, seq_len: int, dtype: str, eot: int):
+        import numpy as np
+
+        self.np, self.writer, self.seq_len, self.eot = np, writer, seq_len, eot
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.carry = np.empty(0, dtype=np.int64)
+        self.sequences = self.tokens = self.documents = 0
+
+    def add(self, encodings: list, ends: list[bool]) -> None:
+        np = self.np
+        flat: list[int] = []
+        for encoding, end in zip(encodings, ends, strict=True):
+            flat.extend(encoding.ids)
+            if end:
+                flat.append(self.eot)
+                self.documents += 1
+        buf = np.concatenate((self.carry, np.asarray(flat, dtype=np.int64)))
+        n = len(buf) // self.seq_len
+        for row in buf[: n * self.seq_len].reshape(n, self.seq_len).astype(self.dtype):
+            self.writer.write(row.tobytes())
+        self.sequences += n
+        self.tokens += n * self.seq_len
+        self.carry = buf[n * self.seq_len:]
+
+    def finish(self) -> int:
+        """Close the last shard; returns the tokens dropped with the partial final block."""
+        self.writer.close()
+        return len(self.carry)
+
+
+def prepare(corpus: Iterable[str], out_dir: str | Path, opts: PrepareOptions = PrepareOptions(), *,
+            storage_client=None, progress=None) -> Manifest:
+    """Tokenizer files + shards + manifest in `out_dir` (created if needed); same contract as bert.prepare:
+    idempotent for unchanged inputs, cleans up after a failure, no manifest unless complete. Blocks.
+    Raises DataError naming the file at fault."""
+    import shutil
+
+    opts.validate()
+    out = Path(out_dir)
+    corpus = list(corpus)
+    if storage_client is None and any(c.startswith("gs://") for c in corpus):
+        storage_client = _bert._storage(None)
+    sources = _bert.expand(corpus, storage_client=storage_client)
+    _bert.sniff(sources, storage_client=storage_client)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _prepare(sources, out, opts, storage_client, progress)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _prepare(sources, out: Path, opts: PrepareOptions, storage_client, progress) -> Manifest:
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    tok = build_tokenizer(sources, opts, storage_client=storage_client, progress=progress)
+    tok.model.save(str(out))  # vocab.json + merges.txt
+    tok.save(str(out / TOKENIZER_NAME))
+    vocab_size = tok.get_vocab_size()
+    eot = tok.token_to_id(EOT)
+    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    writer = _bert._ShardWriter(out, opts.shard_sequences)
+    packer = Packer(writer, opts.seq_len, dtype, eot)
+    total = sum(s.size for s in sources)
+
+    def encode(batches):
+        for texts, ends, done in batches:
+            # A line that does not end its document keeps its line break: byte-level BPE encodes it.
+            texts = [t if end else t + "\n" for t, end in zip(texts, ends)]
+            yield tok.encode_batch_fast(texts, add_special_tokens=False), ends, done
+
+    try:
+        for encodings, ends, done in _bert._background(encode(_bert._background(
+                _bert._text_batches(sources, opts, storage_client), depth=4)), depth=2):
+            packer.add(encodings, ends)
+            if progress:
+                progress("encode", done, total)
+        dropped = packer.finish()
+    except BaseException:
+        writer.discard()
+        raise
+    if packer.sequences == 0:
+        raise DataError(f"corpus too small: {_bert._names(sources)} holds {dropped} tokens, fewer than one "
+                        f"{opts.seq_len}-token block", path=sources[0].url)
+    manifest = Manifest(
+        seq_len=opts.seq_len, vocab_size=vocab_size,
+        vocab_sha256=hashlib.sha256((out / VOCAB_NAME).read_bytes() + (out / MERGES_NAME).read_bytes()).hexdigest(),
+        record_format=f"raw-{dtype}-le", special_ids={EOT: eot},
+        tokenizer={"type": "byte-level-bpe", "requested_vocab_size": opts.vocab_size, "add_prefix_space": False,
+                   "min_frequency": opts.min_frequency, "sample_bytes": opts.tokenizer_sample_bytes,
+                   "dropped_tail_tokens": dropped},
+        doc_format=opts.doc_format, documents=packer.documents, sequences=packer.sequences,
+        tokens=packer.tokens, unk_tokens=0, raw_bytes=total, shards=tuple(writer.shards), format=FORMAT)
+    tmp = out / (MANIFEST_NAME + ".partial")
+    tmp.write_text(manifest.to_json(), encoding="utf-8")
+    os.replace(tmp, out / MANIFEST_NAME)
+    return manifest
+
+
+def upload(local_dir: str | Path, url: str, *, storage_client=None, workers: int = 8, progress=None) -> tuple[int, int]:
+    """bert.prepare.upload with GPT-2's tokenizer files and manifest format (idempotent; manifest last)."""
+    return _bert.upload(local_dir, url, storage_client=storage_client, workers=workers, progress=progress,
+                        extra_files=FILES, manifest_format=FORMAT)

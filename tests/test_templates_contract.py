@@ -1,0 +1,115 @@
+"""Templates as a contract: template.json declares every part; jobs/ and the CLI reach templates only through it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tpuctl.cli import cli
+from tpuctl.errors import BadInput
+from tpuctl.templates import contract
+
+from test_data_prepare import console_err  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+BERT = ROOT / "templates" / "bert"
+
+
+def copy_template(tmp_path: Path, name: str = "mine") -> Path:
+    dest = tmp_path / name
+    shutil.copytree(BERT, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    meta = json.loads((dest / "template.json").read_text())
+    # The copy's hooks point into itself (its own package name), not into the built-in bert.
+    text = json.dumps(meta).replace('"bert.', f'"{name}.').replace("tpuctl.templates.bert.", f"{name}.")
+    (dest / "template.json").write_text(text)
+    return dest
+
+
+def test_builtins_declare_every_part():
+    found = {t.name: t for t in contract.builtins()}
+    assert {"bert", "gpt2"} <= set(found)
+    for t in found.values():
+        assert t.entry_module == f"{t.name}.train" and t.presets and t.default_preset in t.presets
+        assert t.validate_config is not None and t.data is not None and t.outputs["checkpoints"]
+        assert t.data.manifest == "manifest.json" and callable(t.data.prepare) and callable(t.data.upload)
+    assert found["bert"].data.tokenizer == "wordpiece" and found["gpt2"].data.tokenizer == "byte-bpe"
+    assert [p.name for p in found["gpt2"].uses] == ["bert"]
+
+
+@pytest.mark.parametrize("part", sorted(contract.REQUIRED_PARTS))
+def test_a_template_missing_a_part_fails_naming_it(tmp_path, part):
+    root = copy_template(tmp_path)
+    meta = json.loads((root / "template.json").read_text())
+    del meta[part]
+    (root / "template.json").write_text(json.dumps(meta))
+    with pytest.raises(BadInput) as e:
+        contract.find(str(root))
+    assert e.value.field == "job.template" and f"does not declare {part!r}" in str(e.value)
+
+
+@pytest.mark.parametrize("part", ["prepare", "tokenizer", "error"])
+def test_a_template_missing_a_data_hook_fails_naming_it(tmp_path, part):
+    root = copy_template(tmp_path)
+    meta = json.loads((root / "template.json").read_text())
+    del meta["data"][part]
+    (root / "template.json").write_text(json.dumps(meta))
+    with pytest.raises(BadInput, match=f"data does not declare {part!r}"):
+        contract.find(str(root))
+
+
+def test_a_hook_that_does_not_load_is_named(tmp_path):
+    root = copy_template(tmp_path)
+    meta = json.loads((root / "template.json").read_text())
+    meta["data"]["prepare"] = "mine.prepare:no_such_function"
+    (root / "template.json").write_text(json.dumps(meta))
+    with pytest.raises(BadInput, match=r"data.prepare 'mine.prepare:no_such_function' cannot be loaded"):
+        contract.find(str(root))
+
+
+def test_a_user_template_loads_its_own_hooks_not_the_builtin(tmp_path):
+    t = contract.find("mine", base_dir=copy_template(tmp_path).parent)
+    assert not t.builtin and t.entry_module == "mine.train"
+    assert t.data.prepare.__module__ == "_tpuctl_template_mine.prepare"
+    assert t.validate_config({"preset": "bert-tiny"}).task.hidden_size == 128
+
+
+def test_unknown_preset_and_bad_config_are_bad_input():
+    bert = contract.find("bert")
+    with pytest.raises(BadInput) as e:
+        bert.preset("gpt2-tiny")
+    assert e.value.field == "job.preset" and "bert-tiny" in e.value.hint
+    with pytest.raises(BadInput, match="per_replica_batch_size") as e:
+        bert.check_config({"preset": "bert-tiny", "trainer": {"per_replica_batch_size": 12}})
+    assert e.value.field == "job.config"
+
+
+def test_no_module_of_jobs_or_the_cli_imports_a_template_by_name():
+    pattern = re.compile(r"^\s*(from|import)\s+tpuctl\.templates\.(?!contract\b)\w+", re.M)
+    offenders = [str(p.relative_to(ROOT)) for d in ("jobs", "tpuctl") for p in (ROOT / d).rglob("*.py")
+                 if pattern.search(p.read_text())]
+    assert offenders == []
+
+
+def test_templates_command_lists_presets_with_sizes():
+    result = CliRunner().invoke(cli, ["templates", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["preset"]: r for r in json.loads(result.output)}
+    assert 4e6 < rows["bert-tiny"]["parameters"] < 5e6 and 105e6 < rows["bert-base"]["parameters"] < 115e6
+    # GPT-2 small is the 124M model (tied embeddings, 50257 tokens, 1024 positions).
+    assert rows["gpt2-small"]["parameters"] == 124_439_808
+    assert rows["gpt2-tiny"]["seq_len"] == 128 and rows["gpt2-small"]["seq_len"] == 1024
+
+
+def test_data_prepare_refuses_a_flag_the_template_does_not_take(tmp_path, console_err):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world\n" * 50)
+    result = CliRunner().invoke(cli, ["data", "prepare", str(corpus), "--out", str(tmp_path / "o"),
+                                      "--template", "gpt2", "--cased"])
+    err = console_err.getvalue()
+    assert result.exit_code == 2 and "--lowercase" in err and "has no option lowercase" in err
+    assert not (tmp_path / "o").exists()
