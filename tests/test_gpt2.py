@@ -1,0 +1,174 @@
+"""The GPT-2 template: byte-level BPE and packing (no TensorFlow), the causal model, training with resume, and
+one end-to-end gpt2-tiny run on the local cloud."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from test_data_prepare import read_records, write_corpus
+from tpuctl.templates.gpt2 import config
+from tpuctl.templates.gpt2 import prepare as prep
+
+REPO = Path(__file__).resolve().parents[1]
+STEP = re.compile(r"^step=(\d+) loss=(\S+) accuracy=(\S+) learning_rate=(\S+) examples_per_sec=(\S+)$")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("gpt2-corpus") / "corpus.txt", documents=600, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory) -> tuple[Path, prep.Manifest]:
+    out = tmp_path_factory.mktemp("gpt2-data") / "prepared"
+    manifest = prep.prepare([str(corpus)], out, prep.PrepareOptions(vocab_size=600, seq_len=32, shard_sequences=100))
+    return out, manifest
+
+
+def documents(path: Path) -> list[str]:
+    return [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
+
+
+# ---------------------------------------------------------------------------------------- data (no TF)
+
+def test_bpe_files_are_gpt2s_and_round_trip_any_text(prepared):
+    from tokenizers import Tokenizer, models
+
+    out, manifest = prepared
+    vocab = json.loads((out / "vocab.json").read_text())
+    assert vocab[prep.EOT] == manifest.special_ids[prep.EOT] and len(vocab) == manifest.vocab_size
+    assert (out / "merges.txt").read_text().startswith("#version")
+    # vocab.json + merges.txt alone (what GPT2Tokenizer reads) load as the same BPE model.
+    assert models.BPE.from_file(str(out / "vocab.json"), str(out / "merges.txt")) is not None
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    for text in ("plain words.\nA second line", "  spaces, tabs\tand ünïcödé 한국어 🙂", "never seen: qzxj"):
+        assert tok.decode(tok.encode(text).ids) == text  # byte-level: nothing is unknown, nothing is lost
+
+
+def test_packing_joins_documents_with_eot_into_full_blocks(prepared, corpus):
+    from tokenizers import Tokenizer
+
+    out, manifest = prepared
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    eot = manifest.special_ids[prep.EOT]
+    rows = np.concatenate([read_records(out / s.path, 32) for s in manifest.shards])
+    assert rows.shape == (manifest.sequences, 32) and manifest.record_format == "raw-uint16-le"
+    assert [s.sequences for s in manifest.shards][:-1] == [100] * (len(manifest.shards) - 1)
+    expected: list[int] = []
+    for doc in documents(corpus):
+        expected += tok.encode(doc).ids + [eot]
+    n = len(expected) // 32
+    assert manifest.sequences == n and manifest.documents == len(documents(corpus))
+    assert rows.reshape(-1).tolist() == expected[: n * 32]  # blocks cross documents; only the tail is dropped
+    assert manifest.tokenizer["dropped_tail_tokens"] == len(expected) - n * 32
+
+
+def test_prepared_bytes_are_at_most_half_the_raw_text(tmp_path):
+    corpus = REPO / "examples" / "data" / "corpus.txt"
+    m = prep.prepare([str(corpus)], tmp_path / "p", prep.PrepareOptions(vocab_size=8000, seq_len=128))
+    assert m.prepared_bytes <= 0.5 * m.raw_bytes, (m.prepared_bytes, m.raw_bytes)
+
+
+def test_a_corpus_smaller_than_one_block_is_refused(tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("just a few words.\n")
+    with pytest.raises(prep.DataError, match="fewer than one 1024-token block"):
+        prep.prepare([str(small)], tmp_path / "out", prep.PrepareOptions(vocab_size=300))
+    assert not (tmp_path / "out").exists()
+
+
+def test_presets_and_config_rules():
+    assert config.build({"preset": "gpt2-small"}).task.seq_len == 1024
+    assert config.parameter_count("gpt2-small") == 124_439_808  # GPT-2 small, tied embeddings
+    with pytest.raises(config.ConfigError, match="per_replica_batch_size"):
+        config.build({"preset": "gpt2-tiny", "trainer": {"per_replica_batch_size": 20}})
+    with pytest.raises(config.ConfigError, match="task.seq_len"):
+        config.build({"task": {"seq_len": 100}})
+
+
+# ------------------------------------------------------------------------------------------- model (TF)
+
+def _task(**kw) -> config.TaskConfig:
+    return config.with_overrides(config.build({"preset": "gpt2-tiny"}), task={
+        "seq_len": 16, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
+        "dropout": 0.0, **kw}).task
+
+
+@pytest.mark.tf
+def test_model_shapes_tied_embeddings_and_causal_mask():
+    pytest.importorskip("tensorflow")
+    from tpuctl.templates.gpt2.model import build_model
+
+    model = build_model(_task(), vocab_size=50)
+    ids = np.random.default_rng(0).integers(0, 50, size=(2, 16)).astype("int32")
+    logits = np.asarray(model({"input_ids": ids}))
+    assert logits.shape == (2, 16, 50) and logits.dtype == np.float32
+    # Tied: the only [vocab, hidden] weight is the token embedding; the count is GPT-2's formula.
+    assert [tuple(w.shape) for w in model.weights if 50 in tuple(w.shape)] == [(50, 32)]
+    h, i, L = 32, 64, 16
+    assert model.count_params() == 50 * h + L * h + 2 * (4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h) + 2 * h
+    changed = ids.copy()
+    changed[:, 9:] = (changed[:, 9:] + 1) % 50  # change every token from position 9 on
+    after = np.asarray(model({"input_ids": changed}))
+    np.testing.assert_allclose(after[:, :9], logits[:, :9], atol=1e-5)  # earlier positions cannot see it
+    assert not np.allclose(after[:, 9:], logits[:, 9:])
+
+
+@pytest.mark.tf
+@pytest.mark.timeout(300)
+def test_training_lowers_the_loss_and_resumes_from_the_checkpoint(prepared, tmp_path):
+    pytest.importorskip("tensorflow")
+    from tpuctl.templates.gpt2 import train
+
+    data, _ = prepared
+
+    def cfg(max_steps):
+        return config.build({"preset": "gpt2-tiny", "task": {"seq_len": 32, "hidden_size": 64, "num_heads": 2},
+                             "trainer": {"max_steps": max_steps, "per_replica_batch_size": 16, "steps_per_execution": 10,
+                                         "log_every": 10, "checkpoint_every": 20, "warmup_steps": 5,
+                                         "learning_rate": 3e-3, "base_batch_size": 16, "shuffle_buffer": 256},
+                             "runtime": {"data_dir": str(data), "model_dir": str(tmp_path / "model"), "seed": 1}})
+
+    first: list[str] = []
+    m1 = train.run(cfg(40), log=first.append)
+    losses = [float(m[2]) for m in map(STEP.match, first) if m]
+    assert first[0].startswith("start ") and " step=0 " in first[0] and losses[-1] < losses[0]
+    assert "checkpoint step=20 " in "\n".join(first) and m1["final_step"] == 40
+    second: list[str] = []
+    m2 = train.run(cfg(60), log=second.append)  # a rerun (after preemption, or with more steps) continues
+    assert " step=40 " in second[0] and m2["final_step"] == 60
+    assert [int(m[1]) for m in map(STEP.match, second) if m] == [50, 60]
+    export = tmp_path / "model" / "export"
+    assert {"model.keras", "vocab.json", "merges.txt", "tokenizer.json", "metrics.json"} <= {p.name for p in export.iterdir()}
+
+
+# --------------------------------------------------------------------------------------- local cloud
+
+@pytest.mark.slow
+@pytest.mark.tf
+def test_gpt2_tiny_runs_end_to_end_on_the_local_cloud(cloud, tmp_path, monkeypatch):
+    from conftest import new_project
+    from google.auth.credentials import AnonymousCredentials
+
+    from tpuctl import spec as spec_mod
+    from tpuctl.jobs.pipeline import Pipeline, RunOptions
+    from tpuctl.provision.clients import build
+
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
+    project = new_project()
+    clients = build(project=project, credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
+                    storage_host=cloud.storage_host, local=True)
+    raw = yaml.safe_load((REPO / "examples" / "gpt2-tiny.yaml").read_text())
+    raw["job"]["data"] = {"corpus": [str(REPO / "examples" / "data" / "*.txt")], "vocab_size": 2000}
+    raw["job"]["config"] = {"trainer": {"max_steps": 20, "checkpoint_every": 10}}
+    spec = spec_mod.from_mapping(raw)
+    o = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False).run()
+    assert o.state == "succeeded" and o.step == 20
+    assert any(a.startswith("checkpoints/ckpt-20") for a in o.artifacts), o.artifacts
+    assert {"export/model.keras", "export/vocab.json", "export/merges.txt", "export/metrics.json"} <= set(o.artifacts)
