@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--speed", type=float, default=20.0)
     serve.add_argument("--port", type=int, default=0)
     serve.add_argument("--no-strict", action="store_true", help="do not validate bodies against the discovery documents")
+    serve.add_argument("--worker-python", choices=["runtime", "host"], default=None,
+                       help="TPU workers run jobs on their runtime image's software (default) or this interpreter")
+    serve.add_argument("--runtime-cache", type=Path, default=None,
+                       help="where runtime image venvs are built (default: $TPUCTL_RUNTIME_CACHE or STATE_DIR/runtimes)")
     args = parser.parse_args(argv)
     if args.speed <= 0:
         parser.error("--speed must be > 0")
@@ -34,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    cloud = LocalCloud(speed=args.speed, strict=not args.no_strict, state_dir=state_dir, port=args.port)
+    cloud = LocalCloud(speed=args.speed, strict=not args.no_strict, state_dir=state_dir, port=args.port,
+                       worker_python=args.worker_python, runtime_cache=args.runtime_cache)
     try:
         cloud.start()
     except OSError as exc:
@@ -45,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     info_path = state_dir / INFO_FILE
     try:
         info = {"pid": os.getpid(), "endpoint": cloud.endpoint, "storage_host": cloud.storage_host,
-                "speed": args.speed, "started": time.time(), "state_dir": str(state_dir)}
+                "speed": args.speed, "started": time.time(), "state_dir": str(state_dir),
+                "worker_python": cloud.python.mode}
         tmp = info_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(info, indent=2))
         os.replace(tmp, info_path)

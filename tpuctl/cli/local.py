@@ -66,12 +66,15 @@ def local_group() -> None:
 @click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_SPEED, show_default=True,
               help="operations run this many times faster than on Google Cloud")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="API port [default: any free port]")
+@click.option("--worker-python", type=click.Choice(["runtime", "host"]), default=None,
+              help="what TPU workers run jobs with: the runtime image's TensorFlow and Keras, in a venv built once "
+                   "per image (runtime, the default), or this interpreter (host)")
 @_state_dir_option
-def start_command(speed: float, port: int, state_dir: Path | None) -> None:
+def start_command(speed: float, port: int, worker_python: str | None, state_dir: Path | None) -> None:
     """Start the local cloud in the background and print `export` lines for it."""
     sd = _dir(state_dir)
     try:
-        info = daemon.start(sd, speed, port=port)
+        info = daemon.start(sd, speed, port=port, worker_python=worker_python)
     except daemon.AlreadyRunning as exc:
         raise LocalCloudError(f"{exc}: `tpuctl local env` prints its settings", hint="") from None
     except daemon.DaemonError as exc:
