@@ -141,6 +141,16 @@ def template_module(template_dir: Path) -> str:
     return f"{template_dir.name}.train"
 
 
+def template_framework(template_dir: Path) -> str:
+    """What the template runs on the workers: its template.json's `framework`. A template without one is
+    taken to be TensorFlow, the only framework tpuctl's runtimes carry today."""
+    meta = template_dir / "template.json"
+    try:
+        return str(json.loads(meta.read_text()).get("framework") or "tensorflow")
+    except (OSError, ValueError):
+        return "tensorflow"
+
+
 def _corpus_path(pattern: str, spec_dir: Path) -> str:
     """A relative corpus path is taken from the working directory if it matches there (the README runs
     specs from the repo root), else from the spec file's directory."""
@@ -209,7 +219,8 @@ class Pipeline:
             local = self.spec_dir / self.spec.job.template
             self.template_dir = bundles.resolve_template(str(local) if local.is_dir() else self.spec.job.template)
             self.module = template_module(self.template_dir)
-            self.plan = provision.plan(self.spec, project=self.project)
+            self.plan = provision.plan(self.spec, project=self.project,
+                                       framework=template_framework(self.template_dir))
             self.run_name = self.outcome.run = self.plan.run
             self.outcome.bucket = self.plan.bucket
             self.outcome.price_per_hour = round(self.plan.price_per_hour, 4)
