@@ -40,6 +40,9 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
                       [PY, "bench/run_bench.py"]),
         "cost_accuracy": ("cost accuracy: tpuctl's accrued cost vs the local cloud's meter (tolerance 1 %)",
                           [PY, "bench/cost_accuracy.py"]),
+        "runtime_matrix": ("runtime matrix: bert-tiny killed halfway and resumed on each TensorFlow runtime family's own "
+                           "interpreter (image venvs cached in $TPUCTL_RUNTIME_CACHE or ~/.tpuctl/localcloud/runtimes)",
+                           [PY, "bench/runtime_matrix.py"]),
         "chaos": ("chaos: leaked resources, lost checkpoints, wrong exit codes over seeded fault scenarios (goal 0/0/0)",
                   [PY, "bench/chaos.py", "--scenarios", str(chaos_scenarios), "--seed", str(chaos_seed)]),
     }
@@ -147,6 +150,7 @@ HEADLINE_LINES = {
     "provision_bench": re.compile(r"^(up|down) .*"),
     "data_bench": re.compile(r"^(prepare|peak RSS|prepared).*"),
     "chaos": re.compile(r"^(leaked|lost checkpoints|wrong exit codes|scenarios): \d+$"),
+    "runtime_matrix": re.compile(r"^tpu-vm-tf-\S+ tf=.*"),
 }
 HEADLINE_KEYS = {
     "train_bench": ("steps_per_sec", "examples_per_sec"),

@@ -117,6 +117,15 @@ def localcloud():
                 os.environ["STORAGE_EMULATOR_HOST"] = previous
 
 
+@pytest.fixture(scope="session")
+def runtime_cache(tmp_path_factory) -> Path:
+    """Where runtime image venvs are built: `$TPUCTL_RUNTIME_CACHE` (kept across sessions), else one dir for
+    the session, so an image is built at most once per session."""
+    if os.environ.get("TPUCTL_RUNTIME_CACHE"):
+        return Path(os.environ["TPUCTL_RUNTIME_CACHE"])
+    return tmp_path_factory.mktemp("runtimes")
+
+
 @pytest.fixture
 def cloud(localcloud):
     """The session cloud; faults injected by the test are cleared afterwards, and a scheduled transition
