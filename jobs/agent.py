@@ -129,7 +129,21 @@ def keras_requirement(tested: dict[str, str], tf_version: str | None) -> str | N
 
 
 def _name(requirement: str) -> str:
-    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower()
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _keep_installed(workdir: Path, installing: list[str], cache: Path) -> list[str]:
+    """pip arguments that hold every package the image has (the bootstrap's `image-constraints.txt`) at its
+    installed version, except those being installed now: a requirement never upgrades TensorFlow's own."""
+    listed = workdir / "image-constraints.txt"
+    if not listed.is_file():
+        return []
+    names = {_name(r) for r in installing}
+    keep = [line for line in listed.read_text().splitlines() if line and _name(line) not in names]
+    cache.mkdir(parents=True, exist_ok=True)
+    constraints = cache / "constraints.txt"
+    constraints.write_text("\n".join(keep) + "\n")
+    return ["-c", str(constraints)]
 
 
 def prepare(bundle: Path, cache: Path) -> int:
@@ -158,7 +172,8 @@ def prepare(bundle: Path, cache: Path) -> int:
         print(f"tpuctl agent: installing {' '.join(missing)}", flush=True)
         base = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         in_venv = sys.prefix != sys.base_prefix
-        done = subprocess.run(base + ([] if in_venv else ["--user"]) + missing)
+        done = subprocess.run(base + ([] if in_venv else ["--user"]) + _keep_installed(bundle.parent, missing, cache)
+                              + missing)
         if done.returncode != 0:
             print(f"tpuctl agent: pip install failed ({done.returncode})", file=sys.stderr, flush=True)
             return done.returncode

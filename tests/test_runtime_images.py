@@ -151,6 +151,16 @@ def test_the_bootstrap_pins_the_keras_the_template_is_tested_with_for_the_images
         agent.keras_requirement(tested, "2.14.1")
 
 
+def test_installs_on_a_worker_keep_the_images_packages_at_their_versions(tmp_path):
+    # google-cloud-storage's newest deps would pull a protobuf that shadows TF 2.15's own (seen in the
+    # runtime matrix): every install is constrained to what the image had, except what it installs.
+    (tmp_path / "image-constraints.txt").write_text("protobuf==4.25.9\nkeras==3.4.1\ntensorflow-cpu==2.17.0\n")
+    args = agent._keep_installed(tmp_path, ["keras==3.15.1", "Tensor_Board>=2.16"], tmp_path / "env")
+    assert args[0] == "-c"
+    assert Path(args[1]).read_text().split() == ["protobuf==4.25.9", "tensorflow-cpu==2.17.0"]
+    assert agent._keep_installed(tmp_path / "nowhere", ["keras"], tmp_path / "env") == []
+
+
 # ------------------------------------------------------------------------------------------ image venvs
 
 def test_image_venvs_build_once_under_concurrency_and_workers_layer_their_own(tmp_path):
