@@ -253,7 +253,7 @@ def accelerator_json(t: AcceleratorType, cat: Catalog) -> dict[str, Any]:
               for region, p in cat.tpu_prices(t.generation).items()}
     return {"name": t.name, "generation": t.generation, "api_type": t.api_type, "chips": t.chips, "cores": t.cores,
             "hosts": t.hosts, "topology": t.topology, "zones": list(t.zones), "runtimes": list(t.runtimes),
-            "default_runtime": t.default_runtime, "price_per_hour_by_region": prices}
+            "default_runtime": t.default_runtime, "tensorflow": t.tensorflow, "price_per_hour_by_region": prices}
 
 
 def _pod_twin(runtime: str) -> str | None:
