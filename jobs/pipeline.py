@@ -141,6 +141,23 @@ def template_module(template_dir: Path) -> str:
     return f"{template_dir.name}.train"
 
 
+def check_runtime_tensorflow(template_dir: Path, runtime: str, default: str) -> None:
+    """BadInput when the runtime image's TensorFlow is older than every one the template is tested with
+    (template.json `keras_by_tensorflow`): its Keras 3 would not run there, so nothing is created."""
+    m = re.match(r"^tpu-vm-tf-(\d+)\.(\d+)\.", runtime)
+    try:
+        tested = json.loads((template_dir / "template.json").read_text()).get("keras_by_tensorflow") or {}
+    except (OSError, ValueError):
+        tested = {}
+    if not m or not tested:
+        return
+    oldest = min(tested, key=lambda v: tuple(int(x) for x in v.split(".")))
+    if (int(m.group(1)), int(m.group(2))) < tuple(int(x) for x in oldest.split(".")):
+        raise BadInput(f"runtime {runtime!r} carries TensorFlow {m.group(1)}.{m.group(2)}, older than any the "
+                       f"{template_dir.name} template is tested with ({oldest} and later)", field="runtime_version",
+                       hint=f"use {default} (the default) or another tpu-vm-tf-{oldest}+ runtime")
+
+
 def template_framework(template_dir: Path) -> str:
     """What the template runs on the workers: its template.json's `framework`. A template without one is
     taken to be TensorFlow, the only framework tpuctl's runtimes carry today."""
@@ -221,6 +238,8 @@ class Pipeline:
             self.module = template_module(self.template_dir)
             self.plan = provision.plan(self.spec, project=self.project,
                                        framework=template_framework(self.template_dir))
+            check_runtime_tensorflow(self.template_dir, self.plan.runtime_version,
+                                     self.plan.accelerator.default_runtime)
             self.run_name = self.outcome.run = self.plan.run
             self.outcome.bucket = self.plan.bucket
             self.outcome.price_per_hour = round(self.plan.price_per_hour, 4)

@@ -139,6 +139,18 @@ def test_a_base_image_is_refused_for_a_tensorflow_template_only(accelerator, zon
 
 # ------------------------------------------------------------------------------------------ Keras per TensorFlow
 
+def test_a_runtime_older_than_the_templates_tested_tensorflow_is_refused_before_anything_is_created():
+    from tpuctl.jobs.pipeline import check_runtime_tensorflow
+
+    bert = REPO / "templates" / "bert"
+    with pytest.raises(BadInput) as err:
+        check_runtime_tensorflow(bert, "tpu-vm-tf-2.14.1", "tpu-vm-tf-2.17.0-pjrt")
+    assert err.value.field == "runtime_version" and "TensorFlow 2.14" in str(err.value)
+    assert "tpu-vm-tf-2.17.0-pjrt" in err.value.hint
+    for ok in ("tpu-vm-tf-2.15.0-pjrt", "tpu-vm-tf-2.18.0-pod-pjrt-v5p-and-below", "v2-alpha-tpuv5"):
+        check_runtime_tensorflow(bert, ok, "tpu-vm-tf-2.17.0-pjrt")
+
+
 def test_the_bootstrap_pins_the_keras_the_template_is_tested_with_for_the_images_tensorflow():
     import json
 
