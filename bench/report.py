@@ -120,7 +120,8 @@ def existing_sections() -> dict[str, str]:
     if not RESULTS.exists():
         return {}
     parts = re.split(r"(?m)^(?=## )", RESULTS.read_text())
-    return {p.split("\n", 1)[0][3:].strip(): p for p in parts if p.startswith("## ")}
+    # One blank line after each section, however many the file had: re-rendering must not grow it.
+    return {p.split("\n", 1)[0][3:].strip(): p.rstrip("\n") + "\n" for p in parts if p.startswith("## ")}
 
 
 def main(argv: list[str] | None = None) -> int:
