@@ -43,6 +43,8 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
         "runtime_matrix": ("runtime matrix: bert-tiny killed halfway and resumed on each TensorFlow runtime family's own "
                            "interpreter (image venvs cached in $TPUCTL_RUNTIME_CACHE or ~/.tpuctl/localcloud/runtimes)",
                            [PY, "bench/runtime_matrix.py"]),
+        "localcloud_soak": ("local cloud daemon RSS over up/down cycles with concurrent uploads (goal: flat, < 300 MB)",
+                            [PY, "bench/localcloud_soak.py"]),
         "chaos": ("chaos: leaked resources, lost checkpoints, wrong exit codes over seeded fault scenarios (goal 0/0/0)",
                   [PY, "bench/chaos.py", "--scenarios", str(chaos_scenarios), "--seed", str(chaos_seed)]),
     }
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 HEADLINE_LINES = {
     "provision_bench": re.compile(r"^(up|down) .*"),
     "data_bench": re.compile(r"^(prepare|peak RSS|prepared).*"),
+    "localcloud_soak": re.compile(r"^growth after warm-up.*"),
     "chaos": re.compile(r"^(leaked|lost checkpoints|wrong exit codes|scenarios): \d+$"),
     "runtime_matrix": re.compile(r"^tpu-vm-tf-\S+ tf=.*"),
 }

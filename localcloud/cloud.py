@@ -141,6 +141,14 @@ class LocalCloud:
         when = at.timestamp() if isinstance(at, datetime) else at
         self.tpu.preempt(node, when)
 
+    def idle_s(self) -> float:
+        """Seconds since the latest request to any API (storage included); 0.0 while a TPU node or VM is billed
+        (its workers run jobs) or an operation is under way. What the daemon's idle stop waits for."""
+        if self.world.meter.billing() or self.world.scheduler.pending():
+            return 0.0
+        last = max(self.world.last_request, self._storage.last_request if self._storage else 0.0)
+        return max(0.0, time.time() - last)
+
     def shape_project(self, project: str, **options) -> dict:
         """Set up `project` otherwise than fully (see `projects.SHAPE_OPTIONS`): `disabled_services`,
         `default_network=False`, `networks`, `subnetworks` ("REGION/NAME/NETWORK"), `compute_sa=False`,
@@ -168,7 +176,7 @@ class LocalCloud:
                 "runtime_cache": str(self.python.images.cache),
                 "state_dir": str(self.state_dir) if self.state_dir else None,
                 "resources": self.inventory(), "meter": self.meter_report(),
-                "faults": self.faults.list(), "errors": list(self.world.errors)}
+                "faults": self.faults.list(), "errors": list(self.world.errors), "idle_s": self.idle_s()}
 
     # ---------------------------------------------------------------------------------- internals
     def _handlers(self) -> dict:
