@@ -107,7 +107,7 @@ class Stack:
 
         self._tmp = tempfile.TemporaryDirectory(prefix="tpuctl-chaos-")
         self.home = Path(self._tmp.name) / "home"
-        self.cloud = LocalCloud(speed=self.speed, strict=True).start()
+        self.cloud = LocalCloud(speed=self.speed, strict=True, worker_python="host").start()
         self.env = {"TPUCTL_HOME": str(self.home), "TPUCTL_API_ENDPOINT": self.cloud.endpoint,
                     "STORAGE_EMULATOR_HOST": self.cloud.storage_host,
                     "TPUCTL_CLOUD": "local", "TPUCTL_PROJECT": PROJECT, "NO_COLOR": "1"}

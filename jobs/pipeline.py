@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import glob
-import json
 import math
 import re
 import signal
@@ -143,6 +142,20 @@ class _Stream:
             console.info(f"[w{worker}] {line}")
 
 
+def check_runtime_tensorflow(template: contract.Template, runtime: str, default: str) -> None:
+    """BadInput when the runtime image's TensorFlow is older than every one the template is tested with
+    (template.json `keras_by_tensorflow`): its Keras 3 would not run there, so nothing is created."""
+    m = re.match(r"^tpu-vm-tf-(\d+)\.(\d+)\.", runtime)
+    tested = template.keras_by_tensorflow
+    if not m or not tested:
+        return
+    oldest = min(tested, key=lambda v: tuple(int(x) for x in v.split(".")))
+    if (int(m.group(1)), int(m.group(2))) < tuple(int(x) for x in oldest.split(".")):
+        raise BadInput(f"runtime {runtime!r} carries TensorFlow {m.group(1)}.{m.group(2)}, older than any the "
+                       f"{template.name} template is tested with ({oldest} and later)", field="runtime_version",
+                       hint=f"use {default} (the default) or another tpu-vm-tf-{oldest}+ runtime")
+
+
 def _corpus_path(pattern: str, spec_dir: Path) -> str:
     """Paths in a spec are relative to the spec file, so it works from any directory."""
     if pattern.startswith("gs://"):
@@ -211,7 +224,8 @@ class Pipeline:
             self.template.preset(self.spec.job.preset)
             self.template.check_config({**self.spec.job.config,
                                         **({"preset": self.spec.job.preset} if self.spec.job.preset else {})})
-            self.plan = provision.plan(self.spec, project=self.project)
+            self.plan = provision.plan(self.spec, project=self.project, framework=self.template.framework)
+            check_runtime_tensorflow(self.template, self.plan.runtime_version, self.plan.accelerator.default_runtime)
             self.run_name = self.outcome.run = self.plan.run
             self.outcome.bucket = self.plan.bucket
             self.outcome.price_per_hour = round(self.plan.price_per_hour, 4)

@@ -374,7 +374,8 @@ class Meter:
 class World:
     """State shared by the services; see the module docstring."""
 
-    def __init__(self, *, speed: float, strict: bool, state_dir: Path | None, workers, storage_host: str = ""):
+    def __init__(self, *, speed: float, strict: bool, state_dir: Path | None, workers, storage_host: str = "",
+                 python=None):
         if speed <= 0:
             raise ValueError("speed must be > 0")
         self.speed = float(speed)
@@ -382,6 +383,7 @@ class World:
         self.state_dir = state_dir
         self.workers = workers
         self.storage_host = storage_host
+        self.python = python  # runtimes.WorkerPython: which interpreter TPU workers run
         self.lock = threading.RLock()
         self.changed_cv = threading.Condition(self.lock)
         self.actions: dict[str, Callable[..., None]] = {}

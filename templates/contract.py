@@ -10,6 +10,8 @@ A template is a Python package directory. Its `template.json` declares every par
                    (kind), `manifest` (written last), `files`, and hooks `options`, `prepare`, `upload`, `error`,
                    `spec_options` (spec `job.data` field -> options field)
     outputs        what it writes: `checkpoints`, `tensorboard`, `export` (formats with {model_dir}/{export_dir})
+    framework      optional: what the workers run ("tensorflow", the default), for the runtime image choice
+    keras_by_tensorflow  optional: TF minor version -> the Keras the template is tested with (the agent pins it)
     uses           other built-in template packages shipped beside it in the bundle (shared code, not copies)
 
 Hooks are "MODULE:ATTR"; a MODULE starting with the template's own package is imported from the template
@@ -90,6 +92,8 @@ class Template:
     builtin: bool
     entry_module: str
     description: str = ""
+    framework: str = "tensorflow"  # what the workers run: the runtime images carry TensorFlow today
+    keras_by_tensorflow: Mapping[str, str] = field(default_factory=dict)  # tested TF minor -> Keras pin
     presets: Mapping[str, Preset] = field(default_factory=dict)
     default_preset: str = ""
     validate_config: Callable[[dict], Any] | None = None
@@ -205,7 +209,8 @@ def load(root: Path, *, builtin: bool = False) -> Template:
         uses.append(used)
     return Template(
         name=meta.get("name", root.name), root=root, builtin=builtin, entry_module=meta["entry_module"],
-        description=meta.get("description", ""), presets=presets, default_preset=default_preset,
+        description=meta.get("description", ""), framework=meta.get("framework") or "tensorflow",
+        keras_by_tensorflow=dict(meta.get("keras_by_tensorflow") or {}), presets=presets, default_preset=default_preset,
         validate_config=_hook(root, builtin, config["validate"], "config.validate"),
         parameter_count=(_hook(root, builtin, config["parameters"], "config.parameters")
                          if "parameters" in config else None),

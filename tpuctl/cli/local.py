@@ -76,13 +76,17 @@ def local_group() -> None:
 @click.option("--idle-stop", metavar="DURATION", default=None,
               help=f"stop after this long with no request and nothing billed; never to keep it "
                    f"[env TPUCTL_LOCAL_IDLE; default {config.LOCAL_IDLE_DEFAULT}]")
+@click.option("--worker-python", type=click.Choice(["runtime", "host"]), default=None,
+              help="what TPU workers run jobs with: the runtime image's TensorFlow and Keras, in a venv built once "
+                   "per image (runtime, the default), or this interpreter (host)")
 @_state_dir_option
-def start_command(speed: float, port: int, idle_stop: str | None, state_dir: Path | None) -> None:
+def start_command(speed: float, port: int, idle_stop: str | None, worker_python: str | None,
+                  state_dir: Path | None) -> None:
     """Start the local cloud in the background and print `export` lines for it."""
     sd = _dir(state_dir)
     idle_stop_s = config.local_idle_stop_s(idle_stop)
     try:
-        info = daemon.start(sd, speed, port=port, idle_stop_s=idle_stop_s)
+        info = daemon.start(sd, speed, port=port, idle_stop_s=idle_stop_s, worker_python=worker_python)
     except daemon.AlreadyRunning as exc:
         raise LocalCloudError(f"{exc}: `tpuctl local env` prints its settings", hint="") from None
     except daemon.DaemonError as exc:
