@@ -24,6 +24,7 @@ Loading reads files and imports the hooks' modules (light: no TensorFlow); it cr
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -122,9 +123,7 @@ class Template:
             return
         try:
             self.validate_config(json.loads(json.dumps(dict(config))))
-        except Exception as exc:  # the template's ConfigError: its message starts with the field
-            if not isinstance(exc, ValueError):
-                raise
+        except ValueError as exc:  # the template's ConfigError: its message starts with the field
             raise BadInput(str(exc), field="job.config",
                            hint=f"fields and rules: the `config` hook of template {self.name}") from exc
 
@@ -140,12 +139,13 @@ def _import(root: Path, builtin: bool, module: str):
         return importlib.import_module(module)
     if builtin:
         return importlib.import_module(f"tpuctl.templates.{module}")
-    # A user's directory: imported under a private alias so it cannot shadow (or be shadowed by) a built-in.
-    alias = f"_tpuctl_template_{root.name}"
+    # A user's directory: imported under a private alias (per path) so it cannot shadow, or be shadowed by, a
+    # built-in or another directory of the same name.
+    alias = f"_tpuctl_template_{root.name}_{hashlib.sha256(str(root).encode()).hexdigest()[:8]}"
     if alias not in sys.modules:
-        spec = importlib.util.spec_from_file_location(alias, root / "__init__.py", submodule_search_locations=[str(root)])
-        if spec is None or not (root / "__init__.py").is_file():
+        if not (root / "__init__.py").is_file():
             raise _bad(root, "has no __init__.py", "a template is a Python package")
+        spec = importlib.util.spec_from_file_location(alias, root / "__init__.py", submodule_search_locations=[str(root)])
         mod = importlib.util.module_from_spec(spec)
         sys.modules[alias] = mod
         spec.loader.exec_module(mod)
