@@ -190,13 +190,15 @@ class LocalCloud:
 
     def _apply_fault(self, fault: Fault) -> None:
         """Kinds that act on a resource fire at once and leave the registry; the rest wait for calls."""
-        if fault.kind not in ("preempt", "kill-worker", "drop-ssh"):
+        if fault.kind not in ("preempt", "kill-worker", "drop-ssh", "repair"):
             return
         self.faults.clear(fault.id)
         if not fault.node:
             raise ValueError(f"fault {fault.kind} needs node=")
         if fault.kind == "preempt":
             self.tpu.preempt(fault.node, fault.at)
+        elif fault.kind == "repair":
+            self.tpu.repair(fault.node, state=fault.state or "REPAIRING")
         elif fault.kind == "kill-worker":
             self.world.workers.kill_worker(self._worker_key(fault.node), fault.worker or 0)
         else:
