@@ -130,6 +130,12 @@ class LocalCloud:
         when = at.timestamp() if isinstance(at, datetime) else at
         self.tpu.preempt(node, when)
 
+    def repair(self, node: str, state: str = "REPAIRING", seconds: float | None = None) -> None:
+        """Host maintenance of a READY TPU node now: `state` (REPAIRING or RESTARTING) with health
+        UNHEALTHY_MAINTENANCE for `seconds` of simulated time (default 120), then READY again with rebooted
+        workers. ValueError if the node does not exist or is not READY."""
+        self.tpu.repair(node, state, *(() if seconds is None else (seconds,)))
+
     def meter_report(self) -> dict:
         self._sample_buckets()
         return self.world.meter.report()

@@ -356,7 +356,7 @@ class TpuService:
             qr = self.queued.get(rec["node"].get("queuedResource", ""))
             if qr and qr["qr"]["state"]["state"] in ("ACTIVE", "SUSPENDING") and not any(n in self.nodes for n in qr["nodes"]):
                 # Its resources are gone: the queued resource is SUSPENDED, as Google's state table says.
-                self._qr_state(qr, "SUSPENDED")
+                self._qr_state(qr, "SUSPENDED", initiator=qr["qr"]["state"].get("stateInitiator", "SERVICE"))
             self.w.changed()
 
     def nodes_stop(self, p: dict, q: dict, body: dict) -> dict:
@@ -523,13 +523,13 @@ class TpuService:
             self.w.meter.end(node)
             qr = self.queued.get(rec["node"].get("queuedResource", ""))
             if qr and qr["qr"]["state"]["state"] == "ACTIVE":
-                self._qr_state(qr, "SUSPENDED")
+                self._qr_state(qr, "SUSPENDED", initiator=qr["qr"]["state"].get("stateInitiator", "SERVICE"))
             self.w.changed()
 
-    def repair(self, node: str, state: str = "REPAIRING") -> None:
+    def repair(self, node: str, state: str = "REPAIRING", sim_seconds: float = REPAIR_S) -> None:
         """Put a READY node through host maintenance now: REPAIRING (or RESTARTING) with health
-        UNHEALTHY_MAINTENANCE, its workers down, then READY/HEALTHY again after REPAIR_S with fresh workers
-        (the startup script runs again). ValueError if the node is not READY."""
+        UNHEALTHY_MAINTENANCE, its workers down, then READY/HEALTHY again after `sim_seconds` with fresh
+        workers (the startup script runs again). ValueError if the node is not READY."""
         with self.w.lock:
             rec = self._find(node)
             if rec["node"]["state"] != "READY":
@@ -538,7 +538,7 @@ class TpuService:
             rec["node"]["health"] = "UNHEALTHY_MAINTENANCE"
             rec["node"]["healthDescription"] = "The node is under maintenance and will resume running once rescheduled."
             self._stop_workers(rec)
-            self.w.later(REPAIR_S, "tpu.repair_done", node=rec["node"]["name"])
+            self.w.later(sim_seconds, "tpu.repair_done", node=rec["node"]["name"])
             self.w.changed()
 
     def _repair_done(self, node: str) -> None:
