@@ -204,7 +204,7 @@ class LocalCloud:
         if fault.kind == "preempt":
             self.tpu.preempt(fault.node, fault.at)
         elif fault.kind == "repair":
-            self.tpu.repair(fault.node, state=fault.state or "REPAIRING")
+            self.repair(fault.node, fault.state or "REPAIRING", fault.seconds)
         elif fault.kind == "kill-worker":
             self.world.workers.kill_worker(self._worker_key(fault.node), fault.worker or 0)
         else:

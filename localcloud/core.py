@@ -201,6 +201,7 @@ class Fault:
     details: bool | None = None         # quota: False = a bare 429 without google.rpc.QuotaFailure
     in_operation: bool | None = None    # quota on Compute: the insert operation fails (403), not the request
     state: str | None = None            # repair: REPAIRING (default) or RESTARTING
+    seconds: float | None = None        # repair: simulated seconds under maintenance (default 120)
     node: str | None = None             # preempt / kill-worker / drop-ssh target
     worker: int | None = None
     at: float | None = None             # preempt: wall-clock time

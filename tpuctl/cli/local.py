@@ -133,6 +133,7 @@ def status_command(as_json: bool, state_dir: Path | None) -> None:
 @click.option("--details/--no-details", default=None, help="quota (TPU): send google.rpc.QuotaFailure details")
 @click.option("--in-operation", is_flag=True, default=None, help="quota (Compute): fail the insert operation, not the request")
 @click.option("--state", type=click.Choice(["REPAIRING", "RESTARTING"]), help="repair: the state the node passes through")
+@click.option("--seconds", type=click.FloatRange(min=0), help="repair: simulated seconds under maintenance [default: 120]")
 @click.option("--node", help="preempt / kill-worker / drop-ssh: the TPU node or VM name")
 @click.option("--worker", type=click.IntRange(min=0), help="kill-worker: the worker index")
 @click.option("--after", type=click.FloatRange(min=0), help="preempt: seconds from now")
