@@ -382,7 +382,7 @@ class Pipeline:
                     node = await asyncio.to_thread(cluster.node_state, self.clients, rec.zone, rec.node)
                     if node is None or node.state is not State.READY:
                         console.warn(f"TPU node {rec.node} is {'gone' if node is None else node.state.value}")
-                        return "lost", None
+                        return "repairing" if node is not None and node.state is State.REPAIRING else "lost", None
                     states = await launching.poll(fleet, rec.run)
                     failed = [s for s in states if s.done and s.exit_code != 0]
                     if failed:
@@ -407,13 +407,18 @@ class Pipeline:
         rec = self.record
         while True:
             with self.phase("train"):
-                key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
-                verdict, failed = asyncio.run(self._watch(targets, key))
+                try:
+                    key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
+                except CapacityError as exc:  # preempted (or stopped) before our key could be added
+                    console.warn(exc.message)
+                    verdict, failed = "lost", None
+                else:
+                    verdict, failed = asyncio.run(self._watch(targets, key))
             if verdict == "done":
                 return
             if verdict == "failed":
                 self._fail(targets, key, failed)
-            self._recover()
+            self._recover(maintenance=verdict == "repairing")
 
     def _fail(self, targets, key, failed: launching.WorkerState) -> None:
         rec = self.record
@@ -434,7 +439,9 @@ class Pipeline:
                         hint=f"last lines of worker {failed.index}:\n{lines}\n  full logs: "
                              f"gs://{rec.bucket}/runs/{rec.run}/logs/worker-{failed.index}.log")
 
-    def _recover(self) -> None:
+    def _recover(self, *, maintenance: bool = False) -> None:
+        """Bring the node back and relaunch (the job resumes from its checkpoint). A node seen under
+        maintenance (REPAIRING/RESTARTING) is waited for, not recreated: it is the same node after a reboot."""
         rec = self.record
         if self.outcome.recoveries >= rec.max_recoveries:
             raise JobFailed(f"the TPU node was lost {self.outcome.recoveries + 1} time(s); max recoveries is "
@@ -444,9 +451,15 @@ class Pipeline:
         with self.phase("recover", f"attempt {self.outcome.recoveries} of {rec.max_recoveries}"):
             try:
                 # A lost node bills no more; its successor (same name) is a new ledger entry.
-                lost = provision.list_resources(self.clients, rec.run)
-                ledger.remember([r for r in lost if r.kind is Kind.TPU and r.name == rec.node], deleted=True)
-                node = provision.recreate_node(self.clients, rec.zone, rec.node, force=True)
+                lost = [r for r in provision.list_resources(self.clients, rec.run)
+                        if r.kind is Kind.TPU and r.name == rec.node]
+                if maintenance:
+                    console.warn(f"TPU node {rec.node} is under maintenance: waiting for it to come back")
+                if not maintenance:
+                    ledger.remember(lost, deleted=True)
+                node = provision.recreate_node(self.clients, rec.zone, rec.node, force=not maintenance)
+                if maintenance and any(r.created != node.created for r in lost):
+                    ledger.remember(lost, deleted=True)  # it never came back and was recreated
                 ledger.remember([node])
             except (NotFound, CapacityError) as exc:
                 if self.plan is None:

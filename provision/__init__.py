@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 
 from tpuctl.catalog import Catalog
+from tpuctl.errors import CapacityError, WaitTimeout
 from tpuctl.errors import NotFound as _NotFound
 from tpuctl.provision import bucket as _bucket
 from tpuctl.provision import inventory as _inventory
@@ -40,6 +41,10 @@ __all__ = [
     "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents", "connect", "delete_node", "down", "get_node", "list_resources",
     "plan", "recreate_node", "status", "wait_node_ready", "workers",
 ]
+
+
+# How long a node under maintenance (REPAIRING, RESTARTING) is waited for before it is given up and recreated.
+REPAIR_DEADLINE_S = 1800.0
 
 
 def plan(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
@@ -189,6 +194,7 @@ def recreate_node(clients: Clients, zone: str, name: str, *, force: bool = False
     runtime, labels, metadata incl. ssh-keys, service account); block until READY and return it.
 
     A node that is READY is returned untouched unless `force` (so two recoveries racing do one recreate).
+    A node under maintenance (REPAIRING/RESTARTING) is waited for, up to REPAIR_DEADLINE_S, not deleted.
     A node from a queued resource is re-queued. NotFound when the node is gone (its definition went with it).
     """
 
@@ -197,6 +203,16 @@ def recreate_node(clients: Clients, zone: str, name: str, *, force: bool = False
         raise _NotFound(f"TPU node {name} does not exist in {zone}; nothing to recreate from", field="run",
                         hint="run `tpuctl up` again with the run's spec")
     current = _tpu.to_resource(node, local=clients.local)
+    if current.state is State.REPAIRING:
+        # Maintenance, a repair or a restart: Google brings the node back by itself. Deleting it would
+        # throw an on-demand node (and its place in the zone) away; wait for it instead.
+        try:
+            current = _tpu.wait_ready(clients, zone, name, deadline_s=min(deadline_s, REPAIR_DEADLINE_S),
+                                      cancel=cancel, progress=progress)
+            if not force:
+                return current
+        except (WaitTimeout, CapacityError):
+            pass  # it did not come back in time (or settled PREEMPTED/FAILED): recreate it below
     if current.state is State.READY and not force:
         return current
     req = _tpu.request_of(node)

@@ -477,3 +477,39 @@ def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
     assert json.loads(dry.stdout)["state"] == "planned"
     monkeypatch.chdir(elsewhere)  # a relative path means the spec's directory even where the cwd has a match
     assert _corpus_path("data/*.txt", example.parent) == str(example.parent / "data" / "*.txt")
+
+
+def test_an_on_demand_node_under_maintenance_is_waited_for_not_recreated(tpc, cloud, project):
+    spec = spec_mod.from_mapping({**_spec("mx-run", accelerator="v3-8", trainer={
+        "max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.1}), "provisioning": "on-demand"})
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.3), echo_logs=False)
+    fired = threading.Event()
+    ids: list[str] = []
+
+    def repair_at_step_8():
+        while not fired.is_set():
+            if (p.outcome.step or 0) >= 8 and p.node:
+                ids.append(tpc.tpu.get_node(name=_node_path(p)).id)
+                cloud.repair(_node_path(p), seconds=2000)  # 2 s of REPAIRING at the tests' speed
+                fired.set()
+            time.sleep(0.05)
+
+    def node_id_at_the_end(outcome_step: int = 30):
+        while (p.outcome.step or 0) < outcome_step:
+            time.sleep(0.05)
+        ids.append(tpc.tpu.get_node(name=_node_path(p)).id)
+
+    threading.Thread(target=repair_at_step_8, daemon=True).start()
+    watcher = threading.Thread(target=node_id_at_the_end, daemon=True)
+    watcher.start()
+    try:
+        o = p.run()
+    finally:
+        fired.set()
+    assert o.state == "succeeded" and o.recoveries == 1 and o.step == 30
+    watcher.join(timeout=1)
+    assert len(ids) == 2 and ids[0] == ids[1]  # the same node throughout: waited for, never deleted
+    from tpuctl.ledger import Ledger
+
+    assert len([e for e in Ledger().entries() if e.kind == "tpu" and e.run == "mx-run"]) == 1
+    assert _zero(cloud, project)
