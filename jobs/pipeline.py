@@ -216,6 +216,7 @@ class Pipeline:
             self.max_recoveries = (self.opts.max_recoveries if self.opts.max_recoveries is not None
                                    else self.spec.job.max_recoveries)
             self._check_data()
+            self._check_config()
             for note in self.plan.notes:
                 console.note(note)
             console.info(f"run {self.plan.run}: {self.plan.accelerator.name} in {', '.join(self.plan.zones)} "
@@ -237,6 +238,19 @@ class Pipeline:
             prep.PrepareOptions(vocab_size=data.vocab_size, seq_len=data.seq_len, lowercase=data.lowercase).validate()
         except DataError as exc:
             raise BadInput(str(exc), field="job.data", hint="see `tpuctl data prepare --help`") from exc
+
+    def _check_config(self) -> None:
+        """The template checks the config the workers would get (unknown keys, types, divisibility) before
+        anything is created: a typo must not cost a TPU and leave a bucket behind."""
+        job = self.spec.job
+        config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
+                                    data_url=None)
+        try:
+            bundles.check_config(self.template_dir, config)
+        except BadInput as exc:
+            if exc.field == "job.config.preset" and "preset" not in job.config:  # it came from `job.preset`
+                raise BadInput(exc.message, field="job.preset", hint=exc.hint) from exc
+            raise
 
     def up(self):
         # The function itself, not `provision.apply`: that package attribute is replaced by the `apply`

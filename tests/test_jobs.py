@@ -122,6 +122,20 @@ def test_unknown_template_names_the_field():
     assert e.value.field == "job.template"
 
 
+def test_a_local_template_copy_checks_its_config_with_its_own_schema(tmp_path):
+    """A template directory outside tpuctl is loaded as its own package to run the check its template.json
+    names; a template that names none (the stand-in) ships its config unchecked."""
+    import shutil
+
+    local = tmp_path / "mybert"
+    shutil.copytree(bundles.resolve_template("bert"), local, ignore=shutil.ignore_patterns("__pycache__"))
+    bundles.check_config(local, {"preset": "bert-tiny", "trainer": {"max_steps": 20}})
+    with pytest.raises(BadInput) as e:
+        bundles.check_config(local, {"preset": "bert-tiny", "runtime": {"replica": 2}})
+    assert str(e.value) == "job.config.runtime.replica: unknown field; did you mean replicas?"
+    bundles.check_config(STANDIN, {"trainer": {"anything": 1}})
+
+
 # ------------------------------------------------------------------------------------------ on a slice
 
 def test_job_runs_on_all_four_workers_with_logs_status_and_checkpoints(tmp_path, slice4, storage):
