@@ -477,12 +477,11 @@ class Pipeline:
         self.validate()
         if self.opts.dry_run:
             return self.outcome
-        # Like `up`: ask on a terminal; scripts and CI (no TTY) proceed, as they cannot answer.
-        if console.interactive() and not console.confirm(
-                f"create {self.plan.accelerator.name} for run {self.plan.run} at ~${self.plan.price_per_hour:.2f}/h "
-                "(torn down when the job ends)?", yes=self.opts.yes):
-            raise BadInput("not confirmed; nothing was created", field="yes",
-                           hint="pass --yes to create resources without asking")
+        # The one confirmation rule (console.can_confirm): a terminal is asked, --yes answers, and without
+        # either nothing is created.
+        console.confirm(f"create {self.plan.accelerator.name} for run {self.plan.run} at "
+                        f"~${self.plan.price_per_hour:.2f}/h (torn down when the job ends)?",
+                        yes=self.opts.yes, to=f"create run {self.plan.run}")
         return self._drive(fresh=True)
 
     def attach(self) -> Outcome:

@@ -86,7 +86,7 @@ def vm_names(clients):
 
 
 def gc_cli(clients, *args):
-    result = CliRunner().invoke(cli, ["gc", "--project", clients.project, "--owner", "ann", "--json", *args])
+    result = CliRunner().invoke(cli, ["gc", "--project", clients.project, "--owner", "ann", "--json", "--yes", *args])
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     return result, records
 

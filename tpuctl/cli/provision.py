@@ -15,7 +15,6 @@ import click
 from tpuctl import catalog as catalog_mod
 from tpuctl import config, console, cost, ledger
 from tpuctl import spec as spec_mod
-from tpuctl.errors import BadInput
 
 if TYPE_CHECKING:
     from tpuctl import provision as prov
@@ -94,6 +93,8 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
              "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region}
     spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=migrate)
     plan = prov.plan(spec, project=settings.project)
+    if not dry_run:  # a script without --yes hears only this, before the plan
+        console.can_confirm(yes=yes, to=f"create run {plan.run}")
     if as_json and dry_run:
         console.emit_json({"plan": plan.to_json(), "target": settings.target})
         return
@@ -101,9 +102,8 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
         print_plan(plan, spec, settings)
     if dry_run:
         return
-    if console.interactive() and not yes and not console.confirm(
-            f"create run {plan.run} at about {_money(plan.price_per_hour)}/hour?", yes=False):
-        raise BadInput("not confirmed; nothing was created", field="yes", hint="pass --yes to skip the question")
+    console.confirm(f"create run {plan.run} at about {_money(plan.price_per_hour)}/hour?", yes=yes,
+                    to=f"create run {plan.run}")
     clients = prov.connect(config.ensure_endpoint(settings))
     started = time.monotonic()
     with console.ProgressBoard(f"tpuctl up {plan.run}") as board:
@@ -133,6 +133,7 @@ def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
     from tpuctl import provision as prov
     from tpuctl.provision import inventory
 
+    console.can_confirm(yes=yes, to=f"delete run {run}")
     settings = config.settings(project=project, cloud=cloud)
     clients = prov.connect(settings)
     found = prov.list_resources(clients, run, include_iam=True)
@@ -151,8 +152,8 @@ def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
             c = prov.bucket_contents(clients, b.name)
             console.warn(f"gs://{b.name} holds {c.objects} objects ({c.bytes / 1e6:,.1f} MB)"
                          + (f", e.g. {', '.join(c.sample[:5])}" if c.sample else "") + "; they will be deleted")
-    if not console.confirm(f"delete {len(going)} resource(s) of run {run}?", yes=yes):
-        raise BadInput("not confirmed; nothing was deleted", field="yes", hint="pass --yes to skip the question")
+    console.confirm(f"delete {len(going)} resource(s) of run {run}?", yes=yes, to=f"delete run {run}",
+                    nothing="nothing was deleted")
     with console.ProgressBoard(f"tpuctl down {run}") as board:
         result = prov.down(clients, run, delete_bucket=delete_bucket, progress=board.update)
     ledger.remember(result.deleted, deleted=True)
