@@ -259,7 +259,7 @@ class Pipeline:
 
         with self.phase("up"), console.ProgressBoard(f"up {self.plan.run}") as board:
             self._up_started = self._up_started or time.time()
-            result = apply_plan(self.clients, self.plan, progress=board.update)
+            result = apply_plan(self.clients, self.plan, progress=board.update, on_gone=ledger.remember_gone)
         ledger.remember(result.resources)
         bucket = result.get(Kind.BUCKET)
         self._created_bucket = bucket is not None and bucket.key in result.created

@@ -117,7 +117,8 @@ def catalog_refresh(project: str | None, cloud: str | None, as_json: bool) -> No
 def cost_command(since: str, by: str, project: str | None, cloud: str | None, as_json: bool) -> None:
     """What tpuctl runs cost, by run, owner or type.
 
-    Live resources are found by their tpuctl labels; deleted ones come from the local ledger.
+    Live resources are found by their tpuctl labels; deleted ones come from the local ledger, including
+    those an interrupted or failed `up` rolled back (they billed from their create request).
     """
     from tpuctl.provision import gc
 
@@ -129,9 +130,10 @@ def cost_command(since: str, by: str, project: str | None, cloud: str | None, as
     if as_json:
         console.emit_json(rep.to_json())
         return
-    console.table((by, "resources", "live", "resource-hours", "cost", "$/h now"),
-                  [(r.key, r.resources, r.live, f"{r.hours:.2f}", _money(r.usd), _money(r.usd_per_hour_now))
-                   for r in rep.rows])
+    console.table((by, "resources", "live", "rolled back", "resource-hours", "cost", "$/h now"),
+                  [(r.key, r.resources, r.live,
+                    f"{r.rolled_back} ({_money(r.rolled_back_usd)})" if r.rolled_back else "-",
+                    f"{r.hours:.2f}", _money(r.usd), _money(r.usd_per_hour_now)) for r in rep.rows])
     console.info(f"total {_money(rep.total_usd)} over the last {since}; live resources bill "
                  f"{_money(rep.usd_per_hour_now)}/h now (prices: {rep.prices_from})")
 

@@ -107,7 +107,8 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
     clients = prov.connect(config.ensure_endpoint(settings))
     started = time.monotonic()
     with console.ProgressBoard(f"tpuctl up {plan.run}") as board:
-        result = prov.apply(clients, plan, progress=board.update, keep_on_failure=keep_on_failure)
+        result = prov.apply(clients, plan, progress=board.update, keep_on_failure=keep_on_failure,
+                            on_gone=ledger.remember_gone)
     ledger.remember(result.resources)
     tpu_r = result.get(prov.Kind.TPU)
     if as_json:
