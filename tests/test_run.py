@@ -411,6 +411,13 @@ def test_bad_template_config_is_bad_input_before_anything_is_created(cloud, proj
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
 
 
+def test_unknown_preset_names_the_spec_field_it_came_from(cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, {**_spec("bad-preset"), "job": {"template": "bert", "preset": "bert-largest"}})
+    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--dry-run")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: job.preset: unknown preset 'bert-largest'; did you mean bert-large?"), r.stderr
+
+
 @pytest.mark.parametrize("name", ["$(touch PWNED)", "a;b", "it's", "x\ny"])
 def test_hostile_run_name_is_refused_and_creates_nothing(cloud, project, tmp_path, name):
     spec = _spec_file(tmp_path, _spec("fine-name"))
