@@ -255,7 +255,10 @@ class Store:
         for p in sorted(files):
             d = next((d for d in ckpt_dirs if _is_checkpoint_part(p, d, bases[d])), None)
             if d is None:
-                n += self._upload_changed(dest, f"{prefix}/{p.relative_to(src)}", p)
+                try:
+                    n += self._upload_changed(dest, f"{prefix}/{p.relative_to(src)}", p)
+                except FileNotFoundError:  # removed by the program between listing and upload
+                    continue
         for d in sorted(ckpt_dirs):
             rel = d.relative_to(src).as_posix()
             n += self._publish_checkpoints(dest, prefix if rel == "." else f"{prefix}/{rel}", d)
