@@ -171,6 +171,7 @@ def _on_a_terminal(env, *args, answer: str, timeout: float = 60.0) -> tuple[int,
     """Run tpuctl with a pseudo-terminal as stdin/stdout/stderr; answer its [y/N] question. Returns the exit
     code and everything it wrote."""
     import pty
+    import select
 
     primary, secondary = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "tpuctl", *args], env=env, stdin=secondary, stdout=secondary,
@@ -180,6 +181,8 @@ def _on_a_terminal(env, *args, answer: str, timeout: float = 60.0) -> tuple[int,
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
+            if not select.select([primary], [], [], 0.5)[0]:
+                continue
             try:
                 chunk = os.read(primary, 4096)
             except OSError:  # the child closed the terminal
