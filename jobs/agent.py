@@ -18,6 +18,7 @@ aggregates them: {"state": running|succeeded|failed, "heartbeat", "step", "recov
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import os
@@ -196,6 +197,18 @@ def _complete(name: str, members: list[str]) -> bool:
     return f"{name}.index" in members and {int(m.group(1)) for m in shards} == set(range(total))
 
 
+def _same_content(path: Path, blob) -> bool:
+    """The local file holds exactly the object (MD5, as Cloud Storage reports it). Size alone is not enough:
+    a restored `checkpoint` pointer naming ckpt-30.json has the size of a stale one naming ckpt-10.json."""
+    if blob.md5_hash is None or not path.is_file() or path.stat().st_size != blob.size:
+        return False
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return base64.b64encode(digest.digest()).decode() == blob.md5_hash
+
+
 class Store:
     """The run's bucket prefix plus the local mirror of gs:// locations used when storage is emulated."""
 
@@ -222,7 +235,7 @@ class Store:
             if not rel or rel.endswith("/"):
                 continue
             target = dest / rel
-            if target.exists() and target.stat().st_size == blob.size:
+            if _same_content(target, blob):
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(target.name + ".part")

@@ -482,3 +482,23 @@ def test_cancel_at_random_moments_of_checkpoint_writes_leaves_a_restorable_check
         local = re.findall(r'model_checkpoint_path: "ckpt-(\d+)"', (writer.d / "checkpoint").read_text()) \
             if (writer.d / "checkpoint").exists() else []
         assert final == (int(local[0]) if local else None)
+
+
+def test_a_restore_replaces_a_stale_pointer_of_the_same_size(tmp_path, storage):
+    """After a preemption a worker's disk may still hold its own older checkpoint pointer: the bucket's newer
+    one has the same size (ckpt-10.json vs ckpt-30.json) and must still win, or the worker resumes from 10."""
+    from tpuctl.jobs import agent
+
+    store = agent.Store({"project": "test-project", "bucket": storage.bucket_name, "prefix": "runs/r1"}, 1,
+                        tmp_path / "mirror")
+    url = f"gs://{storage.bucket_name}/runs/r1/model"
+    bucket = storage.client().bucket(storage.bucket_name)
+    for name, text in (("checkpoint", "ckpt-30.json"), ("ckpt-30.json", '{"step": 30}'),
+                       ("ckpt-10.json", '{"step": 10}')):
+        bucket.blob(f"runs/r1/model/{name}").upload_from_string(text)
+    local = store.local(url)
+    local.mkdir(parents=True)
+    (local / "checkpoint").write_text("ckpt-10.json")
+    (local / "ckpt-10.json").write_text('{"step": 10}')
+    assert store.download_prefix(url) == 2  # the pointer and ckpt-30; ckpt-10 is already the same
+    assert (local / "checkpoint").read_text() == "ckpt-30.json"
