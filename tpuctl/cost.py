@@ -8,10 +8,10 @@ estimate includes it from a size the caller gives.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from tpuctl import spec as spec_mod
 from tpuctl.catalog import Catalog, region_of
 from tpuctl.errors import BadInput
 from tpuctl.ledger import Entry
@@ -19,17 +19,14 @@ from tpuctl.ledger import Entry
 HOURS_PER_MONTH = 730.0  # Google's billing convention for per-month prices
 GROUPINGS = ("run", "owner", "type")
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def parse_duration(text: str, *, field: str = "duration") -> float:
-    """"90m", "2h", "1h30m", "7d" -> seconds; BadInput naming `field` otherwise."""
-    s = str(text).strip().lower().replace(" ", "")
-    parts = _DURATION.findall(s)
-    if not s or "".join(n + u for n, u in parts) != s:
-        raise BadInput(f"{text!r} is not a duration", field=field, hint="write it like 90m, 2h, 1h30m or 7d")
-    return float(sum(float(n) * _UNIT_SECONDS[u] for n, u in parts))
+    """"90m", "2h", "1h30m", "7d", "3600" -> seconds (the spec's grammar); BadInput naming `field` otherwise."""
+    try:
+        return spec_mod.parse_duration(text)
+    except ValueError as exc:
+        raise BadInput(str(exc), field=field, hint="write it like 90m, 2h, 1h30m, 7d or 3600 (seconds)") from exc
 
 
 # -- prices of one resource ---------------------------------------------------------------------------------
