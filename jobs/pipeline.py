@@ -258,6 +258,7 @@ class Pipeline:
             self.max_recoveries = (self.opts.max_recoveries if self.opts.max_recoveries is not None
                                    else self.spec.job.max_recoveries)
             self._check_data()
+            self._check_config()
             for note in self.plan.notes:
                 console.note(note)
             console.info(f"run {self.plan.run}: {self.plan.accelerator.name} in {', '.join(self.plan.zones)} "
@@ -281,6 +282,19 @@ class Pipeline:
         except DataError as exc:
             raise BadInput(str(exc), field="job.data", hint="see `tpuctl data prepare --help`") from exc
 
+    def _check_config(self) -> None:
+        """The template checks the config the workers would get (unknown keys, types, divisibility) before
+        anything is created: a typo must not cost a TPU and leave a bucket behind."""
+        job = self.spec.job
+        config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
+                                    data_url=None)
+        try:
+            bundles.check_config(self.template_dir, config)
+        except BadInput as exc:
+            if exc.field == "job.config.preset" and "preset" not in job.config:  # it came from `job.preset`
+                raise BadInput(exc.message, field="job.preset", hint=exc.hint) from exc
+            raise
+
     def up(self):
         # The function itself, not `provision.apply`: that package attribute is replaced by the `apply`
         # submodule once anything imports it (the package loads it lazily), and a module is not callable.
@@ -288,7 +302,7 @@ class Pipeline:
 
         with self.phase("up"), console.ProgressBoard(f"up {self.plan.run}") as board:
             self._up_started = self._up_started or time.time()
-            result = apply_plan(self.clients, self.plan, progress=board.update)
+            result = apply_plan(self.clients, self.plan, progress=board.update, on_gone=ledger.remember_gone)
         ledger.remember(result.resources)
         bucket = result.get(Kind.BUCKET)
         self._created_bucket = bucket is not None and bucket.key in result.created
@@ -519,12 +533,11 @@ class Pipeline:
         self.validate()
         if self.opts.dry_run:
             return self.outcome
-        # Like `up`: ask on a terminal; scripts and CI (no TTY) proceed, as they cannot answer.
-        if console.interactive() and not console.confirm(
-                f"create {self.plan.accelerator.name} for run {self.plan.run} at ~${self.plan.price_per_hour:.2f}/h "
-                "(torn down when the job ends)?", yes=self.opts.yes):
-            raise BadInput("not confirmed; nothing was created", field="yes",
-                           hint="pass --yes to create resources without asking")
+        # The one confirmation rule (console.can_confirm): a terminal is asked, --yes answers, and without
+        # either nothing is created.
+        console.confirm(f"create {self.plan.accelerator.name} for run {self.plan.run} at "
+                        f"~${self.plan.price_per_hour:.2f}/h (torn down when the job ends)?",
+                        yes=self.opts.yes, to=f"create run {self.plan.run}")
         return self._drive(fresh=True)
 
     def attach(self) -> Outcome:

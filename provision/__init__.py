@@ -62,17 +62,19 @@ def plan(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
 
 def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, keep_on_failure: bool = False,
           deadline_s: float = DEFAULT_DEADLINE_S, cancel: threading.Event | None = None,
-          on_rollback: Callable[[list[str]], None] | None = None) -> ApplyResult:
+          on_rollback: Callable[[list[str]], None] | None = None,
+          on_gone: Callable[[list], None] | None = None) -> ApplyResult:
     """Create what `plan` needs and block until all of it is READY; returns what exists and what was made.
 
     Idempotent (adopts the run's existing resources, creates only what is missing). Independent steps run
     concurrently; the TPU fails over to the plan's next zone on capacity errors. On failure, `cancel` or
     KeyboardInterrupt everything this call created is deleted (unless `keep_on_failure`) before the error
     propagates; a second KeyboardInterrupt stops the cleanup and the error's hint is `tpuctl down RUN`.
-    `progress(key, state, detail)` is called from worker threads.
+    `progress(key, state, detail)` is called from worker threads. `on_gone(entries)` hears, as cost ledger
+    entries, of what this call created and deleted again (rolled back, or a zone without capacity).
     """
     return _apply(clients, plan, progress=progress, keep_on_failure=keep_on_failure, deadline_s=deadline_s,
-                  cancel=cancel, on_rollback=on_rollback)
+                  cancel=cancel, on_rollback=on_rollback, on_gone=on_gone)
 
 
 def check_bucket(clients: Clients, plan: Plan) -> None:

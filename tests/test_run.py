@@ -435,6 +435,32 @@ def test_missing_corpus_is_bad_input_before_anything_is_created(cloud, project, 
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
 
 
+@pytest.mark.parametrize("trainer, error", [
+    ({"max_step": 30}, "error: job.config.trainer.max_step: unknown field; did you mean max_steps?"),
+    ({"max_steps": 35}, "error: job.config.trainer.max_steps: must be a positive multiple of "
+                        "trainer.steps_per_execution (10)"),
+    ({"checkpoint_every": 25}, "error: job.config.trainer.checkpoint_every: must be a positive multiple of "),
+    ({"log_every": "10"}, "error: job.config.trainer.log_every: expected int, got '10'"),
+])
+def test_bad_template_config_is_bad_input_before_anything_is_created(cloud, project, tmp_path, trainer, error):
+    """The template's own schema (bert/config.py, named in its template.json) runs on the host: a typo or a
+    value the worker would refuse costs no TPU and leaves no bucket, and --dry-run says the same."""
+    spec = _spec_file(tmp_path, {**_spec("bad-config"), "job": {"template": "bert", "preset": "bert-tiny",
+                                                                 "config": {"trainer": trainer}}})
+    for mode in ("--dry-run", "--yes"):
+        r = _tpuctl(cloud, tmp_path, project, "run", str(spec), mode)
+        assert r.returncode == 2, (mode, r.stderr)
+        assert r.stderr.splitlines()[0].startswith(error), (mode, r.stderr)
+    assert _buckets(cloud, project) == [] and _zero(cloud, project)
+
+
+def test_unknown_preset_names_the_spec_field_it_came_from(cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, {**_spec("bad-preset"), "job": {"template": "bert", "preset": "bert-largest"}})
+    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--dry-run")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: job.preset: unknown preset 'bert-largest'; did you mean bert-large?"), r.stderr
+
+
 @pytest.mark.parametrize("name", ["$(touch PWNED)", "a;b", "it's", "x\ny"])
 def test_hostile_run_name_is_refused_and_creates_nothing(cloud, project, tmp_path, name):
     spec = _spec_file(tmp_path, _spec("fine-name"))
