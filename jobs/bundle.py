@@ -79,6 +79,13 @@ def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, ru
     return config
 
 
+def check_config(template_dir: Path, config: Mapping) -> None:
+    """The template's own config check (its contract's `config.validate`) on the config the workers would get,
+    so a typo or an impossible value is bad input here, before anything is created. Raises BadInput naming
+    `job.config.FIELD`; a template that declares no check ships its config unchecked."""
+    contract.find(str(template_dir)).check_config(config)
+
+
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)

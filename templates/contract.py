@@ -14,8 +14,9 @@ A template is a Python package directory. Its `template.json` declares every par
     keras_by_tensorflow  optional: TF minor version -> the Keras the template is tested with (the agent pins it)
     uses           other built-in template packages shipped beside it in the bundle (shared code, not copies)
 
-Hooks are "MODULE:ATTR"; a MODULE starting with the template's own package is imported from the template
-(`tpuctl.templates.NAME...` for a built-in, the directory itself for a user's). A directory with a `train.py`
+Hooks are "MODULE:ATTR" with MODULE inside the template ("config:build"; "PKG.config" also works), imported from
+the template (`tpuctl.templates.NAME.MODULE` for a built-in, the directory itself for a user's); any other name
+is imported as installed. A directory with a `train.py`
 and no `template.json` is a program-only template: entry `NAME.train`, no presets, no data preparation.
 
 `jobs/` and the CLI reach templates only through `find()` / `builtins()` and the `Template` they return.
@@ -98,6 +99,7 @@ class Template:
     presets: Mapping[str, Preset] = field(default_factory=dict)
     default_preset: str = ""
     validate_config: Callable[[dict], Any] | None = None
+    validate_ref: str = ""  # the hook as declared, for hints
     parameter_count: Callable[[str], int] | None = None
     data: DataPrep | None = None
     outputs: Mapping[str, str] = field(default_factory=dict)
@@ -118,14 +120,18 @@ class Template:
         return self.presets[name]
 
     def check_config(self, config: Mapping) -> None:
-        """Run the template's own config validation on a resolved job config; BadInput naming job.config."""
+        """The template's own config check on a resolved job config, before anything is created. Raises
+        BadInput naming `job.config.FIELD` (the template's ConfigError carries `field` and `rule`)."""
         if self.validate_config is None:
             return
         try:
             self.validate_config(json.loads(json.dumps(dict(config))))
-        except ValueError as exc:  # the template's ConfigError: its message starts with the field
-            raise BadInput(str(exc), field="job.config",
-                           hint=f"fields and rules: the `config` hook of template {self.name}") from exc
+        except ValueError as exc:
+            field = getattr(exc, "field", None)
+            if field is None:
+                raise BadInput(str(exc), field="job.config") from exc
+            raise BadInput(getattr(exc, "rule", str(exc)), field=f"job.config.{field}" if field else "job.config",
+                           hint=f"see the {self.name} template's config schema ({self.validate_ref})") from exc
 
 
 def _bad(root: Path, what: str, hint: str = "") -> BadInput:
@@ -134,11 +140,13 @@ def _bad(root: Path, what: str, hint: str = "") -> BadInput:
 
 
 def _import(root: Path, builtin: bool, module: str):
-    package, _, rest = module.partition(".")
-    if package != root.name:
-        return importlib.import_module(module)
+    first, _, rest = module.partition(".")
+    if first == root.name:  # "PKG.mod": the template's own, spelled with its package name
+        module = rest
+    elif not ((root / f"{first}.py").is_file() or (root / first / "__init__.py").is_file()):
+        return importlib.import_module(module)  # an installed module, e.g. tpuctl.templates.bert.prepare
     if builtin:
-        return importlib.import_module(f"tpuctl.templates.{module}")
+        return importlib.import_module(f"tpuctl.templates.{root.name}.{module}")
     # A user's directory: imported under a private alias (per path) so it cannot shadow, or be shadowed by, a
     # built-in or another directory of the same name.
     alias = f"_tpuctl_template_{root.name}_{hashlib.sha256(str(root).encode()).hexdigest()[:8]}"
@@ -149,7 +157,7 @@ def _import(root: Path, builtin: bool, module: str):
         mod = importlib.util.module_from_spec(spec)
         sys.modules[alias] = mod
         spec.loader.exec_module(mod)
-    return importlib.import_module(f"{alias}.{rest}" if rest else alias)
+    return importlib.import_module(f"{alias}.{module}" if module else alias)
 
 
 def _hook(root: Path, builtin: bool, ref: Any, part: str):
@@ -166,6 +174,7 @@ def _hook(root: Path, builtin: bool, ref: Any, part: str):
 def load(root: Path, *, builtin: bool = False) -> Template:
     """The contract of the template in directory `root`. Raises BadInput naming the missing or broken part."""
     root = Path(root).resolve()
+    builtin = builtin or root.parent == builtin_root().resolve()
     if not root.name.isidentifier():
         raise BadInput(f"template directory name {root.name!r} is not a Python package name", field=FIELD,
                        hint="rename the directory to letters, digits and underscores")
@@ -211,7 +220,7 @@ def load(root: Path, *, builtin: bool = False) -> Template:
         name=meta.get("name", root.name), root=root, builtin=builtin, entry_module=meta["entry_module"],
         description=meta.get("description", ""), framework=meta.get("framework") or "tensorflow",
         keras_by_tensorflow=dict(meta.get("keras_by_tensorflow") or {}), presets=presets, default_preset=default_preset,
-        validate_config=_hook(root, builtin, config["validate"], "config.validate"),
+        validate_config=_hook(root, builtin, config["validate"], "config.validate"), validate_ref=config["validate"],
         parameter_count=(_hook(root, builtin, config["parameters"], "config.parameters")
                          if "parameters" in config else None),
         data=data, outputs=dict(meta["outputs"] or {}), uses=tuple(uses))

@@ -57,27 +57,37 @@ _SECTIONS = {"task": TaskConfig, "trainer": TrainerConfig, "runtime": RuntimeCon
 
 
 def build(data: dict[str, Any]) -> Gpt2Config:
-    """Defaults, then `data["preset"]`, then the sections of `data`; validated. Raises ConfigError."""
+    """Defaults, then `data["preset"]`, then the sections of `data`; validated. Raises ConfigError (with
+    `field` and `rule`: tpuctl runs this on the same config before it creates anything)."""
     if not isinstance(data, dict):
-        raise ConfigError("config: expected a JSON object")
-    unknown = set(data) - {"preset", *_SECTIONS}
-    if unknown:
-        raise ConfigError(f"config: unknown key(s) {sorted(unknown)}; expected preset, task, trainer, runtime")
+        raise ConfigError("", "expected a JSON object")
+    for key in data:
+        if key not in ("preset", *_SECTIONS):
+            raise ConfigError(str(key), _bert_config._unknown("key", str(key), ("preset", *_SECTIONS)))
     preset = data.get("preset") or ""
+    if not isinstance(preset, str):
+        raise ConfigError("preset", f"expected str, got {preset!r}")
     if preset and preset not in PRESETS:
-        raise ConfigError(f"config.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    sections = {name: _bert_config._section(cls, name, {**PRESETS.get(preset, {}).get(name, {}), **(data.get(name) or {})})
+        raise ConfigError("preset", _bert_config._unknown(f"preset {preset!r}", preset, PRESETS))
+    sections = {name: _bert_config._section(cls, name, {**PRESETS.get(preset, {}).get(name, {}),
+                                                         **_object(name, data.get(name) or {})})
                 for name, cls in _SECTIONS.items()}
     cfg = Gpt2Config(preset=preset, **sections)
     validate(cfg)
     return cfg
 
 
+def _object(name: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(name, "expected an object")
+    return value
+
+
 def load(path: str | Path) -> Gpt2Config:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"config: cannot read {path}: {exc}") from exc
+        raise ConfigError("", f"cannot read {path}: {exc}") from exc
     return build(data)
 
 
@@ -106,7 +116,7 @@ def validate(cfg: Gpt2Config) -> None:
     ]
     for ok, name, rule in checks:
         if not ok:
-            raise ConfigError(f"config.{name}: {rule}")
+            raise ConfigError(name, rule)
     _bert_config.validate(_bert_config.BertConfig(trainer=cfg.trainer, runtime=cfg.runtime))
 
 
