@@ -85,7 +85,7 @@ def test_unknown_preset_and_bad_config_are_bad_input():
     assert e.value.field == "job.preset" and "bert-tiny" in e.value.hint
     with pytest.raises(BadInput, match="per_replica_batch_size") as e:
         bert.check_config({"preset": "bert-tiny", "trainer": {"per_replica_batch_size": 12}})
-    assert e.value.field == "job.config"
+    assert e.value.field == "job.config.trainer.per_replica_batch_size"
 
 
 def test_no_module_of_jobs_or_the_cli_imports_a_template_by_name():
