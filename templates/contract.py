@@ -17,7 +17,7 @@ A template is a Python package directory. Its `template.json` declares every par
 Hooks are "MODULE:ATTR" with MODULE inside the template ("config:build"; "PKG.config" also works), imported from
 the template (`tpuctl.templates.NAME.MODULE` for a built-in, the directory itself for a user's); any other name
 is imported as installed. A directory with a `train.py`
-and no `template.json` is a program-only template: entry `NAME.train`, no presets, no data preparation.
+and no `template.json` is a program-only template: entry `NAME.train`, no presets, BERT's data preparation.
 
 `jobs/` and the CLI reach templates only through `find()` / `builtins()` and the `Template` they return.
 Loading reads files and imports the hooks' modules (light: no TensorFlow); it creates nothing.
@@ -183,7 +183,9 @@ def load(root: Path, *, builtin: bool = False) -> Template:
         if not (root / "train.py").is_file() and not (root / "train").is_dir():
             raise _bad(root, f"has neither {MANIFEST} nor train.py",
                        "a template is a Python package run as `python -m NAME.train --config CONFIG.json`")
-        return Template(name=root.name, root=root, builtin=builtin, entry_module=f"{root.name}.train")
+        # Its corpus, if the spec gives one, is prepared the way tpuctl always has: as BERT's.
+        return Template(name=root.name, root=root, builtin=builtin, entry_module=f"{root.name}.train",
+                        data=load(builtin_root() / "bert", builtin=True).data)
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except ValueError as exc:
