@@ -26,6 +26,7 @@ from .core import Fault, Faults, Meter, World
 from .schema import validator
 from .server import Api, HttpServer
 from .storage import StorageServer
+from .tokens import Tokens
 from .tpu import TpuService
 from .workers import WorkerPool
 
@@ -49,6 +50,8 @@ class LocalCloud:
         self._sampler: threading.Thread | None = None
         self._seen_buckets: set[str] = set()
         self.world: World | None = None
+        # Service account tokens: issued to guests, checked by Cloud Storage against bucket IAM.
+        self.tokens = Tokens()
         self.endpoint = ""
         self.storage_host = ""
         self.started = 0.0
@@ -62,10 +65,12 @@ class LocalCloud:
             self._tmp = root = Path(tempfile.mkdtemp(prefix="localcloud-"))
         try:
             workers = self._workers = WorkerPool(root / "workers")
-            self._storage = StorageServer(root / "storage" if self.state_dir is not None else None, validator)
+            self._storage = StorageServer(root / "storage" if self.state_dir is not None else None, validator,
+                                          tokens=self.tokens)
             self.storage_host = self._storage.start()
             w = self.world = World(speed=self.speed, strict=self.strict, state_dir=self.state_dir,
                                    workers=workers, storage_host=self.storage_host)
+            w.tokens = self.tokens
             self.tpu, self.compute, self.accounts = TpuService(w), ComputeService(w), AccountsService(w)
             w.services = {"tpu": self.tpu, "compute": self.compute}
             w.faults.on_add = self._apply_fault
@@ -240,6 +245,13 @@ class LocalCloud:
             live.add(name)
             self.world.meter.sample_bucket(name, f"bucket/{region}/standard", facts.STORAGE_PRICE_PER_GB_MONTH,
                                            float(b.get("bytes") or 0) / 1e9, now)
+        # Soft-deleted bytes bill at the storage class's rate until their hard delete time, also after their
+        # bucket is gone (cloud.google.com/storage/docs/soft-delete).
+        for bucket, soft in self._storage.soft_deleted().items():
+            name = f"buckets/{bucket}/soft-deleted"
+            live.add(name)
+            self.world.meter.sample_bucket(name, f"bucket/{soft['location'].lower()}/standard/soft-deleted",
+                                           facts.STORAGE_PRICE_PER_GB_MONTH, soft["bytes"] / 1e9, now)
         for gone in self._seen_buckets - live:
             self.world.meter.sample_bucket(gone, "", 0.0, None, now)
         self._seen_buckets = live

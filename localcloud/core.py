@@ -377,6 +377,7 @@ class World:
         self.state_dir = state_dir
         self.workers = workers
         self.storage_host = storage_host
+        self.tokens = None  # tokens.Tokens, set by LocalCloud: guests' service account tokens
         self.lock = threading.RLock()
         self.changed_cv = threading.Condition(self.lock)
         self.actions: dict[str, Callable[..., None]] = {}
