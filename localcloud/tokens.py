@@ -4,7 +4,8 @@ On Google a TPU VM's programs get their service account's token from the metadat
 (`instance/service-accounts/default/token`) and send it as `Authorization: Bearer TOKEN`; Cloud Storage then
 checks the bucket's IAM policy for that account. `Tokens` is the one place that mints such tokens and maps them
 back to the account, so the metadata server (whoever serves it) and the storage layer agree on the format.
-Tokens are opaque random strings with Google's `ya29.` prefix and an expiry; they die with the process.
+Tokens are opaque random strings with Google's `ya29.` prefix and an expiry; they die with the process (a worker
+asks the metadata server again, as google-auth does when a token expires or is refused).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-PREFIX = "ya29.localcloud-"
+# Only tokens of this shape are checked; any other bearer token (a user's real credentials) acts as the owner.
+PREFIX = "ya29.lcsa."
 LIFETIME_S = 3600  # what the metadata server's token response says in expires_in
 
 

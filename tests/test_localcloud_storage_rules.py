@@ -250,6 +250,6 @@ def test_another_accounts_binding_grants_nothing_and_a_forged_token_is_unauthent
     with pytest.raises(exceptions.Forbidden):
         worker(tokens).bucket("rules-b").blob("x").upload_from_string(b"x")
     answer = requests.get(f"{server.url}/storage/v1/b/rules-b/o",
-                          headers={"Authorization": "Bearer ya29.localcloud-forged"}, timeout=10)
+                          headers={"Authorization": "Bearer ya29.lcsa.forged"}, timeout=10)
     assert answer.status_code == 401
     assert answer.json()["error"]["errors"][0]["reason"] == "authError"
