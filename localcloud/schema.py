@@ -6,7 +6,8 @@ and return. Each `schemas` entry is converted to JSON Schema once and compiled l
 
 - `$ref: X` becomes `#/$defs/X`; every object is closed (unknown properties rejected) unless the
   discovery document declares `additionalProperties` (a map);
-- int64/uint64 (strings on the wire) must be digit strings (requests may send integers), enums must be one of the declared names;
+- int64/uint64 (strings on the wire) must be digit strings (requests may send integers),
+  enums must be one of the declared names;
 - in requests, output-only fields (`readOnly`, or a description starting "[Output Only]" / "Output
   only.") are forbidden; responses may carry them.
 

@@ -23,7 +23,7 @@ from tpuctl.provision.resources import Kind, Resource, State
 # reads the bucket's metadata (TensorFlow's gs:// makedirs stops at the run's prefix, which holds the bundle).
 ROLE = "roles/storage.objectUser"
 # Roles earlier versions granted; revoke removes them too.
-_FORMER_ROLES = ("roles/storage.objectAdmin",)
+FORMER_ROLES = ("roles/storage.objectAdmin",)
 Progress = Callable[[State, str], None]
 CROSS_REGION_WHY = ("reads from another region are billed per GB (inter-region egress) and starve the TPU's "
                     "input pipeline")
@@ -167,7 +167,7 @@ def revoke(clients: Clients, name: str, service_account: str, *, cancel: threadi
         policy = b.get_iam_policy(requested_policy_version=3)
         changed = False
         for binding in policy.bindings:
-            if binding["role"] in (ROLE, *_FORMER_ROLES) and who in binding["members"]:
+            if binding["role"] in (ROLE, *FORMER_ROLES) and who in binding["members"]:
                 binding["members"].discard(who)
                 changed = True
         if changed:

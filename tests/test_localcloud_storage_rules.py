@@ -79,6 +79,11 @@ def test_only_real_locations(server, location):
         owner().create_bucket("located", location=location)
 
 
+def test_every_tpu_region_can_hold_the_runs_bucket():
+    regions = {facts.region_of(z).upper() for zones in facts.ZONES_BY_GENERATION.values() for z in zones}
+    assert regions <= facts.GCS_REGIONS
+
+
 @pytest.mark.parametrize("location", ["us-central2", "europe-west4", "EU", "nam4", "africa-south1"])
 def test_real_locations_are_accepted(server, location):
     assert owner().create_bucket("located", location=location).location == location.upper()
