@@ -66,6 +66,14 @@ def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, k
                   cancel=cancel, on_rollback=on_rollback)
 
 
+def check_bucket(clients: Clients, plan: Plan) -> None:
+    """The refusal `apply` makes before creating anything, for a dry run to make too: an existing bucket outside
+    the TPU's region (unless the plan allows it). Read-only; raises BadInput naming `bucket`."""
+    existing = _bucket.lookup(clients, plan.bucket)
+    if existing is not None:
+        _bucket.check_region(existing, plan.region, allow_cross_region=plan.allow_cross_region)
+
+
 def list_resources(clients: Clients, run: str | None = None, *, include_iam: bool = False) -> list[Resource]:
     """Every resource carrying the tpuctl run label (of `run`, when given), across all zones. Read-only; blocks
     for the list calls (made concurrently)."""

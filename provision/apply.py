@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from tpuctl.errors import CapacityError, CloudError, Interrupted, TpuctlError
+from tpuctl.errors import CapacityError, CloudError, Interrupted, TpuctlError, capacity_hint
 from tpuctl.provision import bucket, tpu, vm
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.plan import Plan
@@ -237,7 +237,8 @@ def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted:
             continue
         say(key, State.READY.value, f"{len(r.workers)} worker(s)")
         return r
-    raise CapacityError(f"no capacity for {plan.accelerator.name} in {', '.join(zones)}: " + "; ".join(failures))
+    raise CapacityError(f"no capacity for {plan.accelerator.name} in {', '.join(zones)}: " + "; ".join(failures),
+                        hint=capacity_hint(plan.provisioning))
 
 
 def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, adopted: list[str], say: ProgressFn,
@@ -277,7 +278,8 @@ def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, ado
         say(undo.key, State.READY.value, spec.machine_type)
         return r
     raise CapacityError(f"no capacity for VM {name} ({spec.machine_type}) in {', '.join(zones)}: "
-                        + "; ".join(failures))
+                        + "; ".join(failures), hint="add zones with --zone (comma-separated, same region first) "
+                        "or give the VM another machine_type")
 
 
 def delete(clients: Clients, target: Undo, *, deadline_s: float = 900.0, cancel: threading.Event | None = None,

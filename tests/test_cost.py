@@ -34,12 +34,12 @@ def vm(name, run, owner="ann", created=0.0, deleted=None, mt="e2-standard-2", di
 
 
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("30m", 1800), ("2h", 7200), ("1h30m", 5400),
-                                          ("7d", 7 * 86400), ("1.5h", 5400), ("1w", 604800)])
+                                          ("7d", 7 * 86400), ("1.5h", 5400), ("1w", 604800), ("3600", 3600)])
 def test_parse_duration(text, seconds):
     assert cost.parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "2", "h", "2x", "2h bogus", "-1h"])
+@pytest.mark.parametrize("text", ["", "0", "0s", "h", "2x", "2h bogus", "-1h"])
 def test_parse_duration_rejects(text):
     with pytest.raises(BadInput) as err:
         cost.parse_duration(text, field="ttl")

@@ -52,6 +52,9 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         if value:
             out[name] = value
     if env.get("TPUCTL_SPOT", "").lower() in ("1", "true", "yes"):
+        if out.get("provisioning", "spot") != "spot":
+            raise BadInput(f"TPUCTL_SPOT=1 and TPUCTL_PROVISIONING={out['provisioning']} ask for different capacity",
+                           field="provisioning", hint="unset one of them: TPUCTL_SPOT=1 is TPUCTL_PROVISIONING=spot")
         out["provisioning"] = "spot"
     return out
 
@@ -165,6 +168,23 @@ def ensure_endpoint(settings: Settings) -> Settings:
     endpoint, storage_host = _local_endpoints(None, None)
     return Settings(target="local", project=settings.project, endpoint=endpoint.rstrip("/"),
                     storage_host=storage_host.rstrip("/"), sources=settings.sources)
+
+
+def reachable(settings: Settings) -> Settings | None:
+    """The settings with endpoints when the target answers without starting anything (GCP, a local cloud named
+    by the environment, the embedded one already running); None when only starting the embedded cloud would
+    reach it. For dry runs, which read but never start or create."""
+    if not settings.local or settings.endpoint is not None:
+        return settings
+    try:
+        from tpuctl.localcloud import daemon
+    except ImportError:  # a base install without the [local] extra has no embedded cloud to ask
+        return None
+    info = daemon.status(paths.localcloud_dir())
+    if info is None:
+        return None
+    return Settings(target="local", project=settings.project, endpoint=info["endpoint"].rstrip("/"),
+                    storage_host=info["storage_host"].rstrip("/"), sources=settings.sources)
 
 
 def _local_endpoints(endpoint: str | None, storage_host: str | None) -> tuple[str, str]:

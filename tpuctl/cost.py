@@ -9,10 +9,10 @@ counted: they bill at the storage rate until their hard delete time.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from tpuctl import spec as spec_mod
 from tpuctl.catalog import Catalog, region_of
 from tpuctl.errors import BadInput
 from tpuctl.ledger import SOFT_DELETED, Entry
@@ -20,17 +20,14 @@ from tpuctl.ledger import SOFT_DELETED, Entry
 HOURS_PER_MONTH = 730.0  # Google's billing convention for per-month prices
 GROUPINGS = ("run", "owner", "type")
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def parse_duration(text: str, *, field: str = "duration") -> float:
-    """"90m", "2h", "1h30m", "7d" -> seconds; BadInput naming `field` otherwise."""
-    s = str(text).strip().lower().replace(" ", "")
-    parts = _DURATION.findall(s)
-    if not s or "".join(n + u for n, u in parts) != s:
-        raise BadInput(f"{text!r} is not a duration", field=field, hint="write it like 90m, 2h, 1h30m or 7d")
-    return float(sum(float(n) * _UNIT_SECONDS[u] for n, u in parts))
+    """"90m", "2h", "1h30m", "7d", "3600" -> seconds (the spec's grammar); BadInput naming `field` otherwise."""
+    try:
+        return spec_mod.parse_duration(text)
+    except ValueError as exc:
+        raise BadInput(str(exc), field=field, hint="write it like 90m, 2h, 1h30m, 7d or 3600 (seconds)") from exc
 
 
 # -- prices of one resource ---------------------------------------------------------------------------------

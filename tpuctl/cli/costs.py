@@ -209,21 +209,24 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
                every: str, project: str | None, cloud: str | None, as_json: bool) -> None:
     """Delete runs that outlived their purpose (the cleanup cron).
 
-    A run goes when its TTL passed, its job finished or failed, it is idle, its TPU was preempted and nobody
-    is recovering it, or it is over --budget. Never touches resources without tpuctl labels, nor other
-    owners' runs unless --all-owners. Exit 0 all done, 1 some deletions failed, 2 bad input.
+    A run goes when its TTL passed, its job finished, failed or was cancelled, it is idle, its TPU was
+    preempted and nobody is recovering it, or it is over --budget. Never touches resources without tpuctl
+    labels, nor other owners' runs unless --all-owners. Exit 0 all done, 1 some deletions failed, 2 bad input.
     """
     from tpuctl.provision import gc, labels
 
     idle_s = None if idle.strip().lower() in ("off", "0", "none") else cost.parse_duration(idle, field="idle")
     if budget is not None and budget <= 0:
         raise BadInput(f"budget {budget} is not positive", field="budget", hint="give USD, e.g. --budget 50")
+    if budget is None and ctx.get_parameter_source("budget_per") is not click.core.ParameterSource.DEFAULT:
+        raise BadInput(f"--budget-per {budget_per} applies --budget, which was not given", field="budget-per",
+                       hint=f"add --budget USD, e.g. --budget 50 --budget-per {budget_per}")
     timeout_s = cost.parse_duration(timeout, field="timeout")
     if lock_wait < 0:
         raise BadInput("--lock-wait must be >= 0 seconds", field="lock-wait")
     if schedule or install:
         every_s = cost.parse_duration(every, field="every")
-        argv = [*_tpuctl_argv(), "gc", "--idle", idle, "--budget-per", budget_per]
+        argv = [*_tpuctl_argv(), "gc", "--idle", idle] + (["--budget-per", budget_per] if budget is not None else [])
         for flag, on in (("--all-owners", all_owners), ("--buckets", buckets)):
             argv += [flag] if on else []
         for flag, value in (("--budget", budget), ("--owner", owner), ("--project", project), ("--cloud", cloud)):

@@ -6,6 +6,7 @@ commands that talk to a cloud, so `tpuctl --help` and the other commands start f
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -89,11 +90,16 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
     from tpuctl import provision as prov
     from tpuctl.provision import inventory
 
+    if spot and provisioning not in (None, "spot"):
+        raise BadInput(f"--spot and --provisioning {provisioning} ask for different capacity", field="provisioning",
+                       hint="give one of them: --spot is --provisioning spot")
     flags = {"name": name, "project": project, "zone": zone, "accelerator": accelerator,
              "runtime_version": runtime_version, "provisioning": "spot" if spot else provisioning, "bucket": bucket,
              "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region}
     spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=migrate)
     plan = prov.plan(spec, project=settings.project)
+    if dry_run:
+        _dry_run_checks(settings, plan, named_bucket=spec.bucket != "auto")
     if as_json and dry_run:
         console.emit_json({"plan": plan.to_json(), "target": settings.target})
         return
@@ -122,6 +128,18 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
     console.info(f"bucket gs://{plan.bucket}; when done: tpuctl down {plan.run}")
 
 
+def _dry_run_checks(settings: config.Settings, plan: prov.Plan, *, named_bucket: bool) -> None:
+    """What `up` would refuse after reading the cloud, refused by the dry run too, when the cloud answers
+    without being started (a dry run starts and creates nothing)."""
+    from tpuctl import provision as prov
+
+    target = config.reachable(settings)
+    if target is not None:
+        prov.check_bucket(prov.connect(target), plan)
+    elif named_bucket:
+        console.note(f"not checked: where bucket {plan.bucket} is (the local cloud is not running)")
+
+
 @click.command("down")
 @click.argument("run")
 @_cloud_options
@@ -131,16 +149,22 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
 def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
     """Delete every resource of RUN in parallel, then verify nothing with its label remains."""
     from tpuctl import provision as prov
-    from tpuctl.provision import inventory
+    from tpuctl.provision import inventory, labels
 
+    labels.check_name(run, field="run")  # no resource can carry an invalid name: a typo, not an empty run
     settings = config.settings(project=project, cloud=cloud)
     clients = prov.connect(settings)
     found = prov.list_resources(clients, run, include_iam=True)
     if not found:
+        # Idempotent (a second `down` is not an error), but a mistyped name must not pass for a clean one.
+        runs = sorted({r.run for r in prov.list_resources(clients) if r.run})
+        close = difflib.get_close_matches(run, runs, n=1, cutoff=0.5)
         if as_json:
-            console.emit_json({"run": run, "deleted": [], "kept": []})
+            console.emit_json({"run": run, "deleted": [], "kept": [], "closest_run": close[0] if close else None})
         else:
-            console.info(f"run {run}: nothing carries its label; nothing to delete")
+            console.info(f"run {run}: nothing carries its label in project {settings.project}; nothing to delete"
+                         + (f"; did you mean {close[0]} (`tpuctl down {close[0]}`)?" if close else
+                            "; `tpuctl list` shows the runs that exist"))
         return
     going = [r for r in found if delete_bucket or r.kind not in (prov.Kind.BUCKET, prov.Kind.IAM)]
     if not as_json:
