@@ -56,6 +56,7 @@ class Plan:
     vms: tuple[VmSpec, ...]
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = field(default=())
+    internal_ips: bool = False
     bucket_soft_delete_s: int = 0  # soft delete retention of a bucket tpuctl creates; 0 = off
 
     @property
@@ -76,6 +77,7 @@ class Plan:
             "runtime_version": self.runtime_version, "provisioning": self.provisioning,
             "bucket": f"gs://{self.bucket}", "bucket_soft_delete": format_duration(self.bucket_soft_delete_s)
             if self.bucket_soft_delete_s else "0s", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
+            "internal_ips": self.internal_ips,
             "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
             "steps": [{"key": s.key, "kind": s.kind.value, "name": s.name, "location": s.location,
                        "after": list(s.after), "price_per_hour": round(s.price_per_hour, 4), "detail": s.detail}
@@ -156,7 +158,7 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 provisioning=spec.provisioning, valid_until_s=spec.valid_until_s, bucket=bucket,
                 service_account=spec.service_account, network=spec.network, subnet=spec.subnet,
                 tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
-                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes),
+                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes), internal_ips=spec.internal_ips,
                 bucket_soft_delete_s=spec.bucket_soft_delete_s)
 
 
