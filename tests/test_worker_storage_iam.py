@@ -133,3 +133,21 @@ def test_read_and_create_without_delete_is_not_enough(cloud, clients, metadata, 
     store = agent.Store(_job(clients, run_bucket), 0, tmp_path / "gcs")
     with pytest.raises(exceptions.Forbidden, match="storage.objects.delete"):
         _train_like_a_job(store, tmp_path)
+
+
+def test_the_tpu_workers_metadata_token_is_its_service_account_for_storage(cloud, clients, pc, run_bucket):
+    """No stand-in: the token a TPU worker's own metadata server hands out is checked against bucket IAM."""
+    from google.cloud import storage, tpu_v2
+    from google.oauth2.credentials import Credentials
+
+    parent = f"projects/{clients.project}/locations/europe-west4-a"
+    node = tpu_v2.Node(accelerator_type="v3-8", runtime_version="tpu-vm-tf-2.16.0-pjrt")
+    clients.tpu.create_node(parent=parent, node_id="iam-node", node=node).result(timeout=60)
+    tree = cloud.tpu.guest_metadata(f"{parent}/nodes/iam-node", 0)
+    account = tree["instance"]["service-accounts"]["default"]
+    token = account["token"].value["access_token"]
+    gcs = storage.Client(project=clients.project, credentials=Credentials(token))
+    with pytest.raises(exceptions.Forbidden, match=f"{account['email']} does not have storage.objects.list"):
+        list(gcs.list_blobs(run_bucket.name))
+    B.grant(pc, run_bucket.name, account["email"], run="r1", region="europe-west4")
+    assert [b.name for b in gcs.list_blobs(run_bucket.name)] == ["runs/r1/data/part-0.tfrecord"]
