@@ -43,13 +43,16 @@ __all__ = [
 
 
 def plan(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
-         now: float | None = None, price_fn: Callable[[str, str, bool], float] | None = None) -> Plan:
+         now: float | None = None, price_fn: Callable[[str, str, bool], float] | None = None,
+         framework: str | None = None) -> Plan:
     """Validate `spec` and lay out the step DAG with its $/hour. Pure: no API call, never blocks.
 
     Raises BadInput naming the field (unknown type, zone not offering it, runtime of another generation,
-    bad names/labels, zones outside the bucket's region) so that nothing is created on bad input.
+    bad names/labels, zones outside the bucket's region, a type or runtime without the job's `framework`)
+    so that nothing is created on bad input.
     """
-    return _make_plan(spec, project=project, catalog=catalog, owner=owner, now=now, price_fn=price_fn)
+    return _make_plan(spec, project=project, catalog=catalog, owner=owner, now=now, price_fn=price_fn,
+                      framework=framework)
 
 
 def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, keep_on_failure: bool = False,

@@ -91,8 +91,11 @@ def default_run_name(spec: RunSpec, owner: str) -> str:
 
 
 def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
-         now: float | None = None, price_fn=None) -> Plan:
+         now: float | None = None, price_fn=None, framework: str | None = None) -> Plan:
     """Validate `spec` and lay out the plan. Pure; raises BadInput naming the field.
+
+    `framework` is what the job's template runs ("tensorflow"; None when no job is planned): the type and
+    runtime must run it (`Catalog.check`).
 
     `price_fn(accelerator, region, spot) -> $/h` prices the TPU (the cost module's, when present); VMs are
     priced from the catalog.
@@ -119,7 +122,7 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     runtime = spec.runtime_version
     runtime = runtime or t.default_runtime
     for z in zones:
-        catalog.check(t.name, z, runtime)
+        catalog.check(t.name, z, runtime, framework)
     run = spec.name or default_run_name(spec, owner)
     L.check_name(run, field="name", max_len=40)
     bucket = L.auto_bucket(project, run) if spec.bucket == "auto" else spec.bucket.removeprefix("gs://").rstrip("/")
