@@ -141,7 +141,9 @@ def test_the_tpu_workers_metadata_token_is_its_service_account_for_storage(cloud
     from google.oauth2.credentials import Credentials
 
     parent = f"projects/{clients.project}/locations/europe-west4-a"
-    node = tpu_v2.Node(accelerator_type="v3-8", runtime_version="tpu-vm-tf-2.16.0-pjrt")
+    from tpuctl.localcloud import facts
+
+    node = tpu_v2.Node(accelerator_type="v3-8", runtime_version=facts.RUNTIMES_BY_GENERATION["v3"][0])
     clients.tpu.create_node(parent=parent, node_id="iam-node", node=node).result(timeout=60)
     tree = cloud.tpu.guest_metadata(f"{parent}/nodes/iam-node", 0)
     account = tree["instance"]["service-accounts"]["default"]
