@@ -21,6 +21,7 @@ from tpuctl.errors import CapacityError, WaitTimeout
 from tpuctl.errors import NotFound as _NotFound
 from tpuctl.provision import bucket as _bucket
 from tpuctl.provision import inventory as _inventory
+from tpuctl.provision import oslogin as _oslogin
 from tpuctl.provision import tpu as _tpu
 # Imported before `def apply` below: importing the submodule binds the package attribute `apply` to it,
 # and the function defined afterwards must win.
@@ -37,7 +38,7 @@ from tpuctl.spec import RunSpec
 
 __all__ = [
     "ApplyResult", "Clients", "DownResult", "Kind", "Plan", "ProgressFn", "Resource", "RunStatus", "State", "Step",
-    "Worker", "add_ssh_key", "apply", "bucket_contents", "connect", "delete_node", "down", "get_node", "list_resources",
+    "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents", "connect", "delete_node", "down", "get_node", "list_resources",
     "plan", "recreate_node", "status", "wait_node_ready", "workers",
 ]
 
@@ -47,28 +48,41 @@ REPAIR_DEADLINE_S = 1800.0
 
 
 def plan(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
-         now: float | None = None, price_fn: Callable[[str, str, bool], float] | None = None) -> Plan:
+         now: float | None = None, price_fn: Callable[[str, str, bool], float] | None = None,
+         framework: str | None = None) -> Plan:
     """Validate `spec` and lay out the step DAG with its $/hour. Pure: no API call, never blocks.
 
     Raises BadInput naming the field (unknown type, zone not offering it, runtime of another generation,
-    bad names/labels, zones outside the bucket's region) so that nothing is created on bad input.
+    bad names/labels, zones outside the bucket's region, a type or runtime without the job's `framework`)
+    so that nothing is created on bad input.
     """
-    return _make_plan(spec, project=project, catalog=catalog, owner=owner, now=now, price_fn=price_fn)
+    return _make_plan(spec, project=project, catalog=catalog, owner=owner, now=now, price_fn=price_fn,
+                      framework=framework)
 
 
 def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, keep_on_failure: bool = False,
           deadline_s: float = DEFAULT_DEADLINE_S, cancel: threading.Event | None = None,
-          on_rollback: Callable[[list[str]], None] | None = None) -> ApplyResult:
+          on_rollback: Callable[[list[str]], None] | None = None,
+          on_gone: Callable[[list], None] | None = None) -> ApplyResult:
     """Create what `plan` needs and block until all of it is READY; returns what exists and what was made.
 
     Idempotent (adopts the run's existing resources, creates only what is missing). Independent steps run
     concurrently; the TPU fails over to the plan's next zone on capacity errors. On failure, `cancel` or
     KeyboardInterrupt everything this call created is deleted (unless `keep_on_failure`) before the error
     propagates; a second KeyboardInterrupt stops the cleanup and the error's hint is `tpuctl down RUN`.
-    `progress(key, state, detail)` is called from worker threads.
+    `progress(key, state, detail)` is called from worker threads. `on_gone(entries)` hears, as cost ledger
+    entries, of what this call created and deleted again (rolled back, or a zone without capacity).
     """
     return _apply(clients, plan, progress=progress, keep_on_failure=keep_on_failure, deadline_s=deadline_s,
-                  cancel=cancel, on_rollback=on_rollback)
+                  cancel=cancel, on_rollback=on_rollback, on_gone=on_gone)
+
+
+def check_bucket(clients: Clients, plan: Plan) -> None:
+    """The refusal `apply` makes before creating anything, for a dry run to make too: an existing bucket outside
+    the TPU's region (unless the plan allows it). Read-only; raises BadInput naming `bucket`."""
+    existing = _bucket.lookup(clients, plan.bucket)
+    if existing is not None:
+        _bucket.check_region(existing, plan.region, allow_cross_region=plan.allow_cross_region)
 
 
 def list_resources(clients: Clients, run: str | None = None, *, include_iam: bool = False) -> list[Resource]:
@@ -134,6 +148,25 @@ def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: s
     """
 
     return _tpu.add_ssh_key(clients, zone, name, user, public_key, deadline_s=deadline_s)
+
+
+def authorize_key(clients: Clients, zone: str, name: str, user: str, public_key: str, *,
+                  deadline_s: float = 300.0) -> str:
+    """Let `public_key` log in to the node's workers; returns the login name to use with it.
+
+    With OS Login on (`enable-oslogin` in the node's metadata, else the project's) the guest ignores `ssh-keys`:
+    the key goes into the caller's OS Login profile and the name is the profile's POSIX user. Otherwise
+    `user:public_key` goes into the node's `ssh-keys` metadata (blocking until applied) and the name is `user`.
+    Idempotent. BadInput at once, before any retry, when OS Login is on and cannot be used (account unknown).
+    """
+
+    node = _tpu.get_node(clients, zone, name)
+    if node is None:
+        raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
+    if _oslogin.enabled(_oslogin.project_metadata(clients), dict(node.metadata)):
+        return _oslogin.login_user(clients, public_key)
+    _tpu.add_ssh_key(clients, zone, name, user, public_key, deadline_s=deadline_s)
+    return user
 
 
 def wait_node_ready(clients: Clients, zone: str, name: str, *, deadline_s: float = DEFAULT_DEADLINE_S,

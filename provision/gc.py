@@ -11,10 +11,11 @@ Three steps, each testable alone:
 3. `execute` deletes the selected resources in parallel with the provisioning layer's delete functions
    (NotFound counts as done, so two gc runs racing never fail on each other's deletions).
 
-Why a run goes: its TTL (`tpuctl-expires`) passed; its job succeeded or failed; its job stopped heart-
-beating for the idle window; its TPU was preempted and nobody is recovering it; its accrued cost passed
-the budget (per run or per owner). A run whose status says `recovering` is safe from the preempted, idle and
-failed rules (the `run` command is bringing it back); TTL and budget are hard limits and still apply.
+Why a run goes: its TTL (`tpuctl-expires`) passed; its job succeeded, failed or was cancelled; its job
+stopped heart-beating for the idle window; its TPU was preempted and nobody is recovering it; its accrued
+cost passed the budget (per run or per owner). A run whose status says `recovering` is safe from the
+preempted, idle, failed and cancelled rules (the `run` command is bringing it back); TTL and budget are hard
+limits and still apply.
 Buckets go only with `buckets=True` and only once their *own* TTL passed: they hold the trained model.
 """
 
@@ -47,6 +48,7 @@ class Reason(str, Enum):
     EXPIRED = "expired"
     FINISHED = "finished"
     FAILED = "failed"
+    CANCELLED = "cancelled"
     IDLE = "idle"
     PREEMPTED = "preempted"
     OVER_BUDGET = "over-budget"
@@ -60,7 +62,7 @@ COMPUTE_KINDS = (Kind.TPU, Kind.QUEUED, Kind.VM)
 class JobStatus:
     """The job's own account of itself, as the jobs layer writes it."""
 
-    state: str  # "running" | "succeeded" | "failed"
+    state: str  # "running" | "succeeded" | "failed" | "cancelled" (`tpuctl job cancel`)
     heartbeat: float | None  # unix seconds of the last sign of life
     recovering: bool = False
 
@@ -160,6 +162,8 @@ def run_reasons(run: _Run, status: JobStatus | None, accrued_usd: float, owner_u
         reasons.append(Reason.FINISHED)
     if current and status.state == "failed" and not recovering:
         reasons.append(Reason.FAILED)
+    if current and status.state == "cancelled" and not recovering:
+        reasons.append(Reason.CANCELLED)
     if (policy.idle_s is not None and status is not None and status.state == "running" and not recovering
             and (status.heartbeat is None or policy.now - status.heartbeat > policy.idle_s)):
         reasons.append(Reason.IDLE)
@@ -361,12 +365,19 @@ def collect(clients: Clients, policy: Policy, *, catalog: Catalog, ledger: Ledge
 
 def run(clients: Clients, policy: Policy, *, dry_run: bool, catalog: Catalog, ledger: Ledger, lock: Path,
         lock_wait_s: float = 0.0, on_outcome: Callable[[Outcome], None] | None = None, deadline_s: float = 900.0,
-        cancel: threading.Event | None = None) -> GcResult:
-    """One complete gc pass under the lock: scan, decide, delete (or only report with `dry_run`)."""
+        cancel: threading.Event | None = None,
+        confirm: Callable[[list[Action]], None] | None = None) -> GcResult:
+    """One complete gc pass under the lock: scan, decide, delete (or only report with `dry_run`).
+
+    `confirm(deletions)` sees what is about to go, before anything is deleted and only when something is;
+    it raises to stop the pass (the CLI asks the user there)."""
     with exclusive(lock, wait_s=lock_wait_s) as held:
         if not held:
             return GcResult(outcomes=(), scanned=0, locked_out=True)
         resources, actions = collect(clients, policy, catalog=catalog, ledger=ledger)
+        going = [a for a in actions if a.verdict == "delete"]
+        if confirm is not None and going and not dry_run:
+            confirm(going)
         outcomes = execute(clients, actions, dry_run=dry_run, ledger=ledger, on_outcome=on_outcome,
                            deadline_s=deadline_s, cancel=cancel)
         return GcResult(outcomes=tuple(outcomes), scanned=len(resources))

@@ -55,6 +55,7 @@ class Plan:
     vms: tuple[VmSpec, ...]
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = field(default=())
+    internal_ips: bool = False
 
     @property
     def spot(self) -> bool:
@@ -73,6 +74,7 @@ class Plan:
             "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts,
             "runtime_version": self.runtime_version, "provisioning": self.provisioning,
             "bucket": f"gs://{self.bucket}", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
+            "internal_ips": self.internal_ips,
             "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
             "steps": [{"key": s.key, "kind": s.kind.value, "name": s.name, "location": s.location,
                        "after": list(s.after), "price_per_hour": round(s.price_per_hour, 4), "detail": s.detail}
@@ -86,8 +88,11 @@ def default_run_name(spec: RunSpec, owner: str) -> str:
 
 
 def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
-         now: float | None = None, price_fn=None) -> Plan:
+         now: float | None = None, price_fn=None, framework: str | None = None) -> Plan:
     """Validate `spec` and lay out the plan. Pure; raises BadInput naming the field.
+
+    `framework` is what the job's template runs ("tensorflow"; None when no job is planned): the type and
+    runtime must run it (`Catalog.check`).
 
     `price_fn(accelerator, region, spot) -> $/h` prices the TPU (the cost module's, when present); VMs are
     priced from the catalog.
@@ -114,7 +119,7 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     runtime = spec.runtime_version
     runtime = runtime or t.default_runtime
     for z in zones:
-        catalog.check(t.name, z, runtime)
+        catalog.check(t.name, z, runtime, framework)
     run = spec.name or default_run_name(spec, owner)
     L.check_name(run, field="name", max_len=40)
     bucket = L.auto_bucket(project, run) if spec.bucket == "auto" else spec.bucket.removeprefix("gs://").rstrip("/")
@@ -151,7 +156,7 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 provisioning=spec.provisioning, valid_until_s=spec.valid_until_s, bucket=bucket,
                 service_account=spec.service_account, network=spec.network, subnet=spec.subnet,
                 tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
-                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes))
+                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes), internal_ips=spec.internal_ips)
 
 
 def _order_zones(zones: tuple[str, ...]) -> tuple[str, ...]:

@@ -34,12 +34,12 @@ def vm(name, run, owner="ann", created=0.0, deleted=None, mt="e2-standard-2", di
 
 
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("30m", 1800), ("2h", 7200), ("1h30m", 5400),
-                                          ("7d", 7 * 86400), ("1.5h", 5400), ("1w", 604800)])
+                                          ("7d", 7 * 86400), ("1.5h", 5400), ("1w", 604800), ("3600", 3600)])
 def test_parse_duration(text, seconds):
     assert cost.parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "2", "h", "2x", "2h bogus", "-1h"])
+@pytest.mark.parametrize("text", ["", "0", "0s", "h", "2x", "2h bogus", "-1h"])
 def test_parse_duration_rejects(text):
     with pytest.raises(BadInput) as err:
         cost.parse_duration(text, field="ttl")
@@ -80,6 +80,24 @@ def test_report_groups_windows_and_sorts(cat):
     with pytest.raises(BadInput) as err:
         cost.report(entries, cat, since=0, now=H, by="zone")
     assert err.value.field == "by"
+
+
+def test_rolled_back_resources_cost_like_others_and_are_counted_apart(cat):
+    entries = [tpu("a", "r1", created=0, deleted=H), replace(tpu("a", "r1", zone="europe-west4-b", created=0,
+                                                                  deleted=0.25 * H), rolled_back=True)]
+    [row] = cost.report(entries, cat, since=0, now=2 * H, by="run").rows
+    assert (row.resources, row.rolled_back) == (2, 1)
+    assert row.usd == pytest.approx(1.25 * 8.8) and row.rolled_back_usd == pytest.approx(0.25 * 8.8)
+    assert cost.report(entries, cat, since=0, now=2 * H).to_json()["rows"][0]["rolled_back"] == 1
+
+
+def test_a_rolled_back_entry_keeps_its_end_when_a_scan_saw_it_alive(tmp_path):
+    book = Ledger(tmp_path / "ledger.json")
+    seen_alive = tpu("a", "r1", created=10.0)
+    book.record([seen_alive])
+    book.record([replace(seen_alive, created=9.5, deleted=20.0, rolled_back=True)])
+    [e] = book.entries()
+    assert (e.created, e.deleted, e.rolled_back) == (9.5, 20.0, True)
 
 
 def test_estimate_with_and_without_a_bound(cat):

@@ -55,6 +55,7 @@ def test_label_without_owner_is_not_ours():
 @pytest.mark.parametrize("status,reason", [
     (gc.JobStatus("succeeded", NOW), "finished"),
     (gc.JobStatus("failed", NOW), "failed"),
+    (gc.JobStatus("cancelled", NOW), "cancelled"),
     (gc.JobStatus("running", NOW - 1801), "idle"),
     (gc.JobStatus("running", None), "idle"),
 ])

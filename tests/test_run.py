@@ -94,6 +94,8 @@ def test_run_trains_on_every_worker_and_tears_down(tpc, cloud, project, tmp_path
         assert json.loads(log[0][len("args="):]) == HOSTILE
         assert "step=15 loss=0.667 examples_per_sec=100.0" in log
     assert _no_pwned(_text(tpc, o.bucket, "runs/ok-run/logs/worker-0.log"))
+    # Paths as the user will use them, not the local cloud worker's mirror of the bucket.
+    assert f"checkpoint step=15 path=gs://{o.bucket}/runs/ok-run/model/ckpt-15.json" in log
     assert set(o.phases) >= {"validate", "up", "upload", "launch", "train", "tear down", "collect"}
     assert o.last_step_to_delete_s is not None and o.last_step_to_delete_s <= 5
 
@@ -192,7 +194,7 @@ def test_max_recoveries_zero_fails_on_preemption_and_tears_down(tpc, cloud, proj
 # ---------------------------------------------------------------------------------- the CLI, as a process
 
 def _env(cloud, tmp_path, project: str) -> dict:
-    return {**os.environ, "TPUCTL_API_ENDPOINT": cloud.endpoint, "TPUCTL_STORAGE_HOST": cloud.storage_host,
+    return {**os.environ, "TPUCTL_API_ENDPOINT": cloud.endpoint, "STORAGE_EMULATOR_HOST": cloud.storage_host,
             "TPUCTL_PROJECT": project, "TPUCTL_HOME": str(tmp_path / "home"), "NO_COLOR": "1",
             "PYTHONUNBUFFERED": "1"}
 
@@ -308,6 +310,29 @@ def test_real_bert_tiny_run_ends_with_a_checkpoint_in_the_bucket_and_nothing_liv
     assert {"export/model.keras", "export/vocab.txt", "export/metrics.json"} <= set(o.artifacts)
 
 
+@pytest.mark.slow
+@pytest.mark.tf
+def test_real_bert_on_a_4_worker_slice_is_driven_by_worker_0_found_from_metadata_alone(tpc, cloud, project):
+    """No TPU_* variable on any worker: each learns its index, its peers and the node's name from its metadata
+    server; worker 0 trains (a CPU rehearsal, as the local cloud asks), workers 1-3 idle, as on a real slice."""
+    spec = spec_mod.from_mapping({
+        "name": "bert-pod", "zone": "us-central1-a", "accelerator": "v3-32", "provisioning": "spot",
+        "job": {"template": "bert", "preset": "bert-tiny",
+                "config": {"trainer": {"max_steps": 10, "checkpoint_every": 10, "log_every": 5,
+                                       "steps_per_execution": 5, "warmup_steps": 2}},
+                "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    o = p.run()
+    assert o.state == "succeeded" and o.step == 10
+    logs = [_text(tpc, o.bucket, f"runs/bert-pod/logs/worker-{w}.log") for w in range(4)]
+    assert "start strategy=cpu replicas=1 hosts=1 " in logs[0] and "done step=10 " in logs[0]
+    for w in (1, 2, 3):
+        assert f"idle worker={w} reason=pod-slice-driven-by-worker-0" in logs[w]
+        assert "start strategy=" not in logs[w] and "step=" not in logs[w]
+    assert {"export/model.keras", "export/metrics.json"} <= set(o.artifacts)
+    assert _zero(cloud, project)
+
+
 def test_lost_worker_is_detected_and_the_run_recovers(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("kw-run", trainer={"max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.1}))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
@@ -364,15 +389,33 @@ def test_ssh_passes_words_verbatim_and_job_cancel_stops_the_job(cloud, project, 
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["a; b", "$(touch PWNED)", "it's"]
     assert "PWNED" not in _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "ls", "-a").stdout
-    assert _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "exit 7").returncode == 7
-    r = _tpuctl(cloud, tmp_path, project, "job", "cancel", "cx-run")
+    # tpuctl's exit codes mean tpuctl's outcomes (3 is "no capacity"): a remote failure is reported, exit 1.
+    r = _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "exit 3")
+    assert r.returncode == 1 and "worker 0: exit 3" in r.stderr, r.stderr
+    r = _tpuctl(cloud, tmp_path, project, "job", "cancel", "cx-run", "--json")
     assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["state"] == "cancelled" and json.loads(r.stdout)["cancelled_workers"] == [0]
     doc = json.loads(_tpuctl(cloud, tmp_path, project, "job", "status", "cx-run", "--json").stdout)
     assert doc["workers"] == [{"index": 0, "state": "exited", "exit_code": 143, "pid": None}]
-    assert doc["status"]["state"] == "failed" and doc["status"]["cancelled"] is True
+    assert doc["status"]["state"] == "cancelled"
+    text = _tpuctl(cloud, tmp_path, project, "job", "status", "cx-run")
+    assert text.stderr.startswith("run cx-run: cancelled, step ") and "None" not in text.stderr, text.stderr
+    again = _tpuctl(cloud, tmp_path, project, "job", "cancel", "cx-run")
+    assert again.returncode == 0 and "already ended (cancelled); nothing to cancel" in again.stderr, again.stderr
     assert _tpuctl(cloud, tmp_path, project, "down", "cx-run", "--yes").returncode == 0
     logs = _tpuctl(cloud, tmp_path, project, "logs", "cx-run")
     assert logs.returncode == 0 and "[w0] step=1 loss=10.000 examples_per_sec=100.0" in logs.stdout.splitlines()
+
+
+def test_job_status_before_the_first_step_says_so_rather_than_step_none(cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, _spec("ns-run", accelerator="v3-8", trainer={"max_steps": 2, "step_seconds": 600}))
+    assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0
+    r = _tpuctl(cloud, tmp_path, project, "job", "status", "ns-run")
+    assert r.returncode == 0 and r.stderr.startswith("run ns-run: running, no step finished yet"), r.stderr
+    assert "None" not in r.stderr
+    assert _tpuctl(cloud, tmp_path, project, "job", "cancel", "ns-run").returncode == 0
+    assert _tpuctl(cloud, tmp_path, project, "down", "ns-run", "--yes", "--delete-bucket").returncode == 0
+    assert _zero(cloud, project)
 
 
 def test_dry_run_plans_and_creates_nothing(cloud, project, tmp_path):
@@ -392,6 +435,32 @@ def test_missing_corpus_is_bad_input_before_anything_is_created(cloud, project, 
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
 
 
+@pytest.mark.parametrize("trainer, error", [
+    ({"max_step": 30}, "error: job.config.trainer.max_step: unknown field; did you mean max_steps?"),
+    ({"max_steps": 35}, "error: job.config.trainer.max_steps: must be a positive multiple of "
+                        "trainer.steps_per_execution (10)"),
+    ({"checkpoint_every": 25}, "error: job.config.trainer.checkpoint_every: must be a positive multiple of "),
+    ({"log_every": "10"}, "error: job.config.trainer.log_every: expected int, got '10'"),
+])
+def test_bad_template_config_is_bad_input_before_anything_is_created(cloud, project, tmp_path, trainer, error):
+    """The template's own schema (bert/config.py, named in its template.json) runs on the host: a typo or a
+    value the worker would refuse costs no TPU and leaves no bucket, and --dry-run says the same."""
+    spec = _spec_file(tmp_path, {**_spec("bad-config"), "job": {"template": "bert", "preset": "bert-tiny",
+                                                                 "config": {"trainer": trainer}}})
+    for mode in ("--dry-run", "--yes"):
+        r = _tpuctl(cloud, tmp_path, project, "run", str(spec), mode)
+        assert r.returncode == 2, (mode, r.stderr)
+        assert r.stderr.splitlines()[0].startswith(error), (mode, r.stderr)
+    assert _buckets(cloud, project) == [] and _zero(cloud, project)
+
+
+def test_unknown_preset_names_the_spec_field_it_came_from(cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, {**_spec("bad-preset"), "job": {"template": "bert", "preset": "bert-largest"}})
+    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--dry-run")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: job.preset: unknown preset 'bert-largest'; did you mean bert-large?"), r.stderr
+
+
 @pytest.mark.parametrize("name", ["$(touch PWNED)", "a;b", "it's", "x\ny"])
 def test_hostile_run_name_is_refused_and_creates_nothing(cloud, project, tmp_path, name):
     spec = _spec_file(tmp_path, _spec("fine-name"))
@@ -407,6 +476,33 @@ def test_delete_bucket_leaves_nothing_at_all(tpc, cloud, project):
     o = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5, delete_bucket=True), echo_logs=False).run()
     assert o.state == "succeeded" and o.step == 3
     assert _zero(cloud, project) and _buckets(cloud, project) == []
+
+
+def test_run_json_gives_loss_and_rate_as_numbers():
+    from tpuctl.jobs.pipeline import Outcome, _Stream
+
+    stream = _Stream(Outcome(run="nums"), echo=False)
+    stream(0, "step=10 loss=2.500 examples_per_sec=93.5")
+    stream(0, "step=20 loss=nan examples_per_sec=94.0")  # no NaN in JSON: the last finite loss stands
+    doc = json.loads(json.dumps(stream.outcome.as_dict()))
+    assert (doc["step"], doc["loss"], doc["examples_per_sec"]) == (20, 2.5, 94.0)
+
+
+def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
+    from tpuctl.jobs.pipeline import _corpus_path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "bert-tiny.yaml"
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "data").mkdir(parents=True)
+    (elsewhere / "data" / "decoy.txt").write_text("the working directory's file, not the spec's\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "GOOGLE_", "CLOUDSDK_"))}
+    dry = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(example), "--dry-run", "--json"], cwd=elsewhere,
+                         env={**env, "TPUCTL_HOME": str(tmp_path / "home"), "HOME": str(tmp_path), "NO_COLOR": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["state"] == "planned"
+    monkeypatch.chdir(elsewhere)  # a relative path means the spec's directory even where the cwd has a match
+    assert _corpus_path("data/*.txt", example.parent) == str(example.parent / "data" / "*.txt")
 
 
 def test_an_on_demand_node_under_maintenance_is_waited_for_not_recreated(tpc, cloud, project):

@@ -45,11 +45,23 @@ class NotFound(TpuctlError):
     exit_code = EXIT_BAD_INPUT
 
 
+def capacity_hint(provisioning: str | None = None) -> str:
+    """What else to try when no zone had capacity, leaving out what the request already was."""
+    tries = ["add zones with --zone (comma-separated, same region first)"]
+    if provisioning not in ("spot", "preemptible"):
+        tries.append("try --spot")
+    if provisioning != "queued":
+        tries.append("use a queued resource (--provisioning queued)")
+    if len(tries) == 1:
+        return tries[0]
+    return ", ".join(tries[:-1]) + ("," if len(tries) > 2 else "") + " or " + tries[-1]
+
+
 class CapacityError(TpuctlError):
     """No zone in the failover list had capacity for the accelerator."""
 
     exit_code = EXIT_CAPACITY
-    default_hint = "add zones with --zone (comma-separated, same region first), try --spot, or use a queued resource"
+    default_hint = capacity_hint()
 
 
 QUOTAS_PAGE = "https://console.cloud.google.com/iam-admin/quotas"

@@ -7,6 +7,7 @@ Google retired TPU Nodes on 2025-04-15. With `migrate=True` they become the equi
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +23,7 @@ PROVISIONING = ("on-demand", "spot", "preemptible", "queued")
 DEFAULT_TTL_S = 24 * 3600.0
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_SECONDS = re.compile(r"^\d+(?:\.\d+)?$")
 _DURATION_PARTS = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 # Keys and values that only a legacy TPU Node request carries.
 _LEGACY_KEYS = ("tensorflow_version", "tensorflowVersion", "tpu_node", "api_version")
@@ -37,18 +38,25 @@ def bad_env_names(env: Mapping[str, str]) -> list[str]:
 
 
 def parse_duration(value: Any) -> float:
-    """`2h`, `90m`, `1d12h`, `45s` or a number of seconds -> seconds."""
+    """`2h`, `90m`, `1h30m`, `1.5h`, `7d`, `45s`, or seconds (`3600`, as a number or as text) -> seconds.
+
+    The one duration grammar of tpuctl: spec fields, TPUCTL_* variables and flags all come through here, so a
+    value that works in one place works in all. Zero is refused with its own reason (it would mean "already
+    over"), and so is anything negative or not a duration; ValueError says which.
+    """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
-    elif isinstance(value, str) and _DURATION.match(value):
-        n, unit = _DURATION.match(value).groups()
-        seconds = float(n) * _UNITS[unit]
-    elif isinstance(value, str) and value.strip() and _DURATION_PARTS.sub("", value.strip()) == "":
-        seconds = sum(float(n) * _UNITS[u] for n, u in _DURATION_PARTS.findall(value))
+    elif isinstance(value, str) and _SECONDS.match(text := value.strip().lower().replace(" ", "")):
+        seconds = float(text)
+    elif isinstance(value, str) and text and _DURATION_PARTS.sub("", text) == "":
+        seconds = sum(float(n) * _UNITS[u] for n, u in _DURATION_PARTS.findall(text))
     else:
-        raise ValueError(f"{value!r} is not a duration; write e.g. 2h, 90m, 1d12h or 3600")
-    if seconds <= 0:
-        raise ValueError("a duration must be positive")
+        raise ValueError(f"{value!r} is not a duration; write e.g. 2h, 90m, 1d12h or 3600 (seconds)")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{value!r} is not a duration; write e.g. 2h, 90m, 1d12h or 3600 (seconds)")
+    if seconds == 0:
+        raise ValueError(f"{value!r} is zero: it would be over before anything started; give a positive "
+                         "duration such as 2h")
     return seconds
 
 
@@ -126,6 +134,7 @@ class RunSpec(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     ttl: Duration = format_duration(DEFAULT_TTL_S)
     allow_cross_region: bool = False
+    internal_ips: bool = False  # workers get no external address (org policy vmExternalIpAccess); reach them from the VPC
     job: JobSpec | None = None
 
     @model_validator(mode="before")
@@ -219,7 +228,7 @@ def from_mapping(raw: Mapping[str, Any], *, migrate: bool = False) -> RunSpec:
 
 _HINTS = {
     "provisioning": "one of: " + ", ".join(PROVISIONING),
-    "ttl": "a duration such as 2h, 90m or 1d",
+    "ttl": "a duration such as 2h, 90m, 1d or 3600 (seconds)",
     "valid_until": "a duration such as 6h; only with provisioning: queued",
 }
 

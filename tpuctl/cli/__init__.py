@@ -12,7 +12,7 @@ import signal
 import click
 
 from tpuctl import __version__, console
-from tpuctl.errors import EXIT_INTERRUPTED, Interrupted, TpuctlError
+from tpuctl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput, Interrupted, TpuctlError
 
 SECTIONS = (
     "Run a training job",
@@ -22,7 +22,7 @@ SECTIONS = (
     "Local cloud",
 )
 
-COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs")
+COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs", "doctor")
 
 
 class SectionedGroup(click.Group):
@@ -42,15 +42,41 @@ class SectionedGroup(click.Group):
                 with formatter.section(section):
                     formatter.write_dl(by_section[section])
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            _usage_error(ctx, exc)
+            raise
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:  # a subcommand's flags, arguments or name
+            _usage_error(ctx, exc)
+            raise
         except TpuctlError as exc:
             console.error(exc)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
             console.error(Interrupted("interrupted"))
             ctx.exit(EXIT_INTERRUPTED)
+
+
+def _usage_error(ctx: click.Context, exc: click.UsageError) -> None:
+    """Click's own usage errors (unknown flag, bad choice, missing argument) in the one-line `error: ...` form
+    of every other error, keeping click's wording and its "did you mean" suggestion; exit 2.
+
+    Returns only for `tpuctl GROUP` without a subcommand, which shows the group's help as click does."""
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):
+        return
+    param = getattr(exc, "param", None)
+    plain_value_error = isinstance(exc, click.BadParameter) and not isinstance(exc, click.MissingParameter)
+    message = exc.message if plain_value_error and param is not None else exc.format_message()
+    where = (exc.ctx or ctx).command_path
+    console.error(BadInput(message, field=param.name if param is not None else None,
+                           hint=f"see `{where} --help`"))
+    ctx.exit(EXIT_BAD_INPUT)
 
 
 @click.group(cls=SectionedGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -75,4 +101,8 @@ def _sigterm_as_interrupt(signum, frame) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    # A shell starts background jobs of a script with SIGINT ignored, and Python keeps an inherited "ignore":
+    # without this, `kill -INT` could not stop such a tpuctl, nor make it clean up. Python's own handler
+    # (not a function of ours) so asyncio.run still turns Ctrl-C into a clean cancellation of its task.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cli(prog_name="tpuctl")

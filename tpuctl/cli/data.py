@@ -53,6 +53,8 @@ def prepare_corpus(corpus: Sequence[str], out: str, options: prep.PrepareOptions
                           hint="pip install 'tpuctl[train]'")
     remote = out.startswith("gs://") or any(c.startswith("gs://") for c in corpus)
     client = storage_client if storage_client is not None or not remote else _storage_client()
+    if out.startswith("gs://"):
+        check_destination(client, out)
     try:
         if not out.startswith("gs://"):
             return prep.prepare(corpus, out, options, storage_client=client, progress=progress)
@@ -64,6 +66,35 @@ def prepare_corpus(corpus: Sequence[str], out: str, options: prep.PrepareOptions
         hint = ("corpus files must be UTF-8 text, one sentence or paragraph per line" if exc.path
                 else "see `tpuctl data prepare --help`")
         raise BadInput(str(exc), hint=hint) from exc
+
+
+WRITE_PERMISSION = "storage.objects.create"
+
+
+def check_destination(client, out: str) -> None:
+    """Refuse a gs:// destination that could not take the result, before any (possibly hours of) work: the
+    bucket must exist and the caller must hold `storage.objects.create` on it (asked with the bucket's
+    testIamPermissions, which writes nothing). Read-only; raises BadInput naming `out`."""
+    from tpuctl.errors import PermissionDenied
+    from tpuctl.provision import waits
+
+    name = out[len("gs://"):].partition("/")[0]
+    if not name:
+        raise BadInput(f"{out!r} names no bucket", field="out", hint="write gs://BUCKET/PREFIX or a local directory")
+    try:
+        bucket = waits.call(lambda: client.lookup_bucket(name), what=f"look up bucket {name}")
+        granted = [] if bucket is None else waits.call(lambda: bucket.test_iam_permissions([WRITE_PERMISSION]),
+                                                       what=f"check write access to gs://{name}")
+    except PermissionDenied as exc:
+        raise BadInput(f"you have no access to bucket gs://{name}", field="out",
+                       hint="ask for roles/storage.objectAdmin on it, or write to a local directory") from exc
+    if bucket is None:
+        raise BadInput(f"bucket gs://{name} does not exist; nothing was prepared", field="out",
+                       hint="give an existing bucket (a run's: `tpuctl status RUN`), create it first, "
+                            "or write to a local directory")
+    if WRITE_PERMISSION not in granted:
+        raise BadInput(f"you may not write to bucket gs://{name} (no {WRITE_PERMISSION}); nothing was prepared",
+                       field="out", hint="ask for roles/storage.objectAdmin on it, or write to a local directory")
 
 
 def _storage_client():

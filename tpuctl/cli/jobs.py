@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from tpuctl import config, console
-from tpuctl.errors import BadInput, NotFound
+from tpuctl.errors import BadInput, NotFound, TpuctlError
 
 SECTION = "Run a training job"
 
@@ -35,8 +35,8 @@ def _summary(o) -> None:
     if phases:
         console.info(f"  phases: {phases}")
     if o.step is not None:
-        console.info(f"  last step {o.step}" + (f", loss {o.loss}" if o.loss else "")
-                     + (f", {o.examples_per_sec} examples/s" if o.examples_per_sec else ""))
+        console.info(f"  last step {o.step}" + (f", loss {o.loss:g}" if o.loss is not None else "")
+                     + (f", {o.examples_per_sec:g} examples/s" if o.examples_per_sec is not None else ""))
     if o.cost_usd is not None:
         console.info(f"  cost: about ${o.cost_usd:.4f} (${o.price_per_hour:.2f}/h while up)")
     if o.last_step_to_delete_s is not None:
@@ -58,11 +58,12 @@ def _summary(o) -> None:
 @click.option("--max-recoveries", type=click.IntRange(0), help="preemptions to recover from (default: the spec's, 3)")
 @click.option("--poll", "poll_s", type=click.FloatRange(0.2), default=2.0, show_default=True,
               help="seconds between job/node checks")
+@click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
 @click.option("--dry-run", is_flag=True, help="validate and show the plan; create nothing")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
 @_cloud_options
-def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, dry_run,
-                as_json, cloud, project) -> None:
+def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, migrate,
+                dry_run, as_json, cloud, project) -> None:
     """Run a training job end to end: up, prepare data, ship, train on every worker, collect, tear down.
 
     The TPU and VMs are deleted whatever happens (success, failure, Ctrl-C, SIGTERM); the bucket with the
@@ -70,13 +71,15 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
     """
     from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
-    if attach and (spec_file or detach or dry_run):
-        raise BadInput("--attach takes a run name and no spec, --detach or --dry-run", field="attach",
+    if attach and (spec_file or detach or dry_run or migrate):
+        raise BadInput("--attach takes a run name and no spec, --detach, --dry-run or --migrate", field="attach",
                        hint="tpuctl run --attach RUN")
     if not attach and not spec_file:
         raise BadInput("no spec file given", field="spec", hint="tpuctl run examples/bert-tiny.yaml --yes")
     opts = RunOptions(name=name, yes=yes, detach=detach, attach=attach, download=Path(download) if download else None,
                       delete_bucket=delete_bucket, max_recoveries=max_recoveries, dry_run=dry_run, poll_s=poll_s)
+    if not attach and not dry_run:
+        console.can_confirm(yes=yes, to="create the run's resources")  # before the local cloud even starts
     if attach:
         pipeline = Pipeline(_clients(project, cloud), options=opts)
         outcome = pipeline.attach()
@@ -86,7 +89,7 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
 
         # Flags > TPUCTL_* env > spec file > user config > gcloud config > defaults, as for `up`.
         merged, sources = config.layered({"name": name, "project": project}, spec_mod.read_file(spec_file))
-        spec = spec_mod.from_mapping(merged)
+        spec = spec_mod.from_mapping(merged, migrate=migrate)
         settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=not dry_run)
         clients = None if dry_run else provision.connect(settings)
         pipeline = Pipeline(clients, spec, project=settings.project, spec_dir=Path(spec_file).resolve().parent,
@@ -158,15 +161,20 @@ def ssh_command(run, worker, command, cloud, project) -> None:
         async with Fleet(targets, key) as fleet:
             return await fleet.run_all(lambda t: line)
 
-    worst = 0
-    for r in asyncio.run(go()):
+    results = asyncio.run(go())
+    for r in results:
         for stream, text in ((sys.stdout, r.stdout), (sys.stderr, r.stderr)):
             for out_line in text.splitlines():
                 stream.write(f"[w{r.index}] {out_line}\n" if prefix else out_line + "\n")
-        worst = worst or r.exit_status
     sys.stdout.flush()
-    if worst:
-        raise SystemExit(worst)
+    # The remote codes are reported, not passed through: tpuctl's own exit codes mean something else
+    # (3 is "no capacity", 2 "bad input"), so a failed remote command is exit 1.
+    for r in results:
+        console.info(f"worker {r.index}: exit {r.exit_status}")
+    failed = [r for r in results if r.exit_status != 0]
+    if failed:
+        raise TpuctlError(f"the command failed on {len(failed)} of {len(results)} worker(s): "
+                          + ", ".join(f"worker {r.index} exit {r.exit_status}" for r in failed))
 
 
 def _interactive(key, target) -> None:
@@ -195,7 +203,7 @@ def _interactive(key, target) -> None:
 @_cloud_options
 def logs_command(run, follow, worker, cloud, project) -> None:
     """Print the job's log from every worker, prefixed [wN]; from the bucket once the TPU is gone."""
-    from tpuctl.jobs import logs
+    from tpuctl.jobs import launch, logs
     from tpuctl.jobs.ssh import Fleet
 
     clients = _clients(project, cloud)
@@ -212,9 +220,17 @@ def logs_command(run, follow, worker, cloud, project) -> None:
 
     async def go():
         async with Fleet(targets, key) as fleet:
+            _require_job(run, await launch.poll(fleet, run))
             await logs.follow(fleet, run, sink, follow=follow)
 
     asyncio.run(go())
+
+
+def _require_job(run: str, states) -> None:
+    """An empty log and exit 0 would read as "the job printed nothing": say that there is no job instead."""
+    if all(s.state == "absent" for s in states):
+        raise NotFound(f"run {run} has no job on its workers", field="run",
+                       hint=f"start one with `tpuctl run SPEC --name {run}`")
 
 
 def _logs_from_bucket(clients, run: str, worker: str | None, sink) -> None:
@@ -226,6 +242,9 @@ def _logs_from_bucket(clients, run: str, worker: str | None, sink) -> None:
         raise NotFound(f"run {run} has neither a TPU node nor a bucket", field="run", hint="see `tpuctl list`")
     prefix = f"runs/{run}/logs/"
     blobs = sorted(clients.storage.list_blobs(bucket, prefix=prefix), key=lambda b: b.name)
+    if not blobs:
+        raise NotFound(f"run {run} has no TPU node and no job logs in gs://{bucket}/{prefix}", field="run",
+                       hint="see `tpuctl list`")
     console.note(f"the TPU is gone; logs from gs://{bucket}/{prefix}")
     for b in blobs:
         index = int(b.name[len(prefix):].removeprefix("worker-").removesuffix(".log"))
@@ -271,7 +290,9 @@ def job_status(run, as_json, cloud, project) -> None:
         console.emit_json(doc)
         return
     st = doc["status"] or {}
-    console.info(f"run {run}: {st.get('state', 'unknown')}, step {st.get('step')}"
+    step = st.get("step")
+    console.info(f"run {run}: {st.get('state', 'unknown')}, "
+                 + (f"step {step}" if step is not None else "no step finished yet")
                  + (" (recovering)" if st.get("recovering") else ""))
     console.table(("worker", "state", "exit code", "pid"),
                   [(w["index"], w["state"], w["exit_code"], w["pid"]) for w in doc["workers"]])
@@ -279,9 +300,13 @@ def job_status(run, as_json, cloud, project) -> None:
 
 @job_group.command("cancel")
 @click.argument("run")
+@click.option("--json", "as_json", is_flag=True, help="print what was cancelled as JSON")
 @_cloud_options
-def job_cancel(run, cloud, project) -> None:
-    """Stop the job on every worker (SIGTERM, then SIGKILL); the TPU stays up (`tpuctl down RUN`)."""
+def job_cancel(run, as_json, cloud, project) -> None:
+    """Stop the job on every worker (SIGTERM, then SIGKILL); the TPU stays up (`tpuctl down RUN`).
+
+    Its status record then says `cancelled`. A job that already ended is left as it is; no job at all is an
+    error (exit 2)."""
     from tpuctl.jobs import cluster, launch
     from tpuctl.jobs.ssh import Fleet
 
@@ -290,12 +315,25 @@ def job_cancel(run, cloud, project) -> None:
 
     async def go():
         async with Fleet(targets, key, deadline_s=60) as fleet:
-            await launch.cancel(fleet, run)
+            before = await launch.poll(fleet, run)
+            _require_job(run, before)
+            live = [s.index for s in before if s.state in ("running", "unreachable")]
+            if live:
+                await launch.cancel(fleet, run, indices=live)
+            return before, live
 
-    asyncio.run(go())
-    if where.bucket:
-        cluster.update_status(clients, where.bucket, run, state="failed", cancelled=True, recovering=False)
-    console.info(f"run {run}: job cancelled on {len(targets)} worker(s); `tpuctl down {run}` deletes the TPU")
+    before, live = asyncio.run(go())
+    record = (cluster.read_status(clients, where.bucket, run) if where.bucket else None) or {}
+    if live and where.bucket:
+        record = cluster.update_status(clients, where.bucket, run, state="cancelled", recovering=False)
+    state = "cancelled" if live else record.get("state", "ended")
+    if as_json:
+        console.emit_json({"run": run, "state": state, "cancelled_workers": live,
+                           "workers": [s.__dict__ for s in before]})
+    elif live:
+        console.info(f"run {run}: job cancelled on {len(live)} worker(s); `tpuctl down {run}` deletes the TPU")
+    else:
+        console.info(f"run {run}: the job had already ended ({state}); nothing to cancel")
 
 
 ssh_command.section = SECTION

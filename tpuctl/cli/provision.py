@@ -6,6 +6,7 @@ commands that talk to a cloud, so `tpuctl --help` and the other commands start f
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -78,22 +79,32 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
 @click.option("--service-account", help="email the TPU VM runs as (default: the project's compute SA)")
 @click.option("--ttl", help="delete by this age, e.g. 2h (tpuctl gc enforces it)")
 @click.option("--allow-cross-region", is_flag=True, default=None, help="accept a bucket outside the TPU's region")
+@click.option("--internal-ips", is_flag=True, default=None,
+              help="no external IPs on the workers (org policy); run tpuctl from inside the VPC")
 @click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
 @click.option("--dry-run", is_flag=True, help="print the plan and stop")
 @click.option("--keep-on-failure", is_flag=True, help="leave what was created when up fails")
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
 @click.option("--json", "as_json", is_flag=True, help="print the plan and result as JSON")
 def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot, provisioning, bucket,
-       service_account, ttl, allow_cross_region, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
+       service_account, ttl, allow_cross_region, internal_ips, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
     """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
     from tpuctl import provision as prov
     from tpuctl.provision import inventory
 
+    if spot and provisioning not in (None, "spot"):
+        raise BadInput(f"--spot and --provisioning {provisioning} ask for different capacity", field="provisioning",
+                       hint="give one of them: --spot is --provisioning spot")
     flags = {"name": name, "project": project, "zone": zone, "accelerator": accelerator,
              "runtime_version": runtime_version, "provisioning": "spot" if spot else provisioning, "bucket": bucket,
-             "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region}
+             "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region,
+             "internal_ips": internal_ips}
     spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=migrate)
     plan = prov.plan(spec, project=settings.project)
+    if dry_run:
+        _dry_run_checks(settings, plan, named_bucket=spec.bucket != "auto")
+    else:  # a script without --yes hears only this, before the plan
+        console.can_confirm(yes=yes, to=f"create run {plan.run}")
     if as_json and dry_run:
         console.emit_json({"plan": plan.to_json(), "target": settings.target})
         return
@@ -101,13 +112,13 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
         print_plan(plan, spec, settings)
     if dry_run:
         return
-    if console.interactive() and not yes and not console.confirm(
-            f"create run {plan.run} at about {_money(plan.price_per_hour)}/hour?", yes=False):
-        raise BadInput("not confirmed; nothing was created", field="yes", hint="pass --yes to skip the question")
+    console.confirm(f"create run {plan.run} at about {_money(plan.price_per_hour)}/hour?", yes=yes,
+                    to=f"create run {plan.run}")
     clients = prov.connect(config.ensure_endpoint(settings))
     started = time.monotonic()
     with console.ProgressBoard(f"tpuctl up {plan.run}") as board:
-        result = prov.apply(clients, plan, progress=board.update, keep_on_failure=keep_on_failure)
+        result = prov.apply(clients, plan, progress=board.update, keep_on_failure=keep_on_failure,
+                            on_gone=ledger.remember_gone)
     ledger.remember(result.resources)
     tpu_r = result.get(prov.Kind.TPU)
     if as_json:
@@ -122,6 +133,18 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
     console.info(f"bucket gs://{plan.bucket}; when done: tpuctl down {plan.run}")
 
 
+def _dry_run_checks(settings: config.Settings, plan: prov.Plan, *, named_bucket: bool) -> None:
+    """What `up` would refuse after reading the cloud, refused by the dry run too, when the cloud answers
+    without being started (a dry run starts and creates nothing)."""
+    from tpuctl import provision as prov
+
+    target = config.reachable(settings)
+    if target is not None:
+        prov.check_bucket(prov.connect(target), plan)
+    elif named_bucket:
+        console.note(f"not checked: where bucket {plan.bucket} is (the local cloud is not running)")
+
+
 @click.command("down")
 @click.argument("run")
 @_cloud_options
@@ -131,16 +154,23 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
 def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
     """Delete every resource of RUN in parallel, then verify nothing with its label remains."""
     from tpuctl import provision as prov
-    from tpuctl.provision import inventory
+    from tpuctl.provision import inventory, labels
 
+    labels.check_name(run, field="run")  # no resource can carry an invalid name: a typo, not an empty run
+    console.can_confirm(yes=yes, to=f"delete run {run}")
     settings = config.settings(project=project, cloud=cloud)
     clients = prov.connect(settings)
     found = prov.list_resources(clients, run, include_iam=True)
     if not found:
+        # Idempotent (a second `down` is not an error), but a mistyped name must not pass for a clean one.
+        runs = sorted({r.run for r in prov.list_resources(clients) if r.run})
+        close = difflib.get_close_matches(run, runs, n=1, cutoff=0.5)
         if as_json:
-            console.emit_json({"run": run, "deleted": [], "kept": []})
+            console.emit_json({"run": run, "deleted": [], "kept": [], "closest_run": close[0] if close else None})
         else:
-            console.info(f"run {run}: nothing carries its label; nothing to delete")
+            console.info(f"run {run}: nothing carries its label in project {settings.project}; nothing to delete"
+                         + (f"; did you mean {close[0]} (`tpuctl down {close[0]}`)?" if close else
+                            "; `tpuctl list` shows the runs that exist"))
         return
     going = [r for r in found if delete_bucket or r.kind not in (prov.Kind.BUCKET, prov.Kind.IAM)]
     if not as_json:
@@ -151,8 +181,8 @@ def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
             c = prov.bucket_contents(clients, b.name)
             console.warn(f"gs://{b.name} holds {c.objects} objects ({c.bytes / 1e6:,.1f} MB)"
                          + (f", e.g. {', '.join(c.sample[:5])}" if c.sample else "") + "; they will be deleted")
-    if not console.confirm(f"delete {len(going)} resource(s) of run {run}?", yes=yes):
-        raise BadInput("not confirmed; nothing was deleted", field="yes", hint="pass --yes to skip the question")
+    console.confirm(f"delete {len(going)} resource(s) of run {run}?", yes=yes, to=f"delete run {run}",
+                    nothing="nothing was deleted")
     with console.ProgressBoard(f"tpuctl down {run}") as board:
         result = prov.down(clients, run, delete_bucket=delete_bucket, progress=board.update)
     ledger.remember(result.deleted, deleted=True)
@@ -170,7 +200,7 @@ def _runs_table(runs: list[inventory.RunStatus]) -> None:
 
     now = time.time()
     console.table(("run", "owner", "state", "zone", "accelerator", "workers", "age", "expires in", "$/h", "accrued"),
-                  [(s.run, s.owner or "-", s.state.value, s.zone or "-",
+                  [(s.run, s.owner or "-", s.state_text, s.zone or "-",
                     next((r.accelerator for r in s.resources if r.accelerator), "-"), s.workers,
                     inventory.age_text(s.age_s),
                     inventory.age_text(s.expires - now) if s.expires and s.expires > now else
@@ -202,7 +232,12 @@ def status(run, cloud, project, as_json) -> None:
                     else r.state.value, inventory.age_text(time.time() - r.created.timestamp()) if r.created else "-",
                     " ".join(f"{w.ip}:{w.port}" for w in r.workers) or "-",
                     ", ".join(f"{k}={v}" for k, v in r.detail.items())) for r in s.resources],
-                  title=f"run {s.run} ({s.state.value})")
+                  title=f"run {s.run} ({s.state_text})")
+    if s.bucket_kept:
+        bucket = next(r.name for r in s.resources if r.kind is prov.Kind.BUCKET)
+        console.info(f"the TPU and VMs are gone; bucket gs://{bucket} kept until {inventory.utc(s.expires)} (its TTL); "
+                     f"`tpuctl down {s.run} --delete-bucket` deletes it now")
+        return
     console.info(f"{_money(s.price_per_hour)}/hour, {_money(s.accrued)} so far; expires "
                  f"{inventory.utc(s.expires)}")
     if any(r.state is prov.State.PREEMPTED for r in s.resources):

@@ -1,0 +1,214 @@
+"""Errors and flags as a user meets them: every usage error is one `error: ...` line with the exit code the
+README gives, conflicting flags are refused rather than silently resolved, a dry run refuses what `up`
+refuses, commands on a run without a job say so, and a backgrounded tpuctl still stops on SIGINT.
+
+Each test runs `tpuctl` as a process against the session's local cloud (conftest `cloud`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from conftest import new_project
+from google.auth.credentials import AnonymousCredentials
+
+from test_jobs_harness import STANDIN
+from test_provision import everything
+from tpuctl.provision.clients import build
+
+UP = ("up", "--accelerator", "v3-8", "--zone", "europe-west4-a", "--name", "r1")
+
+
+def _env(cloud, home, project: str) -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "CLOUDSDK_", "GOOGLE_"))}
+    e.update(TPUCTL_API_ENDPOINT=cloud.endpoint, STORAGE_EMULATOR_HOST=cloud.storage_host, TPUCTL_PROJECT=project,
+             TPUCTL_HOME=str(home / "tpuctl"), HOME=str(home), NO_COLOR="1", PYTHONUNBUFFERED="1")
+    return e
+
+
+@pytest.fixture
+def env(cloud, tmp_path):
+    return _env(cloud, tmp_path, new_project())
+
+
+@pytest.fixture
+def pc(cloud, env):
+    return build(project=env["TPUCTL_PROJECT"], credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
+                 storage_host=cloud.storage_host, local=True)
+
+
+def tpuctl(env, *args, timeout=120, cwd=None):
+    return subprocess.run([sys.executable, "-m", "tpuctl", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+def _one_error(p: subprocess.CompletedProcess, code: int, start: str) -> str:
+    """The process exited `code` with one `error:` line starting with `start` (and at most a hint); returns it."""
+    lines = [l for l in p.stderr.splitlines() if l.strip() and not l.startswith("no Google Cloud project")]
+    errors = [l for l in lines if l.startswith("error:")]
+    assert p.returncode == code, p.stderr
+    assert len(errors) == 1 and errors[0].startswith(start), p.stderr
+    assert all(l.startswith(("error:", "  hint:")) for l in lines), p.stderr
+    assert "Traceback" not in p.stderr and "Usage:" not in p.stderr
+    return errors[0]
+
+
+# ---------------------------------------------------------------------------------- usage errors
+
+def test_unknown_flags_and_commands_are_one_error_line_keeping_clicks_suggestion(tmp_path):
+    env = {**os.environ, "TPUCTL_HOME": str(tmp_path), "NO_COLOR": "1"}
+    line = _one_error(tpuctl(env, "up", "--spt"), 2, "error: ")
+    assert "--spt" in line and "Did you mean" in line and "--spot" in line
+    assert "Did you mean 'up'" in _one_error(tpuctl(env, "upp"), 2, "error: ")
+    assert _one_error(tpuctl(env, "up", "--provisioning", "cheap"), 2, "error: provisioning: ")
+    assert _one_error(tpuctl(env, "job", "cancel"), 2, "error: run: ")
+
+
+# ---------------------------------------------------------------------------------- durations
+
+def test_ttl_takes_what_its_message_promises_from_flag_env_and_spec_and_refuses_zero(env, pc, tmp_path):
+    p = tpuctl(env, *UP, "--ttl", "3600", "--dry-run", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["plan"]["ttl"] == "1h"
+    p = tpuctl({**env, "TPUCTL_TTL": "5400"}, *UP, "--dry-run", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["plan"]["ttl"] == "90m", p.stderr
+    spec = tmp_path / "s.yaml"
+    spec.write_text("ttl: 7200\n")
+    p = tpuctl(env, *UP, str(spec), "--dry-run", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["plan"]["ttl"] == "2h", p.stderr
+    line = _one_error(tpuctl(env, *UP, "--ttl", "0", "--dry-run"), 2, "error: ttl: ")
+    assert "zero" in line and "not a duration" not in line
+    assert everything(pc) == []
+
+
+# ---------------------------------------------------------------------------------- legacy specs
+
+def test_run_has_the_migrate_flag_its_legacy_refusal_names(env, pc, tmp_path):
+    legacy = tmp_path / "legacy.yaml"
+    legacy.write_text(f"name: old\naccelerator: v3-8\nzone: europe-west4-a\ntensorflow_version: 2.12.0\n"
+                      f"job:\n  template: {STANDIN}\n")
+    refused = tpuctl(env, "run", str(legacy), "--dry-run")
+    assert "--migrate" in refused.stderr and refused.returncode == 2, refused.stderr
+    migrated = tpuctl(env, "run", str(legacy), "--migrate", "--dry-run", "--json")
+    assert migrated.returncode == 0, migrated.stderr
+    assert "TensorFlow 2.12.0 -> runtime tpu-vm-tf-" in migrated.stderr
+    assert everything(pc) == []
+
+
+# ---------------------------------------------------------------------------------- conflicting flags
+
+def test_conflicting_or_pointless_flags_are_errors(env, pc):
+    _one_error(tpuctl(env, *UP, "--spot", "--provisioning", "on-demand", "--dry-run"), 2, "error: provisioning: ")
+    _one_error(tpuctl({**env, "TPUCTL_SPOT": "1", "TPUCTL_PROVISIONING": "queued"}, *UP, "--dry-run"), 2,
+               "error: provisioning: ")
+    assert tpuctl(env, *UP, "--spot", "--provisioning", "spot", "--dry-run").returncode == 0
+    _one_error(tpuctl(env, "gc", "--dry-run", "--budget-per", "owner"), 2, "error: budget-per: ")
+    assert everything(pc) == []
+
+
+def test_no_capacity_hint_does_not_suggest_what_was_already_asked_for(env, pc, cloud):
+    cloud.faults.add("capacity", service="tpu", zone="europe-west4-a")
+    p = tpuctl(env, *UP, "--spot", "--yes")
+    assert p.returncode == 3, p.stderr
+    hint = next(l for l in p.stderr.splitlines() if l.startswith("  hint:"))
+    assert "--spot" not in hint and "--zone" in hint and "queued" in hint
+    assert everything(pc) == []
+
+
+# ---------------------------------------------------------------------------------- dry run = up
+
+def test_dry_run_refuses_a_bucket_in_another_region_as_up_does(env, pc):
+    name = f"xr-{uuid.uuid4().hex[:12]}"
+    pc.storage.create_bucket(pc.storage.bucket(name), location="us-central1")
+    dry = _one_error(tpuctl(env, *UP, "--bucket", name, "--dry-run"), 2, "error: bucket: ")
+    up = tpuctl(env, *UP, "--bucket", name, "--yes")
+    assert up.returncode == 2, up.stderr
+    real = next(l for l in up.stderr.splitlines() if l.startswith("error:"))
+    # The real `up` (after its plan) adds what it rolled back (nothing); the refusal itself is the same.
+    assert real.startswith(dry) and "us-central1" in dry, (dry, real)
+    assert everything(pc) == [name]
+
+
+# ---------------------------------------------------------------------------------- a run without a job
+
+@pytest.fixture
+def jobless(env, pc):
+    """A ready v3-8 run (`r1`) on which nothing was launched."""
+    p = tpuctl(env, *UP, "--yes")
+    assert p.returncode == 0, p.stderr
+    yield env
+    tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
+    assert everything(pc) == []
+
+
+def test_logs_and_job_cancel_on_a_run_without_a_job_say_so(jobless):
+    assert "has no job" in _one_error(tpuctl(jobless, "logs", "r1"), 2, "error: run: ")
+    assert "has no job" in _one_error(tpuctl(jobless, "job", "cancel", "r1"), 2, "error: run: ")
+    assert "has no job" in _one_error(tpuctl(jobless, "job", "cancel", "r1", "--json"), 2, "error: run: ")
+
+
+def test_ssh_reports_each_remote_exit_code_and_exits_1_not_the_remote_code(jobless):
+    p = tpuctl(jobless, "ssh", "r1", "-w", "all", "--", "echo hi; exit 3")
+    assert p.returncode == 1 and p.stdout.splitlines() == ["hi"], p.stderr
+    assert p.stderr.splitlines()[-2:] == ["worker 0: exit 3",
+                                          "error: the command failed on 1 of 1 worker(s): worker 0 exit 3"]
+    ok = tpuctl(jobless, "ssh", "r1", "--", "true")
+    assert ok.returncode == 0 and "worker 0: exit 0" in ok.stderr, ok.stderr
+
+
+# ---------------------------------------------------------------------------------- down
+
+def test_down_of_an_invalid_name_is_bad_input(env, pc):
+    _one_error(tpuctl(env, "down", "No_Such", "--yes"), 2, "error: run: ")
+
+
+def test_down_of_a_run_with_nothing_says_so_and_suggests_the_closest_run(jobless):
+    p = tpuctl(jobless, "down", "r2", "--yes")
+    assert p.returncode == 0 and "nothing to delete" in p.stderr and "did you mean r1" in p.stderr, p.stderr
+    doc = json.loads(tpuctl(jobless, "down", "r2", "--yes", "--json").stdout)
+    assert doc["closest_run"] == "r1" and doc["deleted"] == []
+
+
+# ---------------------------------------------------------------------------------- data prepare
+
+def test_data_prepare_checks_a_gs_destination_before_any_work(env, pc, tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(200)))
+    missing = f"no-such-{uuid.uuid4().hex[:12]}"
+    p = tpuctl(env, "data", "prepare", str(corpus), "--out", f"gs://{missing}/p", "--vocab-size", "100")
+    assert f"gs://{missing} does not exist" in _one_error(p, 2, "error: out: ")
+    assert "encode" not in p.stderr, "nothing is prepared for a destination that cannot take it"
+
+
+# ---------------------------------------------------------------------------------- SIGINT
+
+def test_sigint_stops_a_tpuctl_started_with_sigint_ignored_and_it_cleans_up(env, pc, cloud):
+    """What a script's `tpuctl up ... &` gets: the shell starts background jobs with SIGINT ignored."""
+    cloud.faults.add("stuck", service="tpu", method="nodes.create")
+    proc = subprocess.Popen([sys.executable, "-m", "tpuctl", *UP, "--yes"], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 60
+        while not any("/nodes/" in n for n in everything(pc)):
+            assert time.monotonic() < deadline and proc.poll() is None, "up never requested the TPU"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("SIGINT was ignored: tpuctl kept running")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err
+    assert "removed what this run created" in err
+    cloud.faults.clear()
+    assert everything(pc) == []
