@@ -7,20 +7,25 @@ import time
 import keras
 import tensorflow as tf
 
+from .checkpoints import host_value
+
 
 class Monitor(keras.callbacks.Callback):
-    """Progress lines, TensorBoard scalars and checkpoints, keyed by the optimizer's step counter."""
+    """Progress lines, TensorBoard scalars and checkpoints, keyed by the optimizer's step counter.
 
-    def __init__(self, manager, schedule, global_batch, log_every, checkpoint_every, writer, emit, start):
+    `checkpoint(step) -> path` and `writer` are None on JAX processes other than 0: they train, process 0 writes.
+    """
+
+    def __init__(self, checkpoint, schedule, global_batch, log_every, checkpoint_every, writer, emit, start):
         super().__init__()
-        self.manager, self.schedule, self.global_batch = manager, schedule, global_batch
+        self.checkpoint, self.schedule, self.global_batch = checkpoint, schedule, global_batch
         self.log_every, self.checkpoint_every, self.writer, self.emit = log_every, checkpoint_every, writer, emit
         self.window_step, self.window_time = start, time.monotonic()
         self.last: dict = {}
         self.saved_step = -1
 
     def on_train_batch_end(self, batch, logs=None):
-        step = int(self.model.optimizer.iterations.numpy())
+        step = int(host_value(self.model.optimizer.iterations))
         if step - self.window_step >= self.log_every:
             now = time.monotonic()
             rate = self.global_batch * (step - self.window_step) / max(now - self.window_time, 1e-9)
@@ -29,16 +34,17 @@ class Monitor(keras.callbacks.Callback):
                          "learning_rate": lr, "examples_per_sec": rate}
             self.emit(f"step={step} loss={self.last['loss']:.4f} mlm_accuracy={self.last['mlm_accuracy']:.4f} "
                       f"learning_rate={lr:.6g} examples_per_sec={rate:.1f}")
-            with self.writer.as_default(step=step):
-                for name, value in self.last.items():
-                    tf.summary.scalar(name, value)
-            self.writer.flush()
+            if self.writer is not None:
+                with self.writer.as_default(step=step):
+                    for name, value in self.last.items():
+                        tf.summary.scalar(name, value)
+                self.writer.flush()
             self.model.reset_metrics()  # the next line averages its own window, not the run so far
             self.window_step, self.window_time = step, now
         if step % self.checkpoint_every == 0:
             self.save(step)
 
     def save(self, step: int) -> None:
-        path = self.manager.save(checkpoint_number=step)
         self.saved_step = step
-        self.emit(f"checkpoint step={step} path={path}")
+        if self.checkpoint is not None:
+            self.emit(f"checkpoint step={step} path={self.checkpoint(step)}")

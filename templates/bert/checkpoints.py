@@ -1,0 +1,88 @@
+"""Backend-neutral checkpoints: the model's and the optimizer's variables by Keras path, in one `.npz` file.
+
+`model_dir/checkpoints/ckpt-STEP.npz` holds `model/PATH` and `optimizer/PATH` arrays (Keras 3 variable
+paths without the optimizer's own name, the same on TensorFlow and JAX; the optimizer's `iteration` is the
+step counter), written to `NAME.tmp` and renamed; then the index `checkpoint` (JSON: latest first) is rewritten the same way, last, so a reader that
+finds an index finds its file. tf.train.Checkpoint would tie the weights to TensorFlow; this format lets a
+model trained on one backend resume on the other. Local paths and gs:// through tf.io.gfile.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import tensorflow as tf
+
+from .errors import ConfigError
+
+INDEX = "checkpoint"
+
+
+def _join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name
+
+
+def host_value(variable) -> np.ndarray:
+    """A variable's value on this host: a JAX array replicated over other processes' devices is not fully
+    addressable, but any local shard of a replicated variable is the whole value."""
+    value = variable.value
+    if getattr(value, "is_fully_addressable", True) is False:
+        value = value.addressable_shards[0].data
+    return np.asarray(value)
+
+
+def _variables(model, optimizer) -> dict:
+    found = {f"model/{v.path}": v for v in model.weights}
+    # An optimizer's path starts with its auto-generated, per-process unique name ("adam_w_1/..."): dropped.
+    found.update({f"optimizer/{v.path.split('/', 1)[-1]}": v for v in optimizer.variables})
+    return found
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    with tf.io.gfile.GFile(path + ".tmp", "wb") as f:
+        f.write(data)
+    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+
+
+def _index(directory: str) -> list[str]:
+    path = _join(directory, INDEX)
+    if not tf.io.gfile.exists(path):
+        return []
+    with tf.io.gfile.GFile(path, "r") as f:
+        return json.loads(f.read())["checkpoints"]
+
+
+def latest(directory: str) -> str | None:
+    """The newest checkpoint's path, or None. Never blocks beyond one read."""
+    names = _index(directory)
+    return _join(directory, names[0]) if names else None
+
+
+def save(directory: str, step: int, model, optimizer, *, keep: int) -> str:
+    """Write `ckpt-STEP.npz`, then the index; drop checkpoints beyond the newest `keep`. Idempotent per step."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **{name: host_value(v) for name, v in _variables(model, optimizer).items()})
+    tf.io.gfile.makedirs(directory)
+    name = f"ckpt-{step}.npz"
+    _write_atomically(_join(directory, name), buffer.getvalue())
+    names = [name] + [n for n in _index(directory) if n != name]
+    _write_atomically(_join(directory, INDEX), json.dumps({"checkpoints": names[:keep]}).encode())
+    for old in names[keep:]:
+        if tf.io.gfile.exists(_join(directory, old)):
+            tf.io.gfile.remove(_join(directory, old))
+    return _join(directory, name)
+
+
+def restore(path: str, model, optimizer) -> None:
+    """Assign every model and optimizer variable from `path`. Raises ConfigError when the file lacks one or
+    holds another shape (another model; the run.json check catches that first)."""
+    with tf.io.gfile.GFile(path, "rb") as f:
+        arrays = np.load(io.BytesIO(f.read()))
+        stored = {name: arrays[name] for name in arrays.files}
+    for name, variable in _variables(model, optimizer).items():
+        if name not in stored or tuple(stored[name].shape) != tuple(variable.shape):
+            raise ConfigError(f"checkpoint {path}: no {name} of shape {tuple(variable.shape)}; "
+                              "it was written by another model")
+        variable.assign(stored[name])
