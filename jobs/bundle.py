@@ -78,9 +78,10 @@ def resolve_template(template: str) -> Path:
 
 
 def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, run: str,
-               data_url: str | None) -> dict:
+               data_url: str | None, framework: str = "") -> dict:
     """The template's config: the user's overrides plus where to read and write. Model, TensorBoard events
-    and exports live under `gs://BUCKET/runs/RUN/model/`, so the run's results outlive its TPU."""
+    and exports live under `gs://BUCKET/runs/RUN/model/`, so the run's results outlive its TPU. `framework`
+    (the plan's choice, which fixed the TPU's runtime) becomes `runtime.framework`."""
     config = json.loads(json.dumps(dict(overrides or {})))
     if preset:
         config.setdefault("preset", preset)
@@ -90,6 +91,8 @@ def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, ru
     runtime.setdefault("export_dir", f"{model}/export")
     if data_url:
         runtime.setdefault("data_dir", data_url)
+    if framework:
+        runtime["framework"] = framework
     config["runtime"] = runtime
     return config
 

@@ -141,6 +141,18 @@ def template_module(template_dir: Path) -> str:
     return f"{template_dir.name}.train"
 
 
+def template_frameworks(template_dir: Path) -> tuple[str, ...] | None:
+    """The Keras backends a template offers (`frameworks` in template.json); None when it declares none."""
+    meta = template_dir / "template.json"
+    if not meta.is_file():
+        return None
+    try:
+        offered = json.loads(meta.read_text()).get("frameworks")
+    except ValueError as exc:
+        raise BadInput(f"{meta}: not JSON ({exc})", field="job.template") from exc
+    return tuple(offered) if offered else None
+
+
 def _corpus_path(pattern: str, spec_dir: Path) -> str:
     """A relative corpus path is taken from the working directory if it matches there (the README runs
     specs from the repo root), else from the spec file's directory."""
@@ -209,7 +221,8 @@ class Pipeline:
             local = self.spec_dir / self.spec.job.template
             self.template_dir = bundles.resolve_template(str(local) if local.is_dir() else self.spec.job.template)
             self.module = template_module(self.template_dir)
-            self.plan = provision.plan(self.spec, project=self.project)
+            self.plan = provision.plan(self.spec, project=self.project,
+                                       frameworks=template_frameworks(self.template_dir))
             self.run_name = self.outcome.run = self.plan.run
             self.outcome.bucket = self.plan.bucket
             self.outcome.price_per_hour = round(self.plan.price_per_hour, 4)
@@ -218,8 +231,10 @@ class Pipeline:
             self._check_data()
             for note in self.plan.notes:
                 console.note(note)
+            framework = f", {self.plan.framework} on {self.plan.runtime_version}" if self.plan.framework else ""
             console.info(f"run {self.plan.run}: {self.plan.accelerator.name} in {', '.join(self.plan.zones)} "
-                         f"({self.plan.provisioning}), bucket gs://{self.plan.bucket}, ~${self.plan.price_per_hour:.2f}/h")
+                         f"({self.plan.provisioning}{framework}), bucket gs://{self.plan.bucket}, "
+                         f"~${self.plan.price_per_hour:.2f}/h")
 
     def _check_data(self) -> None:
         """Corpus files and options are checked before anything is created: bad input costs nothing."""
@@ -287,7 +302,7 @@ class Pipeline:
         with self.phase("upload"):
             job = self.spec.job
             config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
-                                        data_url=data_url)
+                                        data_url=data_url, framework=self.plan.framework)
             description = bundles.JobDescription(
                 run=self.plan.run, project=self.project, bucket=self.plan.bucket, module=self.module,
                 config=config, args=tuple(job.args), env=dict(job.env), num_workers=self.num_workers,

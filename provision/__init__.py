@@ -42,13 +42,16 @@ __all__ = [
 
 
 def plan(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
-         now: float | None = None, price_fn: Callable[[str, str, bool], float] | None = None) -> Plan:
+         now: float | None = None, price_fn: Callable[[str, str, bool], float] | None = None,
+         frameworks: tuple[str, ...] | None = ("tensorflow", "jax")) -> Plan:
     """Validate `spec` and lay out the step DAG with its $/hour. Pure: no API call, never blocks.
 
     Raises BadInput naming the field (unknown type, zone not offering it, runtime of another generation,
-    bad names/labels, zones outside the bucket's region) so that nothing is created on bad input.
+    bad names/labels, zones outside the bucket's region, a framework Google does not run on the type) so that
+    nothing is created on bad input. `frameworks`: what the job's template offers (None: it declares none).
     """
-    return _make_plan(spec, project=project, catalog=catalog, owner=owner, now=now, price_fn=price_fn)
+    return _make_plan(spec, project=project, catalog=catalog, owner=owner, now=now, price_fn=price_fn,
+                      frameworks=frameworks)
 
 
 def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, keep_on_failure: bool = False,

@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuctl import catalog as catalog_mod
+from tpuctl import frameworks as frameworks_mod
 from tpuctl.catalog import AcceleratorType, Catalog, region_of
 from tpuctl.errors import BadInput
 from tpuctl.provision import labels as L
 from tpuctl.provision.resources import Kind
 from tpuctl.spec import RunSpec, VmSpec, format_duration
+
+ALL_FRAMEWORKS = ("tensorflow", "jax")
 
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$")
 
@@ -55,6 +58,7 @@ class Plan:
     vms: tuple[VmSpec, ...]
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = field(default=())
+    framework: str = ""  # "tensorflow" | "jax"; "" for a template that declares no frameworks
 
     @property
     def spot(self) -> bool:
@@ -71,7 +75,8 @@ class Plan:
         return {
             "run": self.run, "project": self.project, "zones": list(self.zones), "region": self.region,
             "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts,
-            "runtime_version": self.runtime_version, "provisioning": self.provisioning,
+            "runtime_version": self.runtime_version, "framework": self.framework or None,
+            "provisioning": self.provisioning,
             "bucket": f"gs://{self.bucket}", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
             "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
             "steps": [{"key": s.key, "kind": s.kind.value, "name": s.name, "location": s.location,
@@ -86,11 +91,13 @@ def default_run_name(spec: RunSpec, owner: str) -> str:
 
 
 def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
-         now: float | None = None, price_fn=None) -> Plan:
+         now: float | None = None, price_fn=None, frameworks: tuple[str, ...] | None = ALL_FRAMEWORKS) -> Plan:
     """Validate `spec` and lay out the plan. Pure; raises BadInput naming the field.
 
     `price_fn(accelerator, region, spot) -> $/h` prices the TPU (the cost module's, when present); VMs are
-    priced from the catalog.
+    priced from the catalog. `frameworks`: what the job's template offers (tpuctl.frameworks picks one and
+    its runtime from `job.framework`); None for a template that declares none (the runtime as given or the
+    catalog's default).
     """
     catalog = catalog or catalog_mod.load()
     owner = owner or L.owner()
@@ -111,8 +118,11 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     notes: list[str] = []
     if len(zones) > 1 and region_of(zones[-1]) != region:
         notes.append(f"failover outside {region} leaves the bucket in {region}: cross-region reads cost per GB")
-    runtime = spec.runtime_version
-    runtime = runtime or t.default_runtime
+    runtime, framework = spec.runtime_version or t.default_runtime, ""
+    if frameworks is not None:
+        choice = frameworks_mod.choose(spec.job.framework if spec.job else "auto", t, spec.runtime_version,
+                                       frameworks)
+        runtime, framework = choice.runtime_version, choice.framework
     for z in zones:
         catalog.check(t.name, z, runtime)
     run = spec.name or default_run_name(spec, owner)
@@ -141,7 +151,8 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
         Step("bucket", Kind.BUCKET, bucket, region, detail="uniform access, public access prevention"),
         Step("bucket-iam", Kind.IAM, bucket, region, after=("bucket",), detail=f"objectAdmin for {sa_text}"),
         Step("tpu", tpu_kind, run, zones[0], price_per_hour=tpu_price,
-             detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}), {runtime}, {spec.provisioning}"
+             detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}), {runtime}"
+                    + (f" ({framework})" if framework else "") + f", {spec.provisioning}"
                     + (f", failover {', '.join(zones[1:])}" if len(zones) > 1 else "")),
         *(Step(f"vm:{vm.name}", Kind.VM, f"{run}-{vm.name}", zones[0],
                price_per_hour=catalog.vm_price_per_hour(vm.machine_type, region),
@@ -151,7 +162,7 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 provisioning=spec.provisioning, valid_until_s=spec.valid_until_s, bucket=bucket,
                 service_account=spec.service_account, network=spec.network, subnet=spec.subnet,
                 tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
-                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes))
+                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes), framework=framework)
 
 
 def _order_zones(zones: tuple[str, ...]) -> tuple[str, ...]:

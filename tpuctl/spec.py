@@ -107,6 +107,8 @@ class JobSpec(_Strict):
     args: list[str] = Field(default_factory=list)
     max_recoveries: int = Field(default=3, ge=0)
     env: dict[str, str] = Field(default_factory=dict)
+    # auto: TensorFlow where Google ships it (v2-v5p) and the template offers it, else JAX (tpuctl.frameworks)
+    framework: Literal["auto", "tensorflow", "jax"] = "auto"
 
     @field_validator("env")
     @classmethod
@@ -184,6 +186,13 @@ class RunSpec(_Strict):
     @property
     def queued(self) -> bool:
         return self.provisioning == "queued"
+
+
+def with_framework(spec: RunSpec, framework: str | None) -> RunSpec:
+    """`spec` with `job.framework` set (the `--framework` flag, which wins over the file); None keeps it."""
+    if framework is None:
+        return spec
+    return spec.model_copy(update={"job": (spec.job or JobSpec()).model_copy(update={"framework": framework})})
 
 
 def load(path: str | Path | None = None, *, overrides: Mapping[str, Any] | None = None,
