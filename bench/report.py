@@ -40,6 +40,8 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
                       [PY, "bench/run_bench.py"]),
         "cost_accuracy": ("cost accuracy: tpuctl's accrued cost vs the local cloud's meter (tolerance 1 %)",
                           [PY, "bench/cost_accuracy.py"]),
+        "localcloud_soak": ("local cloud daemon RSS over up/down cycles with concurrent uploads (goal: flat, < 300 MB)",
+                            [PY, "bench/localcloud_soak.py"]),
         "chaos": ("chaos: leaked resources, lost checkpoints, wrong exit codes over seeded fault scenarios (goal 0/0/0)",
                   [PY, "bench/chaos.py", "--scenarios", str(chaos_scenarios), "--seed", str(chaos_seed)]),
     }
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 HEADLINE_LINES = {
     "provision_bench": re.compile(r"^(up|down) .*"),
     "data_bench": re.compile(r"^(prepare|peak RSS|prepared).*"),
+    "localcloud_soak": re.compile(r"^growth after warm-up.*"),
     "chaos": re.compile(r"^(leaked|lost checkpoints|wrong exit codes|scenarios): \d+$"),
 }
 HEADLINE_KEYS = {

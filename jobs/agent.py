@@ -135,6 +135,11 @@ class Store:
         bucket, prefix = _split(url)
         return self.mirror_root / bucket / prefix
 
+    def as_urls(self, line: bytes) -> bytes:
+        """A line of the program's output with every mirror path written as the gs:// URL it stands for: the
+        mirror is how this worker reaches emulated storage, not a place the user can look."""
+        return line.replace(str(self.mirror_root).encode() + b"/", b"gs://")
+
     def download_prefix(self, url: str) -> int:
         bucket, prefix = _split(url)
         dest = self.local(url)
@@ -326,8 +331,9 @@ class Agent:
             self.child = subprocess.Popen(argv, cwd=self.bundle, env=env, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             assert self.child.stdout is not None
+            emulated = _emulated()
             for line in iter(self.child.stdout.readline, b""):
-                log.write(line)
+                log.write(self.store.as_urls(line) if emulated else line)
                 m = STEP.search(line)
                 if m:
                     self.step = int(m.group(1))

@@ -127,7 +127,7 @@ class ComputeService:
             meta = _metadata_dict(rec["instance"])
             env = {"GOOGLE_CLOUD_PROJECT": rec["project"], "STORAGE_EMULATOR_HOST": self.w.storage_host,
                    "TPUCTL_LOCALCLOUD": "1", "VM_NAME": rec["instance"]["name"], "VM_ZONE": rec["zone"]}
-            keys = ssh_keys_of(meta)
+            keys = self.w.worker_keys(rec["project"], meta, ssh_keys_of(meta))
             script = meta.get("startup-script")
             worker_key = rec["worker_key"]
         endpoints = self.w.workers.start_node(worker_key, 1, env, keys, script,
@@ -394,7 +394,8 @@ class ComputeService:
                 rec["instance"]["metadata"] = {"kind": "compute#metadata", "fingerprint": _fingerprint(items),
                                                **({"items": items} if items else {})}
                 if rec["endpoints"]:
-                    self.w.workers.update_keys(rec["worker_key"], ssh_keys_of(_metadata_dict(rec["instance"])))
+                    meta = _metadata_dict(rec["instance"])
+                    self.w.workers.update_keys(rec["worker_key"], self.w.worker_keys(rec["project"], meta, ssh_keys_of(meta)))
             self._finish_op(op)
             self.w.changed()
 

@@ -330,6 +330,11 @@ class Meter:
             if gb is None and item.intervals[-1][1] is None:
                 item.intervals[-1][1] = t
 
+    def billing(self, kinds: tuple[str, ...] = ("tpu", "vm")) -> bool:
+        """Whether any resource of these kinds is being billed now (created and not yet stopped or deleted)."""
+        with self._lock:
+            return any(i.kind in kinds and i.intervals and i.intervals[-1][1] is None for i in self._items.values())
+
     def report(self, t: float | None = None) -> dict:
         """JSON-ready: per resource (seconds, usd, running) and per SKU totals."""
         t = time.time() if t is None else t
@@ -384,8 +389,12 @@ class World:
         self.faults = Faults()
         self.meter = Meter()
         self.errors: list[str] = []
+        self.last_request = time.time()  # wall clock of the latest API request (the daemon's idle stop reads it)
         self._ids = itertools.count(int(time.time() * 1000) % 10**12 * 1000)
         self.services: dict[str, Any] = {}
+        # (project, instance metadata, keys from its `ssh-keys`) -> the keys its workers admit; the projects
+        # service replaces it so that OS Login, when on, overrides metadata keys.
+        self.worker_keys: Callable[[str, dict | None, list[str]], list[str]] = lambda project, metadata, keys: keys
 
     def next_id(self) -> int:
         return next(self._ids)

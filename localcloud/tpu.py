@@ -225,7 +225,7 @@ class TpuService:
             node = rec["node"]
             key, count = rec["worker_key"], rec["hosts"]
             env = {"STORAGE_EMULATOR_HOST": self.w.storage_host, CPU_REHEARSAL_VAR: "cpu"}
-            keys = ssh_keys_of(node.get("metadata"))
+            keys = self.w.worker_keys(rec["project"], node.get("metadata"), ssh_keys_of(node.get("metadata")))
             script = (node.get("metadata") or {}).get("startup-script")
         endpoints = self.w.workers.start_node(key, count, env, keys, script,
                                               metadata=lambda index: self.guest_metadata(name, index))
@@ -469,7 +469,8 @@ class TpuService:
                 else:
                     rec["node"][field] = value
             if "metadata" in changes and rec["endpoints"]:
-                self.w.workers.update_keys(rec["worker_key"], ssh_keys_of(rec["node"].get("metadata")))
+                meta = rec["node"].get("metadata")
+                self.w.workers.update_keys(rec["worker_key"], self.w.worker_keys(rec["project"], meta, ssh_keys_of(meta)))
             self._finish_op(op, response=self.view(rec))
             self.w.changed()
 

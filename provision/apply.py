@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from tpuctl.errors import CapacityError, CloudError, Interrupted, TpuctlError, capacity_hint
-from tpuctl.provision import bucket, tpu, vm
+from tpuctl.provision import bucket, preflight, tpu, vm
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.plan import Plan
 from tpuctl.provision.resources import Kind, Resource, State
@@ -151,10 +151,12 @@ def _names(undo: list[Undo]) -> str:
 
 def _run(clients: Clients, plan: Plan, pool: ThreadPoolExecutor, created: _Created, say: ProgressFn,
          cancel: threading.Event, deadline_s: float) -> ApplyResult:
-    # Read-only preflight, in parallel: refuse a cross-region bucket before anything is created.
+    # Read-only preflight, in parallel: refuse a project that cannot work (APIs, network, service account,
+    # permissions, OS Login) or a cross-region bucket before anything is created.
+    ready_f = pool.submit(preflight.require, clients, preflight.Target.of_plan(plan))
     sa_f = pool.submit(_service_account, clients, plan)
     existing_f = pool.submit(bucket.lookup, clients, plan.bucket)
-    _wait_all([sa_f, existing_f], cancel)
+    _wait_all([ready_f, sa_f, existing_f], cancel)
     existing = existing_f.result()
     if existing is not None:
         bucket.check_region(existing, plan.region, allow_cross_region=plan.allow_cross_region)
@@ -204,7 +206,8 @@ def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted:
         name=plan.run, zone=plan.zones[0], accelerator=plan.accelerator.name, runtime_version=plan.runtime_version,
         labels=plan.labels, service_account=sa, spot=plan.provisioning == "spot",
         preemptible=plan.provisioning == "preemptible", queued=plan.provisioning == "queued",
-        valid_until_s=plan.valid_until_s, network=plan.network, subnet=plan.subnet, tags=plan.tags)
+        valid_until_s=plan.valid_until_s, network=plan.network, subnet=plan.subnet, tags=plan.tags,
+        internal_ips=plan.internal_ips)
     kind = Kind.QUEUED if base.queued else Kind.TPU
     zones = list(plan.zones)
     # A node left by an earlier `up` may sit in a failover zone: adopt it there rather than create a twin.
@@ -256,7 +259,7 @@ def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, ado
         undo = Undo(Kind.VM, name, zone)
         req = vm.VmRequest(name=name, zone=zone, machine_type=spec.machine_type, disk_gb=spec.disk_gb,
                            image=spec.image, labels=plan.labels, service_account=sa, network=plan.network,
-                           subnet=plan.subnet, tags=plan.tags)
+                           subnet=plan.subnet, tags=plan.tags, internal_ips=plan.internal_ips)
         issued = threading.Event()
 
         def on_issued(undo: Undo = undo, issued: threading.Event = issued) -> None:

@@ -58,6 +58,7 @@ class Plan:
     vms: tuple[VmSpec, ...]
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = field(default=())
+    internal_ips: bool = False
     framework: str = ""  # "tensorflow" | "jax"; "" for a template that declares no frameworks
 
     @property
@@ -78,6 +79,7 @@ class Plan:
             "runtime_version": self.runtime_version, "framework": self.framework or None,
             "provisioning": self.provisioning,
             "bucket": f"gs://{self.bucket}", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
+            "internal_ips": self.internal_ips,
             "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
             "steps": [{"key": s.key, "kind": s.kind.value, "name": s.name, "location": s.location,
                        "after": list(s.after), "price_per_hour": round(s.price_per_hour, 4), "detail": s.detail}
@@ -162,7 +164,8 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 provisioning=spec.provisioning, valid_until_s=spec.valid_until_s, bucket=bucket,
                 service_account=spec.service_account, network=spec.network, subnet=spec.subnet,
                 tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
-                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes), framework=framework)
+                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes), internal_ips=spec.internal_ips,
+                framework=framework)
 
 
 def _order_zones(zones: tuple[str, ...]) -> tuple[str, ...]:

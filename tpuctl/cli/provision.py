@@ -81,13 +81,15 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
 @click.option("--service-account", help="email the TPU VM runs as (default: the project's compute SA)")
 @click.option("--ttl", help="delete by this age, e.g. 2h (tpuctl gc enforces it)")
 @click.option("--allow-cross-region", is_flag=True, default=None, help="accept a bucket outside the TPU's region")
+@click.option("--internal-ips", is_flag=True, default=None,
+              help="no external IPs on the workers (org policy); run tpuctl from inside the VPC")
 @click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
 @click.option("--dry-run", is_flag=True, help="print the plan and stop")
 @click.option("--keep-on-failure", is_flag=True, help="leave what was created when up fails")
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
 @click.option("--json", "as_json", is_flag=True, help="print the plan and result as JSON")
 def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, framework, spot, provisioning, bucket,
-       service_account, ttl, allow_cross_region, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
+       service_account, ttl, allow_cross_region, internal_ips, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
     """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
     from tpuctl import provision as prov
     from tpuctl.provision import inventory
@@ -97,7 +99,8 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, fram
                        hint="give one of them: --spot is --provisioning spot")
     flags = {"name": name, "project": project, "zone": zone, "accelerator": accelerator,
              "runtime_version": runtime_version, "provisioning": "spot" if spot else provisioning, "bucket": bucket,
-             "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region}
+             "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region,
+             "internal_ips": internal_ips}
     spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=migrate)
     plan = prov.plan(spec_mod.with_framework(spec, framework), project=settings.project)
     if dry_run:
@@ -196,7 +199,7 @@ def _runs_table(runs: list[inventory.RunStatus]) -> None:
 
     now = time.time()
     console.table(("run", "owner", "state", "zone", "accelerator", "workers", "age", "expires in", "$/h", "accrued"),
-                  [(s.run, s.owner or "-", s.state.value, s.zone or "-",
+                  [(s.run, s.owner or "-", s.state_text, s.zone or "-",
                     next((r.accelerator for r in s.resources if r.accelerator), "-"), s.workers,
                     inventory.age_text(s.age_s),
                     inventory.age_text(s.expires - now) if s.expires and s.expires > now else
@@ -228,7 +231,12 @@ def status(run, cloud, project, as_json) -> None:
                     else r.state.value, inventory.age_text(time.time() - r.created.timestamp()) if r.created else "-",
                     " ".join(f"{w.ip}:{w.port}" for w in r.workers) or "-",
                     ", ".join(f"{k}={v}" for k, v in r.detail.items())) for r in s.resources],
-                  title=f"run {s.run} ({s.state.value})")
+                  title=f"run {s.run} ({s.state_text})")
+    if s.bucket_kept:
+        bucket = next(r.name for r in s.resources if r.kind is prov.Kind.BUCKET)
+        console.info(f"the TPU and VMs are gone; bucket gs://{bucket} kept until {inventory.utc(s.expires)} (its TTL); "
+                     f"`tpuctl down {s.run} --delete-bucket` deletes it now")
+        return
     console.info(f"{_money(s.price_per_hour)}/hour, {_money(s.accrued)} so far; expires "
                  f"{inventory.utc(s.expires)}")
     if any(r.state is prov.State.PREEMPTED for r in s.resources):
