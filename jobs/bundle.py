@@ -119,12 +119,16 @@ def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequenc
         raise BadInput(f"environment variable name(s) {bad_env!r} are not valid", field="job.env",
                        hint=ENV_NAME_RULE)
     package = template_dir.name
-    requirements = template_dir / "requirements.txt"
+    # A framework's own list where the template has one (bert: requirements-jax.txt for the JAX base images).
+    framework = str(((job.config or {}).get("runtime") or {}).get("framework") or "")
+    requirements = template_dir / f"requirements-{framework}.txt"
+    if not framework or not requirements.is_file():
+        requirements = template_dir / "requirements.txt"
     doc = {
         "run": job.run, "project": job.project, "bucket": job.bucket, "prefix": job.prefix, "module": job.module,
         "config": job.config, "args": list(job.args), "env": dict(job.env), "num_workers": job.num_workers,
         "heartbeat_s": job.heartbeat_s,
-        "requirements": f"{package}/requirements.txt" if requirements.is_file() else None,
+        "requirements": f"{package}/{requirements.name}" if requirements.is_file() else None,
     }
     raw = io.BytesIO()
     # gzip with mtime 0 and no file name: byte-identical output for identical input.

@@ -83,3 +83,21 @@ def test_the_cli_flag_shows_the_choice_and_refuses_tensorflow_on_v6e_with_one_li
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: job.framework: TensorFlow does not run on v6e (Google ships TensorFlow runtimes "
                       "for v2-v5p only); use framework: jax (runtime v2-alpha-tpuv6e)"], p.stderr
+
+
+def test_a_jax_job_installs_jax_tpu_and_a_tensorflow_job_keeps_the_runtimes_tensorflow(tmp_path):
+    import tarfile
+
+    from tpuctl.jobs import bundle
+
+    template = bundle.resolve_template("bert")
+    docs = {}
+    for framework in ("jax", "tensorflow"):
+        job = bundle.JobDescription(run="fw", project="p", bucket="b", module="bert.train",
+                                    config={"runtime": {"framework": framework}})
+        with tarfile.open(bundle.build(template, job, tmp_path / framework).path) as tar:
+            docs[framework] = json.load(tar.extractfile("job.json"))
+            requirements = tar.extractfile(docs[framework]["requirements"]).read().decode()
+        assert ("jax[tpu]==" in requirements) == (framework == "jax"), requirements
+    assert docs["jax"]["requirements"] == "bert/requirements-jax.txt"
+    assert docs["tensorflow"]["requirements"] == "bert/requirements.txt"
