@@ -133,18 +133,25 @@ def resolve_jax(runtime: RuntimeConfig) -> Resolved:
     import jax
     import keras
 
-    if vm is not None and len(vm.hosts) > 1:
-        port = JAX_COORDINATOR_PORT if not devices else _rehearsal_port(vm.node)
+    cluster = jax_cluster(vm, rehearsal=bool(devices))
+    if cluster is not None:
         try:
-            jax.distributed.initialize(coordinator_address=f"{vm.hosts[0]}:{port}", num_processes=len(vm.hosts),
-                                       process_id=vm.worker)
+            jax.distributed.initialize(**cluster)
         except (RuntimeError, ValueError) as exc:
-            raise AcceleratorError(f"runtime.framework: jax.distributed.initialize with worker 0 at "
-                                   f"{vm.hosts[0]}:{port} failed on worker {vm.worker}: {exc}") from exc
+            raise AcceleratorError(f"runtime.framework: jax.distributed.initialize({cluster}) failed: {exc}") from exc
     platform = jax.devices()[0].platform
     distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
     return Resolved(distribution, "tpu" if platform == "tpu" else platform, jax.device_count(), jax.process_count(),
                     backend="jax", processes=jax.process_count(), process=jax.process_index())
+
+
+def jax_cluster(vm: guest.TpuVm | None, *, rehearsal: bool) -> dict | None:
+    """`jax.distributed.initialize`'s arguments on a multi-host slice (None on one host): worker 0's IP from
+    worker-network-endpoints with JAX's port, the number of workers, and this worker's agent-worker-number."""
+    if vm is None or len(vm.hosts) < 2:
+        return None
+    port = _rehearsal_port(vm.node) if rehearsal else JAX_COORDINATOR_PORT
+    return {"coordinator_address": f"{vm.hosts[0]}:{port}", "num_processes": len(vm.hosts), "process_id": vm.worker}
 
 
 def _devices_per_host(accelerator_type: str, hosts: int) -> int:
