@@ -7,7 +7,7 @@ import time
 import keras
 import tensorflow as tf
 
-from .checkpoints import host_value
+from .checkpoints import host_array, host_value
 
 
 class Monitor(keras.callbacks.Callback):
@@ -30,7 +30,8 @@ class Monitor(keras.callbacks.Callback):
             now = time.monotonic()
             rate = self.global_batch * (step - self.window_step) / max(now - self.window_time, 1e-9)
             lr = float(self.schedule(step))
-            self.last = {"loss": float(logs["loss"]), "mlm_accuracy": float(logs["mlm_accuracy"]),
+            self.last = {"loss": float(host_array(logs["loss"])),
+                         "mlm_accuracy": float(host_array(logs["mlm_accuracy"])),
                          "learning_rate": lr, "examples_per_sec": rate}
             self.emit(f"step={step} loss={self.last['loss']:.4f} mlm_accuracy={self.last['mlm_accuracy']:.4f} "
                       f"learning_rate={lr:.6g} examples_per_sec={rate:.1f}")

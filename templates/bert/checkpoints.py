@@ -24,13 +24,16 @@ def _join(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name
 
 
-def host_value(variable) -> np.ndarray:
-    """A variable's value on this host: a JAX array replicated over other processes' devices is not fully
-    addressable, but any local shard of a replicated variable is the whole value."""
-    value = variable.value
+def host_array(value) -> np.ndarray:
+    """A value as numpy on this host: a JAX array replicated over other processes' devices is not fully
+    addressable, but any local shard of a replicated array is the whole value."""
     if getattr(value, "is_fully_addressable", True) is False:
         value = value.addressable_shards[0].data
     return np.asarray(value)
+
+
+def host_value(variable) -> np.ndarray:
+    return host_array(variable.value)
 
 
 def _variables(model, optimizer) -> dict:

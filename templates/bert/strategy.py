@@ -141,6 +141,8 @@ def resolve_jax(runtime: RuntimeConfig) -> Resolved:
             raise AcceleratorError(f"runtime.framework: jax.distributed.initialize({cluster}) failed: {exc}") from exc
     platform = jax.devices()[0].platform
     distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
+    # Global, not only a scope: fit() distributes each batch under the distribution in force when it runs.
+    keras.distribution.set_distribution(distribution)
     return Resolved(distribution, "tpu" if platform == "tpu" else platform, jax.device_count(), jax.process_count(),
                     backend="jax", processes=jax.process_count(), process=jax.process_index())
 

@@ -159,6 +159,8 @@ def run(cfg: BertConfig, *, log=None) -> dict:
                **monitor.last, "global_batch": global_batch, "replicas": resolved.replicas,
                "strategy": resolved.kind, "backend": resolved.backend}
     if writer:
+        if resolved.processes > 1:  # Keras saves via numpy, which cannot read arrays spanning other hosts
+            model = _local_copy(keras, model, cfg, manifest.vocab_size)
         _export(tf, model, cfg, rt.data_dir, export_dir, metrics)
     _done(emit, metrics, export_dir)
     return metrics
@@ -212,6 +214,17 @@ def _compile(keras, model, tr, schedule, *, jit_compile: bool):
         steps_per_execution=tr.steps_per_execution, jit_compile=jit_compile)
     optimizer.build(model.trainable_variables)  # slots exist before restore: restored, not deferred
     return optimizer
+
+
+def _local_copy(keras, model, cfg: BertConfig, vocab_size: int):
+    """The model with this host's copy of its (replicated) weights, outside the slice-wide distribution."""
+    from .checkpoints import host_value
+    from .model import build_model
+
+    keras.distribution.set_distribution(None)  # training is over: variables on this host's default device
+    local = build_model(cfg.task, vocab_size=vocab_size)
+    local.set_weights([host_value(v) for v in model.weights])
+    return local
 
 
 def _done(emit, metrics: dict, export_dir: str) -> None:
