@@ -78,14 +78,43 @@ def save(directory: str, step: int, model, optimizer, *, keep: int) -> str:
     return _join(directory, name)
 
 
-def restore(path: str, model, optimizer) -> None:
-    """Assign every model and optimizer variable from `path`. Raises ConfigError when the file lacks one or
-    holds another shape (another model; the run.json check catches that first)."""
-    with tf.io.gfile.GFile(path, "rb") as f:
-        arrays = np.load(io.BytesIO(f.read()))
-        stored = {name: arrays[name] for name in arrays.files}
-    for name, variable in _variables(model, optimizer).items():
+def process0(flag: bool, processes: int) -> bool:
+    """Process 0's answer on every host (JAX, several processes); the local one otherwise. Blocks until all
+    processes ask."""
+    if processes < 2:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(int(multihost_utils.broadcast_one_to_all(np.int32(flag))))
+
+
+def restore(path: str | None, model, optimizer, *, processes: int = 1) -> bool:
+    """Assign every model and optimizer variable from `path` (None: nothing to restore). Returns whether it
+    restored. Raises ConfigError when the file lacks a variable or holds another shape (another model; the
+    run.json check catches that first).
+
+    JAX on several hosts (`processes` > 1): process 0's view wins. It alone reads; whether it found a
+    checkpoint and every value are broadcast to the others, so the hosts cannot start from different steps
+    (a host whose copy of model_dir lags would otherwise resume elsewhere and hang the collectives).
+    """
+    variables = _variables(model, optimizer)
+    stored = {}
+    if path is not None:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            arrays = np.load(io.BytesIO(f.read()))
+            stored = {name: arrays[name] for name in arrays.files}
+    if processes > 1:
+        from jax.experimental import multihost_utils
+
+        if not process0(path is not None, processes):
+            return False
+        local = {name: stored.get(name, np.zeros(v.shape, v.dtype)) for name, v in variables.items()}
+        stored = multihost_utils.broadcast_one_to_all(local)
+    elif path is None:
+        return False
+    for name, variable in variables.items():
         if name not in stored or tuple(stored[name].shape) != tuple(variable.shape):
             raise ConfigError(f"checkpoint {path}: no {name} of shape {tuple(variable.shape)}; "
                               "it was written by another model")
-        variable.assign(stored[name])
+        variable.assign(np.asarray(stored[name]))
+    return True

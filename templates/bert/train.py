@@ -119,13 +119,11 @@ def run(cfg: BertConfig, *, log=None) -> dict:
         optimizer = _compile(keras, model, tr, schedule,
                              jit_compile=jax_backend or (rt.jit_compile and resolved.kind != "tpu"))
         ckpt_dir = join(rt.model_dir, "checkpoints")
-        latest = checkpoints.latest(ckpt_dir)
-        if latest:
-            checkpoints.restore(latest, model, optimizer)
+        checkpoints.restore(checkpoints.latest(ckpt_dir), model, optimizer, processes=resolved.processes)
     start = int(checkpoints.host_value(optimizer.iterations))
     export_dir = rt.export_dir or join(rt.model_dir, "export")
     metrics_path = join(export_dir, "metrics.json")
-    if start >= tr.max_steps and tf.io.gfile.exists(metrics_path):
+    if checkpoints.process0(start >= tr.max_steps and tf.io.gfile.exists(metrics_path), resolved.processes):
         metrics = json.loads(_read(tf, metrics_path))  # finished and exported before: nothing to do
         _done(emit, metrics, export_dir)
         return metrics
