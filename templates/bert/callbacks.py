@@ -7,11 +7,13 @@ import time
 import keras
 import tensorflow as tf
 
-from .checkpoints import host_array, host_value
+from .checkpoints import host_array
 
 
 class Monitor(keras.callbacks.Callback):
-    """Progress lines, TensorBoard scalars and checkpoints, keyed by the optimizer's step counter.
+    """Progress lines, TensorBoard scalars and checkpoints, keyed by the step: `start` (the restored optimizer
+    step) plus the steps of this fit. `self.model` is touched only when a line or a checkpoint is due: on JAX
+    that access copies the whole training state back into the model's variables.
 
     `checkpoint(step) -> path` and `writer` are None on JAX processes other than 0: they train, process 0 writes.
     """
@@ -20,12 +22,13 @@ class Monitor(keras.callbacks.Callback):
         super().__init__()
         self.checkpoint, self.schedule, self.global_batch = checkpoint, schedule, global_batch
         self.log_every, self.checkpoint_every, self.writer, self.emit = log_every, checkpoint_every, writer, emit
+        self.start = start
         self.window_step, self.window_time = start, time.monotonic()
         self.last: dict = {}
         self.saved_step = -1
 
     def on_train_batch_end(self, batch, logs=None):
-        step = int(host_value(self.model.optimizer.iterations))
+        step = self.start + batch + 1  # Keras passes the last step of the execution
         if step - self.window_step >= self.log_every:
             now = time.monotonic()
             rate = self.global_batch * (step - self.window_step) / max(now - self.window_time, 1e-9)
@@ -47,5 +50,6 @@ class Monitor(keras.callbacks.Callback):
 
     def save(self, step: int) -> None:
         self.saved_step = step
+        self.model  # noqa: B018 - the property syncs JAX's training state into the variables the checkpoint reads
         if self.checkpoint is not None:
             self.emit(f"checkpoint step={step} path={self.checkpoint(step)}")
