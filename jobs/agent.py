@@ -3,7 +3,10 @@
 Needs only the standard library and google-cloud-storage (the worker's runtime Python has no tpuctl).
 
 `prepare`: installs the template's requirements into this Python once per requirements hash (a marker file
-caches it), skipping distributions that are already installed (the local cloud has no network).
+caches it), skipping distributions that are already installed (the local cloud has no network). Keras is
+pinned to the release the template is tested with for this interpreter's TensorFlow (template.json's
+`keras_by_tensorflow`, by TF minor version): the runtime image's TensorFlow decides, never pip's newest
+Keras; a TensorFlow older than every tested one fails here, with what to use instead.
 
 `run`: wraps the training process. When storage is emulated (`STORAGE_EMULATOR_HOST`: TensorFlow cannot read
 gs:// from an emulator) it mirrors the config's gs:// data and model locations to local disk, restores the
@@ -18,6 +21,7 @@ aggregates them: {"state": running|succeeded|failed, "heartbeat", "step", "recov
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import os
@@ -93,22 +97,84 @@ def _installed(requirement: str) -> bool:
     return specifier is None or specifier.contains(version, prereleases=True)
 
 
+def tensorflow_version() -> str | None:
+    """The TensorFlow this interpreter carries (any of its distributions), or None."""
+    from importlib import metadata
+
+    for dist in ("tensorflow", "tensorflow-cpu", "tensorflow-tpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _minor(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+
+
+def keras_requirement(tested: dict[str, str], tf_version: str | None) -> str | None:
+    """`keras==X` for this TensorFlow per the template's tested table; None keeps the requirements' own
+    Keras line (no table, no TensorFlow, or a TensorFlow newer than the table). ValueError for a TensorFlow
+    older than every tested one: no Keras the template runs on is known to work there."""
+    if not tested or tf_version is None:
+        return None
+    pin = tested.get(".".join(str(n) for n in _minor(tf_version)))
+    if pin:
+        return f"keras=={pin}"
+    oldest = min(tested, key=_minor)
+    if _minor(tf_version) < _minor(oldest):
+        raise ValueError(f"TensorFlow {tf_version} is older than any this template is tested with "
+                         f"({', '.join(sorted(tested, key=_minor))}): use a tpu-vm-tf-{oldest}.x runtime or newer")
+    return None
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _keep_installed(workdir: Path, installing: list[str], cache: Path) -> list[str]:
+    """pip arguments that hold every package the image has (the bootstrap's `image-constraints.txt`) at its
+    installed version, except those being installed now: a requirement never upgrades TensorFlow's own."""
+    listed = workdir / "image-constraints.txt"
+    if not listed.is_file():
+        return []
+    names = {_name(r) for r in installing}
+    keep = [line for line in listed.read_text().splitlines() if line and _name(line) not in names]
+    cache.mkdir(parents=True, exist_ok=True)
+    constraints = cache / "constraints.txt"
+    constraints.write_text("\n".join(keep) + "\n")
+    return ["-c", str(constraints)]
+
+
 def prepare(bundle: Path, cache: Path) -> int:
     job = json.loads((bundle / "job.json").read_text())
     req_rel = job.get("requirements")
     if not req_rel:
         return 0
     req_file = bundle / req_rel
-    digest = hashlib.sha256(req_file.read_bytes() + sys.executable.encode()).hexdigest()[:16]
+    meta_file = req_file.parent / "template.json"
+    tested = json.loads(meta_file.read_text()).get("keras_by_tensorflow") or {} if meta_file.is_file() else {}
+    tf_version = tensorflow_version()
+    try:
+        keras = keras_requirement(tested, tf_version)
+    except ValueError as exc:
+        print(f"tpuctl agent: {exc}", file=sys.stderr, flush=True)
+        return 2
+    reqs = _requirements(req_file)
+    if keras:
+        reqs = [r for r in reqs if _name(r) != "keras"] + [keras]
+    digest = hashlib.sha256("\n".join(reqs).encode() + sys.executable.encode()).hexdigest()[:16]
     marker = cache / f"{digest}.ok"
     if marker.exists():
         return 0
-    missing = [r for r in _requirements(req_file) if not _installed(r)]
+    missing = [r for r in reqs if not _installed(r)]
     if missing:
         print(f"tpuctl agent: installing {' '.join(missing)}", flush=True)
         base = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         in_venv = sys.prefix != sys.base_prefix
-        done = subprocess.run(base + ([] if in_venv else ["--user"]) + missing)
+        done = subprocess.run(base + ([] if in_venv else ["--user"]) + _keep_installed(bundle.parent, missing, cache)
+                              + missing)
         if done.returncode != 0:
             print(f"tpuctl agent: pip install failed ({done.returncode})", file=sys.stderr, flush=True)
             return done.returncode
@@ -118,6 +184,95 @@ def prepare(bundle: Path, cache: Path) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- storage
+
+# A checkpoint directory holds a `checkpoint` pointer naming its checkpoints, newest first: TensorFlow's text
+# proto (`model_checkpoint_path: "ckpt-30"` + `all_model_checkpoint_paths: ...`) or a bare name. A
+# checkpoint's files are its name or its name plus a suffix (ckpt-30.index, ckpt-30.data-00000-of-00001);
+# TensorFlow writes shards into ckpt-30_temp/ first, then the data files, the index, then the pointer.
+POINTER = "checkpoint"
+TF_CHECKPOINT = re.compile(r"^.+-\d+(\.index|\.data-\d+-of-\d+|_temp.*)$")
+ALL_PATHS = re.compile(r'^\s*all_model_checkpoint_paths:\s*"(.*)"\s*$')
+TF_SHARD = re.compile(r"\.data-(\d+)-of-(\d+)$")
+STEP_SUFFIX = re.compile(r"^(?P<base>.+?)-(?P<step>\d+)(?=$|[._])")
+# Half-written files: our own downloads (.part), and TensorFlow's atomic writes (NAME.tmp<uuid hex>,
+# NAME.tempstate<digits>).
+_TEMPORARY = re.compile(r"\.(part|tmp[0-9a-f]*|tempstate\d+)$")
+
+
+def _pointer_names(text: str) -> list[str]:
+    """The checkpoint names a pointer file holds, the newest first."""
+    pairs = re.findall(r'^\s*(model_checkpoint_path|all_model_checkpoint_paths):\s*"(.*)"\s*$', text, re.M)
+    if not pairs:
+        return [os.path.basename(text.strip())] if text.strip() else []
+    latest = [os.path.basename(v) for k, v in pairs if k == "model_checkpoint_path"][:1]
+    return latest + [os.path.basename(v) for k, v in pairs if k != "model_checkpoint_path"
+                     and os.path.basename(v) not in latest]
+
+
+def _pointer_naming(text: str, keep: set[str]) -> str:
+    """The pointer `text` naming only the checkpoints in `keep`: TensorFlow pairs the i-th
+    all_model_checkpoint_paths with the i-th all_model_checkpoint_timestamps, so both go together."""
+    lines = text.splitlines(keepends=True)
+    paths = [m.group(1) for m in map(ALL_PATHS.match, lines) if m]
+    dropped = {i for i, path in enumerate(paths) if os.path.basename(path) not in keep}
+    out, seen = [], {"all_model_checkpoint_paths": 0, "all_model_checkpoint_timestamps": 0}
+    for line in lines:
+        key = line.split(":", 1)[0].strip()
+        if key in seen:
+            seen[key] += 1
+            if seen[key] - 1 in dropped:
+                continue
+        out.append(line)
+    return "".join(out)
+
+
+def _bases(names) -> set[str]:
+    return {m.group("base") for m in map(STEP_SUFFIX.match, names) if m}
+
+
+def _pointer_bases(d: Path) -> set[str]:
+    try:
+        return _bases(_pointer_names((d / POINTER).read_text()))
+    except FileNotFoundError:
+        return set()
+
+
+def _is_checkpoint_name(top: str, bases: set[str]) -> bool:
+    """`top` (a file or directory right under a checkpoint directory) belongs to some checkpoint."""
+    m = STEP_SUFFIX.match(top)
+    return bool(TF_CHECKPOINT.match(top) or (m and m.group("base") in bases))
+
+
+def _is_checkpoint_part(path: Path, d: Path, bases: set[str]) -> bool:
+    """`path` is the pointer of `d` or part of one of its checkpoints (published by _publish_checkpoints)."""
+    try:
+        top = path.relative_to(d).parts[0]
+    except ValueError:
+        return False
+    return top == POINTER or _is_checkpoint_name(top, bases)
+
+
+def _complete(name: str, members: list[str]) -> bool:
+    """Every file of checkpoint `name` is there: its index and all its data shards (TensorFlow), or the
+    checkpoint file itself (a single-file format)."""
+    shards = [m for m in map(TF_SHARD.search, members) if m]
+    if not shards:
+        return bool(members) and (name in members or f"{name}.index" not in members)
+    total = int(shards[0].group(2))
+    return f"{name}.index" in members and {int(m.group(1)) for m in shards} == set(range(total))
+
+
+def _same_content(path: Path, blob) -> bool:
+    """The local file holds exactly the object (MD5, as Cloud Storage reports it). Size alone is not enough:
+    a restored `checkpoint` pointer naming ckpt-30.json has the size of a stale one naming ckpt-10.json."""
+    if blob.md5_hash is None or not path.is_file() or path.stat().st_size != blob.size:
+        return False
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return base64.b64encode(digest.digest()).decode() == blob.md5_hash
+
 
 class Store:
     """The run's bucket prefix plus the local mirror of gs:// locations used when storage is emulated."""
@@ -130,6 +285,7 @@ class Store:
         self.prefix = job["prefix"].rstrip("/")
         self.mirror_root = mirror_root
         self._uploaded: dict[str, tuple[int, int]] = {}
+        self._published: dict[str, str] = {}  # checkpoint directory -> the pointer text last published
 
     def local(self, url: str) -> Path:
         bucket, prefix = _split(url)
@@ -149,7 +305,7 @@ class Store:
             if not rel or rel.endswith("/"):
                 continue
             target = dest / rel
-            if target.exists() and target.stat().st_size == blob.size:
+            if _same_content(target, blob):
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(target.name + ".part")
@@ -160,29 +316,93 @@ class Store:
         return n
 
     def upload_dir(self, url: str) -> int:
-        """Upload files changed since the last call; checkpoint index files (`checkpoint*` names without a
-        data suffix, which TF and the stand-in write last) go last so a reader never sees an index before
-        its data."""
+        """Upload the files under the local mirror of `url` that changed since the last call. Blocks for the
+        uploads; safe to interrupt at any point (a kill mid-call leaves the bucket restorable).
+
+        Checkpoints are published, not copied: a checkpoint's files are uploaded only once its directory's
+        `checkpoint` pointer names it (the program writes the pointer after the files are complete), the
+        pointer goes up only after every file of the checkpoint it names is in the bucket, and older
+        checkpoints are deleted from the bucket only after that. So the bucket's pointer always names a
+        complete checkpoint, a half-written one is never uploaded, and a cancel at any moment leaves at
+        least the previous complete checkpoint."""
         bucket, prefix = _split(url)
         src = self.local(url)
         if not src.exists():
             return 0
-        files = [p for p in src.rglob("*") if p.is_file() and not p.name.endswith((".part", ".tmp"))]
-        files.sort(key=lambda p: (p.name in ("checkpoint", "latest"), str(p)))
-        n = 0
         dest = self.client.bucket(bucket)
-        for p in files:
-            st = p.stat()
-            sig = (st.st_size, st.st_mtime_ns)
-            if self._uploaded.get(str(p)) == sig:
+        files = [p for p in src.rglob("*") if p.is_file() and not _TEMPORARY.search(p.name)]
+        ckpt_dirs = {p.parent for p in files if p.name == POINTER or TF_CHECKPOINT.match(p.name)}
+        ckpt_dirs |= {p.parent.parent for p in files if TF_CHECKPOINT.match(p.parent.name)}
+        bases = {d: _pointer_bases(d) for d in ckpt_dirs}
+        n = 0
+        for p in sorted(files):
+            d = next((d for d in ckpt_dirs if _is_checkpoint_part(p, d, bases[d])), None)
+            if d is None:
+                try:
+                    n += self._upload_changed(dest, f"{prefix}/{p.relative_to(src)}", p)
+                except FileNotFoundError:  # removed by the program between listing and upload
+                    continue
+        for d in sorted(ckpt_dirs):
+            rel = d.relative_to(src).as_posix()
+            n += self._publish_checkpoints(dest, prefix if rel == "." else f"{prefix}/{rel}", d)
+        return n
+
+    def _upload_changed(self, dest, name: str, path: Path) -> int:
+        """1 if `path` was uploaded, 0 if unchanged. Raises FileNotFoundError if it vanished."""
+        st = path.stat()
+        sig = (st.st_size, st.st_mtime_ns)
+        if self._uploaded.get(str(path)) == sig:
+            return 0
+        dest.blob(name).upload_from_filename(str(path))
+        self._uploaded[str(path)] = sig
+        return 1
+
+    def _publish_checkpoints(self, dest, prefix: str, d: Path) -> int:
+        """Upload the checkpoints that `d`'s pointer names, then the pointer as it was read (only if the
+        newest one it names is wholly in the bucket), then delete the bucket's older checkpoints that the
+        pointer no longer names."""
+        from google.api_core.exceptions import NotFound
+
+        pointer = d / POINTER
+        try:
+            text = pointer.read_text()  # read before listing: the files it names were complete then
+        except FileNotFoundError:
+            return 0  # the first checkpoint is still being written: nothing is published yet
+        names = _pointer_names(text)
+        if not names:
+            return 0
+        entries = sorted(e.name for e in d.iterdir() if e.is_file() and not _TEMPORARY.search(e.name))
+        uploaded = 0
+        done = set()
+        for name in names:
+            members = [e for e in entries if e == name or e.startswith(name + ".")]
+            if not _complete(name, members):
                 continue
             try:
-                dest.blob(f"{prefix}/{p.relative_to(src)}").upload_from_filename(str(p))
-            except FileNotFoundError:  # rotated away by the program between listing and upload
+                for e in members:
+                    uploaded += self._upload_changed(dest, f"{prefix}/{e}", d / e)
+            except FileNotFoundError:  # rotated away by the program meanwhile; the newer one counts
                 continue
-            self._uploaded[str(p)] = sig
-            n += 1
-        return n
+            done.add(name)
+        if names[0] not in done:
+            return uploaded  # the bucket's pointer still names an older, complete checkpoint
+        text = _pointer_naming(text, done)  # without older ones rotated away while this sync ran
+        if self._published.get(str(d)) == text:
+            return uploaded
+        dest.blob(f"{prefix}/{POINTER}").upload_from_string(text)
+        self._published[str(d)] = text
+        # Whatever checkpoint files the pointer does not name now go: older ones rotated away, and the
+        # half of one whose upload a killed agent left behind (this sync uploads only named ones).
+        bases = _bases(names)
+        for blob in self.client.list_blobs(dest, prefix=prefix + "/"):
+            top = blob.name[len(prefix) + 1:].split("/", 1)[0]
+            named = any(top == n or top.startswith(n + ".") for n in done)
+            if not named and _is_checkpoint_name(top, bases):
+                try:
+                    blob.delete()
+                except NotFound:
+                    pass
+        return uploaded + 1
 
     def put_json(self, name: str, doc: dict) -> None:
         self.bucket.blob(f"{self.prefix}/{name}").upload_from_string(
@@ -317,6 +537,15 @@ class Agent:
         # The log exists from the first moment, so `tpuctl logs -f` follows staging (which can take long)
         # instead of giving up waiting for the file.
         self.log_path.touch()
+        from importlib import metadata
+
+        try:
+            keras = metadata.version("keras")
+        except metadata.PackageNotFoundError:
+            keras = None
+        # Into agent.log (the job's log starts with the program's own output): what the job runs with.
+        print(f"tpuctl agent: python={sys.version.split()[0]} tensorflow={tensorflow_version()} keras={keras}",
+              flush=True)
         self.stage()
         work = self.home / "config.json"
         work.write_text(json.dumps(self._config(), indent=1))

@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--speed", type=float, default=20.0)
     serve.add_argument("--port", type=int, default=0)
     serve.add_argument("--no-strict", action="store_true", help="do not validate bodies against the discovery documents")
+    serve.add_argument("--worker-python", choices=["runtime", "host"], default=None,
+                       help="TPU workers run jobs on their runtime image's software (default) or this interpreter")
+    serve.add_argument("--runtime-cache", type=Path, default=None,
+                       help="where runtime image venvs are built (default: $TPUCTL_RUNTIME_CACHE or STATE_DIR/runtimes)")
     serve.add_argument("--idle-stop", type=float, default=0.0, metavar="SECONDS",
                        help="exit after this long without requests or billed resources (0: never)")
     args = parser.parse_args(argv)
@@ -57,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    cloud = LocalCloud(speed=args.speed, strict=not args.no_strict, state_dir=state_dir, port=args.port)
+    cloud = LocalCloud(speed=args.speed, strict=not args.no_strict, state_dir=state_dir, port=args.port,
+                       worker_python=args.worker_python, runtime_cache=args.runtime_cache)
     try:
         cloud.start()
     except OSError as exc:
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         info = {"pid": os.getpid(), "endpoint": cloud.endpoint, "storage_host": cloud.storage_host,
                 "speed": args.speed, "started": time.time(), "state_dir": str(state_dir),
-                "idle_stop_s": args.idle_stop}
+                "idle_stop_s": args.idle_stop, "worker_python": cloud.python.mode}
         _publish(info_path, info)
         print(f"localcloud ready at {cloud.endpoint} (storage {cloud.storage_host}, speed {args.speed:g}x)", flush=True)
         _serve_until_idle(cloud, stop, args.idle_stop, info_path, info)

@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from . import facts
+from . import facts, runtimes
 from .accounts import AccountsService
 from .compute import ComputeService
 from .compute import _metadata_dict
@@ -28,6 +28,7 @@ from .projects import ProjectsService
 from .schema import validator
 from .server import Api, HttpServer
 from .storage import StorageServer
+from .runtimes import WorkerPython
 from .tpu import TpuService, ssh_keys_of
 from .workers import WorkerPool
 
@@ -38,11 +39,17 @@ class LocalCloud:
     """See the module docstring. Not reusable after `stop()`."""
 
     def __init__(self, speed: float = 1.0, strict: bool = True, state_dir: str | Path | None = None, *,
-                 port: int = 0):
+                 port: int = 0, worker_python: str | None = None, runtime_cache: str | Path | None = None):
+        """`worker_python`: "runtime" (default; `$TPUCTL_WORKER_PYTHON` overrides) runs a TPU node's jobs on
+        its runtime image's software, a venv built once per image under `runtime_cache` (default
+        `$TPUCTL_RUNTIME_CACHE`, else `STATE_DIR/runtimes`, else `$TPUCTL_HOME/localcloud/runtimes`);
+        "host" runs them on this process's interpreter (see runtimes.py)."""
         self.speed = float(speed)
         self.strict = strict
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.port = port
+        self.python = WorkerPython(worker_python, Path(runtime_cache) if runtime_cache is not None
+                                   else runtimes.default_cache(self.state_dir))
         self._tmp: Path | None = None
         self._http: HttpServer | None = None
         self._storage = None
@@ -63,11 +70,11 @@ class LocalCloud:
         else:
             self._tmp = root = Path(tempfile.mkdtemp(prefix="localcloud-"))
         try:
-            workers = self._workers = WorkerPool(root / "workers")
+            workers = self._workers = WorkerPool(root / "workers", self.python.bin_dir)
             self._storage = StorageServer(root / "storage" if self.state_dir is not None else None, validator)
             self.storage_host = self._storage.start()
             w = self.world = World(speed=self.speed, strict=self.strict, state_dir=self.state_dir,
-                                   workers=workers, storage_host=self.storage_host)
+                                   workers=workers, storage_host=self.storage_host, python=self.python)
             self.tpu, self.compute, self.accounts = TpuService(w), ComputeService(w), AccountsService(w)
             self.projects = ProjectsService(w, self._refresh_keys)
             w.worker_keys = self.projects.authorized_keys
@@ -149,6 +156,12 @@ class LocalCloud:
         `denied_permissions`, `external_ips_denied` (org policy constraints/compute.vmExternalIpAccess). Returns the project's shape. ValueError on unknown options."""
         return self.projects.shape(project, **options)
 
+    def repair(self, node: str, state: str = "REPAIRING", seconds: float | None = None) -> None:
+        """Host maintenance of a READY TPU node now: `state` (REPAIRING or RESTARTING) with health
+        UNHEALTHY_MAINTENANCE for `seconds` of simulated time (default 120), then READY again with rebooted
+        workers. ValueError if the node does not exist or is not READY."""
+        self.tpu.repair(node, state, *(() if seconds is None else (seconds,)))
+
     def meter_report(self) -> dict:
         self._sample_buckets()
         return self.world.meter.report()
@@ -165,7 +178,8 @@ class LocalCloud:
 
     def status(self) -> dict:
         return {"endpoint": self.endpoint, "storage_host": self.storage_host, "speed": self.speed,
-                "strict": self.strict, "started": self.started,
+                "strict": self.strict, "started": self.started, "worker_python": self.python.mode,
+                "runtime_cache": str(self.python.images.cache),
                 "state_dir": str(self.state_dir) if self.state_dir else None,
                 "resources": self.inventory(), "meter": self.meter_report(),
                 "faults": self.faults.list(), "errors": list(self.world.errors), "idle_s": self.idle_s()}
@@ -245,13 +259,15 @@ class LocalCloud:
 
     def _apply_fault(self, fault: Fault) -> None:
         """Kinds that act on a resource fire at once and leave the registry; the rest wait for calls."""
-        if fault.kind not in ("preempt", "kill-worker", "drop-ssh"):
+        if fault.kind not in ("preempt", "kill-worker", "drop-ssh", "repair"):
             return
         self.faults.clear(fault.id)
         if not fault.node:
             raise ValueError(f"fault {fault.kind} needs node=")
         if fault.kind == "preempt":
             self.tpu.preempt(fault.node, fault.at)
+        elif fault.kind == "repair":
+            self.repair(fault.node, fault.state or "REPAIRING", fault.seconds)
         elif fault.kind == "kill-worker":
             self.world.workers.kill_worker(self._worker_key(fault.node), fault.worker or 0)
         else:

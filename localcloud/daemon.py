@@ -84,9 +84,12 @@ def _ready(info: dict) -> bool:
 
 
 def start(state_dir: Path, speed: float = 20.0, *, port: int = 0, strict: bool = True,
-          idle_stop_s: float = DEFAULT_IDLE_STOP_S) -> dict:
+          idle_stop_s: float = DEFAULT_IDLE_STOP_S, worker_python: str | None = None) -> dict:
     """Start the daemon; blocks until it serves. It exits by itself after `idle_stop_s` idle (0: never).
-    AlreadyRunning / StartFailed on failure."""
+    AlreadyRunning / StartFailed on failure.
+
+    `worker_python` ("runtime" or "host"; None: `$TPUCTL_WORKER_PYTHON`, else runtime) is what TPU workers
+    run jobs with (see runtimes.py)."""
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     running = status(state_dir)
@@ -97,6 +100,8 @@ def start(state_dir: Path, speed: float = 20.0, *, port: int = 0, strict: bool =
            "--speed", str(speed), "--port", str(port), "--idle-stop", str(idle_stop_s)]
     if not strict:
         cmd.append("--no-strict")
+    if worker_python:
+        cmd += ["--worker-python", worker_python]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)

@@ -59,7 +59,7 @@ class Plan:
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = field(default=())
     internal_ips: bool = False
-    framework: str = ""  # "tensorflow" | "jax"; "" for a template that declares no frameworks
+    framework: str = ""  # "tensorflow" | "jax"; "" when planned without frameworks
 
     @property
     def spot(self) -> bool:
@@ -97,9 +97,9 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     """Validate `spec` and lay out the plan. Pure; raises BadInput naming the field.
 
     `price_fn(accelerator, region, spot) -> $/h` prices the TPU (the cost module's, when present); VMs are
-    priced from the catalog. `frameworks`: what the job's template offers (tpuctl.frameworks picks one and
-    its runtime from `job.framework`); None for a template that declares none (the runtime as given or the
-    catalog's default).
+    priced from the catalog. `frameworks`: what the job's template runs (tpuctl.frameworks picks one and
+    its runtime from `job.framework`; the type and runtime must run it, `Catalog.check`); None plans no
+    framework (the runtime as given or the catalog's default).
     """
     catalog = catalog or catalog_mod.load()
     owner = owner or L.owner()
@@ -126,7 +126,7 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                                        frameworks)
         runtime, framework = choice.runtime_version, choice.framework
     for z in zones:
-        catalog.check(t.name, z, runtime)
+        catalog.check(t.name, z, runtime, framework or None)
     run = spec.name or default_run_name(spec, owner)
     L.check_name(run, field="name", max_len=40)
     bucket = L.auto_bucket(project, run) if spec.bucket == "auto" else spec.bucket.removeprefix("gs://").rstrip("/")

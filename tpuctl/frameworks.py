@@ -22,7 +22,6 @@ from tpuctl.errors import BadInput
 FRAMEWORKS = ("auto", "tensorflow", "jax")
 JAX_RUNTIMES = {"v2": "tpu-ubuntu2204-base", "v3": "tpu-ubuntu2204-base", "v4": "tpu-ubuntu2204-base",
                 "v5e": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5", "v6e": "v2-alpha-tpuv6e"}
-NO_TENSORFLOW = ("v6e", "tpu7x")  # generations Google ships no TensorFlow for
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ def is_tensorflow_runtime(runtime: str) -> bool:
 
 
 def tensorflow_supported(t: AcceleratorType) -> bool:
-    return t.generation not in NO_TENSORFLOW and any(is_tensorflow_runtime(r) for r in t.runtimes)
+    return t.tensorflow and any(is_tensorflow_runtime(r) for r in t.runtimes)  # the catalog: none from v6e on
 
 
 def jax_runtime(t: AcceleratorType) -> str | None:
@@ -49,6 +48,9 @@ def choose(requested: str, t: AcceleratorType, runtime_version: str | None,
     """The framework and runtime for `requested` ("auto" | "tensorflow" | "jax") on `t`, where the template
     offers `offered`. An explicit `runtime_version` is kept and decides the framework under auto.
     Raises BadInput (field job.framework or runtime_version) naming what would work."""
+    if tuple(offered) == ("tensorflow",):
+        # A TensorFlow-only template: nothing to choose; Catalog.check refuses a type or runtime without TF.
+        return Choice("tensorflow", runtime_version or t.default_runtime)
     tf_ok = tensorflow_supported(t) and "tensorflow" in offered
     jax_rt = jax_runtime(t) if "jax" in offered else None
     alternatives = "; ".join(filter(None, [

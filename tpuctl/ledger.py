@@ -40,6 +40,7 @@ class Entry:
     machine_type: str | None = None
     spot: bool = False
     disk_gb: int = 0
+    rolled_back: bool = False  # created and deleted again by the same `up` (failure, Ctrl-C, no capacity)
 
     @property
     def key(self) -> str:
@@ -83,6 +84,17 @@ def remember(resources: Iterable[Any], *, deleted: bool = False) -> None:
             book.mark_deleted([key_of(r) for r in rows])
         else:
             book.record([entry_of(r) for r in rows])
+    except OSError as exc:
+        console.warn(f"could not update the local cost ledger: {exc}")
+
+
+def remember_gone(entries: Iterable[Entry]) -> None:
+    """Best effort, like `remember`: record resources that existed and are already gone (an `up` rolled
+    them back), so `tpuctl cost` still counts what they billed."""
+    from tpuctl import console
+
+    try:
+        Ledger().record(entries)
     except OSError as exc:
         console.warn(f"could not update the local cost ledger: {exc}")
 
@@ -139,7 +151,9 @@ class Ledger:
                 if old is not None and old.get("deleted") is not None and e.created > old["deleted"]:
                     res[f"{e.key}@{old['created']:.0f}"] = old
                 elif old is not None:
-                    e = replace(e, created=min(e.created, old["created"]), deleted=old.get("deleted"))
+                    deleted = old.get("deleted") if old.get("deleted") is not None else e.deleted
+                    e = replace(e, created=min(e.created, old["created"]), deleted=deleted,
+                                rolled_back=e.rolled_back or bool(old.get("rolled_back")))
                 res[e.key] = asdict(e)
 
     def mark_deleted(self, keys: Iterable[str], at: float | None = None) -> None:

@@ -114,7 +114,7 @@ def restore(path: str | None, model, optimizer, *, processes: int = 1) -> bool:
         return False
     for name, variable in variables.items():
         if name not in stored or tuple(stored[name].shape) != tuple(variable.shape):
-            raise ConfigError(f"checkpoint {path}: no {name} of shape {tuple(variable.shape)}; "
-                              "it was written by another model")
+            raise ConfigError("task", f"checkpoint {path} has no {name} of shape {tuple(variable.shape)}; "
+                                      "it was written by another model")
         variable.assign(np.asarray(stored[name]))
     return True

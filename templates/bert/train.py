@@ -75,7 +75,7 @@ def run(cfg: BertConfig, *, log=None) -> dict:
     emit = log or (lambda line: print(line, flush=True))
     rt = cfg.runtime
     if not rt.data_dir or not rt.model_dir:
-        raise ConfigError("config.runtime: data_dir and model_dir are required")
+        raise ConfigError("runtime", "data_dir and model_dir are required")
     from . import strategy as strategy_mod
 
     jax_backend = rt.framework == "jax"
@@ -92,7 +92,7 @@ def run(cfg: BertConfig, *, log=None) -> dict:
     import tensorflow as tf
 
     if keras.backend.backend() != rt.framework:
-        raise ConfigError(f"config.runtime.framework: {rt.framework} asked, but Keras was already imported with "
+        raise ConfigError("runtime.framework", f"{rt.framework} asked, but Keras was already imported with "
                           f"the {keras.backend.backend()} backend in this process; run the trainer in a fresh one")
     from . import checkpoints
     from .callbacks import Monitor
@@ -188,8 +188,8 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest, *, write: bool = True) -> Ber
     task = dataclasses.asdict(cfg.task)
     if previous and previous["task"] != task:
         changed = sorted(k for k in task if previous["task"].get(k) != task[k])
-        raise ConfigError(f"config.task: {changed} differ from the checkpoints in {rt.model_dir}; "
-                          "use a new model_dir or the original task settings")
+        raise ConfigError("task", f"{changed} differ from the checkpoints in {rt.model_dir}; "
+                                  "use a new model_dir or the original task settings")
     if not write:
         return cfg
     tf.io.gfile.makedirs(rt.model_dir)
