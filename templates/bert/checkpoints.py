@@ -2,15 +2,15 @@
 
 `model_dir/checkpoints/ckpt-STEP.npz` holds `model/PATH` and `optimizer/PATH` arrays (Keras 3 variable
 paths without the optimizer's own name, the same on TensorFlow and JAX; the optimizer's `iteration` is the
-step counter), written to `NAME.tmp` and renamed; then the index `checkpoint` (JSON: latest first) is rewritten the same way, last, so a reader that
-finds an index finds its file. tf.train.Checkpoint would tie the weights to TensorFlow; this format lets a
-model trained on one backend resume on the other. Local paths and gs:// through tf.io.gfile.
+step counter), written to `NAME.tmp` and renamed; then the index `checkpoint` (TensorFlow's CheckpointState
+text) is rewritten the same way, last, so a reader that finds an index finds its file. tf.train.Checkpoint
+would tie the weights to TensorFlow; this format lets a model trained on one backend resume on the other. Local paths and gs:// through tf.io.gfile.
 """
 
 from __future__ import annotations
 
 import io
-import json
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -50,11 +50,21 @@ def _write_atomically(path: str, data: bytes) -> None:
 
 
 def _index(directory: str) -> list[str]:
+    """The checkpoint names the index holds, newest first."""
     path = _join(directory, INDEX)
     if not tf.io.gfile.exists(path):
         return []
     with tf.io.gfile.GFile(path, "r") as f:
-        return json.loads(f.read())["checkpoints"]
+        pairs = re.findall(r'^(model_checkpoint_path|all_model_checkpoint_paths): "(.*)"$', f.read(), re.M)
+    latest = [v for k, v in pairs if k == "model_checkpoint_path"]
+    return latest + [v for k, v in reversed(pairs) if k != "model_checkpoint_path" and v not in latest]
+
+
+def _index_text(names: list[str]) -> str:
+    """TensorFlow's CheckpointState text format (newest in model_checkpoint_path, the list oldest first): what
+    TF's tools and tpuctl's worker agent read as a checkpoint directory's pointer."""
+    return "".join([f'model_checkpoint_path: "{names[0]}"\n',
+                    *(f'all_model_checkpoint_paths: "{n}"\n' for n in reversed(names))])
 
 
 def latest(directory: str) -> str | None:
@@ -71,7 +81,7 @@ def save(directory: str, step: int, model, optimizer, *, keep: int) -> str:
     name = f"ckpt-{step}.npz"
     _write_atomically(_join(directory, name), buffer.getvalue())
     names = [name] + [n for n in _index(directory) if n != name]
-    _write_atomically(_join(directory, INDEX), json.dumps({"checkpoints": names[:keep]}).encode())
+    _write_atomically(_join(directory, INDEX), _index_text(names[:keep]).encode())
     for old in names[keep:]:
         if tf.io.gfile.exists(_join(directory, old)):
             tf.io.gfile.remove(_join(directory, old))
