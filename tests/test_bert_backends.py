@@ -62,9 +62,10 @@ def test_a_model_trained_on_one_backend_resumes_on_the_other_both_ways(data_dir,
     assert re.match(r"start backend=tensorflow .* step=40 max_steps=50 ", back_lines[0]), back_lines[0]
     first, second, third = steps(tf_lines), steps(jax_lines), steps(back_lines)
     assert sorted(second) == [30, 40] and sorted(third) == [50]
-    # Restored weights and optimizer state, not a fresh model: the loss goes on from where the other left it.
-    assert second[30] < first[10] - 0.3 and abs(second[30] - first[20]) < 0.4, (first, second)
-    assert third[50] < first[10] - 0.3 and abs(third[50] - second[40]) < 0.4, (second, third)
+    # Restored weights and optimizer state, not a fresh model (~first[10]): the loss goes on falling from where
+    # the other backend left it, never jumping back up.
+    assert second[30] < first[10] - 0.3 and second[30] < first[20] + 0.1, (first, second)
+    assert third[50] < first[10] - 0.3 and third[50] < second[40] + 0.1, (second, third)
     names = {p.name for p in (model_dir / "checkpoints").iterdir()}
     assert {"ckpt-40.npz", "ckpt-50.npz", "checkpoint"} <= names and not any(n.endswith(".tmp") for n in names)
     metrics = json.loads((model_dir / "export" / "metrics.json").read_text())
