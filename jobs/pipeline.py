@@ -210,6 +210,8 @@ class Pipeline:
             self.template_dir = bundles.resolve_template(str(local) if local.is_dir() else self.spec.job.template)
             self.module = template_module(self.template_dir)
             self.plan = provision.plan(self.spec, project=self.project)
+            # The templates are TensorFlow programs until their JAX backend lands.
+            provision.check_framework(self.plan, ("tensorflow",), what=f"template {self.spec.job.template}")
             self.run_name = self.outcome.run = self.plan.run
             self.outcome.bucket = self.plan.bucket
             self.outcome.price_per_hour = round(self.plan.price_per_hour, 4)

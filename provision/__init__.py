@@ -28,7 +28,7 @@ from tpuctl.provision.apply import apply as _apply
 from tpuctl.provision.apply import down as _down
 from tpuctl.provision.clients import Clients, connect
 from tpuctl.provision.inventory import RunStatus
-from tpuctl.provision.plan import Plan, Step
+from tpuctl.provision.plan import Plan, Step, check_framework
 from tpuctl.provision.plan import make as _make_plan
 from tpuctl.provision.resources import Kind, Resource, State, Worker
 from tpuctl.provision.waits import DEFAULT_DEADLINE_S
@@ -36,7 +36,7 @@ from tpuctl.spec import RunSpec
 
 __all__ = [
     "ApplyResult", "Clients", "DownResult", "Kind", "Plan", "ProgressFn", "Resource", "RunStatus", "State", "Step",
-    "Worker", "add_ssh_key", "apply", "bucket_contents", "connect", "delete_node", "down", "get_node", "list_resources",
+    "Worker", "add_ssh_key", "apply", "bucket_contents", "check_framework", "connect", "delete_node", "down", "get_node", "list_resources",
     "plan", "recreate_node", "status", "wait_node_ready", "workers",
 ]
 

@@ -13,7 +13,8 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from tpuctl.errors import CapacityError, CloudError, Interrupted, TpuctlError, capacity_hint
-from tpuctl.provision import bucket, tpu, vm
+from tpuctl import catalog as catalog_mod
+from tpuctl.provision import bucket, compute_tpu, tpu, vm
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.plan import Plan
 from tpuctl.provision.resources import Kind, Resource, State
@@ -31,6 +32,12 @@ class Undo:
     name: str
     location: str
     service_account: str | None = None  # IAM: the member to revoke
+    api: str = "tpu-v2"  # a TPU made as a Compute Engine instance (TPU7x) says "compute"
+
+    @classmethod
+    def of(cls, r: Resource) -> Undo:
+        """How to delete an existing resource."""
+        return cls(r.kind, r.name, r.location, api=r.detail.get("api", "tpu-v2"))
 
     @property
     def key(self) -> str:
@@ -200,6 +207,8 @@ def _service_account(clients: Clients, plan: Plan) -> str:
 def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted: list[str], say: ProgressFn,
               cancel: threading.Event, deadline_s: float) -> Resource:
     """Create the node (or queued resource) in the first zone with capacity; adopt one from an earlier `up`."""
+    if plan.accelerator.api == compute_tpu.API:
+        return _compute_tpu_step(clients, plan, sa, created, adopted, say, cancel, deadline_s)
     base = tpu.NodeRequest(
         name=plan.run, zone=plan.zones[0], accelerator=plan.accelerator.name, runtime_version=plan.runtime_version,
         labels=plan.labels, service_account=sa, spot=plan.provisioning == "spot",
@@ -239,6 +248,58 @@ def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted:
         return r
     raise CapacityError(f"no capacity for {plan.accelerator.name} in {', '.join(zones)}: " + "; ".join(failures),
                         hint=capacity_hint(plan.provisioning))
+
+
+def _compute_tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted: list[str],
+                      say: ProgressFn, cancel: threading.Event, deadline_s: float) -> Resource:
+    """The TPU as a Compute Engine instance (TPU7x), in the first zone with capacity, adopting an earlier one."""
+    catalog = catalog_mod.load()
+    req = compute_tpu.TpuVmRequest(
+        name=plan.run, zone=plan.zones[0], machine_type=plan.accelerator.machine_type or "",
+        image=plan.runtime_version, labels=plan.labels, service_account=sa, provisioning=plan.provisioning,
+        max_run_duration_s=plan.max_run_duration_s, network=plan.network, subnet=plan.subnet, tags=plan.tags)
+    return _failover(clients, plan, Kind.TPU, compute_tpu.API, created, adopted, say, cancel,
+                     lambda zone, on_issued: compute_tpu.create(
+                         clients, req.in_zone(zone), catalog=catalog, deadline_s=deadline_s, cancel=cancel,
+                         progress=lambda s, d, k=Undo(Kind.TPU, plan.run, zone).key: say(k, s.value, d),
+                         on_issued=on_issued),
+                     exists=lambda zone: vm.get(clients, zone, plan.run) is not None,
+                     what=plan.accelerator.name, hint=capacity_hint(plan.provisioning))
+
+
+def _failover(clients: Clients, plan: Plan, kind: Kind, api: str, created: _Created, adopted: list[str],
+              say: ProgressFn, cancel: threading.Event, create: Callable[[str, Callable[[], None]], Resource], *,
+              exists: Callable[[str], bool], what: str, hint: str) -> Resource:
+    """Try `create(zone, on_issued)` zone by zone (an existing one's zone first) until one has capacity."""
+    zones = list(plan.zones)
+    for z in zones:
+        if exists(z):
+            zones.remove(z)
+            zones.insert(0, z)
+            break
+    failures: list[str] = []
+    for zone in zones:
+        undo = Undo(kind, plan.run, zone, api=api)
+        issued = threading.Event()
+
+        def on_issued(undo: Undo = undo, issued: threading.Event = issued) -> None:
+            issued.set()
+            created.add(undo)
+
+        try:
+            r = create(zone, on_issued)
+        except CapacityError as exc:
+            failures.append(f"{zone}: {exc.message}")
+            say(undo.key, State.FAILED.value, "no capacity" + (", trying the next zone" if zone != zones[-1] else ""))
+            if issued.is_set():
+                delete(clients, undo, cancel=cancel)
+                created.discard(undo)
+            continue
+        if not issued.is_set():
+            adopted.append(undo.key)
+        say(undo.key, State.READY.value, f"{len(r.workers)} worker(s)")
+        return r
+    raise CapacityError(f"no capacity for {what} in {', '.join(zones)}: " + "; ".join(failures), hint=hint)
 
 
 def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, adopted: list[str], say: ProgressFn,
@@ -287,7 +348,10 @@ def delete(clients: Clients, target: Undo, *, deadline_s: float = 900.0, cancel:
     """Delete one resource (an IAM target revokes its binding) and block until it is gone.
 
     Idempotent: NotFound, before or during, is done. `deadline_s` bounds the wait on each operation."""
-    if target.kind is Kind.TPU:
+    if target.kind is Kind.TPU and target.api == compute_tpu.API:
+        compute_tpu.delete(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel,
+                           progress=progress)
+    elif target.kind is Kind.TPU:
         tpu.delete_node(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
     elif target.kind is Kind.QUEUED:
         tpu.delete_queued(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel,
@@ -360,7 +424,7 @@ def down(clients: Clients, run: str, found: list[Resource], *, delete_bucket: bo
     say = progress or (lambda key, state, detail: None)
     queued_nodes = {(r.location, r.name) for r in found if r.kind is Kind.QUEUED}
     keep = [r for r in found if r.kind in (Kind.BUCKET, Kind.IAM) and not delete_bucket]
-    todo = [Undo(r.kind, r.name, r.location) for r in found
+    todo = [Undo.of(r) for r in found
             if r not in keep and r.kind is not Kind.IAM
             # A queued resource's force delete takes its node with it.
             and not (r.kind is Kind.TPU and (r.location, r.name) in queued_nodes)]

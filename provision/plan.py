@@ -55,6 +55,7 @@ class Plan:
     vms: tuple[VmSpec, ...]
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = field(default=())
+    max_run_duration_s: float | None = None  # flex-start: the provider deletes the TPU after this long
 
     @property
     def spot(self) -> bool:
@@ -70,7 +71,8 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {
             "run": self.run, "project": self.project, "zones": list(self.zones), "region": self.region,
-            "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts,
+            "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts, "api": self.accelerator.api,
+            "max_run_duration": None if self.max_run_duration_s is None else format_duration(self.max_run_duration_s),
             "runtime_version": self.runtime_version, "provisioning": self.provisioning,
             "bucket": f"gs://{self.bucket}", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
             "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
@@ -111,6 +113,14 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     notes: list[str] = []
     if len(zones) > 1 and region_of(zones[-1]) != region:
         notes.append(f"failover outside {region} leaves the bucket in {region}: cross-region reads cost per GB")
+    if spec.provisioning not in t.provisioning:
+        raise BadInput(f"{t.name} cannot be provisioned {spec.provisioning}", field="provisioning",
+                       hint=f"{t.name} offers: {', '.join(t.provisioning)}")
+    if t.api == "compute" and t.multi_host:
+        # Google builds these from a MIG with a workload policy (compute/docs/tpus/create-tpu-mig-multi-host-slice).
+        raise BadInput(f"{t.name} is a {t.hosts}-host Compute Engine slice; tpuctl provisions single-host "
+                       f"{t.generation} only so far", field="accelerator",
+                       hint=f"use {_single_host(catalog, t)}, or a TPU API type such as v5p-16 for several hosts")
     runtime = spec.runtime_version
     runtime = runtime or t.default_runtime
     for z in zones:
@@ -137,11 +147,13 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     tpu_price = (price_fn or catalog.tpu_price_per_hour)(t.name, region, spot)
     tpu_kind = Kind.QUEUED if spec.queued else Kind.TPU
     sa_text = "the project's default compute SA" if spec.service_account == "default" else spec.service_account
+    via = f", Compute Engine {t.machine_type}" if t.api == "compute" else ""
+    ends = f", deleted after {spec.max_run_duration}" if spec.max_run_duration else ""
     steps = [
         Step("bucket", Kind.BUCKET, bucket, region, detail="uniform access, public access prevention"),
         Step("bucket-iam", Kind.IAM, bucket, region, after=("bucket",), detail=f"objectAdmin for {sa_text}"),
         Step("tpu", tpu_kind, run, zones[0], price_per_hour=tpu_price,
-             detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}), {runtime}, {spec.provisioning}"
+             detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}){via}, {runtime}, {spec.provisioning}{ends}"
                     + (f", failover {', '.join(zones[1:])}" if len(zones) > 1 else "")),
         *(Step(f"vm:{vm.name}", Kind.VM, f"{run}-{vm.name}", zones[0],
                price_per_hour=catalog.vm_price_per_hour(vm.machine_type, region),
@@ -151,7 +163,24 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 provisioning=spec.provisioning, valid_until_s=spec.valid_until_s, bucket=bucket,
                 service_account=spec.service_account, network=spec.network, subnet=spec.subnet,
                 tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
-                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes))
+                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes),
+                max_run_duration_s=spec.max_run_duration_s)
+
+
+def _single_host(catalog: Catalog, t: AcceleratorType) -> str:
+    return next((o.name for o in catalog.accelerators() if o.generation == t.generation and not o.multi_host), t.name)
+
+
+def check_framework(plan: Plan, supported: tuple[str, ...], *, what: str) -> None:
+    """Refuse a job whose frameworks (`supported`, e.g. the template's) the plan's TPU does not run.
+
+    Google supports no TensorFlow on TPU7x (tpu/docs/tpu7x): a TensorFlow-only job there needs JAX."""
+    t = plan.accelerator
+    if not set(supported) & set(t.frameworks):
+        raise BadInput(f"{what} runs on {', '.join(supported)} only and {t.name} supports "
+                       f"{', '.join(t.frameworks)}: the job needs a JAX backend", field="accelerator",
+                       hint="use `tpuctl up` for this TPU, or run the job on a type that supports "
+                            f"{supported[0]} (see `tpuctl catalog list`)")
 
 
 def _order_zones(zones: tuple[str, ...]) -> tuple[str, ...]:

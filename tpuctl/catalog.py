@@ -32,7 +32,7 @@ COMPUTE_SERVICE = "services/6F81-5844-456A"
 
 # SKU description token -> generation. v2/v3/v4 SKUs not described as per chip are priced per 8-core
 # device (4 chips), as the older catalog entries are.
-_SKU_GENERATIONS = (("tpuv5e", "v5e"), ("tpuv5p", "v5p"), ("tpuv6e", "v6e"),
+_SKU_GENERATIONS = (("tpuv5e", "v5e"), ("tpuv5p", "v5p"), ("tpuv6e", "v6e"), ("tpu7x", "tpu7x"),
                     ("tpu-v2", "v2"), ("tpu-v3", "v3"), ("tpu-v4", "v4"))
 _CHIPS_PER_DEVICE_SKU = {"v2": 4, "v3": 4, "v4": 4}
 
@@ -51,6 +51,11 @@ class AcceleratorType:
     zones: tuple[str, ...]
     runtimes: tuple[str, ...]
     default_runtime: str
+    # Which API provisions it: "tpu-v2" (Cloud TPU API nodes) or "compute" (Compute Engine machine types, TPU7x+).
+    api: str = "tpu-v2"
+    machine_type: str | None = None  # the Compute Engine machine type of one host, for api == "compute"
+    frameworks: tuple[str, ...] = ("tensorflow", "jax", "pytorch")
+    provisioning: tuple[str, ...] = ("on-demand", "spot", "preemptible", "queued")
 
     @property
     def multi_host(self) -> bool:
@@ -130,12 +135,19 @@ class Catalog:
                     name=f"{g['prefix']}-{n}", generation=gen, api_type=g["api_type"], chips=chips,
                     cores=chips * g["cores_per_chip"], hosts=hosts, topology=topology(chips, g["topology_dims"]),
                     zones=tuple(g["zones"]), runtimes=tuple(g["runtimes"]),
-                    default_runtime=g["default_runtime_pod"] if hosts > 1 else g["default_runtime"])
+                    default_runtime=g["default_runtime_pod"] if hosts > 1 else g["default_runtime"],
+                    api=g.get("api", "tpu-v2"), machine_type=g.get("machine_type"),
+                    frameworks=tuple(g.get("frameworks", AcceleratorType.frameworks)),
+                    provisioning=tuple(g.get("provisioning", AcceleratorType.provisioning)))
 
     # -- shapes ---------------------------------------------------------------------------------------------
 
     def accelerators(self) -> list[AcceleratorType]:
         return list(self._types.values())
+
+    def for_machine_type(self, machine_type: str, hosts: int = 1) -> AcceleratorType | None:
+        """The Compute Engine TPU type whose hosts are `machine_type` VMs, `hosts` of them (None: not a TPU)."""
+        return next((t for t in self._types.values() if t.machine_type == machine_type and t.hosts == hosts), None)
 
     def generations(self) -> list[str]:
         return list(self._data["generations"])
@@ -230,7 +242,9 @@ def accelerator_json(t: AcceleratorType, cat: Catalog) -> dict[str, Any]:
     prices = {region: {"on_demand": round(t.chips * p.on_demand, 4),
                        "spot": None if p.spot is None else round(t.chips * p.spot, 4)}
               for region, p in cat.tpu_prices(t.generation).items()}
-    return {"name": t.name, "generation": t.generation, "api_type": t.api_type, "chips": t.chips, "cores": t.cores,
+    return {"name": t.name, "generation": t.generation, "api_type": t.api_type, "api": t.api,
+            "machine_type": t.machine_type, "frameworks": list(t.frameworks), "provisioning": list(t.provisioning),
+            "chips": t.chips, "cores": t.cores,
             "hosts": t.hosts, "topology": t.topology, "zones": list(t.zones), "runtimes": list(t.runtimes),
             "default_runtime": t.default_runtime, "price_per_hour_by_region": prices}
 
