@@ -22,6 +22,7 @@ from typing import Any
 from . import facts
 from .accounts import AccountsService
 from .compute import ComputeService
+from .compute_groups import ComputeGroupsService
 from .core import Fault, Faults, Meter, World
 from .schema import validator
 from .server import Api, HttpServer
@@ -67,7 +68,8 @@ class LocalCloud:
             w = self.world = World(speed=self.speed, strict=self.strict, state_dir=self.state_dir,
                                    workers=workers, storage_host=self.storage_host)
             self.tpu, self.compute, self.accounts = TpuService(w), ComputeService(w), AccountsService(w)
-            w.services = {"tpu": self.tpu, "compute": self.compute}
+            self.compute.groups = self.groups = ComputeGroupsService(w, self.compute)
+            w.services = {"tpu": self.tpu, "compute": self.compute, "compute_groups": self.groups}
             w.faults.on_add = self._apply_fault
             self._http = HttpServer(Api(w, self._handlers(), self._admin), self.port)
             self.endpoint = f"http://127.0.0.1:{self._http.port}"
@@ -173,8 +175,24 @@ class LocalCloud:
             "compute.zoneOperations.get": c.operations_get, "compute.zoneOperations.wait": c.operations_wait,
             "compute.zones.list": c.zones_list, "compute.zones.get": c.zones_get,
             "compute.machineTypes.get": c.machine_types_get,
+            **self._group_handlers(),
             "cloudresourcemanager.projects.get": a.projects_get,
             "cloudbilling.services.list": a.services_list, "cloudbilling.services.skus.list": a.skus_list,
+        }
+
+    def _group_handlers(self) -> dict:
+        g = self.groups
+        return {
+            "compute.resourcePolicies.insert": g.policies_insert, "compute.resourcePolicies.get": g.policies_get,
+            "compute.resourcePolicies.list": g.policies_list, "compute.resourcePolicies.delete": g.policies_delete,
+            "compute.regionInstanceTemplates.insert": g.templates_insert,
+            "compute.regionInstanceTemplates.get": g.templates_get,
+            "compute.regionInstanceTemplates.list": g.templates_list,
+            "compute.regionInstanceTemplates.delete": g.templates_delete,
+            "compute.instanceGroupManagers.insert": g.migs_insert, "compute.instanceGroupManagers.get": g.migs_get,
+            "compute.instanceGroupManagers.list": g.migs_list, "compute.instanceGroupManagers.delete": g.migs_delete,
+            "compute.instanceGroupManagers.listManagedInstances": g.migs_list_managed_instances,
+            "compute.regionOperations.get": g.region_operations_get,
         }
 
     def _worker_key(self, node: str) -> str:

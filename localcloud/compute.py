@@ -42,7 +42,8 @@ class ComputeService:
     def __init__(self, world: World):
         self.w = world
         self.instances: dict[str, dict] = {}   # "projects/P/zones/Z/instances/N" -> record
-        self.ops: dict[str, dict] = {}         # "projects/P/zones/Z/operations/NAME" -> Operation body
+        self.ops: dict[str, dict] = {}         # "projects/P/{zones/Z,regions/R}/operations/NAME" -> Operation body
+        self.groups = None  # ComputeGroupsService, told when a MIG member's insert fails
         for action in ("insert_done", "insert_failed", "delete_done", "stop_done", "set_labels_done", "set_metadata_done",
                        "expire"):
             world.actions[f"compute.{action}"] = getattr(self, f"_{action}")
@@ -273,6 +274,8 @@ class ComputeService:
             if rec is None:
                 return
             self.w.meter.end(key)
+            if rec.get("mig") and self.groups is not None:
+                self.groups.member_failed(rec["mig"])
             zone = f"projects/{rec['project']}/zones/{rec['zone']}"
             self._finish_op(op, ("ZONE_RESOURCE_POOL_EXHAUSTED",
                                  f"The zone '{zone}' does not have enough resources available to fulfill the request.  "

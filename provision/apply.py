@@ -258,13 +258,24 @@ def _compute_tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, 
         name=plan.run, zone=plan.zones[0], machine_type=plan.accelerator.machine_type or "",
         image=plan.runtime_version, labels=plan.labels, service_account=sa, provisioning=plan.provisioning,
         max_run_duration_s=plan.max_run_duration_s, network=plan.network, subnet=plan.subnet, tags=plan.tags)
+    t = plan.accelerator
+
+    def progress(zone: str):
+        return lambda s, d, k=Undo(Kind.TPU, plan.run, zone).key: say(k, s.value, d)
+
+    if t.multi_host:  # a MIG of t.hosts VMs with a workload policy of the slice's topology
+        return _failover(clients, plan, Kind.TPU, compute_tpu.API_MIG, created, adopted, say, cancel,
+                         lambda zone, on_issued: compute_tpu.create_slice(
+                             clients, req.in_zone(zone), hosts=t.hosts, topology=t.topology, catalog=catalog,
+                             deadline_s=deadline_s, cancel=cancel, progress=progress(zone), on_issued=on_issued),
+                         exists=lambda zone: compute_tpu.get_slice(clients, zone, plan.run) is not None,
+                         what=t.name, hint=capacity_hint(plan.provisioning))
     return _failover(clients, plan, Kind.TPU, compute_tpu.API, created, adopted, say, cancel,
                      lambda zone, on_issued: compute_tpu.create(
                          clients, req.in_zone(zone), catalog=catalog, deadline_s=deadline_s, cancel=cancel,
-                         progress=lambda s, d, k=Undo(Kind.TPU, plan.run, zone).key: say(k, s.value, d),
-                         on_issued=on_issued),
+                         progress=progress(zone), on_issued=on_issued),
                      exists=lambda zone: vm.get(clients, zone, plan.run) is not None,
-                     what=plan.accelerator.name, hint=capacity_hint(plan.provisioning))
+                     what=t.name, hint=capacity_hint(plan.provisioning))
 
 
 def _failover(clients: Clients, plan: Plan, kind: Kind, api: str, created: _Created, adopted: list[str],
@@ -348,7 +359,10 @@ def delete(clients: Clients, target: Undo, *, deadline_s: float = 900.0, cancel:
     """Delete one resource (an IAM target revokes its binding) and block until it is gone.
 
     Idempotent: NotFound, before or during, is done. `deadline_s` bounds the wait on each operation."""
-    if target.kind is Kind.TPU and target.api == compute_tpu.API:
+    if target.kind is Kind.TPU and target.api == compute_tpu.API_MIG:
+        compute_tpu.delete_slice(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel,
+                                 progress=progress)
+    elif target.kind is Kind.TPU and target.api == compute_tpu.API:
         compute_tpu.delete(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel,
                            progress=progress)
     elif target.kind is Kind.TPU:

@@ -71,8 +71,10 @@ def resources(clients: Clients, run: str | None = None, *, include_iam: bool = F
         out = [tpu.to_resource(n, local=clients.local) for n in nodes.result() if L.matches(n.labels, run)]
         out += [r for r in map(tpu.queued_to_resource, queued.result()) if L.matches(r.labels, run)]
         catalog = catalog_mod.load()
-        tpu_vms, plain = compute_tpu.split(vms.result(), catalog)
+        tpu_vms, slices, plain = compute_tpu.split(vms.result(), catalog)
         out += [compute_tpu.to_resource(i, project=clients.project, catalog=catalog) for i in tpu_vms]
+        out += [compute_tpu.slice_to_resource(mig, members, project=clients.project, catalog=catalog)
+                for mig, members in slices.items()]
         out += [vm.to_resource(i, project=clients.project) for i in plain]
         out += [bucket.to_resource(b, project=clients.project) for b in buckets.result()]
     if include_iam:
@@ -104,10 +106,15 @@ def runs(found: Iterable[Resource], *, price: Callable[[Resource], float] | None
             run=run, owner=next((r.labels.get(L.OWNER) for r in rs if r.labels.get(L.OWNER)), None),
             created=created, expires=_label_float(rs, L.EXPIRES),
             zone=tpus[0].location if tpus else None,
-            state=min((r.state for r in billable), key=_SEVERITY.index),
+            state=worst(r.state for r in billable),
             resources=tuple(sorted(rs, key=lambda r: (list(Kind).index(r.kind), r.name))),
             price_per_hour=per_hour, accrued=accrued))
     return sorted(out, key=lambda s: -(s.created or 0))
+
+
+def worst(states: Iterable[State]) -> State:
+    """The state to show for several resources (a run, or a slice's hosts): the worst of them."""
+    return min(states, key=_SEVERITY.index)
 
 
 def _label_float(rs: Sequence[Resource], key: str) -> float | None:

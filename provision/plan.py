@@ -116,11 +116,11 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     if spec.provisioning not in t.provisioning:
         raise BadInput(f"{t.name} cannot be provisioned {spec.provisioning}", field="provisioning",
                        hint=f"{t.name} offers: {', '.join(t.provisioning)}")
-    if t.api == "compute" and t.multi_host:
-        # Google builds these from a MIG with a workload policy (compute/docs/tpus/create-tpu-mig-multi-host-slice).
-        raise BadInput(f"{t.name} is a {t.hosts}-host Compute Engine slice; tpuctl provisions single-host "
-                       f"{t.generation} only so far", field="accelerator",
-                       hint=f"use {_single_host(catalog, t)}, or a TPU API type such as v5p-16 for several hosts")
+    if t.api == "compute" and t.multi_host and spec.provisioning == "flex-start":
+        # Flex-start slices come from MIG resize requests (tpu/docs/request-using-flex-start), not made here.
+        raise BadInput(f"{t.name} is a {t.hosts}-host Compute Engine slice; tpuctl makes flex-start TPU7x "
+                       f"single-host only so far", field="provisioning",
+                       hint=f"use {_single_host(catalog, t)} for flex-start, or on-demand or spot for {t.name}")
     runtime = spec.runtime_version
     runtime = runtime or t.default_runtime
     for z in zones:

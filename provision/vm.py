@@ -92,7 +92,8 @@ def list_all(clients: Clients, run: str | None = None) -> list[compute_v1.Instan
 
 
 def wait_zone_op(clients: Clients, zone: str, op: compute_v1.Operation, *, what: str, deadline_s: float,
-                 cancel: threading.Event | None, progress: Progress | None, state: State) -> None:
+                 cancel: threading.Event | None, progress: Progress | None, state: State,
+                 region: str | None = None) -> None:
     """Poll a zonal operation until DONE and raise its error by code.
 
     ZoneOperations.get, not .wait: a server-side wait holds the connection for up to two minutes, during
@@ -101,14 +102,20 @@ def wait_zone_op(clients: Clients, zone: str, op: compute_v1.Operation, *, what:
     name = op.name
 
     def poll() -> tuple[bool, compute_v1.Operation]:
-        current = waits.call(lambda: clients.zone_operations.get(project=clients.project, zone=zone, operation=name),
-                             what=what, cancel=cancel)
+        current = waits.call(
+            lambda: clients.region_operations.get(project=clients.project, region=region, operation=name) if region
+            else clients.zone_operations.get(project=clients.project, zone=zone, operation=name),
+            what=what, cancel=cancel)
         return states.compute_op_done(current.status), current
 
     done = op if states.compute_op_done(op.status) else waits.until(
         poll, what=what, deadline_s=deadline_s, cancel=cancel,
         on_poll=(lambda _o, t: progress(state, f"{t:.0f}s")) if progress else None)
-    errors = list(done.error.errors) if done.error else []
+    raise_errors(list(done.error.errors) if done.error else [], what=what)
+
+
+def raise_errors(errors: list, *, what: str) -> None:
+    """Raise Compute errors (`[{code, message}]`, from an operation or a MIG's last attempt) by code."""
     if errors:
         codes = {e.code for e in errors}
         text = "; ".join(f"{e.code}: {e.message}" for e in errors)

@@ -59,7 +59,7 @@ def test_catalog_list_shows_which_api_provisions_each_type(env):
 
 
 @pytest.mark.parametrize("fields,field", [
-    ({"accelerator": "tpu7x-16"}, "accelerator"),  # multi-host slices (MIG + workload policy) not yet
+    ({"accelerator": "tpu7x-16", "provisioning": "flex-start", "max_run_duration": "4h"}, "provisioning"),
     ({"provisioning": "queued"}, "provisioning"),
     ({"provisioning": "flex-start"}, "max_run_duration"),
     ({"provisioning": "flex-start", "max_run_duration": "8d"}, "max_run_duration"),
@@ -209,3 +209,59 @@ def test_status_accrues_a_flex_start_tpu_only_until_its_end():
                  detail={"api": "compute", "ends": datetime.fromtimestamp(t0 + 3600, timezone.utc).isoformat()})
     [run] = inventory.runs([r], price=lambda _r: 10.0, now=t0 + 5 * 3600)
     assert run.accrued == pytest.approx(10.0)
+
+
+def slice_parts(pc) -> list[str]:
+    """Workload policies, instance templates and MIGs of the project, straight from the APIs."""
+    region = "us-central1"
+    out = [p.name for p in pc.resource_policies.list(project=pc.project, region=region)]
+    out += [t.name for t in pc.instance_templates.list(project=pc.project, region=region)]
+    out += [m.name for m in pc.instance_groups.list(project=pc.project, zone=ZONE)]
+    return out
+
+
+def test_multi_host_slice_is_a_mig_with_a_workload_policy_and_one_resource(pc, cloud):
+    plan = make_plan(pc, accelerator="tpu7x-16")
+    result = prov.apply(pc, plan, deadline_s=FAST_DEADLINE)
+    r = result.get(prov.Kind.TPU)
+    assert (r.name, r.accelerator, r.detail["api"], len(r.workers)) == ("x1", "tpu7x-16", "compute-mig", 2)
+    policy = pc.resource_policies.get(project=pc.project, region="us-central1", resource_policy="x1-wp")
+    assert policy.workload_policy.type_ == "HIGH_THROUGHPUT" and policy.workload_policy.accelerator_topology == "2x2x2"
+    mig = pc.instance_groups.get(project=pc.project, zone=ZONE, instance_group_manager="x1")
+    assert mig.target_size == 2 and mig.resource_policies.workload_policy.endswith("/resourcePolicies/x1-wp")
+    # status: one run, one TPU with two workers, priced as 8 chips.
+    cat = catalog_mod.load()
+    [run] = prov.status(pc, "x1", price=lambda r: cost.hourly(entry_of(r), cat))
+    assert [x.kind for x in run.resources].count(prov.Kind.TPU) == 1 and run.workers == 2
+    assert run.price_per_hour == pytest.approx(cat.tpu_price_per_hour("tpu7x-16", ZONE, spot=False))
+    prov.down(pc, "x1", delete_bucket=True)
+    assert everything(pc) == [] and slice_parts(pc) == []
+
+
+def test_a_slice_without_capacity_is_rolled_back_whole(pc, cloud):
+    # The MIG keeps retrying; its managed instances report the stockout in lastAttempt, which tpuctl reads.
+    cloud.faults.add("capacity", service="compute", method="instances.insert", zone=ZONE)
+    with pytest.raises(CapacityError):
+        prov.apply(pc, make_plan(pc, accelerator="tpu7x-16"), deadline_s=FAST_DEADLINE)
+    assert everything(pc) == [] and slice_parts(pc) == []
+
+
+def test_localcloud_refuses_a_tpu_mig_whose_policy_does_not_match_its_size(pc, cloud):
+    region, base = "us-central1", f"projects/{pc.project}/regions/us-central1"
+    pc.resource_policies.insert_unary(project=pc.project, region=region, resource_policy_resource=compute_v1.ResourcePolicy(
+        name="wp", workload_policy=compute_v1.ResourcePolicyWorkloadPolicy(type_="HIGH_THROUGHPUT",
+                                                                           accelerator_topology="2x2x1")))
+    req = compute_tpu.TpuVmRequest(name="m", zone=ZONE, machine_type="tpu7x-standard-4t", image="img", labels={},
+                                   service_account="a@b.iam.gserviceaccount.com")
+    inst = compute_tpu.instance_proto(req)
+    pc.instance_templates.insert_unary(project=pc.project, region=region, instance_template_resource=compute_v1.InstanceTemplate(
+        name="tpl", properties=compute_v1.InstanceProperties(machine_type="tpu7x-standard-4t", disks=inst.disks,
+                                                             network_interfaces=inst.network_interfaces)))
+    time.sleep(0.1)
+    with pytest.raises(gexc.BadRequest):
+        pc.instance_groups.insert_unary(project=pc.project, zone=ZONE, instance_group_manager_resource=compute_v1.InstanceGroupManager(
+            name="m", base_instance_name="m", target_size=2, instance_template=f"{base}/instanceTemplates/tpl",
+            resource_policies=compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=f"{base}/resourcePolicies/wp")))
+    compute_tpu.delete_slice(pc, ZONE, "m")  # idempotent: the MIG never existed
+    pc.instance_templates.delete_unary(project=pc.project, region=region, instance_template="tpl")
+    pc.resource_policies.delete_unary(project=pc.project, region=region, resource_policy="wp")
