@@ -32,12 +32,12 @@ class Undo:
     name: str
     location: str
     service_account: str | None = None  # IAM: the member to revoke
-    api: str = "tpu-v2"  # a TPU made as a Compute Engine instance (TPU7x) says "compute"
+    api: str = ""  # "": the kind's own API; a TPU made by Compute Engine (TPU7x) says "compute" or "compute-mig"
 
     @classmethod
     def of(cls, r: Resource) -> Undo:
         """How to delete an existing resource."""
-        return cls(r.kind, r.name, r.location, api=r.detail.get("api", "tpu-v2"))
+        return cls(r.kind, r.name, r.location, api=r.detail.get("api", ""))
 
     @property
     def key(self) -> str:
@@ -215,39 +215,13 @@ def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted:
         preemptible=plan.provisioning == "preemptible", queued=plan.provisioning == "queued",
         valid_until_s=plan.valid_until_s, network=plan.network, subnet=plan.subnet, tags=plan.tags)
     kind = Kind.QUEUED if base.queued else Kind.TPU
-    zones = list(plan.zones)
-    # A node left by an earlier `up` may sit in a failover zone: adopt it there rather than create a twin.
-    for z in zones:
-        found = tpu.get_queued(clients, z, plan.run) if base.queued else tpu.get_node(clients, z, plan.run)
-        if found is not None:
-            zones.remove(z)
-            zones.insert(0, z)
-            adopted.append(Undo(kind, plan.run, z).key)
-            break
-    failures: list[str] = []
-    for zone in zones:
-        req = base.in_zone(zone)
-        undo = Undo(kind, plan.run, zone)
-        key = undo.key
-
-        def progress(state: State, detail: str, key: str = key) -> None:
-            say(key, state.value, detail)
-
-        create = tpu.create_queued if base.queued else tpu.create_node
-        try:
-            r = create(clients, req, deadline_s=deadline_s, cancel=cancel, progress=progress,
-                       on_issued=lambda u=undo: created.add(u))
-        except CapacityError as exc:
-            failures.append(f"{zone}: {exc.message}")
-            say(key, State.FAILED.value, "no capacity" + (", trying the next zone" if zone != zones[-1] else ""))
-            if undo in created.items():
-                delete(clients, undo, cancel=cancel)
-                created.discard(undo)
-            continue
-        say(key, State.READY.value, f"{len(r.workers)} worker(s)")
-        return r
-    raise CapacityError(f"no capacity for {plan.accelerator.name} in {', '.join(zones)}: " + "; ".join(failures),
-                        hint=capacity_hint(plan.provisioning))
+    get, create = (tpu.get_queued, tpu.create_queued) if base.queued else (tpu.get_node, tpu.create_node)
+    return _failover(clients, plan, kind, "", created, adopted, say, cancel,
+                     lambda zone, on_issued: create(
+                         clients, base.in_zone(zone), deadline_s=deadline_s, cancel=cancel, on_issued=on_issued,
+                         progress=lambda s, d, k=Undo(kind, plan.run, zone).key: say(k, s.value, d)),
+                     exists=lambda zone: get(clients, zone, plan.run) is not None,
+                     what=plan.accelerator.name, hint=capacity_hint(plan.provisioning))
 
 
 def _compute_tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted: list[str],
@@ -280,8 +254,12 @@ def _compute_tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, 
 
 def _failover(clients: Clients, plan: Plan, kind: Kind, api: str, created: _Created, adopted: list[str],
               say: ProgressFn, cancel: threading.Event, create: Callable[[str, Callable[[], None]], Resource], *,
-              exists: Callable[[str], bool], what: str, hint: str) -> Resource:
-    """Try `create(zone, on_issued)` zone by zone (an existing one's zone first) until one has capacity."""
+              exists: Callable[[str], bool], what: str, hint: str, name: str | None = None,
+              ready: Callable[[Resource], str] = lambda r: f"{len(r.workers)} worker(s)") -> Resource:
+    """Try `create(zone, on_issued)` zone by zone (an existing one's zone first) until one has capacity.
+
+    What `create` issued in a zone without capacity is deleted before the next zone is tried."""
+    name = name or plan.run
     zones = list(plan.zones)
     for z in zones:
         if exists(z):
@@ -290,7 +268,7 @@ def _failover(clients: Clients, plan: Plan, kind: Kind, api: str, created: _Crea
             break
     failures: list[str] = []
     for zone in zones:
-        undo = Undo(kind, plan.run, zone, api=api)
+        undo = Undo(kind, name, zone, api=api)
         issued = threading.Event()
 
         def on_issued(undo: Undo = undo, issued: threading.Event = issued) -> None:
@@ -308,7 +286,7 @@ def _failover(clients: Clients, plan: Plan, kind: Kind, api: str, created: _Crea
             continue
         if not issued.is_set():
             adopted.append(undo.key)
-        say(undo.key, State.READY.value, f"{len(r.workers)} worker(s)")
+        say(undo.key, State.READY.value, ready(r))
         return r
     raise CapacityError(f"no capacity for {what} in {', '.join(zones)}: " + "; ".join(failures), hint=hint)
 
@@ -317,41 +295,19 @@ def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, ado
              cancel: threading.Event, deadline_s: float) -> Resource:
     """Create (or adopt) one VM in the first zone with capacity (ZONE_RESOURCE_POOL_EXHAUSTED fails over)."""
     name = plan.vm_name(spec)
-    zones = list(plan.zones)
-    for z in zones:
-        if vm.get(clients, z, name) is not None:
-            zones.remove(z)
-            zones.insert(0, z)
-            break
-    failures: list[str] = []
-    for zone in zones:
-        undo = Undo(Kind.VM, name, zone)
+
+    def create(zone: str, on_issued: Callable[[], None]) -> Resource:
         req = vm.VmRequest(name=name, zone=zone, machine_type=spec.machine_type, disk_gb=spec.disk_gb,
                            image=spec.image, labels=plan.labels, service_account=sa, network=plan.network,
                            subnet=plan.subnet, tags=plan.tags)
-        issued = threading.Event()
+        return vm.create(clients, req, deadline_s=deadline_s, cancel=cancel, on_issued=on_issued,
+                         progress=lambda s, d, k=Undo(Kind.VM, name, zone).key: say(k, s.value, d))
 
-        def on_issued(undo: Undo = undo, issued: threading.Event = issued) -> None:
-            issued.set()
-            created.add(undo)
-
-        try:
-            r = vm.create(clients, req, deadline_s=deadline_s, cancel=cancel,
-                          progress=lambda s, d, k=undo.key: say(k, s.value, d), on_issued=on_issued)
-        except CapacityError as exc:
-            failures.append(f"{zone}: {exc.message}")
-            say(undo.key, State.FAILED.value, "no capacity" + (", trying the next zone" if zone != zones[-1] else ""))
-            if issued.is_set():
-                delete(clients, undo, cancel=cancel)
-                created.discard(undo)
-            continue
-        if not issued.is_set():
-            adopted.append(undo.key)
-        say(undo.key, State.READY.value, spec.machine_type)
-        return r
-    raise CapacityError(f"no capacity for VM {name} ({spec.machine_type}) in {', '.join(zones)}: "
-                        + "; ".join(failures), hint="add zones with --zone (comma-separated, same region first) "
-                        "or give the VM another machine_type")
+    return _failover(clients, plan, Kind.VM, "", created, adopted, say, cancel, create, name=name,
+                     exists=lambda zone: vm.get(clients, zone, name) is not None,
+                     what=f"VM {name} ({spec.machine_type})", ready=lambda r: spec.machine_type,
+                     hint="add zones with --zone (comma-separated, same region first) or give the VM another "
+                          "machine_type")
 
 
 def delete(clients: Clients, target: Undo, *, deadline_s: float = 900.0, cancel: threading.Event | None = None,
