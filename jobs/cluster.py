@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from tpuctl import console
@@ -64,11 +64,12 @@ def locate(clients: Clients, run: str) -> Located:
 
 
 def authorize(clients: Clients, zone: str, node: str) -> tuple[KeyPair, list[Target]]:
-    """Make sure our key can log in (idempotent metadata update) and return the workers' SSH targets, with
-    the host keys the node publishes. Blocks for the metadata update."""
+    """Make sure our key can log in (idempotent: `ssh-keys` metadata, or the OS Login profile on OS Login
+    projects) and return it with the login name to use, and the workers' SSH targets with the host keys the
+    node publishes. Blocks for the metadata update."""
     key = ensure_keypair()
-    provision.add_ssh_key(clients, zone, node, key.user, key.public_key)
-    return key, targets_from_workers(provision.workers(clients, zone, node))
+    login = provision.authorize_key(clients, zone, node, key.user, key.public_key)
+    return replace(key, user=login), targets_from_workers(provision.workers(clients, zone, node))
 
 
 def node_state(clients: Clients, zone: str, node: str) -> Resource | None:

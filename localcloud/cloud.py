@@ -22,12 +22,14 @@ from typing import Any
 from . import facts
 from .accounts import AccountsService
 from .compute import ComputeService
+from .compute import _metadata_dict
 from .compute_groups import ComputeGroupsService
 from .core import Fault, Faults, Meter, World
+from .projects import ProjectsService
 from .schema import validator
 from .server import Api, HttpServer
 from .storage import StorageServer
-from .tpu import TpuService
+from .tpu import TpuService, ssh_keys_of
 from .workers import WorkerPool
 
 BUCKET_SAMPLE_S = 1.0
@@ -68,10 +70,13 @@ class LocalCloud:
             w = self.world = World(speed=self.speed, strict=self.strict, state_dir=self.state_dir,
                                    workers=workers, storage_host=self.storage_host)
             self.tpu, self.compute, self.accounts = TpuService(w), ComputeService(w), AccountsService(w)
+            self.projects = ProjectsService(w, self._refresh_keys)
+            w.worker_keys = self.projects.authorized_keys
             self.compute.groups = self.groups = ComputeGroupsService(w, self.compute)
-            w.services = {"tpu": self.tpu, "compute": self.compute, "compute_groups": self.groups}
+            w.services = {"tpu": self.tpu, "compute": self.compute, "projects": self.projects,
+                          "compute_groups": self.groups}
             w.faults.on_add = self._apply_fault
-            self._http = HttpServer(Api(w, self._handlers(), self._admin), self.port)
+            self._http = HttpServer(Api(w, self._handlers(), self._admin, guard=self.projects.guard), self.port)
             self.endpoint = f"http://127.0.0.1:{self._http.port}"
             loaded = w.load()
             self._http.start()
@@ -132,6 +137,13 @@ class LocalCloud:
         when = at.timestamp() if isinstance(at, datetime) else at
         self.tpu.preempt(node, when)
 
+    def shape_project(self, project: str, **options) -> dict:
+        """Set up `project` otherwise than fully (see `projects.SHAPE_OPTIONS`): `disabled_services`,
+        `default_network=False`, `networks`, `subnetworks` ("REGION/NAME/NETWORK"), `compute_sa=False`,
+        `service_accounts` (the only others that exist), `metadata` (project-wide, e.g. enable-oslogin),
+        `denied_permissions`, `external_ips_denied` (org policy constraints/compute.vmExternalIpAccess). Returns the project's shape. ValueError on unknown options."""
+        return self.projects.shape(project, **options)
+
     def meter_report(self) -> dict:
         self._sample_buckets()
         return self.world.meter.report()
@@ -155,10 +167,24 @@ class LocalCloud:
 
     # ---------------------------------------------------------------------------------- internals
     def _handlers(self) -> dict:
-        t, c, a = self.tpu, self.compute, self.accounts
+        t, c, a, pr = self.tpu, self.compute, self.accounts, self.projects
         tp = "tpu.projects.locations."
+
+        def tpu_create(p, q, body):
+            pr.check_tpu_node(p["projectsId"], p["locationsId"], body, q.get("nodeId") or "")
+            return t.nodes_create(p, q, body)
+
+        def queued_create(p, q, body):
+            for spec in ((body or {}).get("tpu") or {}).get("nodeSpec") or []:
+                pr.check_tpu_node(p["projectsId"], p["locationsId"], spec.get("node") or {}, spec.get("nodeId") or "")
+            return t.queued_create(p, q, body)
+
+        def vm_insert(p, q, body):
+            pr.check_instance(p["project"], p["zone"], body)
+            return c.insert(p, q, body)
+
         return {
-            f"{tp}nodes.create": t.nodes_create, f"{tp}nodes.get": t.nodes_get, f"{tp}nodes.list": t.nodes_list,
+            f"{tp}nodes.create": tpu_create, f"{tp}nodes.get": t.nodes_get, f"{tp}nodes.list": t.nodes_list,
             f"{tp}nodes.delete": t.nodes_delete, f"{tp}nodes.stop": t.nodes_stop, f"{tp}nodes.start": t.nodes_start,
             f"{tp}nodes.patch": t.nodes_patch, f"{tp}nodes.getGuestAttributes": t.nodes_get_guest_attributes,
             f"{tp}generateServiceIdentity": t.generate_service_identity,
@@ -166,9 +192,9 @@ class LocalCloud:
             f"{tp}acceleratorTypes.list": t.accelerator_types_list, f"{tp}acceleratorTypes.get": t.accelerator_types_get,
             f"{tp}runtimeVersions.list": t.runtime_versions_list, f"{tp}runtimeVersions.get": t.runtime_versions_get,
             f"{tp}operations.get": t.operations_get, f"{tp}operations.list": t.operations_list,
-            f"{tp}queuedResources.create": t.queued_create, f"{tp}queuedResources.get": t.queued_get,
+            f"{tp}queuedResources.create": queued_create, f"{tp}queuedResources.get": t.queued_get,
             f"{tp}queuedResources.list": t.queued_list, f"{tp}queuedResources.delete": t.queued_delete,
-            "compute.instances.insert": c.insert, "compute.instances.get": c.get, "compute.instances.list": c.list,
+            "compute.instances.insert": vm_insert, "compute.instances.get": c.get, "compute.instances.list": c.list,
             "compute.instances.aggregatedList": c.aggregated_list, "compute.instances.delete": c.delete,
             "compute.instances.stop": c.stop, "compute.instances.start": c.start,
             "compute.instances.setLabels": c.set_labels, "compute.instances.setMetadata": c.set_metadata, "compute.instances.getGuestAttributes": c.get_guest_attributes,
@@ -177,6 +203,17 @@ class LocalCloud:
             "compute.machineTypes.get": c.machine_types_get,
             **self._group_handlers(),
             "cloudresourcemanager.projects.get": a.projects_get,
+            "cloudresourcemanager.projects.testIamPermissions": pr.test_iam_permissions,
+            "compute.projects.get": pr.projects_get,
+            "compute.projects.setCommonInstanceMetadata": pr.set_common_instance_metadata,
+            "compute.globalOperations.get": pr.global_operations_get,
+            "compute.globalOperations.wait": pr.global_operations_wait,
+            "compute.networks.get": pr.networks_get, "compute.subnetworks.get": pr.subnetworks_get,
+            "serviceusage.services.get": pr.services_get, "serviceusage.services.batchGet": pr.services_batch_get,
+            "iam.projects.serviceAccounts.get": pr.service_accounts_get,
+            "oslogin.users.getLoginProfile": pr.get_login_profile,
+            "oslogin.users.importSshPublicKey": pr.import_ssh_public_key,
+            "orgpolicy.projects.policies.getEffectivePolicy": pr.effective_policy,
             "cloudbilling.services.list": a.services_list, "cloudbilling.services.skus.list": a.skus_list,
         }
 
@@ -194,6 +231,17 @@ class LocalCloud:
             "compute.instanceGroupManagers.listManagedInstances": g.migs_list_managed_instances,
             "compute.regionOperations.get": g.region_operations_get,
         }
+
+    def _refresh_keys(self, project: str | None) -> None:
+        """Project metadata or OS Login keys changed: every running worker of `project` (None: of every
+        project) admits the keys it now should, at once (a real guest agent takes a few seconds)."""
+        with self.world.lock:
+            targets = [(r["worker_key"], r["project"], r["node"].get("metadata")) for r in self.tpu.nodes.values()
+                       if r["endpoints"] and project in (None, r["project"])]
+            targets += [(r["worker_key"], r["project"], _metadata_dict(r["instance"])) for r in self.compute.instances.values()
+                        if r["endpoints"] and project in (None, r["project"])]
+            for worker_key, owner, meta in targets:
+                self.world.workers.update_keys(worker_key, self.world.worker_keys(owner, meta, ssh_keys_of(meta)))
 
     def _worker_key(self, node: str) -> str:
         try:
@@ -237,6 +285,9 @@ class LocalCloud:
                 return 200, {"cleared": self.faults.clear()}
             if path.startswith("faults/") and verb == "DELETE":
                 return 200, {"cleared": self.faults.clear(path.split("/", 1)[1])}
+            if path.startswith("projects/") and verb in ("GET", "POST"):
+                project = path.split("/", 1)[1]
+                return 200, (self.shape_project(project, **body) if verb == "POST" else self.projects.describe(project))
             if path == "preempt" and verb == "POST":
                 at = body.get("at")
                 if body.get("after") is not None:

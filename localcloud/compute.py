@@ -17,6 +17,7 @@ import time
 import uuid
 
 from . import facts
+from . import metadata as guest
 from .core import ApiError, World, check_labels, now_rfc3339
 from .tpu import paginate, ssh_keys_of
 
@@ -155,16 +156,30 @@ class ComputeService:
             meta = _metadata_dict(rec["instance"])
             env = {"GOOGLE_CLOUD_PROJECT": rec["project"], "STORAGE_EMULATOR_HOST": self.w.storage_host,
                    "TPUCTL_LOCALCLOUD": "1", "VM_NAME": rec["instance"]["name"], "VM_ZONE": rec["zone"]}
-            keys = ssh_keys_of(meta)
+            keys = self.w.worker_keys(rec["project"], meta, ssh_keys_of(meta))
             script = meta.get("startup-script")
             worker_key = rec["worker_key"]
-        endpoints = self.w.workers.start_node(worker_key, 1, env, keys, script)
+        endpoints = self.w.workers.start_node(worker_key, 1, env, keys, script,
+                                              metadata=lambda index: self.guest_metadata(key))
         with self.w.lock:
             rec = self.instances.get(key)
             if rec is None or rec.get("deleting") or rec["instance"]["status"] not in ("PROVISIONING", "STAGING", "RUNNING"):
                 self.w.workers.stop_node(worker_key)
                 return
             rec["endpoints"] = [{"host": e.host, "port": e.port, "host_key": e.host_key} for e in endpoints]
+
+    def guest_metadata(self, key: str) -> guest.Tree | None:
+        """What the VM reads from its metadata server: its metadata items, identity and service account."""
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is None:
+                return None
+            inst, project, zone = rec["instance"], rec["project"], rec["zone"]
+            accounts = inst.get("serviceAccounts") or []
+            return guest.guest_tree(
+                project=project, number=facts.project_number(project), zone=zone, name=inst["name"],
+                instance_id=inst["id"], attributes=_metadata_dict(inst),
+                service_account=(accounts[0]["email"], list(accounts[0].get("scopes") or [])) if accounts else None)
 
     def _stop_worker(self, rec: dict) -> None:
         rec["endpoints"] = []
@@ -439,7 +454,8 @@ class ComputeService:
                 rec["instance"]["metadata"] = {"kind": "compute#metadata", "fingerprint": _fingerprint(items),
                                                **({"items": items} if items else {})}
                 if rec["endpoints"]:
-                    self.w.workers.update_keys(rec["worker_key"], ssh_keys_of(_metadata_dict(rec["instance"])))
+                    meta = _metadata_dict(rec["instance"])
+                    self.w.workers.update_keys(rec["worker_key"], self.w.worker_keys(rec["project"], meta, ssh_keys_of(meta)))
             self._finish_op(op)
             self.w.changed()
 

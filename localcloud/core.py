@@ -386,6 +386,9 @@ class World:
         self.errors: list[str] = []
         self._ids = itertools.count(int(time.time() * 1000) % 10**12 * 1000)
         self.services: dict[str, Any] = {}
+        # (project, instance metadata, keys from its `ssh-keys`) -> the keys its workers admit; the projects
+        # service replaces it so that OS Login, when on, overrides metadata keys.
+        self.worker_keys: Callable[[str, dict | None, list[str]], list[str]] = lambda project, metadata, keys: keys
 
     def next_id(self) -> int:
         return next(self._ids)

@@ -33,6 +33,10 @@ _DOC_FILES = {
     "storage.v1": "storage.v1.json",
     "cloudresourcemanager.v3": "cloudresourcemanager.v3.json",
     "cloudbilling.v1": "cloudbilling.v1.json",
+    "serviceusage.v1": "serviceusage.v1.json",
+    "iam.v1": "iam.v1.json",
+    "oslogin.v1": "oslogin.v1.json",
+    "orgpolicy.v2": "orgpolicy.v2.json",
 }
 
 _INT64_FORMATS = {"int64", "uint64"}

@@ -25,9 +25,14 @@ _APIS = (
     ("compute.v1", "compute.", "compute", None),
     ("cloudresourcemanager.v3", "cloudresourcemanager.", "google", "google.cloud.resourcemanager_v3.types"),
     ("cloudbilling.v1", "cloudbilling.", "google", "google.cloud.billing_v1.types"),
+    ("serviceusage.v1", "serviceusage.", "google", "google.cloud.service_usage_v1.types"),
+    ("iam.v1", "iam.", "google", None),
+    ("oslogin.v1", "oslogin.", "google", "google.cloud.oslogin_v1.types"),
+    ("orgpolicy.v2", "orgpolicy.", "google", None),
 )
 SERVICE_OF_DOC = {"tpu.v2": "tpu", "compute.v1": "compute", "cloudresourcemanager.v3": "cloudresourcemanager",
-                  "cloudbilling.v1": "cloudbilling"}
+                  "cloudbilling.v1": "cloudbilling", "serviceusage.v1": "serviceusage", "iam.v1": "iam",
+                  "oslogin.v1": "oslogin", "orgpolicy.v2": "orgpolicy"}
 # Request bodies of these methods may carry output-only fields: clients send back what they read.
 _UPDATE_METHODS = {"tpu.projects.locations.nodes.patch"}
 
@@ -135,8 +140,10 @@ def _walk(desc, data: Any, to_numbers: bool) -> Any:
 class Api:
     """Dispatch for the Google APIs; `handlers` maps discovery method ids to `fn(params, query, body)`."""
 
-    def __init__(self, world: World, handlers: dict[str, Callable], admin: Callable[[str, str, dict, Any], tuple[int, Any]]):
+    def __init__(self, world: World, handlers: dict[str, Callable], admin: Callable[[str, str, dict, Any], tuple[int, Any]],
+                 guard: Callable[[str, dict], None] | None = None):
         self.w = world
+        self.guard = guard  # (service, path params) -> raises ApiError for a project that cannot call it
         self.handlers = handlers
         self.admin = admin
         self.routes = build_routes()
@@ -160,7 +167,8 @@ class Api:
     def handle(self, verb: str, raw_path: str, raw_body: bytes) -> tuple[int, dict]:
         url = urlsplit(raw_path)
         path = url.path
-        query = {k: v[0] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        # A repeated parameter (Service Usage `names=A&names=B`) stays a list; every other one is a string.
+        query = {k: v[0] if len(v) == 1 else v for k, v in parse_qs(url.query, keep_blank_values=True).items()}
         if path.startswith("/_localcloud/"):
             try:
                 body = json.loads(raw_body) if raw_body.strip() else {}
@@ -190,6 +198,8 @@ class Api:
         fault = self.w.faults.take("quota", route.service, route.short, zone)
         if fault:
             raise quota_error(fault, route.service, zone)
+        if self.guard is not None:
+            self.guard(route.service, params)
         handler = self.handlers.get(route.method_id)
         if handler is None:
             raise ApiError("UNIMPLEMENTED", f"localcloud does not implement {route.method_id}.")

@@ -8,11 +8,13 @@ is metered from the create request until its deletion finishes, except while STO
 from __future__ import annotations
 
 import copy
+import hashlib
 import re
 import time
 import uuid
 
 from . import facts
+from . import metadata as guest
 from .core import CODE_OF, ApiError, World, check_labels, now_rfc3339, parse_duration, parse_time
 
 # Simulated latencies in seconds (divided by the world's speed).
@@ -26,6 +28,10 @@ _UPDATABLE = {"labels", "metadata", "description", "tags"}
 NODE_TYPE = "type.googleapis.com/google.cloud.tpu.v2.Node"
 QR_TYPE = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
 EMPTY_TYPE = "type.googleapis.com/google.protobuf.Empty"
+# What the local cloud tells a TPU VM worker instead of giving it chips: "rehearse this job on the CPU". A
+# job that finds a TPU VM (by its metadata) but no chips and no such flag must fail, as on a broken real VM.
+CPU_REHEARSAL_VAR = "LOCALCLOUD_TPU_REHEARSAL"
+DEFAULT_SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
 
 
 def capacity_message(zone: str) -> str:
@@ -207,28 +213,63 @@ class TpuService:
 
     # ---------------------------------------------------------------------------------- workers
     def _boot_workers(self, name: str) -> None:
-        """Start the node's worker SSH servers (blocking, outside the lock) and record their endpoints."""
+        """Start the node's worker SSH servers (blocking, outside the lock) and record their endpoints.
+
+        The environment carries no node identity (no TPU_NAME, TPU_WORKER_ID, TPU_WORKER_HOSTNAMES: real TPU
+        VMs set none); workers read it from their metadata server (`guest_metadata`).
+        """
         with self.w.lock:
             rec = self.nodes.get(name)
             if rec is None:
                 return
             node = rec["node"]
             key, count = rec["worker_key"], rec["hosts"]
-            env = {
-                "TPU_NAME": name.rsplit("/", 1)[-1], "TPU_WORKER_HOSTNAMES": ",".join(["127.0.0.1"] * count),
-                "TPU_ACCELERATOR_TYPE": rec["type"], "TPU_ZONE": rec["zone"],
-                "GOOGLE_CLOUD_PROJECT": rec["project"], "STORAGE_EMULATOR_HOST": self.w.storage_host,
-                "TPUCTL_LOCALCLOUD": "1",
-            }
-            keys = ssh_keys_of(node.get("metadata"))
+            env = {"STORAGE_EMULATOR_HOST": self.w.storage_host, CPU_REHEARSAL_VAR: "cpu"}
+            keys = self.w.worker_keys(rec["project"], node.get("metadata"), ssh_keys_of(node.get("metadata")))
             script = (node.get("metadata") or {}).get("startup-script")
-        endpoints = self.w.workers.start_node(key, count, env, keys, script)
+        endpoints = self.w.workers.start_node(key, count, env, keys, script,
+                                              metadata=lambda index: self.guest_metadata(name, index))
         with self.w.lock:
             rec = self.nodes.get(name)
             if rec is None or rec["node"]["state"] in ("DELETING", "STOPPING", "STOPPED", "PREEMPTED"):
                 self.w.workers.stop_node(key)
                 return
             rec["endpoints"] = [{"host": e.host, "port": e.port, "host_key": e.host_key} for e in endpoints]
+
+    def guest_metadata(self, name: str, index: int) -> guest.Tree | None:
+        """What worker `index` of node `name` reads from its metadata server, from the node as it is now.
+
+        The TPU attributes (`accelerator-type`, `agent-worker-number`, `worker-network-endpoints` as
+        "hostname:uid:ip" triples, `tpu-env` as `KEY: 'value'` lines) are the ones JAX's and PyTorch/XLA's
+        TPU detection read; the node's own metadata (ssh-keys, startup-script, enable-oslogin, ...) is there too.
+        """
+        with self.w.lock:
+            rec = self.nodes.get(name)
+            if rec is None:
+                return None
+            node, project, zone = rec["node"], rec["project"], rec["zone"]
+            t = facts.TPU_TYPES[rec["type"]]
+            number = facts.project_number(project)
+            node_id = name.rsplit("/", 1)[-1]
+            # TPU VM hosts are named t1v-n-<hex>-w-<worker>, not after the node; the node's name is NODE_ID.
+            hosts = [f"t1v-n-{hashlib.sha256(name.encode()).hexdigest()[:8]}-w-{i}" for i in range(rec["hosts"])]
+            tpu_env = {
+                "ACCELERATOR_TYPE": t.name, "CONSUMER_PROJECT_ID": project, "CONSUMER_PROJECT_NUMBER": number,
+                "NODE_ID": node_id, "PREEMPTIBLE": str(rec["spot"]).lower(), "SERVICE_NAME": "tpu.googleapis.com",
+                "TOPOLOGY": t.topology, "TYPE": t.api_type, "UID": node["id"], "WORKER_ID": str(index), "ZONE": zone,
+            }
+            attributes = {
+                **(node.get("metadata") or {}),
+                "accelerator-type": t.name,
+                "agent-worker-number": str(index),
+                "worker-network-endpoints": ",".join(f"{h}:{node['id']}:127.0.0.1" for h in hosts),
+                "tpu-env": "".join(f"{k}: '{v}'\n" for k, v in sorted(tpu_env.items())),
+            }
+            account = node.get("serviceAccount") or {}
+            email = account.get("email") or f"{number}-compute@developer.gserviceaccount.com"
+            return guest.guest_tree(
+                project=project, number=number, zone=zone, name=hosts[index], instance_id=f"{node['id']}{index}",
+                attributes=attributes, service_account=(email, list(account.get("scope") or DEFAULT_SCOPES)))
 
     def _stop_workers(self, rec: dict) -> None:
         rec["endpoints"] = []
@@ -428,7 +469,8 @@ class TpuService:
                 else:
                     rec["node"][field] = value
             if "metadata" in changes and rec["endpoints"]:
-                self.w.workers.update_keys(rec["worker_key"], ssh_keys_of(rec["node"].get("metadata")))
+                meta = rec["node"].get("metadata")
+                self.w.workers.update_keys(rec["worker_key"], self.w.worker_keys(rec["project"], meta, ssh_keys_of(meta)))
             self._finish_op(op, response=self.view(rec))
             self.w.changed()
 

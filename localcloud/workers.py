@@ -10,6 +10,11 @@ them all by scanning ``/proc/*/environ`` (``ps e`` where there is no /proc, e.g.
 process groups that detached code escapes on purpose. A process that rewrites its own environment
 (``env -i``) escapes this net; nothing tpuctl ships does that.
 
+Each worker also gets its own Compute Engine metadata server endpoint (`metadata.py`) when the caller gives
+the pool a metadata tree: the worker's environment points `GCE_METADATA_HOST`/`GCE_METADATA_IP` at it, which is
+how google-auth and JAX on a worker find "the" metadata server. Nothing else about the node's identity is put
+in the environment: real TPU VMs set no `TPU_WORKER_ID` (that is GKE's), workers read it from metadata.
+
 The pool runs its own asyncio loop in one background thread because its callers (the threaded API server)
 are synchronous. Public methods are thread-safe, serialised by one lock, and block until done.
 """
@@ -34,6 +39,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 import asyncssh
+
+from .metadata import MetadataServer, Tree
 
 MARKER_VAR = "LOCALCLOUD_WORKER"
 ANY_USER = "*"
@@ -441,6 +448,7 @@ class WorkerPool:
         root = marker(self._root).encode() + b"/"
         _kill_marked(lambda value: value.startswith(root))
         self._nodes: dict[str, list[_Worker]] = {}
+        self._metadata = MetadataServer()
         self._lock = threading.Lock()
         self._closed = False
         self._loop = asyncio.new_event_loop()
@@ -455,24 +463,29 @@ class WorkerPool:
             raise ValueError(f"worker pool key {key!r} must be path-safe: letters, digits, '._-' and '/'")
         return self._root / key / str(index)
 
-    def _environment(self, directory: Path, index: int, env: dict[str, str]) -> dict[str, str]:
+    def _environment(self, directory: Path, env: dict[str, str], metadata_host: str | None) -> dict[str, str]:
         # A VM starts with a clean environment, not the daemon's; PATH leads with this interpreter's bin
         # dir so `python` on a worker is the venv python that has TensorFlow.
         path = env.get("PATH", os.environ.get("PATH", os.defpath))
+        # google-auth reads GCE_METADATA_HOST for requests and GCE_METADATA_IP for its ping; JAX reads
+        # GCE_METADATA_IP. Both accept HOST:PORT.
+        guest = {"GCE_METADATA_HOST": metadata_host, "GCE_METADATA_IP": metadata_host} if metadata_host else {}
         return {
             "SHELL": "/bin/bash",
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             **env,
+            **guest,
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), path]),
             "HOME": str(directory),
-            "TPU_WORKER_ID": str(index),
             MARKER_VAR: marker(directory),
         }
 
     def start_node(self, key: str, count: int, env: dict[str, str], authorized_keys: list[str],
-                   startup_script: str | None) -> list[WorkerEndpoint]:
+                   startup_script: str | None,
+                   metadata: Callable[[int], Tree | None] | None = None) -> list[WorkerEndpoint]:
         """Boot every worker of ``key`` that is not running; blocks until all of them listen.
 
+        ``metadata(i)`` is what worker i's metadata server answers (called at each request; None: nothing).
         Idempotent: running workers are left alone (their keys are updated), so calling it again after
         ``kill_worker`` revives only the dead worker.
         """
@@ -483,8 +496,9 @@ class WorkerPool:
             workers = self._nodes.setdefault(key, [])
             if workers and len(workers) != count:
                 raise ValueError(f"node {key!r} has {len(workers)} workers, not {count}")
+            hosts = self._metadata.attach(key, count, metadata) if metadata is not None else [None] * count
             for index in range(len(workers), count):
-                workers.append(_Worker(dirs[index], self._environment(dirs[index], index, env)))
+                workers.append(_Worker(dirs[index], self._environment(dirs[index], env, hosts[index])))
             to_boot = [w for w in workers if not w.running]
 
             async def boot() -> list[WorkerEndpoint]:
@@ -531,6 +545,7 @@ class WorkerPool:
             self._stop(key)
 
     def _stop(self, key: str) -> None:
+        self._metadata.detach(key)
         workers = self._nodes.pop(key, [])
         if not workers:
             return
@@ -548,6 +563,7 @@ class WorkerPool:
                 return
             for key in list(self._nodes):
                 self._stop(key)
+            self._metadata.close()
             self._closed = True
         # Sessions whose processes were just killed are still finishing; let them end before the loop does.
         self._call(_cancel_other_tasks())

@@ -20,6 +20,7 @@ from tpuctl.catalog import Catalog
 from tpuctl.errors import NotFound as _NotFound
 from tpuctl.provision import bucket as _bucket
 from tpuctl.provision import inventory as _inventory
+from tpuctl.provision import oslogin as _oslogin
 from tpuctl.provision import tpu as _tpu
 # Imported before `def apply` below: importing the submodule binds the package attribute `apply` to it,
 # and the function defined afterwards must win.
@@ -36,7 +37,8 @@ from tpuctl.spec import RunSpec
 
 __all__ = [
     "ApplyResult", "Clients", "DownResult", "Kind", "Plan", "ProgressFn", "Resource", "RunStatus", "State", "Step",
-    "Worker", "add_ssh_key", "apply", "bucket_contents", "check_framework", "connect", "delete_node", "down", "get_node", "list_resources",
+    "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents", "check_framework", "connect", "delete_node",
+    "down", "get_node", "list_resources",
     "plan", "recreate_node", "status", "wait_node_ready", "workers",
 ]
 
@@ -137,6 +139,25 @@ def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: s
     """
 
     return _tpu.add_ssh_key(clients, zone, name, user, public_key, deadline_s=deadline_s)
+
+
+def authorize_key(clients: Clients, zone: str, name: str, user: str, public_key: str, *,
+                  deadline_s: float = 300.0) -> str:
+    """Let `public_key` log in to the node's workers; returns the login name to use with it.
+
+    With OS Login on (`enable-oslogin` in the node's metadata, else the project's) the guest ignores `ssh-keys`:
+    the key goes into the caller's OS Login profile and the name is the profile's POSIX user. Otherwise
+    `user:public_key` goes into the node's `ssh-keys` metadata (blocking until applied) and the name is `user`.
+    Idempotent. BadInput at once, before any retry, when OS Login is on and cannot be used (account unknown).
+    """
+
+    node = _tpu.get_node(clients, zone, name)
+    if node is None:
+        raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
+    if _oslogin.enabled(_oslogin.project_metadata(clients), dict(node.metadata)):
+        return _oslogin.login_user(clients, public_key)
+    _tpu.add_ssh_key(clients, zone, name, user, public_key, deadline_s=deadline_s)
+    return user
 
 
 def wait_node_ready(clients: Clients, zone: str, name: str, *, deadline_s: float = DEFAULT_DEADLINE_S,

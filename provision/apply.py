@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tpuctl.errors import CapacityError, CloudError, Interrupted, TpuctlError, capacity_hint
 from tpuctl import catalog as catalog_mod
-from tpuctl.provision import bucket, compute_tpu, tpu, vm
+from tpuctl.provision import bucket, compute_tpu, preflight, tpu, vm
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.plan import Plan
 from tpuctl.provision.resources import Kind, Resource, State
@@ -158,10 +158,12 @@ def _names(undo: list[Undo]) -> str:
 
 def _run(clients: Clients, plan: Plan, pool: ThreadPoolExecutor, created: _Created, say: ProgressFn,
          cancel: threading.Event, deadline_s: float) -> ApplyResult:
-    # Read-only preflight, in parallel: refuse a cross-region bucket before anything is created.
+    # Read-only preflight, in parallel: refuse a project that cannot work (APIs, network, service account,
+    # permissions, OS Login) or a cross-region bucket before anything is created.
+    ready_f = pool.submit(preflight.require, clients, preflight.Target.of_plan(plan))
     sa_f = pool.submit(_service_account, clients, plan)
     existing_f = pool.submit(bucket.lookup, clients, plan.bucket)
-    _wait_all([sa_f, existing_f], cancel)
+    _wait_all([ready_f, sa_f, existing_f], cancel)
     existing = existing_f.result()
     if existing is not None:
         bucket.check_region(existing, plan.region, allow_cross_region=plan.allow_cross_region)
@@ -213,7 +215,8 @@ def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted:
         name=plan.run, zone=plan.zones[0], accelerator=plan.accelerator.name, runtime_version=plan.runtime_version,
         labels=plan.labels, service_account=sa, spot=plan.provisioning == "spot",
         preemptible=plan.provisioning == "preemptible", queued=plan.provisioning == "queued",
-        valid_until_s=plan.valid_until_s, network=plan.network, subnet=plan.subnet, tags=plan.tags)
+        valid_until_s=plan.valid_until_s, network=plan.network, subnet=plan.subnet, tags=plan.tags,
+        internal_ips=plan.internal_ips)
     kind = Kind.QUEUED if base.queued else Kind.TPU
     get, create = (tpu.get_queued, tpu.create_queued) if base.queued else (tpu.get_node, tpu.create_node)
     return _failover(clients, plan, kind, "", created, adopted, say, cancel,
@@ -231,7 +234,8 @@ def _compute_tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, 
     req = compute_tpu.TpuVmRequest(
         name=plan.run, zone=plan.zones[0], machine_type=plan.accelerator.machine_type or "",
         image=plan.runtime_version, labels=plan.labels, service_account=sa, provisioning=plan.provisioning,
-        max_run_duration_s=plan.max_run_duration_s, network=plan.network, subnet=plan.subnet, tags=plan.tags)
+        max_run_duration_s=plan.max_run_duration_s, network=plan.network, subnet=plan.subnet, tags=plan.tags,
+        internal_ips=plan.internal_ips)
     t = plan.accelerator
 
     def progress(zone: str):
@@ -299,7 +303,7 @@ def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, ado
     def create(zone: str, on_issued: Callable[[], None]) -> Resource:
         req = vm.VmRequest(name=name, zone=zone, machine_type=spec.machine_type, disk_gb=spec.disk_gb,
                            image=spec.image, labels=plan.labels, service_account=sa, network=plan.network,
-                           subnet=plan.subnet, tags=plan.tags)
+                           subnet=plan.subnet, tags=plan.tags, internal_ips=plan.internal_ips)
         return vm.create(clients, req, deadline_s=deadline_s, cancel=cancel, on_issued=on_issued,
                          progress=lambda s, d, k=Undo(Kind.VM, name, zone).key: say(k, s.value, d))
 

@@ -55,6 +55,7 @@ class TpuVmRequest:
     subnet: str | None = None
     tags: tuple[str, ...] = ()
     metadata: Mapping[str, str] | None = None
+    internal_ips: bool = False  # no external address (an org policy may forbid them)
 
     def in_zone(self, zone: str) -> TpuVmRequest:
         return TpuVmRequest(**{**self.__dict__, "zone": zone})
@@ -77,7 +78,7 @@ def _scheduling(req: TpuVmRequest) -> compute_v1.Scheduling:
 def instance_proto(req: TpuVmRequest) -> compute_v1.Instance:
     nic = compute_v1.NetworkInterface(
         network=req.network if "/" in req.network else f"global/networks/{req.network}",
-        access_configs=[compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])
+        access_configs=[] if req.internal_ips else [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])
     if req.subnet:
         nic.subnetwork = req.subnet
     items = [compute_v1.Items(key=k, value=v) for k, v in (req.metadata or {}).items()]

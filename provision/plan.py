@@ -56,6 +56,7 @@ class Plan:
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = field(default=())
     max_run_duration_s: float | None = None  # flex-start: the provider deletes the TPU after this long
+    internal_ips: bool = False
 
     @property
     def spot(self) -> bool:
@@ -75,6 +76,7 @@ class Plan:
             "max_run_duration": None if self.max_run_duration_s is None else format_duration(self.max_run_duration_s),
             "runtime_version": self.runtime_version, "provisioning": self.provisioning,
             "bucket": f"gs://{self.bucket}", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
+            "internal_ips": self.internal_ips,
             "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
             "steps": [{"key": s.key, "kind": s.kind.value, "name": s.name, "location": s.location,
                        "after": list(s.after), "price_per_hour": round(s.price_per_hour, 4), "detail": s.detail}
@@ -164,7 +166,8 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 service_account=spec.service_account, network=spec.network, subnet=spec.subnet,
                 tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
                 vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes),
-                max_run_duration_s=spec.max_run_duration_s)
+                max_run_duration_s=spec.max_run_duration_s,
+                internal_ips=spec.internal_ips)
 
 
 def _single_host(catalog: Catalog, t: AcceleratorType) -> str:

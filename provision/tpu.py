@@ -43,6 +43,7 @@ class NodeRequest:
     subnet: str | None = None
     tags: tuple[str, ...] = ()
     metadata: Mapping[str, str] | None = None
+    internal_ips: bool = False
 
     def in_zone(self, zone: str) -> NodeRequest:
         return NodeRequest(**{**self.__dict__, "zone": zone})
@@ -61,7 +62,7 @@ def queued_path(project: str, zone: str, name: str) -> str:
 
 
 def _node_proto(req: NodeRequest) -> tpu_v2.Node:
-    network = tpu_v2.NetworkConfig(network=req.network, enable_external_ips=True)
+    network = tpu_v2.NetworkConfig(network=req.network, enable_external_ips=not req.internal_ips)
     if req.subnet:
         network.subnetwork = req.subnet
     return tpu_v2.Node(
@@ -313,4 +314,5 @@ def request_of(node: tpu_v2.Node) -> NodeRequest:
         name=name, zone=zone, accelerator=node.accelerator_type, runtime_version=node.runtime_version,
         labels=dict(node.labels), service_account=node.service_account.email, spot=bool(sched.spot),
         preemptible=bool(sched.preemptible), network=node.network_config.network or "default",
-        subnet=node.network_config.subnetwork or None, tags=tuple(node.tags), metadata=dict(node.metadata))
+        subnet=node.network_config.subnetwork or None, tags=tuple(node.tags), metadata=dict(node.metadata),
+        internal_ips=not node.network_config.enable_external_ips)

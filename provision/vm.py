@@ -39,12 +39,13 @@ class VmRequest:
     network: str = "default"
     subnet: str | None = None
     tags: tuple[str, ...] = ()
+    internal_ips: bool = False
 
 
 def _instance_proto(req: VmRequest) -> compute_v1.Instance:
     nic = compute_v1.NetworkInterface(
         network=req.network if "/" in req.network else f"global/networks/{req.network}",
-        access_configs=[compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])
+        access_configs=[] if req.internal_ips else [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])
     if req.subnet:
         nic.subnetwork = req.subnet
     return compute_v1.Instance(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tpuctl.templates.bert import config, strategy
-from tpuctl.templates.bert.errors import ConfigError
+from tpuctl.templates.bert import config, guest, strategy
+from tpuctl.templates.bert.errors import AcceleratorError, ConfigError
 
 TEMPLATE = Path(config.__file__).parent
 
@@ -67,48 +68,143 @@ def test_template_code_imports_only_relatively():
         assert not re.search(r"^\s*(from|import) (tpuctl|bert)\b", text, re.M), path.name
 
 
-@pytest.mark.parametrize("env, devices, expected", [
-    ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, False, "grpc://10.0.0.2:8470"),
-    ({"TPU_NAME": "grpc://10.0.0.3:8470"}, False, "grpc://10.0.0.3:8470"),
-    ({"TPU_NAME": "tpuctl-r1", "TPU_WORKER_HOSTNAMES": "a,b"}, False, ""),  # emulated TPU VM: no chips here
-    ({"TPU_NAME": "tpuctl-r1", "TPU_WORKER_HOSTNAMES": "a"}, True, "local"),
-    ({"TPU_NAME": "tpuctl-r1", "TPU_WORKER_HOSTNAMES": "a,b,c,d"}, True, "tpuctl-r1"),
-    ({}, False, ""),
+POD = guest.TpuVm(node="tpuctl-r1", worker=0, hosts=("10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"),
+                  accelerator_type="v3-32")
+ONE_HOST = guest.TpuVm(node="tpuctl-r1", worker=0, hosts=("10.0.0.2",), accelerator_type="v3-8")
+
+
+def _machine(monkeypatch, *, vm: guest.TpuVm | None = None, devices: bool = False) -> None:
+    """This machine as the strategy sees it: a metadata server that describes `vm`, chips or not."""
+    monkeypatch.setattr(guest, "tpu_vm", lambda: vm)
+    fake = ["/dev/accel0"] if devices else []
+    monkeypatch.setattr(strategy.glob, "glob", lambda pattern: fake if "accel" in pattern else [])
+
+
+@pytest.mark.parametrize("env, vm, devices, expected", [
+    ({"COLAB_TPU_ADDR": "10.0.0.2:8470"}, None, False, "grpc://10.0.0.2:8470"),
+    ({"TPU_NAME": "grpc://10.0.0.3:8470"}, None, False, "grpc://10.0.0.3:8470"),
+    ({}, ONE_HOST, True, "local"),
+    ({}, POD, True, "tpuctl-r1"),  # the node's name comes from tpu-env NODE_ID
+    ({}, POD, False, "tpuctl-r1"),  # a TPU VM without chips is still a TPU VM: resolve() then refuses it
+    ({}, None, True, "local"),  # chips but no metadata server
+    # GKE's variables are not a TPU VM's: without metadata or chips they mean nothing here.
+    ({"TPU_NAME": "tpuctl-r1", "TPU_WORKER_HOSTNAMES": "a,b,c,d", "TPU_WORKER_ID": "0"}, None, False, ""),
+    ({}, None, False, ""),
 ])
-def test_tpu_is_found_from_the_environment(monkeypatch, env, devices, expected):
-    for name in ("COLAB_TPU_ADDR", "TPU_NAME", "TPU_WORKER_HOSTNAMES"):
+def test_tpu_is_found_from_the_machine(monkeypatch, env, vm, devices, expected):
+    for name in ("COLAB_TPU_ADDR", "TPU_NAME", "TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    fake = ["/dev/accel0"] if devices else []
-    monkeypatch.setattr(strategy.glob, "glob", lambda pattern: fake if "accel" in pattern else [])
-    assert strategy._tpu_from_env() == expected
+    _machine(monkeypatch, vm=vm, devices=devices)
+    assert strategy._tpu_from_env(vm) == expected
 
 
-@pytest.mark.parametrize("worker, hosts, devices, follower", [
-    ("0", "a,b,c,d", True, False),
-    ("2", "a,b,c,d", True, True),
-    ("2", "a,b,c,d", False, False),  # emulated slice: every worker trains on its own CPU
-    ("0", "a", True, False),
+@pytest.mark.parametrize("vm, follower", [
+    (POD, None),
+    (dataclasses.replace(POD, worker=2), 2),
+    (ONE_HOST, None),
+    (None, None),
 ])
-def test_only_worker_0_drives_a_multi_host_tpu_slice(monkeypatch, worker, hosts, devices, follower):
-    monkeypatch.setenv("TPU_WORKER_ID", worker)
-    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", hosts)
-    fake = ["/dev/accel0"] if devices else []
-    monkeypatch.setattr(strategy.glob, "glob", lambda pattern: fake if "accel" in pattern else [])
-    assert strategy.is_follower() is follower
+def test_only_worker_0_drives_a_multi_host_tpu_slice(monkeypatch, vm, follower):
+    monkeypatch.setenv("TPU_WORKER_ID", "3")  # GKE's variable: ignored
+    _machine(monkeypatch, vm=vm)
+    assert strategy.follower() == follower
 
 
 @pytest.mark.parametrize("tpu, libtpu, expected", [
-    ("tpuctl-r1", True, {"TPU_LOAD_LIBRARY": "0"}),
-    ("local", True, {"NEXT_PLUGGABLE_DEVICE_USE_C_API": "true", "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/lib/libtpu.so"}),
-    ("local", False, {}),  # a stream-executor runtime: TF finds the chips itself
-    ("grpc://10.0.0.2:8470", True, {}),
+    ("tpuctl-r1", "/lib/libtpu.so", {"TPU_LOAD_LIBRARY": "0"}),
+    ("local", "/lib/libtpu.so", {"NEXT_PLUGGABLE_DEVICE_USE_C_API": "true",
+                                 "TF_PLUGGABLE_DEVICE_LIBRARY_PATH": "/lib/libtpu.so"}),
+    ("local", "/venv/site-packages/libtpu/libtpu.so", {}),  # a stream-executor runtime: TF loads it itself
+    ("grpc://10.0.0.2:8470", "/lib/libtpu.so", {}),
 ])
 def test_tf_load_time_variables_follow_the_tpu_vm_recipes(monkeypatch, tpu, libtpu, expected):
     env: dict[str, str] = {}  # what the code sets must not leak into later tests' subprocesses
     monkeypatch.setattr(os, "environ", env)
-    monkeypatch.setattr(strategy.glob, "glob", lambda pattern: ["/dev/accel0"] if "accel" in pattern else [])
-    monkeypatch.setattr(strategy.os.path, "exists", lambda path: libtpu and path == strategy.PJRT_LIBTPU)
-    strategy.set_tpu_environment(tpu)
+    strategy.set_tpu_environment(tpu, libtpu)
     assert env == expected
+
+
+def test_libtpu_is_looked_up_where_tf_and_jax_look(monkeypatch, tmp_path):
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    monkeypatch.setattr(strategy, "SYSTEM_LIBTPU", (str(tmp_path / "lib" / "libtpu.so"),))
+    path, tried = strategy.find_libtpu()
+    assert path is None
+    assert tried == ["TPU_LIBRARY_PATH (unset)", "pip package libtpu (not installed)",
+                     f"{tmp_path}/lib/libtpu.so (missing)"]
+
+    package = tmp_path / "site" / "libtpu"  # the pip package: libtpu/__init__.py next to libtpu/libtpu.so
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "libtpu.so").write_bytes(b"")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert strategy.find_libtpu()[0] == str(package / "libtpu.so")
+
+    override = tmp_path / "custom.so"
+    override.write_bytes(b"")
+    monkeypatch.setenv("TPU_LIBRARY_PATH", str(override))
+    assert strategy.find_libtpu() == (str(override), [])
+
+
+def test_a_tpu_vm_without_chips_fails_loudly_unless_a_cpu_rehearsal_is_asked_for(monkeypatch, tmp_path):
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    monkeypatch.setattr(strategy, "SYSTEM_LIBTPU", (str(tmp_path / "libtpu.so"),))
+    monkeypatch.delenv(strategy.CPU_REHEARSAL_VAR, raising=False)
+    _machine(monkeypatch, vm=POD, devices=False)
+    with pytest.raises(AcceleratorError) as e:
+        strategy.resolve(config.RuntimeConfig())
+    message = str(e.value)
+    assert "TPU VM tpuctl-r1 (v3-32) worker 0" in message and "no TPU chips" in message
+    assert "/dev/accel*" in message and "/dev/vfio/[0-9]*" in message and "TPU_LIBRARY_PATH" in message
+    assert "Not falling back to the CPU" in message
+
+    monkeypatch.setenv(strategy.CPU_REHEARSAL_VAR, "cpu")
+    assert strategy._check_tpu_host(POD, "tpuctl-r1") is True
+
+
+def test_tpu_chips_without_libtpu_fail_loudly(monkeypatch, tmp_path):
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    monkeypatch.setattr(strategy, "SYSTEM_LIBTPU", (str(tmp_path / "libtpu.so"),))
+    _machine(monkeypatch, vm=ONE_HOST, devices=True)
+    with pytest.raises(AcceleratorError, match=r"has TPU chips but no libtpu.so: tried TPU_LIBRARY_PATH \(unset\); "
+                                               r"pip package libtpu \(not installed\); .*libtpu.so \(missing\)"):
+        strategy.resolve(config.RuntimeConfig())
+
+
+def test_guest_reads_its_identity_from_a_metadata_server(monkeypatch):
+    """guest.py against localcloud's metadata server: identity from metadata alone, the header sent."""
+    from tpuctl.localcloud.metadata import MetadataServer
+
+    hosts = ",".join(f"t1v-n-abc-w-{i}:1:10.0.0.{i}" for i in range(4))
+    tree = {"instance": {"attributes": {
+        "accelerator-type": "v4-32", "agent-worker-number": "2", "worker-network-endpoints": hosts,
+        "tpu-env": "ACCELERATOR_TYPE: 'v4-32'\nNODE_ID: 'my-slice'\nWORKER_ID: '2'\n"}}}
+    server = MetadataServer()
+    try:
+        (host,) = server.attach("n", 1, lambda index: tree)
+        monkeypatch.setenv("GCE_METADATA_HOST", host)
+        guest.tpu_vm.cache_clear()
+        vm = guest.tpu_vm()
+        assert vm == guest.TpuVm(node="my-slice", worker=2, hosts=tuple(f"10.0.0.{i}" for i in range(4)),
+                                 accelerator_type="v4-32")
+        tree["instance"]["attributes"] = {}  # a plain Compute Engine VM: no accelerator-type
+        guest.tpu_vm.cache_clear()
+        assert guest.tpu_vm() is None
+    finally:
+        guest.tpu_vm.cache_clear()
+        server.close()
+
+
+def test_guest_does_not_call_the_network_off_google_cloud(monkeypatch, tmp_path):
+    monkeypatch.delenv("GCE_METADATA_HOST", raising=False)
+    monkeypatch.delenv("GCE_METADATA_ROOT", raising=False)
+    monkeypatch.setattr(guest, "PRODUCT_NAME", tmp_path / "product_name")
+    monkeypatch.setattr(guest, "get", lambda *a: pytest.fail("asked a metadata server"))
+    guest.tpu_vm.cache_clear()
+    try:
+        assert guest.tpu_vm() is None
+        (tmp_path / "product_name").write_text("Google Compute Engine\n")
+        assert guest.metadata_host() == "metadata.google.internal"
+    finally:
+        guest.tpu_vm.cache_clear()

@@ -79,8 +79,7 @@ class FakeSlice:
 
         async def handle(process: asyncssh.SSHServerProcess) -> None:
             slice_.commands.append(process.command or "")
-            env = {**os.environ, **self.env, "TPU_WORKER_ID": str(i),
-                   "TPU_WORKER_HOSTNAMES": ",".join("127.0.0.1" for _ in range(self.n)), "TPUCTL_LOCALCLOUD": "1"}
+            env = {**os.environ, **self.env}
             proc = await asyncio.create_subprocess_exec(
                 "bash", "-c", process.command or "bash", cwd=self.dirs[i], env=env, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)

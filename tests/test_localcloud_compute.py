@@ -93,9 +93,12 @@ def test_vm_worker_accepts_ssh_keys_from_metadata(clients, cloud):
     async def run() -> str:
         async with asyncssh.connect("127.0.0.1", port, username="bob", client_keys=[key],
                                     known_hosts=([host_key], [], [])) as conn:
-            return (await conn.run("echo $GOOGLE_CLOUD_PROJECT", check=True, timeout=20)).stdout.strip()
+            return (await conn.run(f"echo $GOOGLE_CLOUD_PROJECT; {md}/instance/name; echo; {md}/project/project-id",
+                                   check=True, timeout=20)).stdout.split()
 
-    assert asyncio.run(run()) == clients.project
+    # The VM's metadata server knows it too (header required, as on Google).
+    md = "curl -sf -H 'Metadata-Flavor: Google' http://$GCE_METADATA_HOST/computeMetadata/v1"
+    assert asyncio.run(run()) == [clients.project, "sshvm", clients.project]
 
 
 @pytest.mark.parametrize("change,match", [

@@ -14,6 +14,10 @@ from test_localcloud_compute import _insert
 from tpuctl.localcloud import facts
 from tpuctl.localcloud.cloud import LocalCloud
 
+# Who a worker is, from its metadata server: after a restart each worker still has one, with its own answers.
+WORKER_NUMBER = ("curl -sf -H 'Metadata-Flavor: Google' "
+                 "http://$GCE_METADATA_HOST/computeMetadata/v1/instance/attributes/agent-worker-number")
+
 
 def test_meter_bills_tpu_wall_seconds_at_localclouds_own_price(clients, cloud):
     zone = "us-east5-a"
@@ -97,7 +101,7 @@ def test_restart_from_state_dir_keeps_everything_and_reboots_workers(tmp_path, m
             async def one(ep, hk):
                 async with asyncssh.connect("127.0.0.1", ep.port, username="alice", client_keys=[key],
                                             known_hosts=([hk], [], [])) as conn:
-                    return (await conn.run("echo $TPU_WORKER_ID", check=True, timeout=20)).stdout.strip()
+                    return (await conn.run(WORKER_NUMBER, check=True, timeout=20)).stdout.strip()
             return await asyncio.gather(*(one(ep, hk) for ep, hk in zip(node.network_endpoints, host_keys)))
 
         assert asyncio.run(run_all()) == ["0", "1", "2", "3"]

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import asyncssh
 import pytest
@@ -47,10 +52,35 @@ def _host_keys(clients, name: str) -> list[str]:
     return keys
 
 
-def test_v3_32_has_four_ssh_reachable_workers_with_tpu_environment(clients):
+# Run on a worker: google-auth's own metadata client (the one every Google library on a TPU VM uses) reads who
+# this worker is; GCE_METADATA_HOST/GCE_METADATA_IP are all it is given.
+GOOGLE_AUTH_PROBE = r"""python - <<'EOF'
+import json, os
+import google.auth
+import google.auth.transport.requests
+from google.auth.compute_engine import _metadata
+request = google.auth.transport.requests.Request()
+attribute = lambda key: _metadata.get(request, f"instance/attributes/{key}")
+credentials, project = google.auth.default()
+credentials.refresh(request)
+print(json.dumps({
+    "ping": _metadata.ping(request), "project": _metadata.get_project_id(request), "default_project": project,
+    "number": _metadata.get(request, "project/numeric-project-id"), "zone": _metadata.get(request, "instance/zone"),
+    "hostname": _metadata.get(request, "instance/hostname"), "worker": attribute("agent-worker-number"),
+    "accelerator": attribute("accelerator-type"), "endpoints": attribute("worker-network-endpoints"),
+    "tpu_env": attribute("tpu-env"), "ssh_keys": attribute("ssh-keys"), "oslogin": attribute("enable-oslogin"),
+    "custom": _metadata.get(request, "instance/attributes/tier", return_none_for_not_found_error=True),
+    "account": _metadata.get_service_account_info(request), "credentials": type(credentials).__name__,
+    "token": credentials.token, "host": os.environ["GCE_METADATA_HOST"],
+    "tpu_variables": sorted(name for name in os.environ if name.startswith("TPU_")),
+}))
+EOF"""
+
+
+def test_v3_32_has_four_ssh_reachable_workers_that_know_themselves_only_from_metadata(clients):
     key = asyncssh.generate_private_key("ssh-ed25519")
     node = _create(clients, "pod", accelerator_type="v3-32", runtime_version="tpu-vm-tf-2.14.1-pod",
-                   metadata={"ssh-keys": _key_line(key)})
+                   metadata={"ssh-keys": _key_line(key), "enable-oslogin": "FALSE"})
     assert node.state == tpu_v2.Node.State.READY
     assert node.accelerator_config.type_ == tpu_v2.AcceleratorConfig.Type.V3
     assert node.accelerator_config.topology == "4x4"
@@ -59,9 +89,63 @@ def test_v3_32_has_four_ssh_reachable_workers_with_tpu_environment(clients):
     assert len({ep.port for ep in node.network_endpoints}) == 4
     host_keys = _host_keys(clients, node.name)
     assert len(host_keys) == 4
-    out = asyncio.run(_run_on_workers(node, host_keys, key,
-                                      'echo "$TPU_NAME $TPU_WORKER_ID $TPU_ACCELERATOR_TYPE $TPUCTL_LOCALCLOUD"'))
-    assert out == [f"pod {i} v3-32 1" for i in range(4)]
+    clients.tpu.update_node(node=tpu_v2.Node(name=node.name, metadata={**node.metadata, "tier": "gold"}),
+                            update_mask={"paths": ["metadata"]}).result(polling=FAST_POLLING)
+
+    seen = [json.loads(out) for out in asyncio.run(_run_on_workers(node, host_keys, key, GOOGLE_AUTH_PROBE))]
+    number = clients.projects.get_project(name=f"projects/{clients.project}").name.split("/")[1]
+    hostnames = [s["hostname"].split(".")[0] for s in seen]
+    assert len(set(hostnames)) == 4 and all(re.fullmatch(r"t1v-n-[0-9a-f]{8}-w-\d", h) for h in hostnames)
+    for i, s in enumerate(seen):
+        assert s["tpu_variables"] == []  # no TPU_WORKER_ID / TPU_WORKER_HOSTNAMES / TPU_NAME: those are GKE's
+        assert s["ping"] is True and s["credentials"] == "Credentials" and s["token"].startswith("ya29.")
+        assert s["project"] == s["default_project"] == clients.project and s["number"] == number
+        assert s["zone"] == f"projects/{number}/zones/{ZONE}"
+        assert s["hostname"] == f"{hostnames[i]}.{ZONE}.c.{clients.project}.internal"
+        assert (s["worker"], s["accelerator"]) == (str(i), "v3-32")
+        assert [e.split(":") for e in s["endpoints"].split(",")] == [[h, str(node.id), "127.0.0.1"] for h in hostnames]
+        tpu_env = dict(line.split(": ", 1) for line in s["tpu_env"].splitlines())
+        assert (tpu_env["NODE_ID"], tpu_env["WORKER_ID"], tpu_env["ACCELERATOR_TYPE"]) == ("'pod'", f"'{i}'", "'v3-32'")
+        assert key.export_public_key().decode().split()[1] in s["ssh_keys"] and s["oslogin"] == "FALSE"
+        assert s["custom"] == "gold"  # metadata patched through the API is what the guest reads next
+        assert s["account"] == {"aliases": ["default"], "email": f"{number}-compute@developer.gserviceaccount.com",
+                                "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}
+    assert len({s["host"] for s in seen}) == 4  # one metadata endpoint per worker
+
+    # As on Google: no Metadata-Flavor request header, no metadata (403); the answer carries the header back.
+    url = f"http://{seen[1]['host']}/computeMetadata/v1/instance/attributes/agent-worker-number"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=10)
+    assert refused.value.code == 403 and b"Missing Metadata-Flavor:Google header" in refused.value.read()
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Metadata-Flavor": "Google"}), timeout=10) as r:
+        assert (r.read(), r.headers["Metadata-Flavor"]) == (b"1", "Google")
+
+
+def test_a_job_on_a_tpu_vm_without_chips_fails_loudly_unless_the_local_cloud_asks_for_a_cpu_rehearsal(clients):
+    """The template knows an emulated TPU VM from its metadata alone, and that it has no TPU: without localcloud's
+    explicit CPU-rehearsal flag it refuses, naming what it tried, instead of training on the CPU."""
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    node = _create(clients, "nochips", metadata={"ssh-keys": _key_line(key)})
+    templates = Path(__file__).resolve().parents[1] / "templates"
+    command = f"""cd {templates}
+probe() {{ python - <<'EOF'
+import os
+from bert import config, guest, strategy
+vm = guest.tpu_vm()
+print(vm.node, vm.worker, len(vm.hosts))
+if os.environ.get("LOCALCLOUD_TPU_REHEARSAL"):
+    print(strategy._check_tpu_host(vm, "local"))
+else:
+    strategy.resolve(config.RuntimeConfig())
+EOF
+}}
+probe; echo exit=$?; (unset LOCALCLOUD_TPU_REHEARSAL; probe 2>&1); echo exit=$?"""
+    (out,) = asyncio.run(_run_on_workers(node, _host_keys(clients, node.name), key, command))
+    rehearsal, refusal = out.split("exit=", 1)
+    assert rehearsal.splitlines()[:2] == ["nochips 0 1", "True"]  # the flag: a CPU rehearsal is what is asked
+    assert "AcceleratorError: runtime.tpu: TPU VM nochips (v3-8) worker 0 per its metadata server, but no TPU " \
+           "chips are attached: tried /dev/accel*, /dev/vfio/[0-9]*; libtpu: TPU_LIBRARY_PATH (unset)" in refusal
+    assert "/lib/libtpu.so (missing)" in refusal and refusal.rstrip().endswith("exit=1")
 
 
 @pytest.mark.parametrize("accelerator,workers", [("v2-8", 1), ("v5litepod-16", 2), ("v5litepod-4", 1), ("v4-32", 4)])
@@ -188,9 +272,11 @@ def test_service_identity_and_project_number_agree(clients):
 
 def test_startup_script_runs_at_worker_boot(clients, tmp_path):
     marker = tmp_path / "booted"
-    _create(clients, "boot", metadata={"startup-script": f'#!/bin/bash\necho "$TPU_WORKER_ID" >> {marker}\n'})
+    script = (f"#!/bin/bash\ncurl -sf -H 'Metadata-Flavor: Google' "
+              f"http://$GCE_METADATA_HOST/computeMetadata/v1/instance/attributes/agent-worker-number >> {marker}\n")
+    _create(clients, "boot", metadata={"startup-script": script})
     deadline = time.monotonic() + 10
-    while not marker.exists() and time.monotonic() < deadline:
+    while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:  # >> creates it first
         time.sleep(0.05)
     assert marker.read_text().split() == ["0"]
 

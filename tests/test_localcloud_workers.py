@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import asyncssh
@@ -121,7 +122,7 @@ def test_update_keys_takes_effect_for_new_connections(pool, alice_key, mallory_k
 
 
 def test_commands_stream_output_stdin_and_exit_status(pool, root, alice_key):
-    env = {"TPU_NAME": "rotate", "STORAGE_EMULATOR_HOST": "http://127.0.0.1:1"}
+    env = {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:1"}
     (ep,) = pool.start_node("p/z/cmd", 1, env, [_key_line("alice", alice_key)], None)
     done = ssh(ep, alice_key, "echo out; echo err >&2; exit 7")
     assert (done.stdout, done.stderr, done.exit_status) == (b"out\n", b"err\n", 7)
@@ -132,11 +133,11 @@ def test_commands_stream_output_stdin_and_exit_status(pool, root, alice_key):
     big = ssh(ep, alice_key, "head -c 5000000 /dev/zero")
     assert len(big.stdout) == 5_000_000 and big.exit_status == 0
 
-    probe = "echo $TPU_WORKER_ID $TPU_NAME $STORAGE_EMULATOR_HOST; pwd; echo $HOME; " \
+    probe = "echo $STORAGE_EMULATOR_HOST; pwd; echo $HOME; " \
             "python -c 'import sys; print(sys.executable)'"
     lines = ssh(ep, alice_key, probe).stdout.decode().splitlines()
     worker_dir = str(pool_dir(root, "p/z/cmd", 0))
-    assert lines[0] == "0 rotate http://127.0.0.1:1"
+    assert lines[0] == "http://127.0.0.1:1"
     assert lines[1:3] == [worker_dir, worker_dir]
     assert Path(lines[3]).parent == Path(sys.executable).parent
 
@@ -224,11 +225,11 @@ def test_kill_worker_stops_one_worker_and_start_node_revives_it(pool, alice_key)
     assert not _alive(pid)
     with pytest.raises(OSError):
         ssh(eps[1], alice_key, "true")
-    assert ssh(eps[0], alice_key, "echo $TPU_WORKER_ID").stdout == b"0\n"
+    assert ssh(eps[0], alice_key, "basename $HOME").stdout == b"0\n"
 
     revived = pool.start_node("p/z/kill", 2, {}, keys, None)
     assert revived == eps  # same port (it was free again) and the same persisted host key
-    assert ssh(revived[1], alice_key, "echo $TPU_WORKER_ID").stdout == b"1\n"
+    assert ssh(revived[1], alice_key, "basename $HOME").stdout == b"1\n"
 
 
 def test_drop_connections_breaks_sessions_and_hangs_up_foreground_commands(pool, alice_key):
@@ -253,14 +254,14 @@ def test_drop_connections_breaks_sessions_and_hangs_up_foreground_commands(pool,
 
 
 def test_four_workers_serve_in_parallel(pool, tmp_path, alice_key):
-    eps = pool.start_node("p/z/v3-32", 4, {"TPU_NAME": "v3-32"}, [_key_line("alice", alice_key)], None)
+    eps = pool.start_node("p/z/v3-32", 4, {}, [_key_line("alice", alice_key)], None)
     assert len({ep.port for ep in eps}) == 4
     assert len({ep.host_key for ep in eps}) == 4
     # A barrier across the four sessions: it only opens if all four commands run at the same time.
     barrier = tmp_path / "barrier"
     barrier.mkdir()
-    command = (f"touch {barrier}/$TPU_WORKER_ID; for i in $(seq 200); do "
-               f"[ $(ls {barrier} | wc -l) -eq 4 ] && echo $TPU_WORKER_ID && exit 0; sleep 0.05; done; exit 1")
+    command = (f"touch {barrier}/$(basename $HOME); for i in $(seq 200); do "
+               f"[ $(ls {barrier} | wc -l) -eq 4 ] && basename $HOME && exit 0; sleep 0.05; done; exit 1")
 
     async def one(ep):
         async with _connect(ep, alice_key) as conn:
@@ -272,8 +273,27 @@ def test_four_workers_serve_in_parallel(pool, tmp_path, alice_key):
     assert [r.stdout for r in asyncio.run(all_of_them())] == ["0\n", "1\n", "2\n", "3\n"]
 
 
+def test_each_worker_has_its_own_metadata_server_until_its_node_stops(pool, alice_key):
+    def tree(index):
+        return {"instance": {"attributes": {"agent-worker-number": str(index)}}}
+
+    eps = pool.start_node("p/z/md", 2, {}, [_key_line("alice", alice_key)], None, metadata=tree)
+    read = ("curl -sf -H 'Metadata-Flavor: Google' "
+            "http://$GCE_METADATA_HOST/computeMetadata/v1/instance/attributes/agent-worker-number")
+    assert [ssh(ep, alice_key, read).stdout for ep in eps] == [b"0", b"1"]
+    hosts = [ssh(ep, alice_key, "echo $GCE_METADATA_HOST $GCE_METADATA_IP").stdout.split() for ep in eps]
+    assert all(host == ip and host.startswith(b"127.0.0.1:") for host, ip in hosts) and hosts[0] != hosts[1]
+    # A worker revived after a fault keeps its metadata server: its environment names that port.
+    pool.kill_worker("p/z/md", 1)
+    revived = pool.start_node("p/z/md", 2, {}, [_key_line("alice", alice_key)], None, metadata=tree)
+    assert ssh(revived[1], alice_key, read).stdout == b"1"
+    pool.stop_node("p/z/md")
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{hosts[0][0].decode()}/", timeout=5)
+
+
 def test_startup_script_runs_detached_once_per_boot_with_a_log(pool, root, alice_key):
-    script = "#!/bin/bash\necho booted worker $TPU_WORKER_ID\nsleep 300\n"
+    script = "#!/bin/bash\necho booted worker $(basename $HOME)\nsleep 300\n"
     pool.start_node("p/z/boot", 2, {}, [_key_line("alice", alice_key)], script)
     logs = [pool_dir(root, "p/z/boot", i) / "startup-script.log" for i in range(2)]
     deadline = time.monotonic() + 10

@@ -308,6 +308,29 @@ def test_real_bert_tiny_run_ends_with_a_checkpoint_in_the_bucket_and_nothing_liv
     assert {"export/model.keras", "export/vocab.txt", "export/metrics.json"} <= set(o.artifacts)
 
 
+@pytest.mark.slow
+@pytest.mark.tf
+def test_real_bert_on_a_4_worker_slice_is_driven_by_worker_0_found_from_metadata_alone(tpc, cloud, project):
+    """No TPU_* variable on any worker: each learns its index, its peers and the node's name from its metadata
+    server; worker 0 trains (a CPU rehearsal, as the local cloud asks), workers 1-3 idle, as on a real slice."""
+    spec = spec_mod.from_mapping({
+        "name": "bert-pod", "zone": "us-central1-a", "accelerator": "v3-32", "provisioning": "spot",
+        "job": {"template": "bert", "preset": "bert-tiny",
+                "config": {"trainer": {"max_steps": 10, "checkpoint_every": 10, "log_every": 5,
+                                       "steps_per_execution": 5, "warmup_steps": 2}},
+                "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    o = p.run()
+    assert o.state == "succeeded" and o.step == 10
+    logs = [_text(tpc, o.bucket, f"runs/bert-pod/logs/worker-{w}.log") for w in range(4)]
+    assert "start strategy=cpu replicas=1 hosts=1 " in logs[0] and "done step=10 " in logs[0]
+    for w in (1, 2, 3):
+        assert f"idle worker={w} reason=pod-slice-driven-by-worker-0" in logs[w]
+        assert "start strategy=" not in logs[w] and "step=" not in logs[w]
+    assert {"export/model.keras", "export/metrics.json"} <= set(o.artifacts)
+    assert _zero(cloud, project)
+
+
 def test_lost_worker_is_detected_and_the_run_recovers(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("kw-run", trainer={"max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.1}))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)

@@ -22,6 +22,7 @@ from test_provision import everything
 from test_up_down import env, tpuctl  # noqa: F401  (fixture)
 
 ZONE = "us-central1-c"
+IMAGE = "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2404-amd64-tpu-tpu7x"
 FAST_DEADLINE = 60.0
 
 
@@ -169,7 +170,7 @@ def test_flex_start_instance_is_deleted_at_its_max_run_duration(pc, cloud):
 
 
 def test_localcloud_refuses_flex_start_without_delete_or_duration(pc, cloud):
-    req = compute_tpu.TpuVmRequest(name="y1", zone=ZONE, machine_type="tpu7x-standard-4t", image="img",
+    req = compute_tpu.TpuVmRequest(name="y1", zone=ZONE, machine_type="tpu7x-standard-4t", image=IMAGE,
                                    labels={}, service_account="a@b.iam.gserviceaccount.com",
                                    provisioning="flex-start", max_run_duration_s=8 * 86400)
     with pytest.raises(gexc.BadRequest):
@@ -251,7 +252,7 @@ def test_localcloud_refuses_a_tpu_mig_whose_policy_does_not_match_its_size(pc, c
     pc.resource_policies.insert_unary(project=pc.project, region=region, resource_policy_resource=compute_v1.ResourcePolicy(
         name="wp", workload_policy=compute_v1.ResourcePolicyWorkloadPolicy(type_="HIGH_THROUGHPUT",
                                                                            accelerator_topology="2x2x1")))
-    req = compute_tpu.TpuVmRequest(name="m", zone=ZONE, machine_type="tpu7x-standard-4t", image="img", labels={},
+    req = compute_tpu.TpuVmRequest(name="m", zone=ZONE, machine_type="tpu7x-standard-4t", image=IMAGE, labels={},
                                    service_account="a@b.iam.gserviceaccount.com")
     inst = compute_tpu.instance_proto(req)
     pc.instance_templates.insert_unary(project=pc.project, region=region, instance_template_resource=compute_v1.InstanceTemplate(

@@ -39,6 +39,7 @@ class Settings:
     endpoint: str | None = None  # local cloud: http://127.0.0.1:PORT for TPU, Compute, CRM and Billing
     storage_host: str | None = None  # local cloud: http://127.0.0.1:PORT of the storage emulator
     sources: Mapping[str, str] = field(default_factory=dict)  # setting -> where it came from
+    account: str | None = None  # the caller's email, for OS Login (see `caller_account`)
 
     @property
     def local(self) -> bool:
@@ -73,10 +74,9 @@ def user_config(path: Path | None = None) -> dict[str, Any]:
     return data
 
 
-def gcloud_config(env: Mapping[str, str]) -> dict[str, Any]:
-    """core/project and compute/zone of gcloud's active configuration, read from its files."""
+def _gcloud_properties(env: Mapping[str, str]) -> configparser.ConfigParser:
+    """gcloud's active configuration file, parsed (empty when absent or unreadable)."""
     root = Path(env.get("CLOUDSDK_CONFIG") or Path(env.get("HOME", str(Path.home()))) / ".config" / "gcloud")
-    out: dict[str, Any] = {}
     try:
         active = env.get("CLOUDSDK_ACTIVE_CONFIG_NAME") or (root / "active_config").read_text().strip() or "default"
     except OSError:
@@ -85,7 +85,14 @@ def gcloud_config(env: Mapping[str, str]) -> dict[str, Any]:
     try:
         parser.read(root / "configurations" / f"config_{active}")
     except configparser.Error:
-        return out
+        return configparser.ConfigParser()
+    return parser
+
+
+def gcloud_config(env: Mapping[str, str]) -> dict[str, Any]:
+    """core/project and compute/zone of gcloud's active configuration, read from its files."""
+    out: dict[str, Any] = {}
+    parser = _gcloud_properties(env)
     if parser.has_option("core", "project"):
         out["project"] = parser.get("core", "project")
     if parser.has_option("compute", "zone"):
@@ -93,6 +100,23 @@ def gcloud_config(env: Mapping[str, str]) -> dict[str, Any]:
     if env.get("CLOUDSDK_CORE_PROJECT"):
         out["project"] = env["CLOUDSDK_CORE_PROJECT"]
     return out
+
+
+def caller_account(env: Mapping[str, str], *, local: bool) -> str | None:
+    """Who calls the APIs, as OS Login names users: $TPUCTL_ACCOUNT, else gcloud's `core/account` (the email
+    `gcloud compute ssh` uses for OS Login), else on the local cloud OWNER@localcloud.test. None when unknown
+    (user ADC without gcloud); `connect` then takes a service account key's own email."""
+    explicit = env.get("TPUCTL_ACCOUNT") or env.get("CLOUDSDK_CORE_ACCOUNT")
+    if explicit:
+        return explicit.strip()
+    parser = _gcloud_properties(env)
+    if parser.has_option("core", "account"):
+        return parser.get("core", "account").strip() or None
+    if local:
+        from tpuctl.provision.labels import owner
+
+        return f"{owner()}@localcloud.test"
+    return None
 
 
 def has_adc(env: Mapping[str, str]) -> bool:
@@ -147,17 +171,17 @@ def settings(*, project: str | None = None, cloud: str | None = None, env: Mappi
         if not project:
             raise BadInput("no Google Cloud project given", field="project",
                            hint="pass --project, set TPUCTL_PROJECT, or `gcloud config set project P`")
-        return Settings(target="gcp", project=project, sources=sources)
+        return Settings(target="gcp", project=project, sources=sources, account=caller_account(env, local=False))
     project = project or LOCAL_PROJECT
     sources.setdefault("project", "default")
     storage_host = env.get("TPUCTL_STORAGE_HOST") or env.get("STORAGE_EMULATOR_HOST") or None
     if not start_local and endpoint is None:
         # A dry run names the target without starting anything.
-        return Settings(target="local", project=project, sources=sources)
+        return Settings(target="local", project=project, sources=sources, account=caller_account(env, local=True))
     if endpoint is None or storage_host is None:
         endpoint, storage_host = _local_endpoints(endpoint, storage_host)
     return Settings(target="local", project=project, endpoint=endpoint.rstrip("/"),
-                    storage_host=storage_host.rstrip("/"), sources=sources)
+                    storage_host=storage_host.rstrip("/"), sources=sources, account=caller_account(env, local=True))
 
 
 def ensure_endpoint(settings: Settings) -> Settings:
@@ -167,7 +191,7 @@ def ensure_endpoint(settings: Settings) -> Settings:
         return settings
     endpoint, storage_host = _local_endpoints(None, None)
     return Settings(target="local", project=settings.project, endpoint=endpoint.rstrip("/"),
-                    storage_host=storage_host.rstrip("/"), sources=settings.sources)
+                    storage_host=storage_host.rstrip("/"), sources=settings.sources, account=settings.account)
 
 
 def reachable(settings: Settings) -> Settings | None:

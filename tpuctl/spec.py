@@ -138,6 +138,7 @@ class RunSpec(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     ttl: Duration = format_duration(DEFAULT_TTL_S)
     allow_cross_region: bool = False
+    internal_ips: bool = False  # workers get no external address (org policy vmExternalIpAccess); reach them from the VPC
     job: JobSpec | None = None
 
     @model_validator(mode="before")

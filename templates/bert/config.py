@@ -75,8 +75,9 @@ class TrainerConfig:
 class RuntimeConfig:
     """Where the program reads and writes, and how it uses the machine.
 
-    `tpu`: "" probes (TPU VM device files, then `COLAB_TPU_ADDR` / a `grpc://` `TPU_NAME`, then GPUs, then
-    the CPU); "local" forces this TPU VM's chips; a node name or `grpc://host:8470` forces that TPU.
+    `tpu`: "" probes (`COLAB_TPU_ADDR` / a `grpc://` `TPU_NAME`, then the TPU VM its metadata server describes,
+    then TPU device files, then GPUs, then the CPU); "local" forces this TPU VM's chips; a node name or
+    `grpc://host:8470` forces that TPU.
     `replicas` > 0 forces a CPU rehearsal with that many logical devices (see strategy.py).
     """
 

@@ -6,31 +6,42 @@ Order (first match wins):
    MirroredStrategy all-reduces through one device (the collective all-reduce fails with
    steps_per_execution > 1 on logical CPUs).
 2. `runtime.tpu` set: "local" (this TPU VM's chips), a TPU node name, or `grpc://host:8470`.
-3. From the environment: `COLAB_TPU_ADDR` (Colab), a `grpc://` `TPU_NAME` (Kaggle-style), or TPU device
-   files on this host (`/dev/accel*`, `/dev/vfio/*`: a TPU VM): "local" on a one-host slice; on a multi-host
-   pod slice (`TPU_WORKER_HOSTNAMES` lists several hosts) the resolver gets `TPU_NAME`. Env names without
-   device files (an emulated TPU VM) fall through.
+3. From the machine: `COLAB_TPU_ADDR` (Colab) or a `grpc://` `TPU_NAME` (Kaggle-style); else a Cloud TPU VM
+   as its metadata server describes it (guest.py): "local" on a one-host slice, the node's name (tpu-env
+   NODE_ID) on a multi-host slice; else TPU device files without metadata: "local".
 4. GPUs: MirroredStrategy over all of them.
 5. The CPU: TF's default strategy.
+
+On a TPU VM the chips must be there (`/dev/accel*`, `/dev/vfio/N`) and so must libtpu (`find_libtpu`): if not,
+resolve() raises AcceleratorError naming what it tried, never falls back to the CPU. The one exception is an
+explicit request for a CPU rehearsal from whoever runs the VM: `LOCALCLOUD_TPU_REHEARSAL=cpu` (tpuctl's
+local cloud sets it on its emulated TPU VMs, which have no chips).
 
 Pod slices: TensorFlow drives every host of a slice from one client process (worker 0, with
 `TPU_LOAD_LIBRARY=0` so it does not claim its own chips directly); the TPU runtime on the other hosts
 serves it, and tf.data runs one input pipeline per host there. The same command is started on every
-worker, so `is_follower()` tells workers 1..N-1 that they have nothing to run. `set_tpu_environment`
+worker, so `follower()` tells workers 1..N-1 that they have nothing to run. `set_tpu_environment`
 has the TF load-time variables for both cases.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from . import guest
 from .config import RuntimeConfig
 from .errors import AcceleratorError
 
 PJRT_LIBTPU = "/lib/libtpu.so"
+# Where the dynamic loader finds a bare "libtpu.so" on TPU VM images (TF's last resort is dlopen("libtpu.so")).
+SYSTEM_LIBTPU = (PJRT_LIBTPU, "/usr/lib/libtpu.so")
+CPU_REHEARSAL_VAR = "LOCALCLOUD_TPU_REHEARSAL"
+DEVICE_PATTERNS = ("/dev/accel*", "/dev/vfio/[0-9]*")
 
 
 @dataclass(frozen=True)
@@ -41,62 +52,105 @@ class Resolved:
     hosts: int  # input pipelines (one per worker host)
 
 
-def is_follower() -> bool:
-    """True on workers 1..N-1 of a multi-host TPU VM slice, where worker 0's client does all the work."""
-    return _tpu_vm() and len(_hosts()) > 1 and os.environ.get("TPU_WORKER_ID", "0") != "0"
+def follower() -> int | None:
+    """This worker's index on workers 1..N-1 of a multi-host TPU VM slice, where worker 0's client does all
+    the work; None anywhere else. From the metadata server alone."""
+    vm = guest.tpu_vm()
+    return vm.worker if vm is not None and len(vm.hosts) > 1 and vm.worker != 0 else None
+
+
+def find_libtpu() -> tuple[str | None, list[str]]:
+    """The libtpu.so this TPU VM would load, and every place looked, in TensorFlow's and JAX's order:
+    `TPU_LIBRARY_PATH`, the pip `libtpu` package, then the system library the runtime images install."""
+    tried = []
+    candidates = []
+    override = os.environ.get("TPU_LIBRARY_PATH")
+    if override:
+        candidates.append(("TPU_LIBRARY_PATH=", override))
+    else:
+        tried.append("TPU_LIBRARY_PATH (unset)")
+    spec = importlib.util.find_spec("libtpu")
+    if spec is not None and spec.origin:
+        candidates.append(("pip libtpu: ", str(Path(spec.origin).parent / "libtpu.so")))
+    else:
+        tried.append("pip package libtpu (not installed)")
+    candidates += [("", path) for path in SYSTEM_LIBTPU]
+    for label, path in candidates:
+        if os.path.isfile(path):
+            return path, tried
+        tried.append(f"{label}{path} (missing)")
+    return None, tried
 
 
 def resolve(runtime: RuntimeConfig) -> Resolved:
     """Pick and initialise the strategy. Blocks while a TPU system initialises. Raises AcceleratorError."""
-    tpu = "" if runtime.replicas else runtime.tpu or _tpu_from_env()
-    if tpu:
-        set_tpu_environment(tpu)
+    vm = None if runtime.replicas else guest.tpu_vm()
+    tpu = "" if runtime.replicas else runtime.tpu or _tpu_from_env(vm)
+    rehearse = False
+    if tpu and not tpu.startswith("grpc://") and (vm is not None or _chips()):
+        rehearse = _check_tpu_host(vm, tpu)
+        if rehearse:
+            tpu = ""
     import tensorflow as tf
 
     if runtime.replicas:
         return _cpu_replicas(tf, runtime.replicas)
     if tpu:
         return _tpu(tf, tpu)
-    gpus = tf.config.list_logical_devices("GPU")
+    gpus = [] if rehearse else tf.config.list_logical_devices("GPU")
     if gpus:
         strategy = tf.distribute.MirroredStrategy([d.name for d in gpus])
         return Resolved(strategy, "gpu", strategy.num_replicas_in_sync, 1)
     return Resolved(tf.distribute.get_strategy(), "cpu", 1, 1)
 
 
-def set_tpu_environment(tpu: str) -> None:
+def _check_tpu_host(vm: guest.TpuVm | None, tpu: str) -> bool:
+    """On a TPU host: its chips and libtpu must be there. True for an explicitly requested CPU rehearsal."""
+    where = (f"TPU VM {vm.node} ({vm.accelerator_type}) worker {vm.worker} per its metadata server"
+             if vm is not None else "this TPU host")
+    libtpu, tried = find_libtpu()
+    if not _chips():
+        if os.environ.get(CPU_REHEARSAL_VAR) == "cpu":
+            return True
+        raise AcceleratorError(
+            f"runtime.tpu: {where}, but no TPU chips are attached: tried {', '.join(DEVICE_PATTERNS)}; libtpu: "
+            f"{libtpu or '; '.join(tried)}. Not falling back to the CPU; set runtime.replicas to rehearse on it")
+    if tpu == "local" and libtpu is None:
+        raise AcceleratorError(f"runtime.tpu: {where} has TPU chips but no libtpu.so: tried {'; '.join(tried)}")
+    set_tpu_environment(tpu, libtpu)
+    return False
+
+
+def set_tpu_environment(tpu: str, libtpu: str | None) -> None:
     """The variables TF reads when it loads, as Google's TF-on-TPU-VM recipes set them; ones already set win.
 
     Pod client (a node name on a TPU VM): TPU_LOAD_LIBRARY=0, the chips are reached through each host's
-    TPU runtime. One host on a PJRT runtime (`tpu-vm-tf-*-pjrt`, all v5e/v5p/v6e; they ship
-    /lib/libtpu.so): the TPU is a pluggable device loaded from that library.
+    TPU runtime. One host whose libtpu is the system one at /lib/libtpu.so (the PJRT runtimes,
+    `tpu-vm-tf-*-pjrt`, all v5e/v5p/v6e): the TPU is a pluggable device loaded from that library. Otherwise
+    (stream-executor runtimes: TPU_LIBRARY_PATH or the pip libtpu) TF finds libtpu itself.
     """
-    if not _tpu_vm() or tpu.startswith("grpc://"):
+    if tpu.startswith("grpc://"):
         return
     if tpu != "local":
         os.environ.setdefault("TPU_LOAD_LIBRARY", "0")
-    elif os.path.exists(PJRT_LIBTPU):
+    elif libtpu == PJRT_LIBTPU:
         os.environ.setdefault("NEXT_PLUGGABLE_DEVICE_USE_C_API", "true")
         os.environ.setdefault("TF_PLUGGABLE_DEVICE_LIBRARY_PATH", PJRT_LIBTPU)
 
 
-def _tpu_from_env() -> str:
+def _tpu_from_env(vm: guest.TpuVm | None) -> str:
     if os.environ.get("COLAB_TPU_ADDR"):
         return f"grpc://{os.environ['COLAB_TPU_ADDR']}"
     name = os.environ.get("TPU_NAME", "")
     if name.startswith("grpc://"):
         return name
-    if _tpu_vm():
-        return name if len(_hosts()) > 1 and name else "local"
-    return ""
+    if vm is not None:
+        return vm.node if len(vm.hosts) > 1 else "local"
+    return "local" if _chips() else ""
 
 
-def _tpu_vm() -> bool:
-    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
-
-
-def _hosts() -> list[str]:
-    return [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+def _chips() -> list[str]:
+    return [path for pattern in DEVICE_PATTERNS for path in glob.glob(pattern)]
 
 
 def _tpu(tf, tpu: str) -> Resolved:

@@ -74,8 +74,9 @@ def run(cfg: BertConfig, *, log=None) -> dict:
         raise ConfigError("config.runtime: data_dir and model_dir are required")
     from . import strategy as strategy_mod
 
-    if strategy_mod.is_follower():
-        emit(f"idle worker={os.environ.get('TPU_WORKER_ID')} reason=pod-slice-driven-by-worker-0")
+    worker = strategy_mod.follower()
+    if worker is not None:
+        emit(f"idle worker={worker} reason=pod-slice-driven-by-worker-0")
         return {}
     resolved = strategy_mod.resolve(rt)  # first: the CPU split must precede any other TF device use
 

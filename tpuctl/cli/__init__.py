@@ -22,7 +22,7 @@ SECTIONS = (
     "Local cloud",
 )
 
-COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs")
+COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs", "doctor")
 
 
 class SectionedGroup(click.Group):

@@ -81,13 +81,15 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
 @click.option("--service-account", help="email the TPU VM runs as (default: the project's compute SA)")
 @click.option("--ttl", help="delete by this age, e.g. 2h (tpuctl gc enforces it)")
 @click.option("--allow-cross-region", is_flag=True, default=None, help="accept a bucket outside the TPU's region")
+@click.option("--internal-ips", is_flag=True, default=None,
+              help="no external IPs on the workers (org policy); run tpuctl from inside the VPC")
 @click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
 @click.option("--dry-run", is_flag=True, help="print the plan and stop")
 @click.option("--keep-on-failure", is_flag=True, help="leave what was created when up fails")
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
 @click.option("--json", "as_json", is_flag=True, help="print the plan and result as JSON")
 def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot, provisioning, max_run_duration, bucket,
-       service_account, ttl, allow_cross_region, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
+       service_account, ttl, allow_cross_region, internal_ips, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
     """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
     from tpuctl import provision as prov
     from tpuctl.provision import inventory
@@ -98,7 +100,8 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
     flags = {"name": name, "project": project, "zone": zone, "accelerator": accelerator,
              "runtime_version": runtime_version, "provisioning": "spot" if spot else provisioning,
              "max_run_duration": max_run_duration, "bucket": bucket,
-             "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region}
+             "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region,
+             "internal_ips": internal_ips}
     spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=migrate)
     plan = prov.plan(spec, project=settings.project)
     if dry_run:

@@ -1,0 +1,220 @@
+"""Preflight: is the project ready for a run? The checks `tpuctl doctor` prints and every `up` makes first.
+
+Each check is a few read-only GETs; all run at once in threads, so the whole preflight costs about one round
+trip. A check that finds a problem says what is wrong and how to fix it; `require` raises PreflightFailed
+(exit 2) before anything is created, so a project that cannot work never starts billing for a TPU. A check
+that cannot be made (the caller may not read Service Usage or the org policy) is "unknown" and stops nothing.
+
+Checks (their primary sources are cited in localcloud/README.md, which answers them from its own state):
+- apis: Service Usage `services.batchGet` for the APIs a run calls;
+- network, subnetwork: Compute `networks.get` / `subnetworks.get`;
+- service-account: IAM `serviceAccounts.get` of the TPU's account (the default compute account exists only
+  once the Compute Engine API was enabled);
+- permissions: Resource Manager `projects.testIamPermissions` for what `up` and `down` do;
+- external-ips: Org Policy `getEffectivePolicy` of constraints/compute.vmExternalIpAccess, unless the workers
+  get internal IPs only (`--internal-ips`);
+- os-login: Compute `projects.get`; with `enable-oslogin` TRUE tpuctl must know the caller's account.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from google.api_core import exceptions as gexc
+
+from tpuctl.errors import EXIT_BAD_INPUT, TpuctlError
+from tpuctl.provision import bucket, oslogin, waits
+from tpuctl.provision.clients import Clients
+
+SERVICES = ("tpu.googleapis.com", "compute.googleapis.com", "storage.googleapis.com", "iam.googleapis.com")
+# What `up` (TPU, bucket, bucket IAM, acting as the TPU's service account) and `down` need on the project.
+PERMISSIONS = (
+    "tpu.nodes.create", "tpu.nodes.get", "tpu.nodes.delete", "tpu.nodes.update", "tpu.operations.get",
+    "storage.buckets.create", "storage.buckets.get", "storage.buckets.getIamPolicy", "storage.buckets.setIamPolicy",
+    "iam.serviceAccounts.actAs",
+)
+EXTERNAL_IP_CONSTRAINT = "compute.vmExternalIpAccess"
+QUEUED_PERMISSIONS = ("tpu.queuedresources.create", "tpu.queuedresources.get", "tpu.queuedresources.delete")
+VM_PERMISSIONS = ("compute.instances.create", "compute.instances.delete", "compute.instances.get")
+
+
+# The API each check calls: when it is disabled the check reports that, not the 403 it got.
+NEEDS = {"network": "compute.googleapis.com", "subnetwork": "compute.googleapis.com",
+         "os-login": "compute.googleapis.com", "service-account": "iam.googleapis.com"}
+
+
+class PreflightFailed(TpuctlError):
+    """The project is not ready; nothing was created. The message lists each problem, the hint each fix."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a run will use, as far as the checks care."""
+
+    region: str | None = None  # None: the subnetwork (needs a region) is not checked
+    network: str = "default"
+    subnet: str | None = None
+    service_account: str = "default"
+    queued: bool = False
+    vms: bool = False
+    internal_ips: bool = False
+
+    @classmethod
+    def of_plan(cls, plan) -> Target:
+        return cls(region=plan.region, network=plan.network, subnet=plan.subnet,
+                   service_account=plan.service_account, queued=plan.provisioning == "queued", vms=bool(plan.vms),
+                   internal_ips=plan.internal_ips)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # "ok"; "problem" (stops `up`); "unknown" (could not be read, e.g. no permission to: never stops `up`)
+    detail: str
+    fix: str | None = None
+    missing: tuple[str, ...] = ()  # the disabled APIs, the permissions not held
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "problem"
+
+    def to_json(self) -> dict:
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v not in (None, ())}
+        return {**out, "ok": self.ok}
+
+
+def _last(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _apis(clients: Clients, target: Target) -> Check:
+    resp = waits.call(lambda: clients.service_usage.batch_get_services(request={
+        "parent": f"projects/{clients.project}", "names": [f"projects/{clients.project}/services/{s}" for s in SERVICES]}),
+        what=f"read which APIs project {clients.project} has enabled")
+    disabled = sorted(_last(s.name) for s in resp.services if s.state.name != "ENABLED")
+    if disabled:
+        return Check("apis", "problem", f"disabled: {', '.join(disabled)}",
+                     f"gcloud services enable {' '.join(disabled)} --project {clients.project}", tuple(disabled))
+    return Check("apis", "ok", f"enabled: {', '.join(SERVICES)}")
+
+
+def _network(clients: Clients, target: Target) -> Check:
+    name = _last(target.network)
+    try:
+        waits.call(lambda: clients.networks.get(project=clients.project, network=name),
+                   what=f"read network {name}")
+    except TpuctlError as exc:
+        if not isinstance(exc.__cause__, gexc.NotFound):
+            raise
+        fix = (f"gcloud compute networks create default --subnet-mode=auto --project {clients.project}"
+               if name == "default" else f"create network {name}, or name an existing one with --network/`network:`")
+        return Check("network", "problem", f"network {name} does not exist in project {clients.project}", fix)
+    return Check("network", "ok", f"network {name} exists")
+
+
+def _subnetwork(clients: Clients, target: Target) -> Check:
+    name = _last(target.subnet or target.network)
+    what = f"subnetwork {name} in {target.region}"
+    try:
+        waits.call(lambda: clients.subnetworks.get(project=clients.project, region=target.region, subnetwork=name),
+                   what=f"read {what}")
+    except TpuctlError as exc:
+        if not isinstance(exc.__cause__, gexc.NotFound):
+            raise
+        return Check("subnetwork", "problem", f"{what} does not exist",
+                     f"create it (gcloud compute networks subnets create {name} --network {_last(target.network)} "
+                     f"--region {target.region} --range 10.128.0.0/20), or name another with --subnet/`subnet:`")
+    return Check("subnetwork", "ok", f"{what} exists")
+
+
+def _service_account(clients: Clients, target: Target) -> Check:
+    email = (bucket.default_service_account(clients) if target.service_account == "default"
+             else target.service_account)
+
+    try:
+        waits.call(lambda: clients.get_json("iam", f"v1/projects/-/serviceAccounts/{email}"),
+                   what=f"read service account {email}")
+    except TpuctlError as exc:
+        if not isinstance(exc.__cause__, gexc.NotFound):
+            raise
+        fix = (f"enable the Compute Engine API (it creates {email}): gcloud services enable compute.googleapis.com "
+               f"--project {clients.project}" if target.service_account == "default"
+               else f"create it, or pass --service-account with one that exists")
+        return Check("service-account", "problem", f"service account {email} does not exist", fix)
+    return Check("service-account", "ok", f"service account {email} exists")
+
+
+def _permissions(clients: Clients, target: Target) -> Check:
+    wanted = PERMISSIONS + (QUEUED_PERMISSIONS if target.queued else ()) + (VM_PERMISSIONS if target.vms else ())
+    resp = waits.call(lambda: clients.projects.test_iam_permissions(
+        request={"resource": f"projects/{clients.project}", "permissions": list(wanted)}),
+        what=f"test your permissions on project {clients.project}")
+    missing = [p for p in wanted if p not in set(resp.permissions)]
+    if missing:
+        return Check("permissions", "problem", f"missing on project {clients.project}: {', '.join(missing)}",
+                     "ask for TPU Admin, Storage Admin and Service Account User (and Compute Instance Admin for VMs) "
+                     "on the project", tuple(missing))
+    return Check("permissions", "ok", f"{len(wanted)} permissions held")
+
+
+def _external_ips(clients: Clients, target: Target) -> Check:
+    if target.internal_ips:
+        return Check("external-ips", "ok", "not used: workers get internal IPs only (run tpuctl from inside the VPC)")
+    # The Org Policy API is often disabled or unreadable to the caller: then the check is unknown (see `checks`).
+    policy = waits.call(lambda: clients.get_json(
+        "orgpolicy", f"v2/projects/{clients.project}/policies/{EXTERNAL_IP_CONSTRAINT}:getEffectivePolicy"),
+        what=f"read the organization policy {EXTERNAL_IP_CONSTRAINT}")
+    rules = (policy.get("spec") or {}).get("rules") or []
+    if any(r.get("denyAll") or (r.get("values") or {}).get("allowedValues") for r in rules):
+        return Check("external-ips", "problem", f"the organization policy constraints/{EXTERNAL_IP_CONSTRAINT} denies "
+                     "external IPs to new VMs", "pass --internal-ips (`internal_ips: true`) and run tpuctl from inside "
+                     "the VPC, or ask for an exception to the constraint")
+    return Check("external-ips", "ok", "external IPs allowed")
+
+
+def _os_login(clients: Clients, target: Target) -> Check:
+    meta = oslogin.project_metadata(clients)
+    problem = oslogin.unusable(clients, meta)
+    if problem:
+        return Check("os-login", "problem", problem, oslogin.fix_for(problem))
+    if oslogin.enabled(meta):
+        return Check("os-login", "ok", f"on: tpuctl logs in as {clients.account}'s OS Login user")
+    return Check("os-login", "ok", "off: keys go into the TPU's ssh-keys metadata")
+
+
+def checks(clients: Clients, target: Target) -> list[Check]:
+    """Every check, run concurrently; a check that could not be made at all fails with the reason. Read-only."""
+    fns: list[tuple[str, Callable[[Clients, Target], Check]]] = [
+        ("apis", _apis), ("network", _network), ("service-account", _service_account),
+        ("permissions", _permissions), ("external-ips", _external_ips), ("os-login", _os_login)]
+    if target.region:
+        fns.insert(2, ("subnetwork", _subnetwork))
+
+    def run(name: str, fn: Callable[[Clients, Target], Check]) -> Check:
+        # A check that cannot be made (no permission to read it, an API error after retries) does not stop a
+        # run that may well work: the create itself would say what is wrong.
+        try:
+            return fn(clients, target)
+        except TpuctlError as exc:
+            return Check(name, "unknown", f"not checked: {exc.message}", exc.hint)
+
+    with ThreadPoolExecutor(max_workers=len(fns), thread_name_prefix="preflight") as pool:
+        results = list(pool.map(lambda nf: run(*nf), fns))
+    apis = results[0]
+    disabled = set(apis.missing)
+    return [Check(c.name, "unknown", f"not checked: it needs {NEEDS[c.name]}, which is disabled", apis.fix)
+            if c.status != "ok" and NEEDS.get(c.name) in disabled else c for c in results]
+
+
+def require(clients: Clients, target: Target) -> list[Check]:
+    """`checks`, raising PreflightFailed naming every failed check (and its fix) when any fails."""
+    results = checks(clients, target)
+    failed = [c for c in results if not c.ok]
+    if failed:
+        raise PreflightFailed(f"project {clients.project} is not ready: " + "; ".join(f"{c.name}: {c.detail}" for c in failed),
+                              field="project", hint="; ".join(c.fix for c in failed if c.fix))
+    return results

@@ -1,0 +1,109 @@
+"""Who this machine is, from the Compute Engine metadata server: the one place the template learns its worker.
+
+A Cloud TPU VM sets no TPU_WORKER_ID / TPU_WORKER_HOSTNAMES / TPU_NAME (those are GKE's); like JAX's
+`cloud_tpu_cluster.py` and PyTorch/XLA's `_internal/tpu.py`, workers read `instance/attributes/` from the
+metadata server: `accelerator-type`, `agent-worker-number`, `worker-network-endpoints` ("hostname:uid:ip" per
+worker, in worker order) and `tpu-env` (`KEY: 'value'` lines; `NODE_ID` is the node's name). The server is
+`GCE_METADATA_HOST` (google-auth's variable; `GCE_METADATA_ROOT` is its old name), else
+`metadata.google.internal`; every request carries `Metadata-Flavor: Google`.
+
+Pure stdlib (urllib), so it runs before anything else is imported. Off Google Cloud it answers None without
+touching the network: the metadata server is only asked when `GCE_METADATA_HOST` is set or the machine says it
+is a Google VM (`/sys/class/dmi/id/product_name`, google-auth's residency check).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import AcceleratorError
+
+DEFAULT_HOST = "metadata.google.internal"
+PRODUCT_NAME = Path("/sys/class/dmi/id/product_name")
+_TIMEOUT_S = 5.0
+_TRIES = 6  # as JAX: six tries, half a second apart (the server can answer 503 during maintenance)
+_RETRY_S = 0.5
+# Never through a proxy: the metadata server is link-local, an http_proxy would answer for it.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@dataclass(frozen=True)
+class TpuVm:
+    """This worker of a Cloud TPU VM slice, as its metadata server describes it."""
+
+    node: str  # the TPU node's name (tpu-env NODE_ID): what TPUClusterResolver(tpu=...) takes
+    worker: int  # agent-worker-number
+    hosts: tuple[str, ...]  # every worker's IP, in worker order
+    accelerator_type: str  # e.g. "v3-32"
+
+
+def metadata_host() -> str | None:
+    """The metadata server's host[:port], or None when this is not a Google Cloud VM."""
+    host = os.environ.get("GCE_METADATA_HOST") or os.environ.get("GCE_METADATA_ROOT")
+    if host:
+        return host
+    try:
+        return DEFAULT_HOST if PRODUCT_NAME.read_text().startswith("Google") else None
+    except OSError:
+        return None
+
+
+def get(host: str, path: str) -> str | None:
+    """The text at `computeMetadata/v1/PATH`; None if the server has no such entry (404).
+
+    Raises AcceleratorError when the server cannot be reached or keeps failing.
+    """
+    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/{path}",
+                                     headers={"Metadata-Flavor": "Google"})
+    last: Exception | None = None
+    for attempt in range(_TRIES):
+        try:
+            with _OPENER.open(request, timeout=_TIMEOUT_S) as resp:
+                return resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            last = exc
+        except OSError as exc:
+            last = exc
+        if attempt + 1 < _TRIES:
+            time.sleep(_RETRY_S)
+    raise AcceleratorError(f"metadata server {host}: cannot read {path}: {last}")
+
+
+def parse_tpu_env(text: str) -> dict[str, str]:
+    """`tpu-env`'s `KEY: 'value'` lines -> {KEY: value}, read the way JAX reads them."""
+    env = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            env[key.strip()] = value.strip().strip("'")
+    return env
+
+
+@functools.cache
+def tpu_vm() -> TpuVm | None:
+    """This machine as a Cloud TPU VM worker, or None (not a Google VM, or a VM without `accelerator-type`)."""
+    host = metadata_host()
+    if host is None:
+        return None
+    accelerator = get(host, "instance/attributes/accelerator-type")
+    if accelerator is None:
+        return None
+    attributes = {key: get(host, f"instance/attributes/{key}")
+                  for key in ("agent-worker-number", "worker-network-endpoints", "tpu-env")}
+    missing = sorted(key for key, value in attributes.items() if value is None)
+    if missing:
+        raise AcceleratorError(f"metadata server {host}: a TPU VM ({accelerator.strip()}) without {missing}")
+    node = parse_tpu_env(attributes["tpu-env"]).get("NODE_ID")
+    if not node:
+        raise AcceleratorError(f"metadata server {host}: tpu-env has no NODE_ID")
+    endpoints = [e for e in attributes["worker-network-endpoints"].strip().split(",") if e]
+    return TpuVm(node=node, worker=int(attributes["agent-worker-number"]),
+                 hosts=tuple(e.split(":")[2] for e in endpoints), accelerator_type=accelerator.strip())
