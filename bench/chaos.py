@@ -107,9 +107,9 @@ class Stack:
 
         self._tmp = tempfile.TemporaryDirectory(prefix="tpuctl-chaos-")
         self.home = Path(self._tmp.name) / "home"
-        self.cloud = LocalCloud(speed=self.speed, strict=True).start()
+        self.cloud = LocalCloud(speed=self.speed, strict=True, worker_python="host").start()
         self.env = {"TPUCTL_HOME": str(self.home), "TPUCTL_API_ENDPOINT": self.cloud.endpoint,
-                    "TPUCTL_STORAGE_HOST": self.cloud.storage_host, "STORAGE_EMULATOR_HOST": self.cloud.storage_host,
+                    "STORAGE_EMULATOR_HOST": self.cloud.storage_host,
                     "TPUCTL_CLOUD": "local", "TPUCTL_PROJECT": PROJECT, "NO_COLOR": "1"}
         for k, v in self.env.items():
             self._saved_env[k] = os.environ.get(k)

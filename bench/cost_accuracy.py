@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="how long the fleet lives before the comparison")
     ap.add_argument("--tolerance", type=float, default=0.01, help="largest acceptable relative error")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, LocalCloud(speed=1000, strict=True) as cloud:
+    with tempfile.TemporaryDirectory() as tmp, LocalCloud(speed=1000, strict=True, worker_python="host") as cloud:
         clients = build(project="cost-bench", credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
                         storage_host=cloud.storage_host, local=True)
         labels = L.run_labels("bench", owner_name="bench", ttl_s=3600)

@@ -82,7 +82,7 @@ def baseline_bucket(pc) -> tuple[float, float]:
 
 
 def run(speed: float, accelerator: str, vms: int) -> dict:
-    with LocalCloud(speed=speed, strict=True) as cloud:
+    with LocalCloud(speed=speed, strict=True, worker_python="host") as cloud:
         pc = build(project=f"lc-bench-{uuid.uuid4().hex[:8]}", credentials=AnonymousCredentials(),
                    endpoint=cloud.endpoint, storage_host=cloud.storage_host, local=True)
         plan = prov.plan(spec.from_mapping({"name": "bench", "accelerator": accelerator, "zone": ZONE,

@@ -40,6 +40,11 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
                       [PY, "bench/run_bench.py"]),
         "cost_accuracy": ("cost accuracy: tpuctl's accrued cost vs the local cloud's meter (tolerance 1 %)",
                           [PY, "bench/cost_accuracy.py"]),
+        "runtime_matrix": ("runtime matrix: bert-tiny killed halfway and resumed on each TensorFlow runtime family's own "
+                           "interpreter (image venvs cached in $TPUCTL_RUNTIME_CACHE or ~/.tpuctl/localcloud/runtimes)",
+                           [PY, "bench/runtime_matrix.py"]),
+        "localcloud_soak": ("local cloud daemon RSS over up/down cycles with concurrent uploads (goal: flat, < 300 MB)",
+                            [PY, "bench/localcloud_soak.py"]),
         "chaos": ("chaos: leaked resources, lost checkpoints, wrong exit codes over seeded fault scenarios (goal 0/0/0)",
                   [PY, "bench/chaos.py", "--scenarios", str(chaos_scenarios), "--seed", str(chaos_seed)]),
     }
@@ -117,7 +122,8 @@ def existing_sections() -> dict[str, str]:
     if not RESULTS.exists():
         return {}
     parts = re.split(r"(?m)^(?=## )", RESULTS.read_text())
-    return {p.split("\n", 1)[0][3:].strip(): p for p in parts if p.startswith("## ")}
+    # One blank line after each section, however many the file had: re-rendering must not grow it.
+    return {p.split("\n", 1)[0][3:].strip(): p.rstrip("\n") + "\n" for p in parts if p.startswith("## ")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
 HEADLINE_LINES = {
     "provision_bench": re.compile(r"^(up|down) .*"),
     "data_bench": re.compile(r"^(prepare|peak RSS|prepared).*"),
+    "localcloud_soak": re.compile(r"^growth after warm-up.*"),
     "chaos": re.compile(r"^(leaked|lost checkpoints|wrong exit codes|scenarios): \d+$"),
+    "runtime_matrix": re.compile(r"^tpu-vm-tf-\S+ tf=.*"),
 }
 HEADLINE_KEYS = {
     "train_bench": ("steps_per_sec", "examples_per_sec"),

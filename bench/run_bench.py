@@ -33,7 +33,8 @@ def one(index: int, *, poll_s: float, accelerator: str, home: Path) -> dict:
     from tpuctl.localcloud.cloud import LocalCloud
     from tpuctl.provision.clients import build
 
-    with LocalCloud(speed=1000, strict=True, state_dir=home / f"cloud-{index}") as cloud:
+    with LocalCloud(speed=1000, strict=True, state_dir=home / f"cloud-{index}",
+                    worker_python="host") as cloud:
         clients = build(project="tpuctl-local", credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
                         storage_host=cloud.storage_host, local=True)
         spec = spec_mod.from_mapping({

@@ -3,7 +3,10 @@
 Needs only the standard library and google-cloud-storage (the worker's runtime Python has no tpuctl).
 
 `prepare`: installs the template's requirements into this Python once per requirements hash (a marker file
-caches it), skipping distributions that are already installed (the local cloud has no network).
+caches it), skipping distributions that are already installed (the local cloud has no network). Keras is
+pinned to the release the template is tested with for this interpreter's TensorFlow (template.json's
+`keras_by_tensorflow`, by TF minor version): the runtime image's TensorFlow decides, never pip's newest
+Keras; a TensorFlow older than every tested one fails here, with what to use instead.
 
 `run`: wraps the training process. When storage is emulated (`STORAGE_EMULATOR_HOST`: TensorFlow cannot read
 gs:// from an emulator) it mirrors the config's gs:// data and model locations to local disk, restores the
@@ -93,22 +96,84 @@ def _installed(requirement: str) -> bool:
     return specifier is None or specifier.contains(version, prereleases=True)
 
 
+def tensorflow_version() -> str | None:
+    """The TensorFlow this interpreter carries (any of its distributions), or None."""
+    from importlib import metadata
+
+    for dist in ("tensorflow", "tensorflow-cpu", "tensorflow-tpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _minor(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+
+
+def keras_requirement(tested: dict[str, str], tf_version: str | None) -> str | None:
+    """`keras==X` for this TensorFlow per the template's tested table; None keeps the requirements' own
+    Keras line (no table, no TensorFlow, or a TensorFlow newer than the table). ValueError for a TensorFlow
+    older than every tested one: no Keras the template runs on is known to work there."""
+    if not tested or tf_version is None:
+        return None
+    pin = tested.get(".".join(str(n) for n in _minor(tf_version)))
+    if pin:
+        return f"keras=={pin}"
+    oldest = min(tested, key=_minor)
+    if _minor(tf_version) < _minor(oldest):
+        raise ValueError(f"TensorFlow {tf_version} is older than any this template is tested with "
+                         f"({', '.join(sorted(tested, key=_minor))}): use a tpu-vm-tf-{oldest}.x runtime or newer")
+    return None
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _keep_installed(workdir: Path, installing: list[str], cache: Path) -> list[str]:
+    """pip arguments that hold every package the image has (the bootstrap's `image-constraints.txt`) at its
+    installed version, except those being installed now: a requirement never upgrades TensorFlow's own."""
+    listed = workdir / "image-constraints.txt"
+    if not listed.is_file():
+        return []
+    names = {_name(r) for r in installing}
+    keep = [line for line in listed.read_text().splitlines() if line and _name(line) not in names]
+    cache.mkdir(parents=True, exist_ok=True)
+    constraints = cache / "constraints.txt"
+    constraints.write_text("\n".join(keep) + "\n")
+    return ["-c", str(constraints)]
+
+
 def prepare(bundle: Path, cache: Path) -> int:
     job = json.loads((bundle / "job.json").read_text())
     req_rel = job.get("requirements")
     if not req_rel:
         return 0
     req_file = bundle / req_rel
-    digest = hashlib.sha256(req_file.read_bytes() + sys.executable.encode()).hexdigest()[:16]
+    meta_file = req_file.parent / "template.json"
+    tested = json.loads(meta_file.read_text()).get("keras_by_tensorflow") or {} if meta_file.is_file() else {}
+    tf_version = tensorflow_version()
+    try:
+        keras = keras_requirement(tested, tf_version)
+    except ValueError as exc:
+        print(f"tpuctl agent: {exc}", file=sys.stderr, flush=True)
+        return 2
+    reqs = _requirements(req_file)
+    if keras:
+        reqs = [r for r in reqs if _name(r) != "keras"] + [keras]
+    digest = hashlib.sha256("\n".join(reqs).encode() + sys.executable.encode()).hexdigest()[:16]
     marker = cache / f"{digest}.ok"
     if marker.exists():
         return 0
-    missing = [r for r in _requirements(req_file) if not _installed(r)]
+    missing = [r for r in reqs if not _installed(r)]
     if missing:
         print(f"tpuctl agent: installing {' '.join(missing)}", flush=True)
         base = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         in_venv = sys.prefix != sys.base_prefix
-        done = subprocess.run(base + ([] if in_venv else ["--user"]) + missing)
+        done = subprocess.run(base + ([] if in_venv else ["--user"]) + _keep_installed(bundle.parent, missing, cache)
+                              + missing)
         if done.returncode != 0:
             print(f"tpuctl agent: pip install failed ({done.returncode})", file=sys.stderr, flush=True)
             return done.returncode
@@ -134,6 +199,11 @@ class Store:
     def local(self, url: str) -> Path:
         bucket, prefix = _split(url)
         return self.mirror_root / bucket / prefix
+
+    def as_urls(self, line: bytes) -> bytes:
+        """A line of the program's output with every mirror path written as the gs:// URL it stands for: the
+        mirror is how this worker reaches emulated storage, not a place the user can look."""
+        return line.replace(str(self.mirror_root).encode() + b"/", b"gs://")
 
     def download_prefix(self, url: str) -> int:
         bucket, prefix = _split(url)
@@ -312,6 +382,15 @@ class Agent:
         # The log exists from the first moment, so `tpuctl logs -f` follows staging (which can take long)
         # instead of giving up waiting for the file.
         self.log_path.touch()
+        from importlib import metadata
+
+        try:
+            keras = metadata.version("keras")
+        except metadata.PackageNotFoundError:
+            keras = None
+        # Into agent.log (the job's log starts with the program's own output): what the job runs with.
+        print(f"tpuctl agent: python={sys.version.split()[0]} tensorflow={tensorflow_version()} keras={keras}",
+              flush=True)
         self.stage()
         work = self.home / "config.json"
         work.write_text(json.dumps(self._config(), indent=1))
@@ -326,8 +405,9 @@ class Agent:
             self.child = subprocess.Popen(argv, cwd=self.bundle, env=env, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             assert self.child.stdout is not None
+            emulated = _emulated()
             for line in iter(self.child.stdout.readline, b""):
-                log.write(line)
+                log.write(self.store.as_urls(line) if emulated else line)
                 m = STEP.search(line)
                 if m:
                     self.step = int(m.group(1))

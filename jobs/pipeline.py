@@ -19,6 +19,7 @@ import asyncio
 import collections
 import glob
 import json
+import math
 import re
 import signal
 import tempfile
@@ -67,8 +68,8 @@ class Outcome:
     state: str = "planned"  # planned | detached | succeeded | failed | interrupted
     phases: dict[str, float] = field(default_factory=dict)
     step: int | None = None
-    loss: str | None = None
-    examples_per_sec: str | None = None
+    loss: float | None = None
+    examples_per_sec: float | None = None
     recoveries: int = 0
     bucket: str | None = None
     artifacts: list[str] = field(default_factory=list)
@@ -106,6 +107,16 @@ class _Phases:
             self.outcome.phases[name] = round(self.outcome.phases.get(name, 0.0) + time.monotonic() - start, 2)
 
 
+def _number(text: str | None, previous: float | None) -> float | None:
+    """A metric from a step line as a number for --json; a finite one only (JSON has no NaN): a diverged loss
+    shows in the streamed lines themselves."""
+    try:
+        value = float(text) if text is not None else None
+    except ValueError:
+        return previous
+    return value if value is not None and math.isfinite(value) else previous
+
+
 class _Stream:
     """Log sink: prints worker-prefixed lines, remembers each worker's last lines and worker 0's metrics."""
 
@@ -122,8 +133,8 @@ class _Stream:
             m = STEP_LINE.search(line)
             if m and worker == 0 and line.startswith(("step=", "done ")):
                 self.outcome.step = int(m.group(1))
-                self.outcome.loss = m.group(2) or self.outcome.loss
-                self.outcome.examples_per_sec = m.group(3) or self.outcome.examples_per_sec
+                self.outcome.loss = _number(m.group(2), self.outcome.loss)
+                self.outcome.examples_per_sec = _number(m.group(3), self.outcome.examples_per_sec)
                 self.last_step_at = time.time()
         # Every worker trains the same steps: worker 0's progress lines stand for all, so a 64-host slice
         # does not print each step 64 times. Anything else (warnings, tracebacks) shows from every worker.
@@ -141,12 +152,38 @@ def template_module(template_dir: Path) -> str:
     return f"{template_dir.name}.train"
 
 
+def check_runtime_tensorflow(template_dir: Path, runtime: str, default: str) -> None:
+    """BadInput when the runtime image's TensorFlow is older than every one the template is tested with
+    (template.json `keras_by_tensorflow`): its Keras 3 would not run there, so nothing is created."""
+    m = re.match(r"^tpu-vm-tf-(\d+)\.(\d+)\.", runtime)
+    try:
+        tested = json.loads((template_dir / "template.json").read_text()).get("keras_by_tensorflow") or {}
+    except (OSError, ValueError):
+        tested = {}
+    if not m or not tested:
+        return
+    oldest = min(tested, key=lambda v: tuple(int(x) for x in v.split(".")))
+    if (int(m.group(1)), int(m.group(2))) < tuple(int(x) for x in oldest.split(".")):
+        raise BadInput(f"runtime {runtime!r} carries TensorFlow {m.group(1)}.{m.group(2)}, older than any the "
+                       f"{template_dir.name} template is tested with ({oldest} and later)", field="runtime_version",
+                       hint=f"use {default} (the default) or another tpu-vm-tf-{oldest}+ runtime")
+
+
+def template_framework(template_dir: Path) -> str:
+    """What the template runs on the workers: its template.json's `framework`. A template without one is
+    taken to be TensorFlow, the only framework tpuctl's runtimes carry today."""
+    meta = template_dir / "template.json"
+    try:
+        return str(json.loads(meta.read_text()).get("framework") or "tensorflow")
+    except (OSError, ValueError):
+        return "tensorflow"
+
+
 def _corpus_path(pattern: str, spec_dir: Path) -> str:
-    """A relative corpus path is taken from the working directory if it matches there (the README runs
-    specs from the repo root), else from the spec file's directory."""
-    if pattern.startswith("gs://") or Path(pattern).is_absolute() or glob.glob(pattern):
+    """Paths in a spec are relative to the spec file, so it works from any directory."""
+    if pattern.startswith("gs://"):
         return pattern
-    return str(spec_dir / pattern)
+    return str(spec_dir / Path(pattern).expanduser())
 
 
 @contextmanager
@@ -205,13 +242,16 @@ class Pipeline:
             if self.spec is None or self.spec.job is None:
                 raise BadInput("the spec has no job: section", field="job",
                                hint="add `job: {template: bert, preset: bert-tiny}` (see examples/bert-tiny.yaml)")
-            # A directory next to the spec wins over a built-in template of the same name.
-            local = self.spec_dir / self.spec.job.template
-            self.template_dir = bundles.resolve_template(str(local) if local.is_dir() else self.spec.job.template)
+            # A directory relative to the spec wins over a built-in template of the same name; a template given
+            # as a path is only ever looked for there.
+            template = self.spec.job.template
+            local = self.spec_dir / Path(template).expanduser()
+            self.template_dir = bundles.resolve_template(str(local) if local.is_dir() or "/" in template else template)
             self.module = template_module(self.template_dir)
-            self.plan = provision.plan(self.spec, project=self.project)
-            # The templates are TensorFlow programs until their JAX backend lands.
-            provision.check_framework(self.plan, ("tensorflow",), what=f"template {self.spec.job.template}")
+            self.plan = provision.plan(self.spec, project=self.project,
+                                       framework=template_framework(self.template_dir))
+            check_runtime_tensorflow(self.template_dir, self.plan.runtime_version,
+                                     self.plan.accelerator.default_runtime)
             self.run_name = self.outcome.run = self.plan.run
             self.outcome.bucket = self.plan.bucket
             self.outcome.price_per_hour = round(self.plan.price_per_hour, 4)
@@ -233,8 +273,9 @@ class Pipeline:
 
         for c in data.corpus:
             if not c.startswith("gs://") and not glob.glob(_corpus_path(c, self.spec_dir)):
-                raise BadInput(f"corpus {c!r} matches no file (from {Path.cwd()} or {self.spec_dir})",
-                               field="job.data.corpus", hint="list UTF-8 text files, globs or gs:// URLs")
+                raise BadInput(f"corpus {c!r} matches no file (paths are relative to the spec's directory, "
+                               f"{self.spec_dir})", field="job.data.corpus",
+                               hint="list UTF-8 text files, globs or gs:// URLs")
         try:
             prep.PrepareOptions(vocab_size=data.vocab_size, seq_len=data.seq_len, lowercase=data.lowercase).validate()
         except DataError as exc:

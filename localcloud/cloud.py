@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from . import facts
+from . import facts, runtimes
 from .accounts import AccountsService
 from .compute import ComputeService
 from .compute import _metadata_dict
@@ -29,6 +29,7 @@ from .projects import ProjectsService
 from .schema import validator
 from .server import Api, HttpServer
 from .storage import StorageServer
+from .runtimes import WorkerPython
 from .tpu import TpuService, ssh_keys_of
 from .workers import WorkerPool
 
@@ -39,11 +40,17 @@ class LocalCloud:
     """See the module docstring. Not reusable after `stop()`."""
 
     def __init__(self, speed: float = 1.0, strict: bool = True, state_dir: str | Path | None = None, *,
-                 port: int = 0):
+                 port: int = 0, worker_python: str | None = None, runtime_cache: str | Path | None = None):
+        """`worker_python`: "runtime" (default; `$TPUCTL_WORKER_PYTHON` overrides) runs a TPU node's jobs on
+        its runtime image's software, a venv built once per image under `runtime_cache` (default
+        `$TPUCTL_RUNTIME_CACHE`, else `STATE_DIR/runtimes`, else `$TPUCTL_HOME/localcloud/runtimes`);
+        "host" runs them on this process's interpreter (see runtimes.py)."""
         self.speed = float(speed)
         self.strict = strict
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.port = port
+        self.python = WorkerPython(worker_python, Path(runtime_cache) if runtime_cache is not None
+                                   else runtimes.default_cache(self.state_dir))
         self._tmp: Path | None = None
         self._http: HttpServer | None = None
         self._storage = None
@@ -64,11 +71,11 @@ class LocalCloud:
         else:
             self._tmp = root = Path(tempfile.mkdtemp(prefix="localcloud-"))
         try:
-            workers = self._workers = WorkerPool(root / "workers")
+            workers = self._workers = WorkerPool(root / "workers", self.python.bin_dir)
             self._storage = StorageServer(root / "storage" if self.state_dir is not None else None, validator)
             self.storage_host = self._storage.start()
             w = self.world = World(speed=self.speed, strict=self.strict, state_dir=self.state_dir,
-                                   workers=workers, storage_host=self.storage_host)
+                                   workers=workers, storage_host=self.storage_host, python=self.python)
             self.tpu, self.compute, self.accounts = TpuService(w), ComputeService(w), AccountsService(w)
             self.projects = ProjectsService(w, self._refresh_keys)
             w.worker_keys = self.projects.authorized_keys
@@ -137,6 +144,14 @@ class LocalCloud:
         when = at.timestamp() if isinstance(at, datetime) else at
         self.tpu.preempt(node, when)
 
+    def idle_s(self) -> float:
+        """Seconds since the latest request to any API (storage included); 0.0 while a TPU node or VM is billed
+        (its workers run jobs) or an operation is under way. What the daemon's idle stop waits for."""
+        if self.world.meter.billing() or self.world.scheduler.pending():
+            return 0.0
+        last = max(self.world.last_request, self._storage.last_request if self._storage else 0.0)
+        return max(0.0, time.time() - last)
+
     def shape_project(self, project: str, **options) -> dict:
         """Set up `project` otherwise than fully (see `projects.SHAPE_OPTIONS`): `disabled_services`,
         `default_network=False`, `networks`, `subnetworks` ("REGION/NAME/NETWORK"), `compute_sa=False`,
@@ -160,10 +175,11 @@ class LocalCloud:
 
     def status(self) -> dict:
         return {"endpoint": self.endpoint, "storage_host": self.storage_host, "speed": self.speed,
-                "strict": self.strict, "started": self.started,
+                "strict": self.strict, "started": self.started, "worker_python": self.python.mode,
+                "runtime_cache": str(self.python.images.cache),
                 "state_dir": str(self.state_dir) if self.state_dir else None,
                 "resources": self.inventory(), "meter": self.meter_report(),
-                "faults": self.faults.list(), "errors": list(self.world.errors)}
+                "faults": self.faults.list(), "errors": list(self.world.errors), "idle_s": self.idle_s()}
 
     # ---------------------------------------------------------------------------------- internals
     def _handlers(self) -> dict:

@@ -330,6 +330,11 @@ class Meter:
             if gb is None and item.intervals[-1][1] is None:
                 item.intervals[-1][1] = t
 
+    def billing(self, kinds: tuple[str, ...] = ("tpu", "vm")) -> bool:
+        """Whether any resource of these kinds is being billed now (created and not yet stopped or deleted)."""
+        with self._lock:
+            return any(i.kind in kinds and i.intervals and i.intervals[-1][1] is None for i in self._items.values())
+
     def report(self, t: float | None = None) -> dict:
         """JSON-ready: per resource (seconds, usd, running) and per SKU totals."""
         t = time.time() if t is None else t
@@ -369,7 +374,8 @@ class Meter:
 class World:
     """State shared by the services; see the module docstring."""
 
-    def __init__(self, *, speed: float, strict: bool, state_dir: Path | None, workers, storage_host: str = ""):
+    def __init__(self, *, speed: float, strict: bool, state_dir: Path | None, workers, storage_host: str = "",
+                 python=None):
         if speed <= 0:
             raise ValueError("speed must be > 0")
         self.speed = float(speed)
@@ -377,6 +383,7 @@ class World:
         self.state_dir = state_dir
         self.workers = workers
         self.storage_host = storage_host
+        self.python = python  # runtimes.WorkerPython: which interpreter TPU workers run
         self.lock = threading.RLock()
         self.changed_cv = threading.Condition(self.lock)
         self.actions: dict[str, Callable[..., None]] = {}
@@ -384,6 +391,7 @@ class World:
         self.faults = Faults()
         self.meter = Meter()
         self.errors: list[str] = []
+        self.last_request = time.time()  # wall clock of the latest API request (the daemon's idle stop reads it)
         self._ids = itertools.count(int(time.time() * 1000) % 10**12 * 1000)
         self.services: dict[str, Any] = {}
         # (project, instance metadata, keys from its `ssh-keys`) -> the keys its workers admit; the projects

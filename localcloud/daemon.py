@@ -21,6 +21,9 @@ from pathlib import Path
 INFO_FILE = "localcloud.json"
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 15.0
+# A daemon management choice, not an emulated Google behaviour: a background process nobody uses should not
+# outlive the work it serves. Idle = no request to any API, no TPU node or VM billed, no operation under way.
+DEFAULT_IDLE_STOP_S = 1800.0
 
 
 class DaemonError(Exception):
@@ -80,8 +83,13 @@ def _ready(info: dict) -> bool:
         return False
 
 
-def start(state_dir: Path, speed: float = 20.0, *, port: int = 0, strict: bool = True) -> dict:
-    """Start the daemon; blocks until it serves. AlreadyRunning / StartFailed on failure."""
+def start(state_dir: Path, speed: float = 20.0, *, port: int = 0, strict: bool = True,
+          idle_stop_s: float = DEFAULT_IDLE_STOP_S, worker_python: str | None = None) -> dict:
+    """Start the daemon; blocks until it serves. It exits by itself after `idle_stop_s` idle (0: never).
+    AlreadyRunning / StartFailed on failure.
+
+    `worker_python` ("runtime" or "host"; None: `$TPUCTL_WORKER_PYTHON`, else runtime) is what TPU workers
+    run jobs with (see runtimes.py)."""
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     running = status(state_dir)
@@ -89,9 +97,11 @@ def start(state_dir: Path, speed: float = 20.0, *, port: int = 0, strict: bool =
         raise AlreadyRunning(running)
     log = state_dir / "localcloud.log"
     cmd = [sys.executable, "-m", "tpuctl.localcloud", "serve", "--state-dir", str(state_dir),
-           "--speed", str(speed), "--port", str(port)]
+           "--speed", str(speed), "--port", str(port), "--idle-stop", str(idle_stop_s)]
     if not strict:
         cmd.append("--no-strict")
+    if worker_python:
+        cmd += ["--worker-python", worker_python]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
@@ -100,12 +110,18 @@ def start(state_dir: Path, speed: float = 20.0, *, port: int = 0, strict: bool =
     while time.monotonic() < deadline:
         code = proc.poll()
         if code is not None:
+            running = status(state_dir)
+            if running:  # another start won the race for the state dir
+                raise AlreadyRunning(running)
             tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
             raise StartFailed(f"the local cloud exited with code {code} while starting: "
                               f"{tail[0] if tail else 'no output'} (log: {log})")
         info = status(state_dir)
         if info and info.get("pid") == proc.pid and _ready(info):
             return info
+        if info and info.get("pid") != proc.pid:  # another daemon serves this state dir: ours waits for its lock
+            proc.terminate()
+            raise AlreadyRunning(info)
         time.sleep(delay)
         delay = min(delay * 1.5, 0.2)
     proc.terminate()
@@ -128,13 +144,13 @@ def stop(state_dir: Path) -> dict:
     return info
 
 
-def ensure_running(state_dir: Path, speed: float = 20.0) -> dict:
+def ensure_running(state_dir: Path, speed: float = 20.0, *, idle_stop_s: float = DEFAULT_IDLE_STOP_S) -> dict:
     """The running daemon's info, starting one if none runs (a concurrent start is tolerated)."""
     info = status(state_dir)
     if info:
         return info
     try:
-        return start(state_dir, speed)
+        return start(state_dir, speed, idle_stop_s=idle_stop_s)
     except AlreadyRunning as exc:
         return exc.info
 

@@ -27,15 +27,86 @@ ZONES_BY_GENERATION: dict[str, tuple[str, ...]] = {
             "us-east5-c", "europe-west4-a", "asia-northeast1-b"),
 }
 
-_TF_PJRT = tuple(f"tpu-vm-tf-{v}{pod}-pjrt" for v in ("2.15.0", "2.16.0", "2.17.0", "2.18.0") for pod in ("", "-pod"))
+# Runtime versions (TPU software versions) the TPU API accepts per generation, and the software each image
+# carries. Sources, in the order they were trusted:
+# - cloud.google.com/tpu/docs/runtimes: the `tpu-vm-tf-x.y.z[-pod][-pjrt|-se]` naming, `-pod` for multi-host
+#   slices, PJRT from TF 2.15 on; base images for JAX/PyTorch per generation (v2-alpha-tpuv6e, v2-alpha-tpuv5,
+#   v2-alpha-tpuv5-lite, tpu-ubuntu2204-base); "starting with TPU v6e, TensorFlow is no longer supported";
+#   TF runtimes stop at 2.18 (libtpu 1.12); the TF -> libtpu table.
+# - cloud.google.com/tpu/docs/supported-tpu-versions (older copy): tpu-vm-tf-2.16.1-pjrt, 2.15.x-pjrt/-se,
+#   tpu-vm-tf-2.14.1 and earlier (stream executor only).
+# - GoogleCloudPlatform/python-docs-samples tpu/*.py: `tpu-vm-tf-2.17.0-pjrt` (v2-8, v3-8, queued
+#   resources) and `v2-tpuv5-litepod` (v5litepod-4, spot and queued).
+# - public gcloud scripts (e.g. a v5e/v6e TF test log): `tpu-vm-tf-2.18.0-pjrt-v5p-and-below` on v2-8,
+#   `tpu-vm-tf-2.18.0-[pod-]pjrt-v5e-and-v6` and `tpu-vm-tf-2.16.1-pod-pjrt` on v5litepod-8/-16; the API
+#   also CREATES v6e-4 with `tpu-vm-tf-2.16.1-pjrt` and `...-v5e-and-v6`, where TensorFlow then fails to find
+#   or initialise the TPU: the API accepts TF images on v6e, TensorFlow does not run there.
+# `tpu-vm-tf-2.18.0-pod-pjrt-v5p-and-below` is inferred from its single-host and v5e twins.
+_TF_OLD = ("tpu-vm-tf-2.14.1", "tpu-vm-tf-2.14.1-pod")
+_TF_PJRT = tuple(f"tpu-vm-tf-{v}{pod}-pjrt" for v in ("2.15.0", "2.16.1", "2.17.0") for pod in ("", "-pod"))
+_TF_218_V5P = ("tpu-vm-tf-2.18.0-pjrt-v5p-and-below", "tpu-vm-tf-2.18.0-pod-pjrt-v5p-and-below")
+_TF_218_V5E = ("tpu-vm-tf-2.18.0-pjrt-v5e-and-v6", "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6")
 RUNTIMES_BY_GENERATION: dict[str, tuple[str, ...]] = {
-    "v2": ("tpu-vm-tf-2.14.1", "tpu-vm-tf-2.14.1-pod", *_TF_PJRT, "tpu-ubuntu2204-base", "tpu-vm-base"),
-    "v3": ("tpu-vm-tf-2.14.1", "tpu-vm-tf-2.14.1-pod", *_TF_PJRT, "tpu-ubuntu2204-base", "tpu-vm-base"),
-    "v4": ("tpu-vm-tf-2.14.1", "tpu-vm-tf-2.14.1-pod", *_TF_PJRT, "tpu-ubuntu2204-base", "tpu-vm-v4-base"),
-    "v5e": (*_TF_PJRT, "v2-alpha-tpuv5-lite"),
-    "v5p": (*_TF_PJRT, "v2-alpha-tpuv5"),
-    "v6e": (*_TF_PJRT[4:], "v2-alpha-tpuv6e"),
+    "v2": (*_TF_OLD, *_TF_PJRT, *_TF_218_V5P, "tpu-ubuntu2204-base", "tpu-vm-base"),
+    "v3": (*_TF_OLD, *_TF_PJRT, *_TF_218_V5P, "tpu-ubuntu2204-base", "tpu-vm-base"),
+    "v4": (*_TF_OLD, *_TF_PJRT, *_TF_218_V5P, "tpu-ubuntu2204-base", "tpu-vm-v4-base"),
+    "v5e": (*_TF_PJRT, *_TF_218_V5E, "v2-alpha-tpuv5-lite", "v2-tpuv5-litepod"),
+    "v5p": (*_TF_PJRT, *_TF_218_V5P, "v2-alpha-tpuv5"),
+    "v6e": (*_TF_PJRT[2:], *_TF_218_V5E, "v2-alpha-tpuv6e"),
 }
+# Where TensorFlow runs at all (tpu/docs/runtimes: none from v6e on; TPU7x is JAX and PyTorch only).
+TENSORFLOW_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p")
+
+
+@dataclass(frozen=True)
+class Software:
+    """What a runtime image carries, and what a local worker runs in its place.
+
+    `keras` is the image's Keras: TF <= 2.15 bundles Keras 2 (`tf.keras`); from TF 2.16 `tensorflow`
+    depends on `keras>=3` and the image holds the Keras 3 that pip resolved when it was built (not
+    published: `local_keras` pins the release current when that TF shipped). `libtpu` says where the TPU
+    library lives on the image.
+    """
+
+    python: str
+    tensorflow: str | None
+    keras: str | None
+    local_keras: str | None
+    libtpu: str
+    libtpu_version: str | None
+    source: str
+
+
+_PY = "3.10"  # Ubuntu 22.04's python3 on every current TPU VM image (a v2-tpuv5-litepod VM reports 3.10)
+_LIBTPU_PIP = "pip package libtpu (site-packages/libtpu/libtpu.so), a dependency of tensorflow-tpu / jax[tpu]"
+_LIBTPU_LIB = "/lib/libtpu.so, installed with the image"
+_DOC = "cloud.google.com/tpu/docs/runtimes"
+# TF version -> (image Keras, local Keras pin, libtpu version).
+_TF_SOFTWARE = {
+    "2.14.1": ("2.14.0 (Keras 2, tf.keras)", "2.14.0", "1.8.1", _LIBTPU_LIB),
+    "2.15.0": ("2.15.0 (Keras 2, tf.keras)", "2.15.0", "1.9.0", _LIBTPU_PIP),
+    "2.16.1": ("3.x (keras>=3.0.0)", "3.1.1", "1.10.1", _LIBTPU_PIP),
+    "2.17.0": ("3.x (keras>=3.2.0)", "3.4.1", "1.11.0", _LIBTPU_PIP),
+    "2.18.0": ("3.x (keras>=3.5.0)", "3.6.0", "1.12.0", _LIBTPU_PIP),
+}
+
+
+def _software(runtime: str) -> Software:
+    for tf, (keras, local_keras, libtpu_version, libtpu) in _TF_SOFTWARE.items():
+        if runtime.startswith(f"tpu-vm-tf-{tf}"):
+            return Software(_PY, tf, keras, local_keras, libtpu, libtpu_version,
+                            f"{_DOC} (TF {tf}, libtpu {libtpu_version}); Keras from tensorflow {tf}'s requirements")
+    return Software(_PY, None, None, None, "none until `pip install jax[tpu]` (or torch_xla) brings " + _LIBTPU_PIP,
+                    None, f"{_DOC}: base image for JAX and PyTorch, no framework installed")
+
+
+RUNTIME_SOFTWARE: dict[str, Software] = {r: _software(r) for rs in RUNTIMES_BY_GENERATION.values() for r in rs}
+
+
+def runtimes_in_zone(zone: str) -> list[str]:
+    """What `runtimeVersions.list` answers for a zone: every runtime of every generation offered there."""
+    return sorted({r for gen, zones in ZONES_BY_GENERATION.items() if zone in zones for r in RUNTIMES_BY_GENERATION[gen]})
+
 
 # USD per chip-hour: (on-demand, spot); None where the region does not sell that generation.
 TPU_PRICES: dict[str, dict[str, tuple[float, float | None]]] = {

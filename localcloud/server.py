@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
@@ -165,6 +166,7 @@ class Api:
         return None
 
     def handle(self, verb: str, raw_path: str, raw_body: bytes) -> tuple[int, dict]:
+        self.w.last_request = time.time()
         url = urlsplit(raw_path)
         path = url.path
         # A repeated parameter (Service Usage `names=A&names=B`) stays a list; every other one is a string.

@@ -25,6 +25,7 @@ client uses only below 8 MiB) are buffered by the proxy.
 from __future__ import annotations
 
 import base64
+import email.message
 import email.parser
 import email.policy
 import http.client
@@ -33,6 +34,7 @@ import logging
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from functools import partial
@@ -127,6 +129,21 @@ def _carries_metadata(route: str | None, query: dict, content_type: str) -> bool
     if route == "upload":
         return "upload_id" not in query and query.get("uploadType", [""])[0] in ("multipart", "resumable")
     return route is not None and content_type.startswith("application/json")
+
+
+def _first_part(body: bytes, content_type: str) -> bytes:
+    """A multipart body cut after its first part (the JSON metadata), closed with the final delimiter: the
+    email parser decodes what it is given to text, and given the media too it holds several copies of an
+    upload of up to 8 MiB per request thread, which malloc then keeps (the daemon grew by ~100 MB a
+    concurrent upload)."""
+    header = email.message.Message()
+    header["Content-Type"] = content_type
+    boundary = header.get_boundary()
+    if not boundary:
+        return body
+    delimiter = b"\r\n--" + boundary.encode()
+    end = body.find(delimiter, body.find(delimiter[2:]) + len(delimiter) - 2)
+    return body if end < 0 else body[:end] + delimiter + b"--\r\n"
 
 
 def _without_nulls(value: Any) -> Any:
@@ -258,6 +275,7 @@ class _Proxy(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_PATCH = do_DELETE = do_GET
 
     def _handle(self) -> None:
+        self.server.last_request = time.time()
         method = self.headers.get("X-HTTP-Method-Override", self.command).upper()
         url = urlsplit(self.path)
         route, params = _route(url.path)
@@ -307,7 +325,7 @@ class _Proxy(BaseHTTPRequestHandler):
         try:
             if content_type.startswith("multipart/related"):
                 message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-                    f"Content-Type: {content_type}\r\n\r\n".encode() + body)
+                    f"Content-Type: {content_type}\r\n\r\n".encode() + _first_part(body, content_type))
                 document = json.loads(next(message.iter_parts()).get_content())
             else:
                 document = json.loads(body)
@@ -531,6 +549,7 @@ class _FrontServer(ThreadingHTTPServer):
         self.read_modify_write = threading.Lock()
         self._projects: dict[str, str] = json.loads(sidecar.read_text()) if sidecar and sidecar.exists() else {}
         self._bucket_locks: dict[str, threading.Lock] = {}
+        self.last_request = time.time()  # wall clock of the latest request (the daemon's idle stop reads it)
 
     def bucket_lock(self, bucket: str) -> threading.Lock:
         """Held by a bucket insert (create + metadata) and by every bucket-level request for that name, so that
@@ -595,6 +614,11 @@ class StorageServer:
                                               name="localcloud-gcs-proxy", daemon=True)
         self._front_thread.start()
         return self.url
+
+    @property
+    def last_request(self) -> float:
+        """Wall clock of the latest request served (the start time before any)."""
+        return self._front.last_request if self._front is not None else 0.0
 
     def stop(self) -> None:
         """Stop both servers; the data dir keeps everything for the next start."""

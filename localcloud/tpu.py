@@ -20,6 +20,7 @@ from .core import CODE_OF, ApiError, World, check_labels, now_rfc3339, parse_dur
 # Simulated latencies in seconds (divided by the world's speed).
 CREATE_S, DELETE_S, STOP_S, START_S, UPDATE_S = 180.0, 90.0, 60.0, 90.0, 5.0
 CAPACITY_FAIL_S = 20.0
+IMAGE_POLL_S = 1.0  # real seconds between looks at a runtime image that is still building
 QR_ACCEPT_S, QR_TICK_S, QR_DELETE_S = 2.0, 10.0, 5.0
 
 _ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -227,7 +228,8 @@ class TpuService:
             env = {"STORAGE_EMULATOR_HOST": self.w.storage_host, CPU_REHEARSAL_VAR: "cpu"}
             keys = self.w.worker_keys(rec["project"], node.get("metadata"), ssh_keys_of(node.get("metadata")))
             script = (node.get("metadata") or {}).get("startup-script")
-        endpoints = self.w.workers.start_node(key, count, env, keys, script,
+            runtime = node.get("runtimeVersion")
+        endpoints = self.w.workers.start_node(key, count, env, keys, script, runtime,
                                               metadata=lambda index: self.guest_metadata(name, index))
         with self.w.lock:
             rec = self.nodes.get(name)
@@ -299,6 +301,17 @@ class TpuService:
             rec = self.nodes.get(node)
             if rec is None or rec["node"]["state"] != "CREATING":
                 return
+            runtime = rec["node"].get("runtimeVersion")
+        if self.w.python is not None:
+            # The node boots once its runtime image exists: the first node of a runtime waits for the
+            # image venv's build (minutes), as a VM waits for its boot disk.
+            state, detail = self.w.python.prepare(runtime)
+            if state == "building":
+                self.w.later(IMAGE_POLL_S * self.w.speed, "tpu.create_done", node=node)
+                return
+            if state == "failed":
+                self._create_failed(node, f"localcloud could not build the {runtime} image: {detail}", code="INTERNAL")
+                return
         self._boot_workers(node)
         with self.w.lock:
             rec = self.nodes.get(node)
@@ -313,13 +326,13 @@ class TpuService:
                 self._qr_state(qr, "ACTIVE")
             self.w.changed()
 
-    def _create_failed(self, node: str, message: str) -> None:
+    def _create_failed(self, node: str, message: str, code: str = "RESOURCE_EXHAUSTED") -> None:
         with self.w.lock:
             rec = self.nodes.pop(node, None)
             if rec is None:
                 return
             self.w.meter.end(node)
-            self._finish_op(rec["create_op"], error=("RESOURCE_EXHAUSTED", message))
+            self._finish_op(rec["create_op"], error=(code, message))
             self.w.changed()
 
     def nodes_get(self, p: dict, q: dict, body: None) -> dict:
@@ -567,9 +580,9 @@ class TpuService:
         return {"name": f"{parent}/acceleratorTypes/{t.name}", "type": t.name,
                 "acceleratorConfigs": [{"type": t.api_type, "topology": t.topology}]}
 
-    def _runtimes(self, zone: str) -> list[str]:
-        return sorted({r for gen, zones in facts.ZONES_BY_GENERATION.items() if zone in zones
-                       for r in facts.RUNTIMES_BY_GENERATION[gen]})
+    @staticmethod
+    def _runtimes(zone: str) -> list[str]:
+        return facts.runtimes_in_zone(zone)
 
     def runtime_versions_list(self, p: dict, q: dict, body: None) -> dict:
         parent = self._parent(p)

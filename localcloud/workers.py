@@ -440,8 +440,11 @@ class WorkerPool:
     pool restarted on the same root gives the node the same identities and (when free) the same ports.
     """
 
-    def __init__(self, root_dir: Path) -> None:
+    def __init__(self, root_dir: Path, python_bin: Callable[[Path, str | None], Path] | None = None) -> None:
+        """`python_bin(worker dir, runtime)` is the bin dir put first on a worker's PATH, so `python` there
+        is the runtime image's interpreter; without it (and for VMs, runtime None) it is this process's."""
         self._root = Path(root_dir).absolute()
+        self._python_bin = python_bin
         self._root.mkdir(parents=True, exist_ok=True)
         # The pool owns root_dir: whatever a previous pool there left running (it crashed, or was killed)
         # dies now, so every worker this pool boots is a fresh VM.
@@ -463,10 +466,12 @@ class WorkerPool:
             raise ValueError(f"worker pool key {key!r} must be path-safe: letters, digits, '._-' and '/'")
         return self._root / key / str(index)
 
-    def _environment(self, directory: Path, env: dict[str, str], metadata_host: str | None) -> dict[str, str]:
-        # A VM starts with a clean environment, not the daemon's; PATH leads with this interpreter's bin
-        # dir so `python` on a worker is the venv python that has TensorFlow.
+    def _environment(self, directory: Path, env: dict[str, str], metadata_host: str | None,
+                     runtime: str | None) -> dict[str, str]:
+        # A VM starts with a clean environment, not the daemon's; PATH leads with the bin dir of the
+        # interpreter its image carries (a TPU runtime's venv, or this process's for VMs and host mode).
         path = env.get("PATH", os.environ.get("PATH", os.defpath))
+        bin_dir = self._python_bin(directory, runtime) if self._python_bin else Path(sys.executable).parent
         # google-auth reads GCE_METADATA_HOST for requests and GCE_METADATA_IP for its ping; JAX reads
         # GCE_METADATA_IP. Both accept HOST:PORT.
         guest = {"GCE_METADATA_HOST": metadata_host, "GCE_METADATA_IP": metadata_host} if metadata_host else {}
@@ -475,16 +480,17 @@ class WorkerPool:
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             **env,
             **guest,
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent), path]),
+            "PATH": os.pathsep.join([str(bin_dir), path]),
             "HOME": str(directory),
             MARKER_VAR: marker(directory),
         }
 
     def start_node(self, key: str, count: int, env: dict[str, str], authorized_keys: list[str],
-                   startup_script: str | None,
+                   startup_script: str | None, runtime: str | None = None,
                    metadata: Callable[[int], Tree | None] | None = None) -> list[WorkerEndpoint]:
         """Boot every worker of ``key`` that is not running; blocks until all of them listen.
 
+        ``runtime`` is the node's runtime version (None for a VM): it picks the workers' interpreter.
         ``metadata(i)`` is what worker i's metadata server answers (called at each request; None: nothing).
         Idempotent: running workers are left alone (their keys are updated), so calling it again after
         ``kill_worker`` revives only the dead worker.
@@ -498,7 +504,7 @@ class WorkerPool:
                 raise ValueError(f"node {key!r} has {len(workers)} workers, not {count}")
             hosts = self._metadata.attach(key, count, metadata) if metadata is not None else [None] * count
             for index in range(len(workers), count):
-                workers.append(_Worker(dirs[index], self._environment(dirs[index], env, hosts[index])))
+                workers.append(_Worker(dirs[index], self._environment(dirs[index], env, hosts[index], runtime)))
             to_boot = [w for w in workers if not w.running]
 
             async def boot() -> list[WorkerEndpoint]:

@@ -29,7 +29,7 @@ from tpuctl.provision.apply import apply as _apply
 from tpuctl.provision.apply import down as _down
 from tpuctl.provision.clients import Clients, connect
 from tpuctl.provision.inventory import RunStatus
-from tpuctl.provision.plan import Plan, Step, check_framework
+from tpuctl.provision.plan import Plan, Step
 from tpuctl.provision.plan import make as _make_plan
 from tpuctl.provision.resources import Kind, Resource, State, Worker
 from tpuctl.provision.waits import DEFAULT_DEADLINE_S
@@ -37,20 +37,23 @@ from tpuctl.spec import RunSpec
 
 __all__ = [
     "ApplyResult", "Clients", "DownResult", "Kind", "Plan", "ProgressFn", "Resource", "RunStatus", "State", "Step",
-    "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents", "check_framework", "connect", "delete_node",
+    "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents", "connect", "delete_node",
     "down", "get_node", "list_resources",
     "plan", "recreate_node", "status", "wait_node_ready", "workers",
 ]
 
 
 def plan(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
-         now: float | None = None, price_fn: Callable[[str, str, bool], float] | None = None) -> Plan:
+         now: float | None = None, price_fn: Callable[[str, str, bool], float] | None = None,
+         framework: str | None = None) -> Plan:
     """Validate `spec` and lay out the step DAG with its $/hour. Pure: no API call, never blocks.
 
     Raises BadInput naming the field (unknown type, zone not offering it, runtime of another generation,
-    bad names/labels, zones outside the bucket's region) so that nothing is created on bad input.
+    bad names/labels, zones outside the bucket's region, a type or runtime without the job's `framework`)
+    so that nothing is created on bad input.
     """
-    return _make_plan(spec, project=project, catalog=catalog, owner=owner, now=now, price_fn=price_fn)
+    return _make_plan(spec, project=project, catalog=catalog, owner=owner, now=now, price_fn=price_fn,
+                      framework=framework)
 
 
 def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, keep_on_failure: bool = False,

@@ -21,6 +21,7 @@ from tpuctl.provision.resources import Kind, Resource, State
 _SEVERITY = (State.FAILED, State.PREEMPTED, State.UNKNOWN, State.REPAIRING, State.DELETING, State.STOPPING,
              State.PENDING, State.CREATING, State.STOPPED, State.READY, State.DELETED)
 _BILLABLE = (Kind.TPU, Kind.QUEUED, Kind.VM)
+BUCKET_KEPT = "bucket kept"
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,21 @@ class RunStatus:
     def workers(self) -> int:
         return sum(len(r.workers) for r in self.resources if r.kind is Kind.TPU)
 
+    @property
+    def bucket_kept(self) -> bool:
+        """Only the bucket (checkpoints, data, logs) is left: the TPU and VMs are gone. `expires` is then the
+        bucket's TTL label, after which `tpuctl gc --buckets` may delete it."""
+        return (not any(r.kind in _BILLABLE for r in self.resources)
+                and any(r.kind is Kind.BUCKET for r in self.resources))
+
+    @property
+    def state_text(self) -> str:
+        """The run's state as shown: `bucket kept` rather than the bucket's own `ready` when nothing else is left."""
+        return BUCKET_KEPT if self.bucket_kept else self.state.value
+
     def to_json(self) -> dict:
         return {"run": self.run, "owner": self.owner, "created": self.created, "expires": self.expires,
-                "zone": self.zone, "state": self.state.value, "age_s": self.age_s, "workers": self.workers,
+                "zone": self.zone, "state": self.state_text, "age_s": self.age_s, "workers": self.workers,
                 "price_per_hour": round(self.price_per_hour, 4), "accrued_usd": round(self.accrued, 4),
                 "resources": [resource_json(r) for r in self.resources]}
 

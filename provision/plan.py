@@ -90,8 +90,11 @@ def default_run_name(spec: RunSpec, owner: str) -> str:
 
 
 def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
-         now: float | None = None, price_fn=None) -> Plan:
+         now: float | None = None, price_fn=None, framework: str | None = None) -> Plan:
     """Validate `spec` and lay out the plan. Pure; raises BadInput naming the field.
+
+    `framework` is what the job's template runs ("tensorflow"; None when no job is planned): the type and
+    runtime must run it (`Catalog.check`).
 
     `price_fn(accelerator, region, spot) -> $/h` prices the TPU (the cost module's, when present); VMs are
     priced from the catalog.
@@ -126,7 +129,7 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     runtime = spec.runtime_version
     runtime = runtime or t.default_runtime
     for z in zones:
-        catalog.check(t.name, z, runtime)
+        catalog.check(t.name, z, runtime, framework)
     run = spec.name or default_run_name(spec, owner)
     L.check_name(run, field="name", max_len=40)
     bucket = L.auto_bucket(project, run) if spec.bucket == "auto" else spec.bucket.removeprefix("gs://").rstrip("/")
@@ -172,18 +175,6 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
 
 def _single_host(catalog: Catalog, t: AcceleratorType) -> str:
     return next((o.name for o in catalog.accelerators() if o.generation == t.generation and not o.multi_host), t.name)
-
-
-def check_framework(plan: Plan, supported: tuple[str, ...], *, what: str) -> None:
-    """Refuse a job whose frameworks (`supported`, e.g. the template's) the plan's TPU does not run.
-
-    Google supports no TensorFlow on TPU7x (tpu/docs/tpu7x): a TensorFlow-only job there needs JAX."""
-    t = plan.accelerator
-    if not set(supported) & set(t.frameworks):
-        raise BadInput(f"{what} runs on {', '.join(supported)} only and {t.name} supports "
-                       f"{', '.join(t.frameworks)}: the job needs a JAX backend", field="accelerator",
-                       hint="use `tpuctl up` for this TPU, or run the job on a type that supports "
-                            f"{supported[0]} (see `tpuctl catalog list`)")
 
 
 def _order_zones(zones: tuple[str, ...]) -> tuple[str, ...]:

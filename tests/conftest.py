@@ -27,6 +27,12 @@ from google.auth.credentials import AnonymousCredentials
 
 from tpuctl.localcloud.cloud import LocalCloud
 
+# Every local cloud the tests start (in process, or a daemon in a subprocess) runs TPU jobs on this
+# interpreter: building each runtime image's TensorFlow venv would cost minutes and ~1.5 GB per image. The one
+# test that runs the default runtime's own TensorFlow asks for worker_python="runtime" explicitly
+# (test_runtime_images.py); TPUCTL_RUNTIME_CACHE, when set, keeps its image venv across sessions.
+os.environ["TPUCTL_WORKER_PYTHON"] = "host"
+
 # Operation futures poll every 10-50 ms instead of the library's 1-20 s.
 FAST_POLLING = polling.DEFAULT_POLLING.with_delay(initial=0.01, maximum=0.05).with_timeout(60)
 
@@ -100,7 +106,7 @@ def new_project() -> str:
 def localcloud():
     """The session's strict local cloud at speed 1000; STORAGE_EMULATOR_HOST points at it meanwhile."""
     previous = os.environ.get("STORAGE_EMULATOR_HOST")
-    with LocalCloud(speed=1000, strict=True) as cloud:
+    with LocalCloud(speed=1000, strict=True, worker_python="host") as cloud:
         os.environ["STORAGE_EMULATOR_HOST"] = cloud.storage_host
         try:
             yield cloud
@@ -109,6 +115,15 @@ def localcloud():
                 os.environ.pop("STORAGE_EMULATOR_HOST", None)
             else:
                 os.environ["STORAGE_EMULATOR_HOST"] = previous
+
+
+@pytest.fixture(scope="session")
+def runtime_cache(tmp_path_factory) -> Path:
+    """Where runtime image venvs are built: `$TPUCTL_RUNTIME_CACHE` (kept across sessions), else one dir for
+    the session, so an image is built at most once per session."""
+    if os.environ.get("TPUCTL_RUNTIME_CACHE"):
+        return Path(os.environ["TPUCTL_RUNTIME_CACHE"])
+    return tmp_path_factory.mktemp("runtimes")
 
 
 @pytest.fixture

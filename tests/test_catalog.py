@@ -41,8 +41,12 @@ def test_every_type_is_consistent_and_its_default_runtime_validates(cat):
         dims = [int(d) for d in t.topology.split("x")]
         assert dims[0] * dims[1] * (dims[2] if len(dims) == 3 else 1) == t.chips
         assert cat.check(t.name, t.zones[0], t.default_runtime) is t
-        assert ("-pod" in t.default_runtime) == (t.hosts > 1)
-        assert t.default_runtime.startswith("tpu-vm-tf-")  # the first template is TensorFlow
+        if t.tensorflow:  # the first template is TensorFlow; a multi-host slice gets the -pod image
+            assert cat.check(t.name, t.zones[0], t.default_runtime, "tensorflow") is t
+            assert ("-pod" in t.default_runtime) == (t.hosts > 1)
+            assert t.default_runtime.startswith("tpu-vm-tf-")
+        else:  # Google runs no TensorFlow from v6e on: the default is the JAX/PyTorch base image
+            assert t.generation == "v6e" and t.default_runtime == "v2-alpha-tpuv6e"
 
 
 def test_api_type_names_exist_in_the_tpu_client(cat):
@@ -61,6 +65,10 @@ def test_api_type_names_exist_in_the_tpu_client(cat):
     (("v5litepod-8", "us-central1-a", "tpu-vm-tf-2.14.1"), "runtime_version", "tpu-vm-tf-2.16.1-pjrt"),
     (("v3-8", "europe-west4-a", "tpu-vm-tf-2.18.0-pjrt"), "runtime_version", "tpu-vm-tf-2.18.0-pjrt-v5p-and-below"),
     (("v3-32", "europe-west4-a", "tpu-vm-tf-2.17.0-pjrt"), "runtime_version", "tpu-vm-tf-2.17.0-pod-pjrt"),
+    (("v4-32", "us-central2-b", "tpu-vm-tf-2.18.0-pjrt-v5p-and-below"), "runtime_version",
+     "tpu-vm-tf-2.18.0-pod-pjrt-v5p-and-below"),
+    (("v5litepod-16", "us-east5-a", "tpu-vm-tf-2.18.0-pjrt-v5e-and-v6"), "runtime_version",
+     "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6"),
     (("v6e-8", "us-east5-a", "v2-alpha-tpuv5"), "runtime_version", "v2-alpha-tpuv6e"),
 ])
 def test_validation_names_field_and_nearest_choices(cat, args, field, suggestion):
@@ -117,4 +125,4 @@ def test_data_carries_provenance():
 
 def test_pod_runtime_on_a_single_host_is_accepted_as_google_samples_do(cat):
     assert cat.check("v3-8", "us-central1-a", "tpu-vm-tf-2.17.0-pod-pjrt").hosts == 1
-    assert cat.check("v4-32", "us-central2-b", "tpu-vm-tf-2.18.0-pjrt-v5p-and-below").hosts == 4
+    assert cat.check("v4-32", "us-central2-b", "tpu-vm-tf-2.18.0-pod-pjrt-v5p-and-below").hosts == 4

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 def env(cloud, tmp_path, monkeypatch):
     monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("TPUCTL_API_ENDPOINT", cloud.endpoint)
-    monkeypatch.setenv("TPUCTL_STORAGE_HOST", cloud.storage_host)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", cloud.storage_host)
     monkeypatch.setenv("NO_COLOR", "1")
     return tmp_path / "home"
 

@@ -40,7 +40,7 @@ def clients(cloud):
 def home(tmp_path, monkeypatch, cloud):
     monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("TPUCTL_API_ENDPOINT", cloud.endpoint)
-    monkeypatch.setenv("TPUCTL_STORAGE_HOST", cloud.storage_host)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", cloud.storage_host)
     monkeypatch.setenv("NO_COLOR", "1")
     return tmp_path / "home"
 

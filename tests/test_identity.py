@@ -30,7 +30,7 @@ from tpuctl.provision import preflight
 from tpuctl.provision.clients import build
 
 ZONE, REGION = "europe-west4-a", "europe-west4"
-TF = "tpu-vm-tf-2.16.0-pjrt"
+TF = "tpu-vm-tf-2.16.1-pjrt"
 ACCOUNT = "ann.lee@example.com"
 
 

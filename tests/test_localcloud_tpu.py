@@ -151,7 +151,7 @@ probe; echo exit=$?; (unset LOCALCLOUD_TPU_REHEARSAL; probe 2>&1); echo exit=$?"
 @pytest.mark.parametrize("accelerator,workers", [("v2-8", 1), ("v5litepod-16", 2), ("v5litepod-4", 1), ("v4-32", 4)])
 def test_worker_count_follows_the_accelerator_type(clients, accelerator, workers):
     zone = {"v2-8": "us-central1-b", "v4-32": "us-central2-b"}.get(accelerator, "us-east5-a")
-    runtime = "tpu-vm-tf-2.16.0-pod-pjrt" if accelerator.startswith("v5") else "tpu-ubuntu2204-base"
+    runtime = "tpu-vm-tf-2.16.1-pod-pjrt" if accelerator.startswith("v5") else "tpu-ubuntu2204-base"
     node = _create(clients, "n", zone=zone, accelerator_type=accelerator, runtime_version=runtime)
     assert len(node.network_endpoints) == workers
     assert len(_host_keys(clients, node.name)) == workers

@@ -94,6 +94,8 @@ def test_run_trains_on_every_worker_and_tears_down(tpc, cloud, project, tmp_path
         assert json.loads(log[0][len("args="):]) == HOSTILE
         assert "step=15 loss=0.667 examples_per_sec=100.0" in log
     assert _no_pwned(_text(tpc, o.bucket, "runs/ok-run/logs/worker-0.log"))
+    # Paths as the user will use them, not the local cloud worker's mirror of the bucket.
+    assert f"checkpoint step=15 path=gs://{o.bucket}/runs/ok-run/model/ckpt-15.json" in log
     assert set(o.phases) >= {"validate", "up", "upload", "launch", "train", "tear down", "collect"}
     assert o.last_step_to_delete_s is not None and o.last_step_to_delete_s <= 5
 
@@ -192,7 +194,7 @@ def test_max_recoveries_zero_fails_on_preemption_and_tears_down(tpc, cloud, proj
 # ---------------------------------------------------------------------------------- the CLI, as a process
 
 def _env(cloud, tmp_path, project: str) -> dict:
-    return {**os.environ, "TPUCTL_API_ENDPOINT": cloud.endpoint, "TPUCTL_STORAGE_HOST": cloud.storage_host,
+    return {**os.environ, "TPUCTL_API_ENDPOINT": cloud.endpoint, "STORAGE_EMULATOR_HOST": cloud.storage_host,
             "TPUCTL_PROJECT": project, "TPUCTL_HOME": str(tmp_path / "home"), "NO_COLOR": "1",
             "PYTHONUNBUFFERED": "1"}
 
@@ -448,3 +450,30 @@ def test_delete_bucket_leaves_nothing_at_all(tpc, cloud, project):
     o = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5, delete_bucket=True), echo_logs=False).run()
     assert o.state == "succeeded" and o.step == 3
     assert _zero(cloud, project) and _buckets(cloud, project) == []
+
+
+def test_run_json_gives_loss_and_rate_as_numbers():
+    from tpuctl.jobs.pipeline import Outcome, _Stream
+
+    stream = _Stream(Outcome(run="nums"), echo=False)
+    stream(0, "step=10 loss=2.500 examples_per_sec=93.5")
+    stream(0, "step=20 loss=nan examples_per_sec=94.0")  # no NaN in JSON: the last finite loss stands
+    doc = json.loads(json.dumps(stream.outcome.as_dict()))
+    assert (doc["step"], doc["loss"], doc["examples_per_sec"]) == (20, 2.5, 94.0)
+
+
+def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
+    from tpuctl.jobs.pipeline import _corpus_path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "bert-tiny.yaml"
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "data").mkdir(parents=True)
+    (elsewhere / "data" / "decoy.txt").write_text("the working directory's file, not the spec's\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "GOOGLE_", "CLOUDSDK_"))}
+    dry = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(example), "--dry-run", "--json"], cwd=elsewhere,
+                         env={**env, "TPUCTL_HOME": str(tmp_path / "home"), "HOME": str(tmp_path), "NO_COLOR": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["state"] == "planned"
+    monkeypatch.chdir(elsewhere)  # a relative path means the spec's directory even where the cwd has a match
+    assert _corpus_path("data/*.txt", example.parent) == str(example.parent / "data" / "*.txt")

@@ -44,7 +44,7 @@ def test_catalog_lists_tpu7x_as_compute_engine_types():
                                                                               "tpu7x-standard-4t")
     assert (cat.accelerator("tpu7x-16").topology, cat.accelerator("tpu7x-16").hosts) == ("2x2x2", 2)
     assert (cat.accelerator("tpu7x-128").topology, cat.accelerator("tpu7x-128").hosts) == ("4x4x4", 16)
-    assert "tensorflow" not in t.frameworks and "flex-start" in t.provisioning
+    assert not t.tensorflow and "flex-start" in t.provisioning
     assert cat.accelerator("v3-8").api == "tpu-v2"
     assert cat.tpu_price_per_hour("tpu7x-8", ZONE, spot=True) < cat.tpu_price_per_hour("tpu7x-8", ZONE, spot=False)
     assert any("tpu7x" in s.lower() and "price" in s.lower() for s in cat._data["sources"])
@@ -74,11 +74,11 @@ def test_plan_refuses_what_google_does_not_offer(pc, fields, field):
 
 
 def test_a_tensorflow_job_on_tpu7x_is_refused_naming_jax(pc):
-    plan = make_plan(pc)
+    raw = {"name": "x1", "accelerator": "tpu7x-8", "zone": ZONE}
     with pytest.raises(BadInput) as exc:
-        prov.check_framework(plan, ("tensorflow",), what="template bert")
+        prov.plan(spec.from_mapping(raw), project=pc.project, owner="tester", framework="tensorflow")
     assert exc.value.field == "accelerator" and "JAX" in exc.value.message
-    prov.check_framework(make_plan(pc, accelerator="v3-8", zone="europe-west4-a"), ("tensorflow",), what="bert")
+    prov.plan(spec.from_mapping(raw), project=pc.project, owner="tester")  # `up` (no job) is fine
 
 
 def test_up_status_cost_down_of_a_tpu7x_single_host(pc, cloud):

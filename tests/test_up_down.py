@@ -92,6 +92,12 @@ def test_up_status_list_down(env, pc):
     d = tpuctl(env, "down", "r1", "--yes")
     assert d.returncode == 0 and "verified none remain" in d.stderr, d.stderr
     assert len(everything(pc)) == 1  # the bucket is kept
+    kept = json.loads(tpuctl(env, "status", "r1", "--json").stdout)
+    assert kept["state"] == "bucket kept" and kept["workers"] == 0
+    assert 3600 < kept["expires"] - time.time() <= 7200  # the bucket's TTL (--ttl 2h)
+    table = tpuctl(env, "status", "r1")
+    assert "run r1 (bucket kept)" in table.stdout and "kept until" in table.stderr, table
+    assert "bucket kept" in tpuctl(env, "list").stdout
     d = tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
     assert d.returncode == 0 and "holds 0 objects" in d.stderr, d.stderr
     assert everything(pc) == []

@@ -35,6 +35,8 @@ COMPUTE_SERVICE = "services/6F81-5844-456A"
 _SKU_GENERATIONS = (("tpuv5e", "v5e"), ("tpuv5p", "v5p"), ("tpuv6e", "v6e"), ("tpu7x", "tpu7x"),
                     ("tpu-v2", "v2"), ("tpu-v3", "v3"), ("tpu-v4", "v4"))
 _CHIPS_PER_DEVICE_SKU = {"v2": 4, "v3": 4, "v4": 4}
+# TPU VM images with TensorFlow are named tpu-vm-tf-X.Y.Z[-pod][-pjrt|-se] (cloud.google.com/tpu/docs/runtimes).
+TF_RUNTIME_PREFIX = "tpu-vm-tf-"
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,10 @@ class AcceleratorType:
     zones: tuple[str, ...]
     runtimes: tuple[str, ...]
     default_runtime: str
+    tensorflow: bool = True  # Google runs TensorFlow on this generation (none from v6e on)
     # Which API provisions it: "tpu-v2" (Cloud TPU API nodes) or "compute" (Compute Engine machine types, TPU7x+).
     api: str = "tpu-v2"
     machine_type: str | None = None  # the Compute Engine machine type of one host, for api == "compute"
-    frameworks: tuple[str, ...] = ("tensorflow", "jax", "pytorch")
     provisioning: tuple[str, ...] = ("on-demand", "spot", "preemptible", "queued")
 
     @property
@@ -136,8 +138,8 @@ class Catalog:
                     cores=chips * g["cores_per_chip"], hosts=hosts, topology=topology(chips, g["topology_dims"]),
                     zones=tuple(g["zones"]), runtimes=tuple(g["runtimes"]),
                     default_runtime=g["default_runtime_pod"] if hosts > 1 else g["default_runtime"],
-                    api=g.get("api", "tpu-v2"), machine_type=g.get("machine_type"),
-                    frameworks=tuple(g.get("frameworks", AcceleratorType.frameworks)),
+                    tensorflow=g.get("tensorflow", True), api=g.get("api", "tpu-v2"),
+                    machine_type=g.get("machine_type"),
                     provisioning=tuple(g.get("provisioning", AcceleratorType.provisioning)))
 
     # -- shapes ---------------------------------------------------------------------------------------------
@@ -160,14 +162,27 @@ class Catalog:
                            field="accelerator", hint="list the valid types with `tpuctl catalog list`")
         return t
 
-    def check(self, accelerator: str, zone: str, runtime_version: str | None) -> AcceleratorType:
+    def tensorflow_types(self) -> list[str]:
+        """Generations that run TensorFlow, for hints."""
+        return [gen for gen in self.generations() if self._data["generations"][gen].get("tensorflow", True)]
+
+    def check(self, accelerator: str, zone: str, runtime_version: str | None,
+              framework: str | None = None) -> AcceleratorType:
         """Validate a (type, zone, runtime) triple as `up` will send it; returns the type.
 
         Raises BadInput naming the field at fault ("accelerator", "zone", "runtime_version") and the nearest
         valid choices. A multi-host slice needs the `-pod` TensorFlow runtime where one exists (`-pod` on a
-        single host is accepted: Google's own samples do that).
+        single host is accepted: Google's own samples do that). With `framework="tensorflow"` (the job's
+        template runs TensorFlow) a type Google runs no TensorFlow on and a runtime without TensorFlow (a
+        base image) are refused too.
         """
         t = self.accelerator(accelerator)
+        if framework == "tensorflow" and not t.tensorflow:
+            raise BadInput(
+                f"TensorFlow does not run on {t.generation} ({t.name}): Google supports no TensorFlow from v6e on "
+                f"and its TensorFlow runtimes stop at 2.18: the job needs a JAX backend there; use a "
+                f"{', '.join(self.tensorflow_types())} type",
+                field="accelerator", hint="e.g. --accelerator v5litepod-8 or v3-8; `tpuctl catalog list` shows them")
         if zone not in t.zones:
             same_region = [z for z in t.zones if region_of(z) == region_of(zone)]
             choices = same_region or nearest(zone, t.zones)
@@ -179,6 +194,11 @@ class Catalog:
                     f"runtime {runtime_version!r} does not run on {t.generation} ({t.name}); "
                     f"{_did_you_mean(nearest(runtime_version, t.runtimes))}",
                     field="runtime_version", hint=f"the default for {t.name} is {t.default_runtime}")
+            if framework == "tensorflow" and not runtime_version.startswith(TF_RUNTIME_PREFIX):
+                raise BadInput(
+                    f"runtime {runtime_version!r} is a base image without TensorFlow, and the job's template "
+                    f"runs TensorFlow; use a {TF_RUNTIME_PREFIX}* runtime", field="runtime_version",
+                    hint=f"the default for {t.name} is {t.default_runtime}")
             twin = _pod_twin(runtime_version)
             if t.multi_host and twin in t.runtimes:
                 raise BadInput(
@@ -243,10 +263,10 @@ def accelerator_json(t: AcceleratorType, cat: Catalog) -> dict[str, Any]:
                        "spot": None if p.spot is None else round(t.chips * p.spot, 4)}
               for region, p in cat.tpu_prices(t.generation).items()}
     return {"name": t.name, "generation": t.generation, "api_type": t.api_type, "api": t.api,
-            "machine_type": t.machine_type, "frameworks": list(t.frameworks), "provisioning": list(t.provisioning),
+            "machine_type": t.machine_type, "provisioning": list(t.provisioning),
             "chips": t.chips, "cores": t.cores,
             "hosts": t.hosts, "topology": t.topology, "zones": list(t.zones), "runtimes": list(t.runtimes),
-            "default_runtime": t.default_runtime, "price_per_hour_by_region": prices}
+            "default_runtime": t.default_runtime, "tensorflow": t.tensorflow, "price_per_hour_by_region": prices}
 
 
 def _pod_twin(runtime: str) -> str | None:

@@ -174,7 +174,7 @@ def settings(*, project: str | None = None, cloud: str | None = None, env: Mappi
         return Settings(target="gcp", project=project, sources=sources, account=caller_account(env, local=False))
     project = project or LOCAL_PROJECT
     sources.setdefault("project", "default")
-    storage_host = env.get("TPUCTL_STORAGE_HOST") or env.get("STORAGE_EMULATOR_HOST") or None
+    storage_host = env.get("STORAGE_EMULATOR_HOST") or None
     if not start_local and endpoint is None:
         # A dry run names the target without starting anything.
         return Settings(target="local", project=project, sources=sources, account=caller_account(env, local=True))
@@ -218,10 +218,30 @@ def _local_endpoints(endpoint: str | None, storage_host: str | None) -> tuple[st
     from tpuctl import console
     from tpuctl.localcloud import daemon
 
-    info = daemon.ensure_running(paths.localcloud_dir())
+    info = daemon.ensure_running(paths.localcloud_dir(), idle_stop_s=local_idle_stop_s())
     console.note(f"no Google Cloud project/credentials: using the embedded local cloud at {info['endpoint']} "
                  "(--cloud gcp to change)")
     return info["endpoint"], storage_host or info["storage_host"]
+
+
+LOCAL_IDLE_DEFAULT = "30m"
+_NEVER = ("0", "never", "off")
+
+
+def local_idle_stop_s(value: str | None = None, env: Mapping[str, str] | None = None) -> float:
+    """Seconds of idleness after which the embedded local cloud stops itself: `value` (`tpuctl local start
+    --idle-stop`), else TPUCTL_LOCAL_IDLE, else 30m; `0`, `never` or `off` keep it running. BadInput if invalid."""
+    from tpuctl.spec import parse_duration
+
+    env = os.environ if env is None else env
+    source = "idle_stop" if value is not None else "TPUCTL_LOCAL_IDLE"
+    text = value if value is not None else env.get("TPUCTL_LOCAL_IDLE") or LOCAL_IDLE_DEFAULT
+    if text.strip().lower() in _NEVER:
+        return 0.0
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise BadInput(str(exc), field=source, hint="a duration such as 30m or 2h, or never") from None
 
 
 def _storage_host_of(endpoint: str) -> str:

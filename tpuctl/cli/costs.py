@@ -76,7 +76,8 @@ def catalog_show(accelerator: str, as_json: bool) -> None:
         ("type", t.name), ("generation", t.generation), ("api type", t.api_type),
         ("provisioned by", t.api + (f" (machine type {t.machine_type})" if t.machine_type else "")),
         ("chips / cores / hosts", f"{t.chips} / {t.cores} / {t.hosts}"), ("topology", t.topology),
-        ("zones", ", ".join(t.zones)), ("runtimes", ", ".join(t.runtimes)), ("default runtime", t.default_runtime)])
+        ("zones", ", ".join(t.zones)), ("runtimes", ", ".join(t.runtimes)), ("default runtime", t.default_runtime),
+        ("TensorFlow", "yes" if t.tensorflow else "no (Google supports none from v6e on)")])
     console.table(("region", "on-demand $/h", "spot $/h"),
                   [(r, _money(p["on_demand"]), _money(p["spot"]))
                    for r, p in data["price_per_hour_by_region"].items()])
@@ -149,7 +150,7 @@ def _outcome_line(o) -> str:
 
 
 _SCHEDULE_ENV = ("TPUCTL_HOME", "TPUCTL_OWNER", "TPUCTL_PROJECT", "TPUCTL_CLOUD", "TPUCTL_API_ENDPOINT",
-                 "TPUCTL_STORAGE_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG")
+                 "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG")
 
 
 def _tpuctl_argv() -> list[str]:

@@ -35,8 +35,8 @@ def _summary(o) -> None:
     if phases:
         console.info(f"  phases: {phases}")
     if o.step is not None:
-        console.info(f"  last step {o.step}" + (f", loss {o.loss}" if o.loss else "")
-                     + (f", {o.examples_per_sec} examples/s" if o.examples_per_sec else ""))
+        console.info(f"  last step {o.step}" + (f", loss {o.loss:g}" if o.loss is not None else "")
+                     + (f", {o.examples_per_sec:g} examples/s" if o.examples_per_sec is not None else ""))
     if o.cost_usd is not None:
         console.info(f"  cost: about ${o.cost_usd:.4f} (${o.price_per_hour:.2f}/h while up)")
     if o.last_step_to_delete_s is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from tpuctl import console, paths
+from tpuctl import config, console, paths
 from tpuctl.errors import BadInput, LocalCloudError
 from tpuctl.localcloud import daemon
 from tpuctl.localcloud.core import FAULT_KINDS
@@ -53,6 +53,13 @@ def _admin(info: dict, method: str, path: str, body: dict | None = None) -> dict
         raise LocalCloudError(f"cannot reach the local cloud at {info['endpoint']}: {exc}") from None
 
 
+def _idle_text(info: dict) -> str:
+    from tpuctl.spec import format_duration
+
+    idle = info.get("idle_stop_s") or 0
+    return f"stops after {format_duration(idle)} idle" if idle else "never stops by itself"
+
+
 @click.group("local")
 def local_group() -> None:
     """The embedded local cloud (TPU, Compute, Storage emulation on 127.0.0.1).
@@ -66,18 +73,26 @@ def local_group() -> None:
 @click.option("--speed", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_SPEED, show_default=True,
               help="operations run this many times faster than on Google Cloud")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="API port [default: any free port]")
+@click.option("--idle-stop", metavar="DURATION", default=None,
+              help=f"stop after this long with no request and nothing billed; never to keep it "
+                   f"[env TPUCTL_LOCAL_IDLE; default {config.LOCAL_IDLE_DEFAULT}]")
+@click.option("--worker-python", type=click.Choice(["runtime", "host"]), default=None,
+              help="what TPU workers run jobs with: the runtime image's TensorFlow and Keras, in a venv built once "
+                   "per image (runtime, the default), or this interpreter (host)")
 @_state_dir_option
-def start_command(speed: float, port: int, state_dir: Path | None) -> None:
+def start_command(speed: float, port: int, idle_stop: str | None, worker_python: str | None,
+                  state_dir: Path | None) -> None:
     """Start the local cloud in the background and print `export` lines for it."""
     sd = _dir(state_dir)
+    idle_stop_s = config.local_idle_stop_s(idle_stop)
     try:
-        info = daemon.start(sd, speed, port=port)
+        info = daemon.start(sd, speed, port=port, idle_stop_s=idle_stop_s, worker_python=worker_python)
     except daemon.AlreadyRunning as exc:
         raise LocalCloudError(f"{exc}: `tpuctl local env` prints its settings", hint="") from None
     except daemon.DaemonError as exc:
         raise LocalCloudError(str(exc), hint="") from None
     console.info(f"local cloud running at {info['endpoint']} (storage {info['storage_host']}, speed {speed:g}x, "
-                 f"state in {sd})")
+                 f"state in {sd}, {_idle_text(info)})")
     for line in daemon.env_lines(info):
         click.echo(line)
 
@@ -95,7 +110,8 @@ def env_command(state_dir: Path | None) -> None:
 @_state_dir_option
 def status_command(as_json: bool, state_dir: Path | None) -> None:
     """Every live resource (with worker SSH endpoints) and the billing meter."""
-    status = _admin(_running(_dir(state_dir)), "GET", "status")
+    info = _running(_dir(state_dir))
+    status = _admin(info, "GET", "status")
     if as_json:
         console.emit_json(status)
         return
@@ -111,7 +127,8 @@ def status_command(as_json: bool, state_dir: Path | None) -> None:
         rows.append(("vm", i["name"], i["zone"], i["status"], i["machine_type"], ports))
     for b in res["buckets"]:
         rows.append(("bucket", b["name"], b.get("location", ""), "", f"{b.get('bytes', 0)} bytes", ""))
-    console.info(f"local cloud at {status['endpoint']} (storage {status['storage_host']}, speed {status['speed']:g}x)")
+    console.info(f"local cloud at {status['endpoint']} (storage {status['storage_host']}, speed {status['speed']:g}x, "
+                 f"{_idle_text(info)})")
     console.table(("kind", "name", "location", "state", "type", "ssh ports"), rows)
     console.info(f"metered so far: ${status['meter']['total_usd']:.4f} over {len(status['meter']['resources'])} resource(s)")
     if status["faults"]:

@@ -200,7 +200,7 @@ def _runs_table(runs: list[inventory.RunStatus]) -> None:
 
     now = time.time()
     console.table(("run", "owner", "state", "zone", "accelerator", "workers", "age", "expires in", "$/h", "accrued"),
-                  [(s.run, s.owner or "-", s.state.value, s.zone or "-",
+                  [(s.run, s.owner or "-", s.state_text, s.zone or "-",
                     next((r.accelerator for r in s.resources if r.accelerator), "-"), s.workers,
                     inventory.age_text(s.age_s),
                     inventory.age_text(s.expires - now) if s.expires and s.expires > now else
@@ -232,7 +232,12 @@ def status(run, cloud, project, as_json) -> None:
                     else r.state.value, inventory.age_text(time.time() - r.created.timestamp()) if r.created else "-",
                     " ".join(f"{w.ip}:{w.port}" for w in r.workers) or "-",
                     ", ".join(f"{k}={v}" for k, v in r.detail.items())) for r in s.resources],
-                  title=f"run {s.run} ({s.state.value})")
+                  title=f"run {s.run} ({s.state_text})")
+    if s.bucket_kept:
+        bucket = next(r.name for r in s.resources if r.kind is prov.Kind.BUCKET)
+        console.info(f"the TPU and VMs are gone; bucket gs://{bucket} kept until {inventory.utc(s.expires)} (its TTL); "
+                     f"`tpuctl down {s.run} --delete-bucket` deletes it now")
+        return
     console.info(f"{_money(s.price_per_hour)}/hour, {_money(s.accrued)} so far; expires "
                  f"{inventory.utc(s.expires)}")
     if any(r.state is prov.State.PREEMPTED for r in s.resources):

@@ -47,6 +47,7 @@ def main() -> int:
             tmp = model_dir / "checkpoint.tmp"
             tmp.write_text(name)
             tmp.replace(index)
+            print(f"checkpoint step={step} path={model_dir / name}", flush=True)  # as the BERT template does
     export = Path(config["runtime"].get("export_dir") or model_dir / "export")
     export.mkdir(parents=True, exist_ok=True)
     (export / "final.json").write_text(json.dumps({"step": max_steps}))
