@@ -58,9 +58,13 @@ SHAPES = (
 )
 PROVISIONING = ("on-demand", "spot", "queued")
 FAULTS = ("none", "capacity-first-zone", "capacity-all-zones", "429-storm", "503s", "stuck-create",
-          "preempt-mid-job", "kill-worker", "drop-ssh", "sigint", "sigterm", "kill9")
+          "preempt-mid-job", "kill-worker", "drop-ssh", "sigint", "sigterm", "kill9",
+          # Google's own shapes (localcloud/README.md "Faults"): stockouts as code 9 and 13, a bare 429 and
+          # Compute's 403 quota, host maintenance mid-job, guest attributes answering nothing or failing.
+          "stockout-9", "stockout-13", "quota-429-bare", "quota-403", "repair-mid-job", "guest-attrs")
 # Faults that need a running job (and, for preemption, a spot node).
-JOB_FAULTS = ("none", "preempt-mid-job", "kill-worker", "drop-ssh")
+JOB_FAULTS = ("none", "preempt-mid-job", "kill-worker", "drop-ssh", "repair-mid-job", "guest-attrs")
+STOCKOUT_CODES = {"stockout-9": 9, "stockout-13": 13}
 SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "kill9": signal.SIGKILL}
 
 _SECRET_PATTERNS = (
@@ -352,6 +356,8 @@ def pick(rng: random.Random, index: int, faults: tuple[str, ...] = FAULTS) -> Sc
         provisioning = "spot"  # only spot/preemptible nodes are preempted (a queued one here is on-demand)
     if fault == "capacity-first-zone" and len(zones) == 1:
         fault = "capacity-all-zones"
+    if fault in STOCKOUT_CODES or fault.startswith("quota-"):
+        provisioning = rng.choice(("on-demand", "spot"))  # a queued resource waits for capacity instead
     return Scenario(index=index, accelerator=accelerator, zones=zones, hosts=hosts, provisioning=provisioning,
                     fault=fault, cleanup=rng.choice(("down", "gc")), phase=rng.random(), storm=rng.randint(1, 4),
                     command=rng.choice(("up", "run")))
@@ -360,7 +366,9 @@ def pick(rng: random.Random, index: int, faults: tuple[str, ...] = FAULTS) -> Sc
 def expected_exit(s: Scenario) -> tuple[int, ...]:
     if s.waits_forever:
         return (EXIT["interrupted"],)
-    if s.fault == "capacity-all-zones":
+    if s.fault == "capacity-all-zones" or s.fault.startswith("quota-"):
+        return (EXIT["capacity"],)
+    if s.fault in STOCKOUT_CODES and len(s.zones) == 1:
         return (EXIT["capacity"],)
     if s.fault == "429-storm" and s.storm >= _quota_attempts():
         # The local cloud's 429 names the quota it hit; tpuctl's contract retries such a 429 a fixed number of
@@ -384,6 +392,10 @@ def _quota_attempts() -> int:
 _MESSAGES = {
     "429-storm": re.compile(r"quota", re.IGNORECASE),
     "capacity-all-zones": re.compile(r"capacity", re.IGNORECASE),
+    "stockout-9": re.compile(r"capacity", re.IGNORECASE),
+    "stockout-13": re.compile(r"capacity", re.IGNORECASE),
+    "quota-429-bare": re.compile(r"quota", re.IGNORECASE),
+    "quota-403": re.compile(r"quota", re.IGNORECASE),
     "sigint": re.compile(r"interrupt", re.IGNORECASE),
     "sigterm": re.compile(r"interrupt", re.IGNORECASE),
 }
@@ -435,7 +447,8 @@ def run_scenario(stack: Stack, s: Scenario) -> Outcome:
                 out.leaked += [f"after rollback: {k}" for k in _settle(stack, s.run)]
         else:
             _arm_request_faults(stack, s)
-            result = up(stack, s.run, s.accelerator, s.zones, s.provisioning)
+            vms = {"vms": [{"name": "d"}]} if s.fault == "quota-403" else None  # Compute quota needs a VM
+            result = up(stack, s.run, s.accelerator, s.zones, s.provisioning, extra=vms)
             out.exit_code, out.message = result.exit_code, result.message
         pattern = _MESSAGES["sigint"] if s.waits_forever else _MESSAGES.get(s.fault)
         if pattern is not None and out.exit_code not in (EXIT["ok"], EXIT["killed"]):
@@ -465,6 +478,17 @@ def _arm_request_faults(stack: Stack, s: Scenario) -> None:
         stack.fault("unavailable", method="*", count=s.storm)
     elif s.fault == "stuck-create":
         stack.fault("stuck", service="tpu", method=create)
+    elif s.fault in STOCKOUT_CODES:
+        stack.fault("capacity", service="tpu", method=create, zone=s.zones[0], code=STOCKOUT_CODES[s.fault])
+    elif s.fault == "quota-429-bare":
+        stack.fault("quota", service="tpu", method=create, details=False, quota="TPUV3sPerProjectPerZoneForTPUAPI")
+    elif s.fault == "quota-403":
+        stack.fault("quota", service="compute", method="instances.insert", quota="CPUS", in_operation=s.phase < 0.5)
+    elif s.fault == "guest-attrs":
+        if s.phase < 0.5:
+            stack.fault("no-guest-attributes", service="tpu")
+        else:
+            stack.fault("unavailable", service="tpu", method="nodes.getGuestAttributes")
 
 
 def run_command(spec_path: Path) -> list[str]:
@@ -517,6 +541,10 @@ def _tpuctl_run_with_fault(stack: Stack, s: Scenario) -> tuple[int, str, JobReco
                 stack.fault("kill-worker", node=s.run, worker=int(s.phase * 7) % s.hosts)
             elif s.fault == "drop-ssh":
                 stack.fault("drop-ssh", node=s.run)
+            elif s.fault == "repair-mid-job":
+                # Long enough (2-4 s here) that `tpuctl run` sees the node under maintenance and waits.
+                stack.fault("repair", node=s.run, state="RESTARTING" if s.phase < 0.3 else "REPAIRING",
+                            seconds=2000 + 2000 * s.phase)
             struck = True
         time.sleep(0.1)
     if proc.poll() is None and not struck:
@@ -543,7 +571,7 @@ def _tpuctl_run_with_fault(stack: Stack, s: Scenario) -> tuple[int, str, JobReco
             record.restored.append((before, int(m.group(1))))
             if int(m.group(1)) < before:
                 problems.append(f"worker {w} restored step {m.group(1)} < checkpoint {before}")
-    if s.fault in ("preempt-mid-job", "kill-worker") and struck and not record.restored and before < 30:
+    if s.fault in ("preempt-mid-job", "kill-worker", "repair-mid-job") and struck and not record.restored and before < 30:
         problems.append(f"the job did not resume from checkpoint {before} after {s.fault}")
     return code, error_line(err), record, problems
 

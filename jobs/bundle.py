@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib
+import importlib.util
 import io
 import json
+import sys
 import tarfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -92,6 +95,51 @@ def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, ru
         runtime.setdefault("data_dir", data_url)
     config["runtime"] = runtime
     return config
+
+
+def check_config(template_dir: Path, config: Mapping) -> None:
+    """Run the template's own config check (`config.validate` in its template.json, MODULE:FUNCTION inside
+    the template package) on the config the workers would get, so a typo or an impossible value is bad input
+    here, before anything is created, rather than a failed job on a billed TPU. A template that declares no
+    check is shipped unchecked. Imports the template's module; blocks for no I/O beyond reading it.
+
+    Raises BadInput naming `job.config.FIELD` (the template's error carries `field` and `rule`)."""
+    meta_path = template_dir / "template.json"
+    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+    target = (meta.get("config") or {}).get("validate")
+    if not target:
+        return
+    module_name, _, function = target.partition(":")
+    try:
+        check = getattr(importlib.import_module(f"{_template_package(template_dir)}.{module_name}"), function)
+    except (ImportError, AttributeError, OSError) as exc:
+        raise BadInput(f"{meta_path}: config.validate {target!r} cannot be loaded ({exc})",
+                       field="job.template") from exc
+    try:
+        check(json.loads(json.dumps(dict(config))))
+    except ValueError as exc:
+        field = getattr(exc, "field", None)
+        if field is None:
+            raise BadInput(str(exc), field="job.config") from exc
+        raise BadInput(getattr(exc, "rule", str(exc)), field=f"job.config.{field}" if field else "job.config",
+                       hint=f"see the {template_dir.name} template's config schema "
+                            f"({template_dir.name}/{module_name}.py)") from exc
+
+
+def _template_package(template_dir: Path) -> str:
+    """The importable name of a template package: the installed one for a built-in template, else the
+    directory loaded under a private name (its modules import each other relatively)."""
+    builtin = Path(str(resources.files("tpuctl.templates")))
+    if template_dir.parent.resolve() == builtin.resolve():
+        return f"tpuctl.templates.{template_dir.name}"
+    name = f"_tpuctl_template_{template_dir.name}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, template_dir / "__init__.py",
+                                                      submodule_search_locations=[str(template_dir)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[name] = package
+        spec.loader.exec_module(package)
+    return name
 
 
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:

@@ -258,6 +258,7 @@ class Pipeline:
             self.max_recoveries = (self.opts.max_recoveries if self.opts.max_recoveries is not None
                                    else self.spec.job.max_recoveries)
             self._check_data()
+            self._check_config()
             for note in self.plan.notes:
                 console.note(note)
             console.info(f"run {self.plan.run}: {self.plan.accelerator.name} in {', '.join(self.plan.zones)} "
@@ -281,6 +282,19 @@ class Pipeline:
         except DataError as exc:
             raise BadInput(str(exc), field="job.data", hint="see `tpuctl data prepare --help`") from exc
 
+    def _check_config(self) -> None:
+        """The template checks the config the workers would get (unknown keys, types, divisibility) before
+        anything is created: a typo must not cost a TPU and leave a bucket behind."""
+        job = self.spec.job
+        config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
+                                    data_url=None)
+        try:
+            bundles.check_config(self.template_dir, config)
+        except BadInput as exc:
+            if exc.field == "job.config.preset" and "preset" not in job.config:  # it came from `job.preset`
+                raise BadInput(exc.message, field="job.preset", hint=exc.hint) from exc
+            raise
+
     def up(self):
         # The function itself, not `provision.apply`: that package attribute is replaced by the `apply`
         # submodule once anything imports it (the package loads it lazily), and a module is not callable.
@@ -288,7 +302,7 @@ class Pipeline:
 
         with self.phase("up"), console.ProgressBoard(f"up {self.plan.run}") as board:
             self._up_started = self._up_started or time.time()
-            result = apply_plan(self.clients, self.plan, progress=board.update)
+            result = apply_plan(self.clients, self.plan, progress=board.update, on_gone=ledger.remember_gone)
         ledger.remember(result.resources)
         bucket = result.get(Kind.BUCKET)
         self._created_bucket = bucket is not None and bucket.key in result.created
@@ -382,7 +396,7 @@ class Pipeline:
                     node = await asyncio.to_thread(cluster.node_state, self.clients, rec.zone, rec.node)
                     if node is None or node.state is not State.READY:
                         console.warn(f"TPU node {rec.node} is {'gone' if node is None else node.state.value}")
-                        return "lost", None
+                        return "repairing" if node is not None and node.state is State.REPAIRING else "lost", None
                     states = await launching.poll(fleet, rec.run)
                     failed = [s for s in states if s.done and s.exit_code != 0]
                     if failed:
@@ -407,13 +421,18 @@ class Pipeline:
         rec = self.record
         while True:
             with self.phase("train"):
-                key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
-                verdict, failed = asyncio.run(self._watch(targets, key))
+                try:
+                    key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
+                except CapacityError as exc:  # preempted (or stopped) before our key could be added
+                    console.warn(exc.message)
+                    verdict, failed = "lost", None
+                else:
+                    verdict, failed = asyncio.run(self._watch(targets, key))
             if verdict == "done":
                 return
             if verdict == "failed":
                 self._fail(targets, key, failed)
-            self._recover()
+            self._recover(maintenance=verdict == "repairing")
 
     def _fail(self, targets, key, failed: launching.WorkerState) -> None:
         rec = self.record
@@ -434,7 +453,9 @@ class Pipeline:
                         hint=f"last lines of worker {failed.index}:\n{lines}\n  full logs: "
                              f"gs://{rec.bucket}/runs/{rec.run}/logs/worker-{failed.index}.log")
 
-    def _recover(self) -> None:
+    def _recover(self, *, maintenance: bool = False) -> None:
+        """Bring the node back and relaunch (the job resumes from its checkpoint). A node seen under
+        maintenance (REPAIRING/RESTARTING) is waited for, not recreated: it is the same node after a reboot."""
         rec = self.record
         if self.outcome.recoveries >= rec.max_recoveries:
             raise JobFailed(f"the TPU node was lost {self.outcome.recoveries + 1} time(s); max recoveries is "
@@ -444,9 +465,15 @@ class Pipeline:
         with self.phase("recover", f"attempt {self.outcome.recoveries} of {rec.max_recoveries}"):
             try:
                 # A lost node bills no more; its successor (same name) is a new ledger entry.
-                lost = provision.list_resources(self.clients, rec.run)
-                ledger.remember([r for r in lost if r.kind is Kind.TPU and r.name == rec.node], deleted=True)
-                node = provision.recreate_node(self.clients, rec.zone, rec.node, force=True)
+                lost = [r for r in provision.list_resources(self.clients, rec.run)
+                        if r.kind is Kind.TPU and r.name == rec.node]
+                if maintenance:
+                    console.warn(f"TPU node {rec.node} is under maintenance: waiting for it to come back")
+                if not maintenance:
+                    ledger.remember(lost, deleted=True)
+                node = provision.recreate_node(self.clients, rec.zone, rec.node, force=not maintenance)
+                if maintenance and any(r.created != node.created for r in lost):
+                    ledger.remember(lost, deleted=True)  # it never came back and was recreated
                 ledger.remember([node])
             except (NotFound, CapacityError) as exc:
                 if self.plan is None:
@@ -506,12 +533,11 @@ class Pipeline:
         self.validate()
         if self.opts.dry_run:
             return self.outcome
-        # Like `up`: ask on a terminal; scripts and CI (no TTY) proceed, as they cannot answer.
-        if console.interactive() and not console.confirm(
-                f"create {self.plan.accelerator.name} for run {self.plan.run} at ~${self.plan.price_per_hour:.2f}/h "
-                "(torn down when the job ends)?", yes=self.opts.yes):
-            raise BadInput("not confirmed; nothing was created", field="yes",
-                           hint="pass --yes to create resources without asking")
+        # The one confirmation rule (console.can_confirm): a terminal is asked, --yes answers, and without
+        # either nothing is created.
+        console.confirm(f"create {self.plan.accelerator.name} for run {self.plan.run} at "
+                        f"~${self.plan.price_per_hour:.2f}/h (torn down when the job ends)?",
+                        yes=self.opts.yes, to=f"create run {self.plan.run}")
         return self._drive(fresh=True)
 
     def attach(self) -> Outcome:

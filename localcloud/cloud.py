@@ -159,6 +159,12 @@ class LocalCloud:
         `denied_permissions`, `external_ips_denied` (org policy constraints/compute.vmExternalIpAccess). Returns the project's shape. ValueError on unknown options."""
         return self.projects.shape(project, **options)
 
+    def repair(self, node: str, state: str = "REPAIRING", seconds: float | None = None) -> None:
+        """Host maintenance of a READY TPU node now: `state` (REPAIRING or RESTARTING) with health
+        UNHEALTHY_MAINTENANCE for `seconds` of simulated time (default 120), then READY again with rebooted
+        workers. ValueError if the node does not exist or is not READY."""
+        self.tpu.repair(node, state, *(() if seconds is None else (seconds,)))
+
     def meter_report(self) -> dict:
         self._sample_buckets()
         return self.world.meter.report()
@@ -272,13 +278,15 @@ class LocalCloud:
 
     def _apply_fault(self, fault: Fault) -> None:
         """Kinds that act on a resource fire at once and leave the registry; the rest wait for calls."""
-        if fault.kind not in ("preempt", "kill-worker", "drop-ssh"):
+        if fault.kind not in ("preempt", "kill-worker", "drop-ssh", "repair"):
             return
         self.faults.clear(fault.id)
         if not fault.node:
             raise ValueError(f"fault {fault.kind} needs node=")
         if fault.kind == "preempt":
             self.tpu.preempt(fault.node, fault.at)
+        elif fault.kind == "repair":
+            self.repair(fault.node, fault.state or "REPAIRING", fault.seconds)
         elif fault.kind == "kill-worker":
             self.world.workers.kill_worker(self._worker_key(fault.node), fault.worker or 0)
         else:

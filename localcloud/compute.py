@@ -114,7 +114,8 @@ class ComputeService:
             code, message, http = error
             op["error"] = {"errors": [{"code": code, "message": message}]}
             op["httpErrorStatusCode"] = http
-            op["httpErrorMessage"] = {503: "SERVICE UNAVAILABLE", 404: "NOT FOUND", 400: "BAD REQUEST"}.get(http, "ERROR")
+            op["httpErrorMessage"] = {503: "SERVICE UNAVAILABLE", 404: "NOT FOUND", 400: "BAD REQUEST",
+                                      403: "FORBIDDEN"}.get(http, "ERROR")
 
     def _meter(self, rec: dict) -> None:
         mt = rec["machine_type"]
@@ -232,6 +233,9 @@ class ComputeService:
                 pass
             elif self.w.faults.take("capacity", "compute", "instances.insert", p["zone"]):
                 self.w.later(CAPACITY_FAIL_S, "compute.insert_failed", key=key, op=op_key)
+            elif quota := self.w.faults.take("quota", "compute", "instances.insert", p["zone"],
+                                             where=lambda f: bool(f.in_operation)):
+                self.w.later(CAPACITY_FAIL_S, "compute.insert_failed", key=key, op=op_key, quota=quota.quota or "CPUS")
             else:
                 self.w.later(INSERT_S, "compute.insert_done", key=key, op=op_key)
             self.w.changed()
@@ -283,7 +287,7 @@ class ComputeService:
                 self.w.meter.end(key)
             self.w.changed()
 
-    def _insert_failed(self, key: str, op: str) -> None:
+    def _insert_failed(self, key: str, op: str, quota: str | None = None) -> None:
         with self.w.lock:
             rec = self.instances.pop(key, None)
             if rec is None:
@@ -292,9 +296,13 @@ class ComputeService:
             if rec.get("mig") and self.groups is not None:
                 self.groups.member_failed(rec["mig"])
             zone = f"projects/{rec['project']}/zones/{rec['zone']}"
-            self._finish_op(op, ("ZONE_RESOURCE_POOL_EXHAUSTED",
-                                 f"The zone '{zone}' does not have enough resources available to fulfill the request.  "
-                                 "Try a different zone, or try again later.", 503))
+            if quota:
+                region = rec["zone"].rsplit("-", 1)[0]
+                self._finish_op(op, ("QUOTA_EXCEEDED", f"Quota '{quota}' exceeded.  Limit: 0.0 in region {region}.", 403))
+            else:
+                self._finish_op(op, ("ZONE_RESOURCE_POOL_EXHAUSTED",
+                                     f"The zone '{zone}' does not have enough resources available to fulfill the request.  "
+                                     "Try a different zone, or try again later.", 503))
             self.w.changed()
 
     def get(self, p: dict, q: dict, body: None) -> dict:

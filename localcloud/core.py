@@ -178,7 +178,10 @@ class Scheduler:
 
 # ----------------------------------------------------------------------------------------------- faults
 
-FAULT_KINDS = ("capacity", "quota", "unavailable", "stuck", "preempt", "kill-worker", "drop-ssh")
+FAULT_KINDS = ("capacity", "quota", "unavailable", "stuck", "preempt", "kill-worker", "drop-ssh", "repair",
+               "no-guest-attributes")
+# The operation error codes a TPU create fails with when a zone has no capacity (see README "Faults").
+CAPACITY_CODES = (8, 9, 13)
 
 
 @dataclass
@@ -194,6 +197,11 @@ class Fault:
     probability: float = 1.0
     seed: int | None = None
     quota: str | None = None            # the quota a "quota" fault names
+    code: int | None = None             # capacity: the TPU create operation's error code (8, 9 or 13)
+    details: bool | None = None         # quota: False = a bare 429 without google.rpc.QuotaFailure
+    in_operation: bool | None = None    # quota on Compute: the insert operation fails (403), not the request
+    state: str | None = None            # repair: REPAIRING (default) or RESTARTING
+    seconds: float | None = None        # repair: simulated seconds under maintenance (default 120)
     node: str | None = None             # preempt / kill-worker / drop-ssh target
     worker: int | None = None
     at: float | None = None             # preempt: wall-clock time
@@ -225,6 +233,10 @@ class Faults:
             raise ValueError(f"unknown fault option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
         if options.get("probability") is not None and not 0 <= float(options["probability"]) <= 1:
             raise ValueError("probability must be between 0 and 1")
+        if options.get("code") is not None and int(options["code"]) not in CAPACITY_CODES:
+            raise ValueError(f"code must be one of {', '.join(map(str, CAPACITY_CODES))}")
+        if options.get("state") not in (None, "REPAIRING", "RESTARTING"):
+            raise ValueError("state must be REPAIRING or RESTARTING")
         options = {k: v for k, v in options.items() if v is not None}
         with self._lock:
             fault = Fault(id=f"f{next(self._ids)}", kind=kind, **options)
@@ -246,11 +258,12 @@ class Faults:
                 return n
             return 1 if self._faults.pop(fault_id, None) else 0
 
-    def take(self, kind: str, service: str, method: str, zone: str | None) -> Fault | None:
-        """The first matching fault of `kind`, consuming one of its count; None if none fires."""
+    def take(self, kind: str, service: str, method: str, zone: str | None,
+             where: Callable[[Fault], bool] | None = None) -> Fault | None:
+        """The first matching fault of `kind` (and `where`), consuming one of its count; None if none fires."""
         with self._lock:
             for fault in list(self._faults.values()):
-                if fault.kind != kind or not _matches(fault, service, method, zone):
+                if fault.kind != kind or not _matches(fault, service, method, zone) or (where and not where(fault)):
                     continue
                 if fault.probability < 1 and fault._rng.random() >= fault.probability:
                     continue

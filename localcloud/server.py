@@ -197,7 +197,7 @@ class Api:
         zone = params.get("locationsId") or params.get("zone")
         if self.w.faults.take("unavailable", route.service, route.short, zone):
             raise ApiError("UNAVAILABLE", "The service is currently unavailable.")
-        fault = self.w.faults.take("quota", route.service, route.short, zone)
+        fault = self.w.faults.take("quota", route.service, route.short, zone, where=lambda f: not f.in_operation)
         if fault:
             raise quota_error(fault, route.service, zone)
         if self.guard is not None:
@@ -230,17 +230,25 @@ class Api:
 
 
 def quota_error(fault, service: str, zone: str | None) -> ApiError:
-    quota = fault.quota or {"tpu": "tpu.googleapis.com/tpu_cores", "compute": "compute.googleapis.com/cpus"}.get(
-        service, f"{service}.googleapis.com/requests")
+    """A quota refusal as each API sends it. Compute: HTTP 403 with `errors[].reason` "quotaExceeded" and no
+    google.rpc details. Cloud TPU: HTTP 429 RESOURCE_EXHAUSTED "Quota limit '...' has been exceeded", with
+    a google.rpc.QuotaFailure (and ErrorInfo) detail unless the fault says `details: false`."""
+    if service == "compute":
+        quota = fault.quota or "CPUS"
+        region = zone.rsplit("-", 1)[0] if zone else "global"
+        return ApiError("PERMISSION_DENIED", f"Quota '{quota}' exceeded.  Limit: 0.0 in region {region}.",
+                        reason="quotaExceeded")
+    quota = fault.quota or {"tpu": "TPUV3sPerProjectPerZoneForTPUAPI"}.get(service, f"{service}.googleapis.com/requests")
     where = f" in zone {zone}" if zone else ""
-    message = f"Quota '{quota}' exceeded{where}. Limit: 0."
+    message = f"Quota limit '{quota}' has been exceeded. Limit: 0{where}."
     details = [
         {"@type": "type.googleapis.com/google.rpc.QuotaFailure",
          "violations": [{"subject": quota, "description": message}]},
         {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "RATE_LIMIT_EXCEEDED",
          "domain": "googleapis.com", "metadata": {"quota_metric": quota, "service": f"{service}.googleapis.com"}},
     ]
-    return ApiError("RESOURCE_EXHAUSTED", message, http=429, details=details, reason="rateLimitExceeded")
+    return ApiError("RESOURCE_EXHAUSTED", message, http=429, details=details if fault.details is not False else None,
+                    reason="rateLimitExceeded")
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -19,6 +19,7 @@ from .core import CODE_OF, ApiError, World, check_labels, now_rfc3339, parse_dur
 
 # Simulated latencies in seconds (divided by the world's speed).
 CREATE_S, DELETE_S, STOP_S, START_S, UPDATE_S = 180.0, 90.0, 60.0, 90.0, 5.0
+REPAIR_S = 120.0
 CAPACITY_FAIL_S = 20.0
 IMAGE_POLL_S = 1.0  # real seconds between looks at a runtime image that is still building
 QR_ACCEPT_S, QR_TICK_S, QR_DELETE_S = 2.0, 10.0, 5.0
@@ -38,6 +39,23 @@ DEFAULT_SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
 def capacity_message(zone: str) -> str:
     return (f'There is no more capacity in the zone "{zone}"; you can try in another zone where Cloud TPU '
             "Nodes are offered (see https://cloud.google.com/tpu/docs/regions) [EID: 0x1d2c3b4a5f6e7d8c]")
+
+
+# A stockout's operation error, by code, as Google words each (README "Faults" cites the sources). Code 13
+# carries no structured detail: only the text tells a stockout from any other internal error.
+STOCKOUT = {
+    8: "RESOURCE_EXHAUSTED",
+    9: "FAILED_PRECONDITION",
+    13: "INTERNAL",
+}
+
+
+def stockout_message(code: int, zone: str) -> str:
+    if code == 9:
+        return "Insufficient reserved capacity. Contact customer support to increase your reservation. [EID: 0x2f8bc266e74261a]"
+    if code == 13:
+        return "An internal error has occurred. [EID: 0x4c1d3e5f6a7b8c9d]"
+    return capacity_message(zone)
 
 
 def ssh_keys_of(metadata: dict | None) -> list[str]:
@@ -66,7 +84,7 @@ class TpuService:
         self.queued: dict[str, dict] = {}      # full QR name -> record
         self.ops: dict[str, dict] = {}         # full operation name -> Operation body
         for action in ("create_done", "create_failed", "delete_done", "stop_done", "start_done", "update_done",
-                       "preempt", "qr_accept", "qr_tick", "qr_delete_done"):
+                       "preempt", "repair_done", "qr_accept", "qr_tick", "qr_delete_done"):
             world.actions[f"tpu.{action}"] = getattr(self, f"_{action}")
 
     # ---------------------------------------------------------------------------------- persistence
@@ -207,8 +225,11 @@ class TpuService:
         name = rec["node"]["name"]
         if self.w.faults.take("stuck", "tpu", method, zone):
             return
-        if self.w.faults.take("capacity", "tpu", method, zone):
-            self.w.later(min(CREATE_S, CAPACITY_FAIL_S), "tpu.create_failed", node=name, message=capacity_message(zone))
+        fault = self.w.faults.take("capacity", "tpu", method, zone)
+        if fault:
+            code = fault.code or 8
+            self.w.later(min(CREATE_S, CAPACITY_FAIL_S), "tpu.create_failed", node=name,
+                         message=stockout_message(code, zone), code=code)
             return
         self.w.later(CREATE_S, "tpu.create_done", node=name)
 
@@ -310,7 +331,7 @@ class TpuService:
                 self.w.later(IMAGE_POLL_S * self.w.speed, "tpu.create_done", node=node)
                 return
             if state == "failed":
-                self._create_failed(node, f"localcloud could not build the {runtime} image: {detail}", code="INTERNAL")
+                self._create_failed(node, f"localcloud could not build the {runtime} image: {detail}", code=13)
                 return
         self._boot_workers(node)
         with self.w.lock:
@@ -326,13 +347,13 @@ class TpuService:
                 self._qr_state(qr, "ACTIVE")
             self.w.changed()
 
-    def _create_failed(self, node: str, message: str, code: str = "RESOURCE_EXHAUSTED") -> None:
+    def _create_failed(self, node: str, message: str, code: int = 8) -> None:
         with self.w.lock:
             rec = self.nodes.pop(node, None)
             if rec is None:
                 return
             self.w.meter.end(node)
-            self._finish_op(rec["create_op"], error=(code, message))
+            self._finish_op(rec["create_op"], error=(STOCKOUT[code], message))
             self.w.changed()
 
     def nodes_get(self, p: dict, q: dict, body: None) -> dict:
@@ -368,6 +389,9 @@ class TpuService:
 
     def _begin_delete(self, rec: dict, method: str) -> None:
         name = rec["node"]["name"]
+        qr = self.queued.get(rec["node"].get("queuedResource", ""))
+        if qr and qr["qr"]["state"]["state"] == "ACTIVE" and method == "nodes.delete":
+            self._qr_state(qr, "SUSPENDING", initiator="USER")
         if rec["node"]["state"] == "CREATING":
             self._finish_op(rec["create_op"], error=("ABORTED", f"Node {name} was deleted while it was being created."))
         rec["node"]["state"] = "DELETING"
@@ -383,6 +407,10 @@ class TpuService:
             self.w.meter.end(node)
             for op in rec["delete_ops"]:
                 self._finish_op(op, type_url=EMPTY_TYPE)
+            qr = self.queued.get(rec["node"].get("queuedResource", ""))
+            if qr and qr["qr"]["state"]["state"] in ("ACTIVE", "SUSPENDING") and not any(n in self.nodes for n in qr["nodes"]):
+                # Its resources are gone: the queued resource is SUSPENDED, as Google's state table says.
+                self._qr_state(qr, "SUSPENDED", initiator=qr["qr"]["state"].get("stateInitiator", "SERVICE"))
             self.w.changed()
 
     def nodes_stop(self, p: dict, q: dict, body: dict) -> dict:
@@ -391,6 +419,10 @@ class TpuService:
         with self.w.lock:
             rec = self._node(name)
             state = rec["node"]["state"]
+            if rec["spot"]:
+                # Spot and preemptible TPUs cannot be stopped or restarted, only deleted and recreated.
+                raise ApiError("FAILED_PRECONDITION", f"Node {name} is a Spot (or preemptible) TPU: it cannot be "
+                               "stopped; delete it and create it again.")
             if state != "READY":
                 raise ApiError("FAILED_PRECONDITION", f"Node {name} cannot be stopped in state {state}; it must be READY.")
             op = self._new_op(parent, name, "stop")
@@ -463,7 +495,14 @@ class TpuService:
                 raise ApiError("FAILED_PRECONDITION", f"Cannot update labels of node {name} while it is being created (state CREATING).")
             if state == "DELETING":
                 raise ApiError("FAILED_PRECONDITION", f"Node {name} is being deleted.")
+            if state in ("PREEMPTED", "STOPPED", "STOPPING"):
+                raise ApiError("FAILED_PRECONDITION", f"Node {name} cannot be updated in state {state}.")
+            if "metadata" in mask and rec.get("metadata_op") in self.ops and not self.ops[rec["metadata_op"]]["done"]:
+                raise ApiError("ABORTED", f"Node {name} has a metadata update in progress "
+                               f"({rec['metadata_op'].rsplit('/', 1)[-1]}); retry after it finishes.")
             op = self._new_op(parent, name, "update")
+            if "metadata" in mask:
+                rec["metadata_op"] = op["name"]
             changes = {f: copy.deepcopy(body.get(f)) for f in mask}
             if not self.w.faults.take("stuck", "tpu", "nodes.patch", rec["zone"]):
                 self.w.later(UPDATE_S, "tpu.update_done", node=name, op=op["name"], changes=changes)
@@ -491,6 +530,8 @@ class TpuService:
         name = f"{self._parent(p)}/nodes/{p['nodesId']}"
         path = (body or {}).get("queryPath", "")
         wanted = set((body or {}).get("workerIds") or [])
+        if self.w.faults.take("no-guest-attributes", "tpu", "nodes.getGuestAttributes", p["locationsId"]):
+            return {}  # the guest agent has published nothing (yet)
         with self.w.lock:
             rec = self._node(name)
             out = []
@@ -537,7 +578,38 @@ class TpuService:
             self.w.meter.end(node)
             qr = self.queued.get(rec["node"].get("queuedResource", ""))
             if qr and qr["qr"]["state"]["state"] == "ACTIVE":
-                self._qr_state(qr, "SUSPENDED")
+                self._qr_state(qr, "SUSPENDED", initiator=qr["qr"]["state"].get("stateInitiator", "SERVICE"))
+            self.w.changed()
+
+    def repair(self, node: str, state: str = "REPAIRING", sim_seconds: float = REPAIR_S) -> None:
+        """Put a READY node through host maintenance now: REPAIRING (or RESTARTING) with health
+        UNHEALTHY_MAINTENANCE, its workers down, then READY/HEALTHY again after `sim_seconds` with fresh
+        workers (the startup script runs again). ValueError if the node is not READY."""
+        with self.w.lock:
+            rec = self._find(node)
+            if rec["node"]["state"] != "READY":
+                raise ValueError(f"node {rec['node']['name']} is {rec['node']['state']}: only a READY node is repaired")
+            rec["node"]["state"] = state
+            rec["node"]["health"] = "UNHEALTHY_MAINTENANCE"
+            rec["node"]["healthDescription"] = "The node is under maintenance and will resume running once rescheduled."
+            self._stop_workers(rec)
+            self.w.later(sim_seconds, "tpu.repair_done", node=rec["node"]["name"])
+            self.w.changed()
+
+    def _repair_done(self, node: str) -> None:
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            if rec is None or rec["node"]["state"] not in ("REPAIRING", "RESTARTING"):
+                return
+            state = rec["node"]["state"]
+        self._boot_workers(node)
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            if rec is None or rec["node"]["state"] != state:
+                return
+            rec["node"]["state"] = "READY"
+            rec["node"]["health"] = "HEALTHY"
+            rec["node"].pop("healthDescription", None)
             self.w.changed()
 
     def worker_key(self, node: str) -> str:
@@ -616,9 +688,9 @@ class TpuService:
         return {"identity": {"email": f"service-{number}@cloud-tpu.iam.gserviceaccount.com"}}
 
     # ---------------------------------------------------------------------------------- queued resources
-    def _qr_state(self, qr: dict, state: str, **data) -> None:
+    def _qr_state(self, qr: dict, state: str, initiator: str = "SERVICE", **data) -> None:
         key = {"WAITING_FOR_RESOURCES": None}.get(state, _camel(state.lower()) + "Data")
-        qr["qr"]["state"] = {"state": state, "stateInitiator": "SERVICE", **({key: data} if key else {})}
+        qr["qr"]["state"] = {"state": state, "stateInitiator": initiator, **({key: data} if key else {})}
 
     def queued_create(self, p: dict, q: dict, body: dict) -> dict:
         parent = self._parent(p)
@@ -651,6 +723,10 @@ class TpuService:
                     raise ApiError("ALREADY_EXISTS", f"Resource '{parent}/nodes/{spec['nodeId']}' already exists")
             qr = copy.deepcopy(body)
             qr.update(name=name, createTime=now_rfc3339())
+            if deadline is not None and "validUntilDuration" in policy:
+                # Google stores the absolute time: a GET shows validUntilTime, not the duration that was sent.
+                qr["queueingPolicy"] = {k: v for k, v in policy.items() if k != "validUntilDuration"}
+                qr["queueingPolicy"]["validUntilTime"] = now_rfc3339(deadline)
             rec = {"qr": qr, "project": p["projectsId"], "zone": zone, "deadline": deadline, "nodes": []}
             self._qr_state(rec, "CREATING")
             self.queued[name] = rec
@@ -720,7 +796,9 @@ class TpuService:
             if rec is None:
                 raise ApiError("NOT_FOUND", f"Resource '{name}' was not found")
             live = [n for n in rec["nodes"] if n in self.nodes]
-            if live and not force:
+            # Without force, Google deletes a queued resource only if its nodes are gone already or it is
+            # ACCEPTED, FAILED or SUSPENDED (DeleteQueuedResourceRequest.force).
+            if live and not force and rec["qr"]["state"]["state"] not in ("ACCEPTED", "FAILED", "SUSPENDED"):
                 raise ApiError("FAILED_PRECONDITION", f"Queued resource {name} has nodes ({', '.join(n.rsplit('/', 1)[-1] for n in live)}); "
                                "delete it with force=true to delete them too.")
             op = self._new_op(parent, name, "delete")

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 
 from tpuctl.catalog import Catalog
+from tpuctl.errors import CapacityError, WaitTimeout
 from tpuctl.errors import NotFound as _NotFound
 from tpuctl.provision import bucket as _bucket
 from tpuctl.provision import inventory as _inventory
@@ -43,6 +44,10 @@ __all__ = [
 ]
 
 
+# How long a node under maintenance (REPAIRING, RESTARTING) is waited for before it is given up and recreated.
+REPAIR_DEADLINE_S = 1800.0
+
+
 def plan(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
          now: float | None = None, price_fn: Callable[[str, str, bool], float] | None = None,
          framework: str | None = None) -> Plan:
@@ -58,17 +63,19 @@ def plan(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
 
 def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, keep_on_failure: bool = False,
           deadline_s: float = DEFAULT_DEADLINE_S, cancel: threading.Event | None = None,
-          on_rollback: Callable[[list[str]], None] | None = None) -> ApplyResult:
+          on_rollback: Callable[[list[str]], None] | None = None,
+          on_gone: Callable[[list], None] | None = None) -> ApplyResult:
     """Create what `plan` needs and block until all of it is READY; returns what exists and what was made.
 
     Idempotent (adopts the run's existing resources, creates only what is missing). Independent steps run
     concurrently; the TPU fails over to the plan's next zone on capacity errors. On failure, `cancel` or
     KeyboardInterrupt everything this call created is deleted (unless `keep_on_failure`) before the error
     propagates; a second KeyboardInterrupt stops the cleanup and the error's hint is `tpuctl down RUN`.
-    `progress(key, state, detail)` is called from worker threads.
+    `progress(key, state, detail)` is called from worker threads. `on_gone(entries)` hears, as cost ledger
+    entries, of what this call created and deleted again (rolled back, or a zone without capacity).
     """
     return _apply(clients, plan, progress=progress, keep_on_failure=keep_on_failure, deadline_s=deadline_s,
-                  cancel=cancel, on_rollback=on_rollback)
+                  cancel=cancel, on_rollback=on_rollback, on_gone=on_gone)
 
 
 def check_bucket(clients: Clients, plan: Plan) -> None:
@@ -190,6 +197,7 @@ def recreate_node(clients: Clients, zone: str, name: str, *, force: bool = False
     runtime, labels, metadata incl. ssh-keys, service account); block until READY and return it.
 
     A node that is READY is returned untouched unless `force` (so two recoveries racing do one recreate).
+    A node under maintenance (REPAIRING/RESTARTING) is waited for, up to REPAIR_DEADLINE_S, not deleted.
     A node from a queued resource is re-queued. NotFound when the node is gone (its definition went with it).
     """
 
@@ -198,6 +206,16 @@ def recreate_node(clients: Clients, zone: str, name: str, *, force: bool = False
         raise _NotFound(f"TPU node {name} does not exist in {zone}; nothing to recreate from", field="run",
                         hint="run `tpuctl up` again with the run's spec")
     current = _tpu.to_resource(node, local=clients.local)
+    if current.state is State.REPAIRING:
+        # Maintenance, a repair or a restart: Google brings the node back by itself. Deleting it would
+        # throw an on-demand node (and its place in the zone) away; wait for it instead.
+        try:
+            current = _tpu.wait_ready(clients, zone, name, deadline_s=min(deadline_s, REPAIR_DEADLINE_S),
+                                      cancel=cancel, progress=progress)
+            if not force:
+                return current
+        except (WaitTimeout, CapacityError):
+            pass  # it did not come back in time (or settled PREEMPTED/FAILED): recreate it below
     if current.state is State.READY and not force:
         return current
     req = _tpu.request_of(node)

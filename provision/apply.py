@@ -2,18 +2,22 @@
 
 Whatever this invocation creates is recorded *before* its create request goes out; on failure, cancel or
 Ctrl-C those names are deleted (NotFound counts as done) unless the caller keeps them. Adopted resources
-(made by an earlier `up`) are never rolled back.
+(made by an earlier `up`) are never rolled back. What was created and then deleted again (rolled back, or a
+zone attempt that ran out of capacity) billed from its create request to its end; `on_gone` hears of it as
+ledger entries, since no label is left to find it by.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from tpuctl.errors import CapacityError, CloudError, Interrupted, TpuctlError, capacity_hint
 from tpuctl import catalog as catalog_mod
+from tpuctl.ledger import Entry
 from tpuctl.provision import bucket, compute_tpu, preflight, tpu, vm
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.plan import Plan
@@ -58,25 +62,48 @@ class ApplyResult:
 
 
 class _Created:
-    """Thread-safe record of creates issued by this invocation, in issue order."""
+    """Thread-safe record of creates issued by this invocation, in issue order, with when each went out,
+    and of those it deleted again (as ledger entries of resources that existed and billed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clients: Clients, plan: Plan) -> None:
         self._lock = threading.Lock()
         self._items: list[Undo] = []
+        self._issued: dict[Undo, float] = {}
+        self._gone: list[Entry] = []
+        self._project, self._plan = clients.project, plan
 
     def add(self, undo: Undo) -> None:
         with self._lock:
             if undo not in self._items:
                 self._items.append(undo)
+                self._issued.setdefault(undo, time.time())
 
-    def discard(self, undo: Undo) -> None:
+    def retire(self, undo: Undo, *, ended: float) -> None:
+        """`undo` is gone (deleted by this invocation, or never became a resource that lasts): drop it from
+        what a rollback must delete and remember its lifetime for the cost ledger."""
         with self._lock:
-            if undo in self._items:
-                self._items.remove(undo)
+            if undo not in self._items:
+                return
+            self._items.remove(undo)
+            if undo.kind is not Kind.IAM:
+                self._gone.append(self._entry(undo, ended))
+
+    def _entry(self, undo: Undo, ended: float) -> Entry:
+        plan = self._plan
+        vm = next((v for v in plan.vms if plan.vm_name(v) == undo.name), None) if undo.kind is Kind.VM else None
+        return Entry(kind=undo.kind.value, name=undo.name, project=self._project, location=undo.location,
+                     run=plan.run, owner=plan.labels.get("tpuctl-owner"), created=self._issued[undo], deleted=ended,
+                     accelerator=plan.accelerator.name if undo.kind in (Kind.TPU, Kind.QUEUED) else None,
+                     machine_type=vm.machine_type if vm else None, spot=plan.spot and undo.kind is Kind.TPU,
+                     disk_gb=int(vm.disk_gb) if vm else 0, rolled_back=True)
 
     def items(self) -> list[Undo]:
         with self._lock:
             return list(self._items)
+
+    def gone(self) -> list[Entry]:
+        with self._lock:
+            return list(self._gone)
 
 
 def _wait_all(futures: list[Future], cancel: threading.Event) -> None:
@@ -96,7 +123,8 @@ def _wait_all(futures: list[Future], cancel: threading.Event) -> None:
 
 def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, keep_on_failure: bool = False,
           deadline_s: float = DEFAULT_DEADLINE_S, cancel: threading.Event | None = None,
-          on_rollback: Callable[[list[str]], None] | None = None) -> ApplyResult:
+          on_rollback: Callable[[list[str]], None] | None = None,
+          on_gone: Callable[[list[Entry]], None] | None = None) -> ApplyResult:
     """Create everything in `plan` that does not exist yet; block until all of it is READY.
 
     Idempotent: existing resources with the run's label are adopted. Steps run concurrently (the bucket and
@@ -104,9 +132,11 @@ def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, k
     call created is deleted (unless `keep_on_failure`) and the error is re-raised with the list of what was
     removed; `on_rollback(keys)` is told first. A second KeyboardInterrupt during that cleanup stops it and
     raises Interrupted whose hint is the `tpuctl down RUN` command that finishes the job.
+    `on_gone(entries)` is told, on success and on failure, of every resource this call created and deleted
+    again (rolled back, or a zone that ran out of capacity), each from its create request to its end.
     """
     cancel = cancel or threading.Event()
-    created = _Created()
+    created = _Created(clients, plan)
     say = progress or (lambda key, state, detail: None)
     n_threads = 4 + len(plan.vms)
     pool = ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix=f"up-{plan.run}")
@@ -124,10 +154,12 @@ def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, k
             undo = created.items()
             if on_rollback is not None:
                 on_rollback([u.key for u in undo])
-            rollback(clients, undo, say, plan)
+            rollback(clients, undo, say, plan, created=created)
             raise _annotate(exc, f"removed what this run created: {_names(undo) or 'nothing'}") from exc
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+        if on_gone is not None and created.gone():
+            on_gone(created.gone())
 
 
 def _drain(pool: ThreadPoolExecutor, plan: Plan) -> None:
@@ -282,11 +314,12 @@ def _failover(clients: Clients, plan: Plan, kind: Kind, api: str, created: _Crea
         try:
             r = create(zone, on_issued)
         except CapacityError as exc:
+            failed_at = time.time()  # what was issued ended with its failed create
             failures.append(f"{zone}: {exc.message}")
             say(undo.key, State.FAILED.value, "no capacity" + (", trying the next zone" if zone != zones[-1] else ""))
             if issued.is_set():
                 delete(clients, undo, cancel=cancel)
-                created.discard(undo)
+                created.retire(undo, ended=failed_at)
             continue
         if not issued.is_set():
             adopted.append(undo.key)
@@ -368,12 +401,21 @@ def _delete_in_order(clients: Clients, todo: list[Undo], say: ProgressFn, *, don
         pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
 
 
-def rollback(clients: Clients, undo: list[Undo], say: ProgressFn, plan: Plan) -> None:
-    """Delete `undo` (an IAM binding only when its bucket stays), compute first. Blocks; a second Ctrl-C stops it."""
+def rollback(clients: Clients, undo: list[Undo], say: ProgressFn, plan: Plan, *,
+             created: _Created | None = None) -> None:
+    """Delete `undo` (an IAM binding only when its bucket stays), compute first. Blocks; a second Ctrl-C stops it.
+    Each one deleted is retired in `created` at the moment its deletion finished (it billed until then)."""
     buckets = {u.name for u in undo if u.kind is Kind.BUCKET}
     todo = [u for u in undo if not (u.kind is Kind.IAM and u.name in buckets)]
+    by_key = {u.key: u for u in undo}
+
+    def noting(key: str, state: str, detail: str) -> None:
+        if created is not None and state == State.DELETED.value and key in by_key:
+            created.retire(by_key[key], ended=time.time())
+        say(key, state, detail)
+
     try:
-        _delete_in_order(clients, todo, say, done_detail="rolled back", pool_name=f"undo-{plan.run}",
+        _delete_in_order(clients, todo, noting, done_detail="rolled back", pool_name=f"undo-{plan.run}",
                          deadline_s=900.0)
     except KeyboardInterrupt:
         raise _second_interrupt(plan) from None

@@ -376,12 +376,19 @@ def collect(clients: Clients, policy: Policy, *, catalog: Catalog, ledger: Ledge
 
 def run(clients: Clients, policy: Policy, *, dry_run: bool, catalog: Catalog, ledger: Ledger, lock: Path,
         lock_wait_s: float = 0.0, on_outcome: Callable[[Outcome], None] | None = None, deadline_s: float = 900.0,
-        cancel: threading.Event | None = None) -> GcResult:
-    """One complete gc pass under the lock: scan, decide, delete (or only report with `dry_run`)."""
+        cancel: threading.Event | None = None,
+        confirm: Callable[[list[Action]], None] | None = None) -> GcResult:
+    """One complete gc pass under the lock: scan, decide, delete (or only report with `dry_run`).
+
+    `confirm(deletions)` sees what is about to go, before anything is deleted and only when something is;
+    it raises to stop the pass (the CLI asks the user there)."""
     with exclusive(lock, wait_s=lock_wait_s) as held:
         if not held:
             return GcResult(outcomes=(), scanned=0, locked_out=True)
         resources, actions = collect(clients, policy, catalog=catalog, ledger=ledger)
+        going = [a for a in actions if a.verdict == "delete"]
+        if confirm is not None and going and not dry_run:
+            confirm(going)
         outcomes = execute(clients, actions, dry_run=dry_run, ledger=ledger, on_outcome=on_outcome,
                            deadline_s=deadline_s, cancel=cancel)
         return GcResult(outcomes=tuple(outcomes), scanned=len(resources))

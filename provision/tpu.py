@@ -15,7 +15,7 @@ from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 from google.protobuf import duration_pb2, field_mask_pb2
 
-from tpuctl.errors import BadInput, CapacityError, from_google
+from tpuctl.errors import BadInput, CapacityError, TpuctlError, from_google
 from tpuctl.provision import labels as L
 from tpuctl.provision import states, waits
 from tpuctl.provision.clients import Clients
@@ -23,6 +23,15 @@ from tpuctl.provision.resources import Kind, Resource, State, Worker
 
 Progress = Callable[[State, str], None]
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+# How a create operation fails when the zone has no capacity for it, by gRPC code: 8 RESOURCE_EXHAUSTED
+# ("There is no more capacity in the zone"), 9 FAILED_PRECONDITION ("Insufficient reserved capacity") and
+# 13 INTERNAL, which spot stockouts also come as with no detail that sets them apart from other internal
+# errors. Each moves on to the next zone; the zone list bounds it (localcloud/README.md, "Faults").
+_STOCKOUTS = {gexc.ResourceExhausted: 8, gexc.FailedPrecondition: 9, gexc.InternalServerError: 13}
+# Host keys are a convenience (the first connection records the key otherwise): never wait long for them.
+HOST_KEYS_DEADLINE_S = 10.0
+# A metadata update that met another one in flight (409) is re-read and re-applied this many times.
+METADATA_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -133,10 +142,18 @@ def list_queued(clients: Clients, zones: Iterable[str] | None = None) -> list[tp
 
 
 def host_keys(clients: Clients, zone: str, name: str) -> list[str | None]:
-    """Each worker's SSH host key (`TYPE BASE64`) from guest attributes; None where not yet published."""
-    resp = waits.call(lambda: clients.tpu.get_guest_attributes(
-        request={"name": node_path(clients.project, zone, name), "query_path": "hostkeys/"}),
-        what=f"read host keys of {name}")
+    """Each worker's SSH host key (`TYPE BASE64`) from guest attributes; None where not yet published.
+
+    Empty when guest attributes cannot be read within HOST_KEYS_DEADLINE_S: SSH then trusts each worker's
+    key on first use and records it (jobs/ssh.py), rather than failing a run over a missing convenience."""
+    try:
+        resp = waits.call(lambda: clients.tpu.get_guest_attributes(
+            request={"name": node_path(clients.project, zone, name), "query_path": "hostkeys/"}),
+            what=f"read host keys of {name}", deadline_s=HOST_KEYS_DEADLINE_S)
+    except TpuctlError as exc:
+        if isinstance(exc.__cause__, gexc.NotFound):
+            raise
+        return []
     keys: list[str | None] = []
     for attrs in resp.guest_attributes:
         items = [e for e in attrs.query_value.items if e.namespace == "hostkeys"]
@@ -149,8 +166,9 @@ def host_keys(clients: Clients, zone: str, name: str) -> list[str | None]:
 
 
 def wait_operation(op, *, what: str, deadline_s: float, cancel: threading.Event | None,
-                   progress: Progress | None, state: State) -> None:
-    """Poll a TPU long-running operation to completion; raise its error mapped by type (code 8 -> capacity)."""
+                   progress: Progress | None, state: State, create: bool = False) -> None:
+    """Poll a TPU long-running operation to completion; raise its error mapped by type. A `create` that
+    failed with a stockout code (see _STOCKOUTS) raises CapacityError, so the caller tries the next zone."""
 
     def poll() -> tuple[bool, None]:
         done = waits.call(lambda: op.done(retry=None), what=what, cancel=cancel)
@@ -160,6 +178,9 @@ def wait_operation(op, *, what: str, deadline_s: float, cancel: threading.Event 
                 on_poll=(lambda _v, t: progress(state, f"{t:.0f}s")) if progress else None)
     exc = op.exception()
     if exc is not None:
+        code = _STOCKOUTS.get(type(exc))
+        if create and code is not None and waits.quota_subject(exc) is None:
+            raise CapacityError(f"{what}: no capacity (code {code}: {exc.message})") from exc
         raise from_google(exc, what=what) from exc
 
 
@@ -189,7 +210,8 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
         op = waits.call(lambda: clients.tpu.create_node(parent=parent(clients.project, req.zone), node_id=req.name,
                                                         node=_node_proto(req)),
                         what=what, cancel=cancel)
-        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.CREATING)
+        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.CREATING,
+                       create=True)
     return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
 
 
@@ -242,7 +264,8 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
         op = waits.call(lambda: clients.tpu.create_queued_resource(
             parent=parent(clients.project, req.zone), queued_resource_id=req.name, queued_resource=body),
             what=what, cancel=cancel)
-        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.PENDING)
+        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.PENDING,
+                       create=True)
 
     def poll() -> tuple[bool, Resource]:
         q = get_queued(clients, req.zone, req.name)
@@ -289,21 +312,37 @@ def delete_queued(clients: Clients, zone: str, name: str, *, deadline_s: float =
 
 def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: str, *,
                 deadline_s: float = 300.0, cancel: threading.Event | None = None) -> bool:
-    """Add `USER:KEY` to the node's `ssh-keys` metadata; False when it was already there (idempotent)."""
-    node = get_node(clients, zone, name)
-    if node is None:
-        raise from_google(gexc.NotFound(f"node {name}"), what=f"add an SSH key to TPU node {name} in {zone}")
-    line = f"{user}:{public_key.strip()}"
-    current = [ln for ln in node.metadata.get("ssh-keys", "").splitlines() if ln.strip()]
-    if line in current:
-        return False
-    metadata = {**dict(node.metadata), "ssh-keys": "\n".join([*current, line])}
+    """Add `USER:KEY` to the node's `ssh-keys` metadata; False when it was already there (idempotent).
+
+    A 409 (another metadata update in flight) re-reads the metadata and tries again, so neither update is
+    lost. A PREEMPTED or STOPPED node refuses updates: that raises CapacityError saying so."""
     what = f"add an SSH key to TPU node {name} in {zone}"
-    op = waits.call(lambda: clients.tpu.update_node(
-        node=tpu_v2.Node(name=node.name, metadata=metadata),
-        update_mask=field_mask_pb2.FieldMask(paths=["metadata"])), what=what, cancel=cancel)
-    wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=None, state=State.READY)
-    return True
+    line = f"{user}:{public_key.strip()}"
+    for attempt in range(1, METADATA_ATTEMPTS + 1):
+        node = get_node(clients, zone, name)
+        if node is None:
+            raise from_google(gexc.NotFound(f"node {name}"), what=what)
+        state = states.node_state(node.state)
+        if state in (State.PREEMPTED, State.STOPPED):
+            raise CapacityError(f"TPU node {name} in {zone} is {state.value}: Google refuses metadata updates "
+                                "until it runs again", hint="a preempted Spot TPU must be deleted and recreated: "
+                                f"`tpuctl run` does that itself; otherwise `tpuctl down` the run and `up` it again")
+        current = [ln for ln in node.metadata.get("ssh-keys", "").splitlines() if ln.strip()]
+        if line in current:
+            return False
+        metadata = {**dict(node.metadata), "ssh-keys": "\n".join([*current, line])}
+        try:
+            op = waits.call(lambda: clients.tpu.update_node(
+                node=tpu_v2.Node(name=node.name, metadata=metadata),
+                update_mask=field_mask_pb2.FieldMask(paths=["metadata"])), what=what, cancel=cancel)
+        except TpuctlError as exc:
+            if isinstance(exc.__cause__, gexc.Conflict) and attempt < METADATA_ATTEMPTS:
+                waits.pause(0.2 * attempt, cancel)
+                continue
+            raise
+        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=None, state=State.READY)
+        return True
+    raise AssertionError("unreachable")
 
 
 def request_of(node: tpu_v2.Node) -> NodeRequest:

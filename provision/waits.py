@@ -52,6 +52,9 @@ class Backoff:
 RETRY_BACKOFF = Backoff(initial=0.05, maximum=8.0, multiplier=1.6, proportional=1.0)
 # A 429 that names a quota (google.rpc.QuotaFailure) is a limit, not a burst: a few tries, then report it.
 QUOTA_ATTEMPTS = 3
+# A 429 without that detail may be a short burst of a per-minute limit or the same quota worded only in its
+# message (Cloud TPU sends both shapes): retry it this long, never minutes, then report it as a quota.
+BARE_429_S = 20.0
 POLL_BACKOFF = Backoff()
 
 
@@ -64,6 +67,11 @@ def _sleep(seconds: float, cancel: threading.Event | None) -> None:
         time.sleep(seconds)
     elif cancel.wait(seconds):
         raise Cancelled("cancelled")
+
+
+def pause(seconds: float, cancel: threading.Event | None = None) -> None:
+    """Sleep `seconds` with jitter; Cancelled if `cancel` is set meanwhile."""
+    _sleep(seconds * random.uniform(0.8, 1.2), cancel)
 
 
 def call(fn: Callable[[], T], *, what: str, deadline_s: float = 120.0, backoff: Backoff = RETRY_BACKOFF,
@@ -88,7 +96,8 @@ def call(fn: Callable[[], T], *, what: str, deadline_s: float = 120.0, backoff: 
             quota_hits += quota is not None
             if quota is not None and quota_hits >= QUOTA_ATTEMPTS:
                 raise QuotaError(f"{what}: quota {quota} exceeded ({getattr(exc, 'message', exc)})") from exc
-            if elapsed + delay > deadline_s:
+            bare_429 = isinstance(exc, gexc.TooManyRequests) and elapsed + delay > BARE_429_S
+            if elapsed + delay > deadline_s or bare_429:
                 raise from_google(exc, what=what) from exc
             if on_retry is not None:
                 on_retry(f"{type(exc).__name__}, retry {attempt}")

@@ -97,7 +97,7 @@ def test_twenty_parallel_ups_and_runs_four_owners_then_one_owners_gc(tmp_path):
             assert len(b["iam_policy"].get("bindings", [])) == 1, b["iam_policy"]
 
         time.sleep(21)  # every TTL has now passed
-        gc = _tpuctl(stack, OWNERS[0], "gc", "--buckets", "--lock-wait", "30")
+        gc = _tpuctl(stack, OWNERS[0], "gc", "--yes", "--buckets", "--lock-wait", "30")
         code, err = _finish(gc, 300)
         assert code == 0, err
         left = {labels["tpuctl-run"] for _, _, labels in _labelled(stack)}

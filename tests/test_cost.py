@@ -82,6 +82,24 @@ def test_report_groups_windows_and_sorts(cat):
     assert err.value.field == "by"
 
 
+def test_rolled_back_resources_cost_like_others_and_are_counted_apart(cat):
+    entries = [tpu("a", "r1", created=0, deleted=H), replace(tpu("a", "r1", zone="europe-west4-b", created=0,
+                                                                  deleted=0.25 * H), rolled_back=True)]
+    [row] = cost.report(entries, cat, since=0, now=2 * H, by="run").rows
+    assert (row.resources, row.rolled_back) == (2, 1)
+    assert row.usd == pytest.approx(1.25 * 8.8) and row.rolled_back_usd == pytest.approx(0.25 * 8.8)
+    assert cost.report(entries, cat, since=0, now=2 * H).to_json()["rows"][0]["rolled_back"] == 1
+
+
+def test_a_rolled_back_entry_keeps_its_end_when_a_scan_saw_it_alive(tmp_path):
+    book = Ledger(tmp_path / "ledger.json")
+    seen_alive = tpu("a", "r1", created=10.0)
+    book.record([seen_alive])
+    book.record([replace(seen_alive, created=9.5, deleted=20.0, rolled_back=True)])
+    [e] = book.entries()
+    assert (e.created, e.deleted, e.rolled_back) == (9.5, 20.0, True)
+
+
 def test_estimate_with_and_without_a_bound(cat):
     e = cost.estimate(cat, accelerator="v3-8", zone="europe-west4-a", spot=False,
                       vms=[cost.VmPlan("driver", "e2-standard-2", 0)], bucket_gb=730)

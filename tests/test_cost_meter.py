@@ -83,3 +83,56 @@ def test_accrued_cost_matches_the_meter_within_1_percent(cloud, clients, cat, tm
     rep = cost.report(entries, cat, since=now - 3600, now=later, by="run")
     assert [r.key for r in rep.rows] == ["metered"] and rep.rows[0].live == 2
     assert rep.total_usd == pytest.approx(sum(meter.values()), rel=0.01)
+
+
+def test_cost_includes_what_an_interrupted_up_rolled_back(cloud, tmp_path):
+    """An `up` whose first zone ran out of capacity and which was then interrupted while its TPU was being
+    created leaves nothing live, but both nodes existed and billed from their create requests: `tpuctl cost`
+    counts them, marked as rolled back, and agrees with the meter."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import new_project
+
+    project = new_project()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "CLOUDSDK_", "GOOGLE_"))}
+    env.update(TPUCTL_API_ENDPOINT=cloud.endpoint, STORAGE_EMULATOR_HOST=cloud.storage_host, TPUCTL_PROJECT=project,
+               TPUCTL_HOME=str(tmp_path / "home"), HOME=str(tmp_path), NO_COLOR="1", PYTHONUNBUFFERED="1")
+    cloud.faults.add("capacity", service="tpu", zone="us-central1-a", count=1)
+    cloud.faults.add("stuck", service="tpu", method="nodes.create", zone="us-central1-b")
+    up = subprocess.Popen([sys.executable, "-m", "tpuctl", "up", "--name", "rolled", "--accelerator", "v3-8",
+                           "--zone", "us-central1-a,us-central1-b", "--yes"], env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(r["resource"].startswith(f"projects/{project}/locations/us-central1-b/nodes/")
+                      for r in cloud.meter.report()["resources"]):
+            assert time.monotonic() < deadline, "the second zone's node was never requested"
+            time.sleep(0.05)
+        time.sleep(1.0)  # it bills while it is being created
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=60)
+    finally:
+        up.kill()
+    assert up.returncode == 130, err
+    cloud.faults.clear()
+
+    report = subprocess.run([sys.executable, "-m", "tpuctl", "cost", "--since", "1h", "--json"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    rep = json.loads(report.stdout)
+    now = time.time()
+    meter = [row for row in cloud.meter.report(t=now)["resources"] if row["resource"].startswith(f"projects/{project}/")]
+    assert not any(row["running"] for row in meter)
+    nodes = [row for row in meter if "/nodes/" in row["resource"]]
+    assert len(nodes) == 2 and sum(row["seconds"] for row in nodes) > 1.0
+    [row] = rep["rows"]  # both nodes and the bucket
+    assert row["key"] == "rolled" and row["live"] == 0 and row["rolled_back"] == row["resources"] == 3
+    assert row["rolled_back_usd"] == row["usd"]
+    # Compare billed seconds: tpuctl closes a rolled-back node when it sees the delete (or the failed
+    # create) done, the meter when it happened: a poll interval apart at most.
+    rate = catalog.load().tpu_price_per_hour("v3-8", "us-central1", spot=False) / 3600
+    assert abs(rep["total_usd"] - sum(row["usd"] for row in meter)) / rate < 0.5, (rep, meter)

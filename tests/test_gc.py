@@ -86,7 +86,7 @@ def vm_names(clients):
 
 
 def gc_cli(clients, *args):
-    result = CliRunner().invoke(cli, ["gc", "--project", clients.project, "--owner", "ann", "--json", *args])
+    result = CliRunner().invoke(cli, ["gc", "--project", clients.project, "--owner", "ann", "--json", "--yes", *args])
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     return result, records
 
@@ -206,3 +206,22 @@ def test_bad_input_exits_2_and_touches_nothing(clients, home):
         result, _ = gc_cli(clients, *args)
         assert result.exit_code == 2, (args, result.output)
     assert node_names(clients) == ["old"]
+
+
+def test_gc_on_a_terminal_lists_what_would_go_and_deletes_only_on_yes(clients, home):
+    """The confirmation rule for gc: on a terminal (NO_COLOR=1 set by `home`) it shows what it would delete
+    and asks; 'no' deletes nothing, 'yes' deletes it. Cron passes --yes (see test_gc_schedule)."""
+    import os
+
+    from test_up_down import _on_a_terminal
+
+    old = f"{clients.project}-old"
+    bucket.ensure(clients, old, "us-central1", run_labels("old", ttl_s=-10))
+    argv = ("gc", "--buckets", "--project", clients.project, "--owner", "ann")
+    code, text = _on_a_terminal(dict(os.environ), *argv, answer="n")
+    assert f"bucket us-central1/{old} run=old:" in text and "delete these 1 resource(s)? [y/N]" in text, text
+    assert code == 2 and "error: --yes: not confirmed; nothing was deleted" in text, text
+    assert [b.name for b in bucket.list_labelled(clients)] == [old]
+    code, text = _on_a_terminal(dict(os.environ), *argv, answer="y")
+    assert code == 0 and f"deleted bucket us-central1/{old}" in text, text
+    assert bucket.list_labelled(clients) == []

@@ -26,9 +26,10 @@ def test_schedule_prints_cron_and_systemd_with_the_policy_flags(home):
     assert result.exit_code == 0, result.output
     cron = next(line for line in result.stdout.splitlines() if line.endswith(gc.CRON_MARK))
     assert cron.startswith("*/15 * * * * TPUCTL_HOME=")
-    for part in ("gc --idle 45m", "--all-owners", "--budget 20.0", "--project my-proj", ">> ", "gc.log 2>&1"):
+    for part in ("gc --yes --idle 45m", "--all-owners", "--budget 20.0", "--project my-proj", ">> ", "gc.log 2>&1"):
         assert part in cron
     assert "--schedule" not in cron and "--dry-run" not in cron
+    assert "ExecStart=" in result.stdout and " gc --yes " in result.stdout.split("ExecStart=")[1].splitlines()[0]
     assert "[Service]\nType=oneshot\n" in result.stdout and "OnCalendar=*:0/15\n" in result.stdout
     assert "WantedBy=timers.target" in result.stdout
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import stat
 import subprocess
 import time
@@ -120,6 +121,20 @@ def test_unknown_template_names_the_field():
     with pytest.raises(BadInput) as e:
         bundles.resolve_template("no-such-template")
     assert e.value.field == "job.template"
+
+
+def test_a_local_template_copy_checks_its_config_with_its_own_schema(tmp_path):
+    """A template directory outside tpuctl is loaded as its own package to run the check its template.json
+    names; a template that names none (the stand-in) ships its config unchecked."""
+    import shutil
+
+    local = tmp_path / "mybert"
+    shutil.copytree(bundles.resolve_template("bert"), local, ignore=shutil.ignore_patterns("__pycache__"))
+    bundles.check_config(local, {"preset": "bert-tiny", "trainer": {"max_steps": 20}})
+    with pytest.raises(BadInput) as e:
+        bundles.check_config(local, {"preset": "bert-tiny", "runtime": {"replica": 2}})
+    assert str(e.value) == "job.config.runtime.replica: unknown field; did you mean replicas?"
+    bundles.check_config(STANDIN, {"trainer": {"anything": 1}})
 
 
 # ------------------------------------------------------------------------------------------ on a slice
@@ -343,3 +358,147 @@ def test_hostile_env_names_are_refused(tmp_path, name):
     with pytest.raises(BadInput) as e:
         bundles.build(STANDIN, job, tmp_path)
     assert e.value.field == "job.env"
+
+
+# ---------------------------------------------------------------------------- checkpoints reach the bucket whole
+
+class _Killed(Exception):
+    """The agent dies here (SIGKILL after a cancel's grace): the upload in flight never happens."""
+
+
+class _TfCheckpointWriter:
+    """Writes checkpoints the way tf.train.CheckpointManager does, one filesystem operation per `advance()`:
+    shards into ckpt-N_temp/, then the data files and the index, then the `checkpoint` pointer (an atomic
+    NAME.tmp<hex> + rename), then deletes checkpoints beyond `keep`."""
+
+    def __init__(self, d, every: int = 10, keep: int = 2, shards: int = 2):
+        self.d, self.every, self.keep, self.shards = d, every, keep, shards
+        self.kept: list[str] = []
+        self.ops = self._ops()
+        d.mkdir(parents=True, exist_ok=True)
+
+    def _ops(self):
+        step = 0
+        while True:
+            step += self.every
+            name, temp = f"ckpt-{step}", self.d / f"ckpt-{step}_temp"
+            yield lambda: temp.mkdir()
+            for i in range(self.shards):
+                yield lambda i=i: (temp / f"part-{i:05d}.data").write_text(f"{step}:{i}")
+            for i in range(self.shards):
+                yield lambda i=i: (self.d / f"{name}.data-{i:05d}-of-{self.shards:05d}").write_text(f"{step}:{i}")
+                yield lambda i=i: (temp / f"part-{i:05d}.data").unlink()
+            yield lambda: temp.rmdir()
+            yield lambda: (self.d / f"{name}.index").write_text(str(step))
+            self.kept = [*self.kept, name]
+            proto = f'model_checkpoint_path: "{name}"\n' + "".join(
+                f'all_model_checkpoint_paths: "{k}"\n' for k in self.kept[-self.keep:])
+            tmp = self.d / "checkpoint.tmp3f2a9c"
+            yield lambda: tmp.write_text(proto)
+            yield lambda: tmp.replace(self.d / "checkpoint")
+            for old in self.kept[:-self.keep]:
+                for f in sorted(self.d.glob(f"{old}.*")):
+                    yield lambda f=f: f.unlink()
+            self.kept = self.kept[-self.keep:]
+
+    def advance(self, n: int) -> None:
+        for _ in range(n):
+            next(self.ops)()
+
+
+def _restorable(bucket, prefix: str, shards: int = 2) -> int | None:
+    """The step a fresh worker would restore from the bucket (None: no checkpoint yet). Fails if the pointer
+    names a checkpoint that is not wholly there, or a checkpoint older than it is half there."""
+    objects = {b.name[len(prefix) + 1:]: b for b in bucket.list_blobs(prefix=prefix + "/")}
+    assert not [n for n in objects if "_temp" in n or ".tmp" in n], sorted(objects)
+    if "checkpoint" not in objects:
+        assert not objects, f"checkpoint files without a pointer: {sorted(objects)}"
+        return None
+    names = re.findall(r'"(ckpt-\d+)"', objects["checkpoint"].download_as_text())
+    newest = int(names[0].split("-")[1])
+    for name in names:
+        step = name.split("-")[1]
+        assert objects[f"{name}.index"].download_as_text() == step, (name, sorted(objects))
+        for i in range(shards):
+            assert objects[f"{name}.data-{i:05d}-of-{shards:05d}"].download_as_text() == f"{step}:{i}"
+    for n in objects:  # anything else is newer: an upload that a kill interrupted before its pointer
+        m = re.match(r"ckpt-(\d+)\.", n)
+        assert not m or f"ckpt-{m.group(1)}" in names or int(m.group(1)) > newest, (n, names)
+    return newest
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cancel_at_random_moments_of_checkpoint_writes_leaves_a_restorable_checkpoint(tmp_path, storage,
+                                                                                       monkeypatch, seed):
+    """The agent syncs a model directory to the bucket while the program writes checkpoints; uploads
+    interleave with the program's writes at random (seeded) points, and a cancel stops the program at a random
+    operation, after which the final sync may itself be killed mid-way. After every sync the bucket's
+    pointer names a complete checkpoint, and it never goes back to an older one."""
+    import random
+
+    from google.cloud.storage import Blob
+
+    from tpuctl.jobs import agent
+
+    rng = random.Random(seed)
+    job = {"project": "test-project", "bucket": storage.bucket_name, "prefix": "runs/r1"}
+    store = agent.Store(job, 0, tmp_path / "mirror")
+    url = f"gs://{storage.bucket_name}/runs/r1/model/checkpoints"
+    writer = _TfCheckpointWriter(store.local(url))
+    state = {"writing": True, "kill_after": None}
+
+    def interleaved(real):
+        def call(self, *args, **kwargs):
+            if state["writing"]:
+                writer.advance(rng.randint(0, 4))  # the program goes on while the agent uploads
+            if state["kill_after"] is not None:
+                if state["kill_after"] == 0:
+                    raise _Killed()
+                state["kill_after"] -= 1
+            return real(self, *args, **kwargs)
+        return call
+
+    for method in ("upload_from_filename", "upload_from_string", "delete"):
+        monkeypatch.setattr(Blob, method, interleaved(getattr(Blob, method)))
+    bucket = storage.client().bucket(storage.bucket_name)
+    prefix = "runs/r1/model/checkpoints"
+    seen = None
+    for _ in range(rng.randint(3, 12)):  # heartbeats while training
+        writer.advance(rng.randint(1, 15))
+        store.upload_dir(url)
+        now = _restorable(bucket, prefix)
+        assert seen is None or (now is not None and now >= seen), (seen, now)
+        seen = now
+    writer.advance(rng.randint(0, 20))  # the cancel lands mid-write
+    state["writing"] = False
+    state["kill_after"] = rng.choice([None, rng.randint(0, 6)])
+    try:
+        store.upload_dir(url)  # the agent's final sync
+    except _Killed:
+        pass
+    final = _restorable(bucket, prefix)
+    assert seen is None or (final is not None and final >= seen), (seen, final)
+    if state["kill_after"] is None:  # a final sync that finished publishes the program's last checkpoint
+        local = re.findall(r'model_checkpoint_path: "ckpt-(\d+)"', (writer.d / "checkpoint").read_text()) \
+            if (writer.d / "checkpoint").exists() else []
+        assert final == (int(local[0]) if local else None)
+
+
+def test_a_restore_replaces_a_stale_pointer_of_the_same_size(tmp_path, storage):
+    """After a preemption a worker's disk may still hold its own older checkpoint pointer: the bucket's newer
+    one has the same size (ckpt-10.json vs ckpt-30.json) and must still win, or the worker resumes from 10."""
+    from tpuctl.jobs import agent
+
+    store = agent.Store({"project": "test-project", "bucket": storage.bucket_name, "prefix": "runs/r1"}, 1,
+                        tmp_path / "mirror")
+    url = f"gs://{storage.bucket_name}/runs/r1/model"
+    bucket = storage.client().bucket(storage.bucket_name)
+    for name, text in (("checkpoint", "ckpt-30.json"), ("ckpt-30.json", '{"step": 30}'),
+                       ("ckpt-10.json", '{"step": 10}')):
+        bucket.blob(f"runs/r1/model/{name}").upload_from_string(text)
+    local = store.local(url)
+    local.mkdir(parents=True)
+    (local / "checkpoint").write_text("ckpt-10.json")
+    (local / "ckpt-10.json").write_text('{"step": 10}')
+    assert store.download_prefix(url) == 2  # the pointer and ckpt-30; ckpt-10 is already the same
+    assert (local / "checkpoint").read_text() == "ckpt-30.json"

@@ -93,8 +93,8 @@ def test_start_env_status_fault_stop(home, invoke):
     table = invoke("local", "status")
     assert "cli" in table.stdout and "READY" in table.stdout
 
-    fault = json.loads(invoke("local", "fault", "capacity", "--zone", "us-central1-b", "--count", "2").stdout)
-    assert fault["kind"] == "capacity" and fault["count"] == 2
+    fault = json.loads(invoke("local", "fault", "capacity", "--zone", "us-central1-b", "--count", "2", "--code", "9").stdout)
+    assert fault["kind"] == "capacity" and fault["count"] == 2 and fault["code"] == 9
     assert [f["id"] for f in json.loads(invoke("local", "fault", "list").stdout)] == [fault["id"]]
     missing = invoke("local", "fault", "kill-worker", check=False)
     assert missing.returncode == 2 and "node" in missing.stderr

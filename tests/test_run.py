@@ -435,6 +435,32 @@ def test_missing_corpus_is_bad_input_before_anything_is_created(cloud, project, 
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
 
 
+@pytest.mark.parametrize("trainer, error", [
+    ({"max_step": 30}, "error: job.config.trainer.max_step: unknown field; did you mean max_steps?"),
+    ({"max_steps": 35}, "error: job.config.trainer.max_steps: must be a positive multiple of "
+                        "trainer.steps_per_execution (10)"),
+    ({"checkpoint_every": 25}, "error: job.config.trainer.checkpoint_every: must be a positive multiple of "),
+    ({"log_every": "10"}, "error: job.config.trainer.log_every: expected int, got '10'"),
+])
+def test_bad_template_config_is_bad_input_before_anything_is_created(cloud, project, tmp_path, trainer, error):
+    """The template's own schema (bert/config.py, named in its template.json) runs on the host: a typo or a
+    value the worker would refuse costs no TPU and leaves no bucket, and --dry-run says the same."""
+    spec = _spec_file(tmp_path, {**_spec("bad-config"), "job": {"template": "bert", "preset": "bert-tiny",
+                                                                 "config": {"trainer": trainer}}})
+    for mode in ("--dry-run", "--yes"):
+        r = _tpuctl(cloud, tmp_path, project, "run", str(spec), mode)
+        assert r.returncode == 2, (mode, r.stderr)
+        assert r.stderr.splitlines()[0].startswith(error), (mode, r.stderr)
+    assert _buckets(cloud, project) == [] and _zero(cloud, project)
+
+
+def test_unknown_preset_names_the_spec_field_it_came_from(cloud, project, tmp_path):
+    spec = _spec_file(tmp_path, {**_spec("bad-preset"), "job": {"template": "bert", "preset": "bert-largest"}})
+    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--dry-run")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: job.preset: unknown preset 'bert-largest'; did you mean bert-large?"), r.stderr
+
+
 @pytest.mark.parametrize("name", ["$(touch PWNED)", "a;b", "it's", "x\ny"])
 def test_hostile_run_name_is_refused_and_creates_nothing(cloud, project, tmp_path, name):
     spec = _spec_file(tmp_path, _spec("fine-name"))
@@ -477,3 +503,39 @@ def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
     assert json.loads(dry.stdout)["state"] == "planned"
     monkeypatch.chdir(elsewhere)  # a relative path means the spec's directory even where the cwd has a match
     assert _corpus_path("data/*.txt", example.parent) == str(example.parent / "data" / "*.txt")
+
+
+def test_an_on_demand_node_under_maintenance_is_waited_for_not_recreated(tpc, cloud, project):
+    spec = spec_mod.from_mapping({**_spec("mx-run", accelerator="v3-8", trainer={
+        "max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.1}), "provisioning": "on-demand"})
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.3), echo_logs=False)
+    fired = threading.Event()
+    ids: list[str] = []
+
+    def repair_at_step_8():
+        while not fired.is_set():
+            if (p.outcome.step or 0) >= 8 and p.node:
+                ids.append(tpc.tpu.get_node(name=_node_path(p)).id)
+                cloud.repair(_node_path(p), seconds=2000)  # 2 s of REPAIRING at the tests' speed
+                fired.set()
+            time.sleep(0.05)
+
+    def node_id_at_the_end(outcome_step: int = 30):
+        while (p.outcome.step or 0) < outcome_step:
+            time.sleep(0.05)
+        ids.append(tpc.tpu.get_node(name=_node_path(p)).id)
+
+    threading.Thread(target=repair_at_step_8, daemon=True).start()
+    watcher = threading.Thread(target=node_id_at_the_end, daemon=True)
+    watcher.start()
+    try:
+        o = p.run()
+    finally:
+        fired.set()
+    assert o.state == "succeeded" and o.recoveries == 1 and o.step == 30
+    watcher.join(timeout=1)
+    assert len(ids) == 2 and ids[0] == ids[1]  # the same node throughout: waited for, never deleted
+    from tpuctl.ledger import Ledger
+
+    assert len([e for e in Ledger().entries() if e.kind == "tpu" and e.run == "mx-run"]) == 1
+    assert _zero(cloud, project)

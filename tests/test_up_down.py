@@ -89,6 +89,7 @@ def test_up_status_list_down(env, pc):
 
     no = tpuctl(env, "down", "r1")  # no TTY and no --yes: refuses, deletes nothing
     assert no.returncode == 2 and len(everything(pc)) == 2
+    assert no.stderr.splitlines()[0] == "error: --yes: no terminal to confirm on; pass --yes to delete run r1"
     d = tpuctl(env, "down", "r1", "--yes")
     assert d.returncode == 0 and "verified none remain" in d.stderr, d.stderr
     assert len(everything(pc)) == 1  # the bucket is kept
@@ -170,3 +171,67 @@ def test_second_ctrl_c_prints_the_down_command(env, pc, cloud):
     d = tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
     assert d.returncode == 0, d.stderr
     assert everything(pc) == []
+
+
+def _on_a_terminal(env, *args, answer: str, timeout: float = 60.0) -> tuple[int, str]:
+    """Run tpuctl with a pseudo-terminal as stdin/stdout/stderr; answer its [y/N] question. Returns the exit
+    code and everything it wrote."""
+    import pty
+    import select
+
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "tpuctl", *args], env=env, stdin=secondary, stdout=secondary,
+                            stderr=secondary, close_fds=True)
+    os.close(secondary)
+    seen, answered = b"", False
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([primary], [], [], 0.5)[0]:
+                continue
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+            if not answered and b"[y/N]" in seen:
+                os.write(primary, answer.encode() + b"\n")
+                answered = True
+        return proc.wait(timeout=30), seen.decode(errors="replace")
+    finally:
+        proc.kill()
+        os.close(primary)
+
+
+def test_a_terminal_is_asked_whatever_no_color_says(env, pc, tmp_path):
+    """Colour and consent are unrelated: NO_COLOR=1 (set in env) on a terminal still asks before up and run
+    create billed resources; a 'no' creates nothing."""
+    from test_jobs_harness import STANDIN
+
+    code, text = _on_a_terminal(env, *[a for a in UP if a != "--yes"], answer="n")
+    assert "create run r1 at about" in text and "[y/N]" in text, text
+    assert code == 2 and "error: --yes: not confirmed; nothing was created" in text, text
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: asked\nzone: europe-west4-a\naccelerator: v3-8\njob:\n  template: {STANDIN}\n")
+    code, text = _on_a_terminal(env, "run", str(spec), answer="no")
+    assert "for run asked at" in text and "[y/N]" in text, text
+    assert code == 2 and "not confirmed" in text, text
+    assert everything(pc) == []
+
+
+def test_without_a_terminal_or_yes_every_creating_or_deleting_command_refuses(env, pc, tmp_path):
+    from test_jobs_harness import STANDIN
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: script\nzone: europe-west4-a\naccelerator: v3-8\njob:\n  template: {STANDIN}\n")
+    for args, to in [([a for a in UP if a != "--yes"], "create run r1"),
+                     (["run", str(spec)], "create the run's resources"),
+                     (["down", "r1"], "delete run r1"),
+                     (["gc", "--all-owners"], "let gc delete")]:
+        p = tpuctl(env, *args)
+        assert p.returncode == 2, (args, p.stderr)
+        assert p.stderr.splitlines()[0] == f"error: --yes: no terminal to confirm on; pass --yes to {to}", p.stderr
+    assert everything(pc) == []
+    assert tpuctl(env, "run", str(spec), "--dry-run").returncode == 0  # a dry run needs no --yes

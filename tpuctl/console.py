@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from tpuctl.errors import TpuctlError
+from tpuctl.errors import BadInput, TpuctlError
 
 
 def _fancy(stream) -> bool:
@@ -90,17 +90,29 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, title: str |
     out.print(t)
 
 
-def confirm(question: str, *, yes: bool) -> bool:
-    """Ask before something destructive; `--yes` answers for the user. No TTY and no --yes means no."""
+def can_confirm(*, yes: bool, to: str) -> None:
+    """The one confirmation rule for every command that creates or deletes (up, run, down, gc): `--yes`
+    answers; otherwise a terminal must be there to ask on, whatever NO_COLOR or TERM say (colour and consent
+    are unrelated). Commands call this before they touch anything, so a script without a terminal and
+    without --yes is refused at once rather than after a scan. `to` ends the sentence "pass --yes to ...".
+    Raises BadInput (exit 2)."""
+    if not yes and not sys.stdin.isatty():
+        raise BadInput(f"no terminal to confirm on; pass --yes to {to}", field="--yes")
+
+
+def confirm(question: str, *, yes: bool, to: str, nothing: str = "nothing was created") -> None:
+    """Ask `question` on the terminal unless `--yes` (see `can_confirm` for the rule); returns only on yes.
+    Blocks on the user's answer. Raises BadInput saying `nothing` happened otherwise."""
+    can_confirm(yes=yes, to=to)
     if yes:
-        return True
-    if not sys.stdin.isatty():
-        return False
+        return
     err.print(f"{question} [y/N] ", end="", markup=False)
     try:
-        return input().strip().lower() in ("y", "yes")
+        answer = input().strip().lower()
     except EOFError:
-        return False
+        answer = ""
+    if answer not in ("y", "yes"):
+        raise BadInput(f"not confirmed; {nothing}", field="--yes", hint=f"pass --yes to {to} without asking")
 
 
 class ProgressBoard:

@@ -159,6 +159,8 @@ class CostRow:
     hours: float  # resource-hours inside the window
     usd: float
     usd_per_hour_now: float  # what the live ones bill per hour right now
+    rolled_back: int = 0  # of `resources`: created and deleted again by a failed or interrupted `up`
+    rolled_back_usd: float = 0.0  # of `usd`: what those billed from their create request to their deletion
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,8 @@ class CostReport:
         return {"by": self.by, "since": self.since, "until": self.until, "total_usd": round(self.total_usd, 4),
                 "usd_per_hour_now": round(self.usd_per_hour_now, 4), "prices_from": self.prices_from,
                 "rows": [{"key": r.key, "resources": r.resources, "live": r.live, "hours": round(r.hours, 4),
-                          "usd": round(r.usd, 4), "usd_per_hour_now": round(r.usd_per_hour_now, 4)}
+                          "usd": round(r.usd, 4), "usd_per_hour_now": round(r.usd_per_hour_now, 4),
+                          "rolled_back": r.rolled_back, "rolled_back_usd": round(r.rolled_back_usd, 4)}
                          for r in self.rows]}
 
 
@@ -188,7 +191,8 @@ def _group_key(e: Entry, by: str) -> str:
 
 
 def report(entries: Iterable[Entry], catalog: Catalog, *, since: float, now: float, by: str = "run") -> CostReport:
-    """Cost per run/owner/type of every resource alive at some point in [since, now], dearest first."""
+    """Cost per run/owner/type of every resource alive at some point in [since, now], dearest first.
+    Rolled-back resources count like any other (they billed) and are also counted apart."""
     if by not in GROUPINGS:
         raise BadInput(f"cannot group by {by!r}", field="by", hint=f"use one of: {', '.join(GROUPINGS)}")
     acc: dict[str, list[float]] = {}
@@ -198,13 +202,16 @@ def report(entries: Iterable[Entry], catalog: Catalog, *, since: float, now: flo
         per_hour = hourly(e, catalog)
         hours = lifetime_hours(e, since=since, now=now)
         live = e.deleted is None
-        row = acc.setdefault(_group_key(e, by), [0, 0, 0.0, 0.0, 0.0])
+        row = acc.setdefault(_group_key(e, by), [0, 0, 0.0, 0.0, 0.0, 0, 0.0])
         row[0] += 1
         row[1] += live
         row[2] += hours
         row[3] += per_hour * hours
         row[4] += per_hour if live else 0.0
-    rows = tuple(sorted((CostRow(k, int(v[0]), int(v[1]), v[2], v[3], v[4]) for k, v in acc.items()),
+        row[5] += e.rolled_back
+        row[6] += per_hour * hours if e.rolled_back else 0.0
+    rows = tuple(sorted((CostRow(k, int(v[0]), int(v[1]), v[2], v[3], v[4], int(v[5]), v[6])
+                         for k, v in acc.items()),
                         key=lambda r: (-r.usd, r.key)))
     return CostReport(by=by, since=since, until=now, rows=rows, total_usd=sum(r.usd for r in rows),
                       usd_per_hour_now=sum(r.usd_per_hour_now for r in rows), prices_from=catalog.prices_from)

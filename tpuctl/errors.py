@@ -64,11 +64,15 @@ class CapacityError(TpuctlError):
     default_hint = capacity_hint()
 
 
+QUOTAS_PAGE = "https://console.cloud.google.com/iam-admin/quotas"
+
+
 class QuotaError(TpuctlError):
-    """A quota or rate limit refused the request after retries."""
+    """A quota or rate limit refused the request (a quota is a limit: retrying does not lift it)."""
 
     exit_code = EXIT_CAPACITY
-    default_hint = "request more quota in the Cloud console (IAM & Admin > Quotas) or retry later"
+    default_hint = (f"raise the quota named above on the Quotas page, {QUOTAS_PAGE} (filter by its name), "
+                    "or ask for fewer or smaller TPUs")
 
 
 class PermissionDenied(TpuctlError):
@@ -113,10 +117,16 @@ def from_google(exc: BaseException, *, what: str) -> TpuctlError:
     detail = getattr(exc, "message", None) or str(exc)
     if isinstance(exc, gexc.ResourceExhausted):
         if _is_quota(exc):
-            return QuotaError(f"{what}: quota exceeded ({_quota_name(exc) or detail})")
+            return QuotaError(f"{what}: quota {_quota_name(exc)} exceeded ({detail})")
         return CapacityError(f"{what}: no capacity ({detail})")
     if isinstance(exc, gexc.TooManyRequests):
-        return QuotaError(f"{what}: rate limited after retries ({detail})")
+        # HTTP 429 is a quota (Cloud TPU's "Quota limit '...' has been exceeded"), named by its
+        # QuotaFailure detail when Google sends one, else only in the message, which is shown as it is.
+        name = _quota_name(exc)
+        return QuotaError(f"{what}: quota {name + ' ' if name else ''}exceeded ({detail})")
+    if isinstance(exc, gexc.Forbidden) and _compute_reasons(exc) & COMPUTE_QUOTA_REASONS:
+        # Compute answers an exceeded quota with 403 and errors[].reason "quotaExceeded": not a missing role.
+        return QuotaError(f"{what}: quota exceeded ({detail})")
     if isinstance(exc, (gexc.Forbidden, gexc.Unauthorized)):
         return PermissionDenied(f"{what}: permission denied ({detail})")
     if isinstance(exc, gexc.NotFound):
@@ -126,6 +136,15 @@ def from_google(exc: BaseException, *, what: str) -> TpuctlError:
     if isinstance(exc, (gexc.ServiceUnavailable, gexc.InternalServerError, gexc.DeadlineExceeded)):
         return CloudError(f"{what}: the API kept failing ({detail})", hint="retry in a few minutes")
     return CloudError(f"{what}: {detail}")
+
+
+# Compute's `errors[].reason` values for a quota refusal (HTTP 403), as its error model documents them.
+COMPUTE_QUOTA_REASONS = frozenset({"quotaExceeded", "rateLimitExceeded", "userRateLimitExceeded"})
+
+
+def _compute_reasons(exc: BaseException) -> set[str]:
+    """The structured `reason`s of a Compute error (`exc.errors` is the body's `error.errors` list)."""
+    return {str(e.get("reason")) for e in getattr(exc, "errors", None) or () if isinstance(e, dict) and e.get("reason")}
 
 
 def _quota_name(exc: BaseException) -> str | None:

@@ -41,6 +41,7 @@ class Entry:
     spot: bool = False
     disk_gb: int = 0
     ends: float | None = None  # when the provider deletes it by itself (a flex-start TPU's max run duration)
+    rolled_back: bool = False  # created and deleted again by the same `up` (failure, Ctrl-C, no capacity)
 
     @property
     def key(self) -> str:
@@ -98,6 +99,17 @@ def remember(resources: Iterable[Any], *, deleted: bool = False) -> None:
         console.warn(f"could not update the local cost ledger: {exc}")
 
 
+def remember_gone(entries: Iterable[Entry]) -> None:
+    """Best effort, like `remember`: record resources that existed and are already gone (an `up` rolled
+    them back), so `tpuctl cost` still counts what they billed."""
+    from tpuctl import console
+
+    try:
+        Ledger().record(entries)
+    except OSError as exc:
+        console.warn(f"could not update the local cost ledger: {exc}")
+
+
 class Ledger:
     """The ledger file at `path` (default `tpuctl.paths.ledger()`). Each method is one locked transaction."""
 
@@ -150,7 +162,9 @@ class Ledger:
                 if old is not None and old.get("deleted") is not None and e.created > old["deleted"]:
                     res[f"{e.key}@{old['created']:.0f}"] = old
                 elif old is not None:
-                    e = replace(e, created=min(e.created, old["created"]), deleted=old.get("deleted"))
+                    deleted = old.get("deleted") if old.get("deleted") is not None else e.deleted
+                    e = replace(e, created=min(e.created, old["created"]), deleted=deleted,
+                                rolled_back=e.rolled_back or bool(old.get("rolled_back")))
                 res[e.key] = asdict(e)
 
     def mark_deleted(self, keys: Iterable[str], at: float | None = None) -> None:

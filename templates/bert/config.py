@@ -21,6 +21,7 @@ Pure stdlib: this module is imported on TPU workers and by tpuctl on a laptop wi
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,18 +114,26 @@ _SECTIONS = {"task": TaskConfig, "trainer": TrainerConfig, "runtime": RuntimeCon
 
 
 def build(data: dict[str, Any]) -> BertConfig:
-    """Defaults, then `data["preset"]`, then the sections of `data`; validated. Raises ConfigError."""
+    """Defaults, then `data["preset"]`, then the sections of `data`; validated. Raises ConfigError.
+
+    This is the config's one schema: the worker runs it on the file it is given, and tpuctl runs it (named
+    by `config.validate` in template.json) on the same config before it creates anything."""
     if not isinstance(data, dict):
-        raise ConfigError("config: expected a JSON object")
-    unknown = set(data) - {"preset", *_SECTIONS}
-    if unknown:
-        raise ConfigError(f"config: unknown key(s) {sorted(unknown)}; expected preset, task, trainer, runtime")
+        raise ConfigError("", "expected a JSON object")
+    for key in data:
+        if key not in ("preset", *_SECTIONS):
+            raise ConfigError(str(key), _unknown("key", str(key), ("preset", *_SECTIONS)))
     preset = data.get("preset") or ""
+    if not isinstance(preset, str):
+        raise ConfigError("preset", f"expected str, got {preset!r}")
     if preset and preset not in PRESETS:
-        raise ConfigError(f"config.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise ConfigError("preset", _unknown(f"preset {preset!r}", preset, PRESETS))
     sections = {}
     for name, cls in _SECTIONS.items():
-        values = {**PRESETS.get(preset, {}).get(name, {}), **(data.get(name) or {})}
+        given = data.get(name) or {}
+        if not isinstance(given, dict):
+            raise ConfigError(name, "expected an object")
+        values = {**PRESETS.get(preset, {}).get(name, {}), **given}
         sections[name] = _section(cls, name, values)
     cfg = BertConfig(preset=preset, **sections)
     validate(cfg)
@@ -136,7 +145,7 @@ def load(path: str | Path) -> BertConfig:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"config: cannot read {path}: {exc}") from exc
+        raise ConfigError("", f"cannot read {path}: {exc}") from exc
     return build(data)
 
 
@@ -151,20 +160,27 @@ def with_overrides(cfg: BertConfig, **sections: dict[str, Any]) -> BertConfig:
     return out
 
 
+def _unknown(what: str, name: str, known) -> str:
+    """`unknown field; did you mean max_steps?` with the closest known name, else the list of known names."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    if close:
+        return f"unknown {what}; did you mean {close[0]}?"
+    return f"unknown {what}; expected one of {', '.join(sorted(known))}"
+
+
 def _section(cls, name: str, values: dict[str, Any]):
     if not isinstance(values, dict):
-        raise ConfigError(f"config.{name}: expected an object")
+        raise ConfigError(name, "expected an object")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(values) - set(fields)
-    if unknown:
-        raise ConfigError(f"config.{name}: unknown field(s) {sorted(unknown)}; known: {sorted(fields)}")
     typed = {}
     for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"{name}.{key}", _unknown("field", str(key), fields))
         want = type(fields[key].default)
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if type(value) is not want:
-            raise ConfigError(f"config.{name}.{key}: expected {want.__name__}, got {value!r}")
+            raise ConfigError(f"{name}.{key}", f"expected {want.__name__}, got {value!r}")
         typed[key] = value
     return cls(**typed)
 
@@ -172,6 +188,7 @@ def _section(cls, name: str, values: dict[str, Any]):
 def validate(cfg: BertConfig) -> None:
     """The rules that keep shapes static and TPU-friendly. Raises ConfigError naming the field."""
     t, tr, rt = cfg.task, cfg.trainer, cfg.runtime
+    of_spe = f"must be a positive multiple of trainer.steps_per_execution ({tr.steps_per_execution})"
     checks = [
         (t.seq_len in (128, 256, 512), "task.seq_len", "must be 128, 256 or 512"),
         (t.vocab_size >= 0, "task.vocab_size", "must be >= 0 (0 takes it from the data manifest)"),
@@ -184,7 +201,7 @@ def validate(cfg: BertConfig) -> None:
         (tr.per_replica_batch_size > 0 and tr.per_replica_batch_size % 8 == 0,
          "trainer.per_replica_batch_size", "must be a positive multiple of 8"),
         (tr.max_steps > 0 and tr.max_steps % tr.steps_per_execution == 0,
-         "trainer.max_steps", "must be a positive multiple of trainer.steps_per_execution"),
+         "trainer.max_steps", of_spe),
         (tr.learning_rate > 0, "trainer.learning_rate", "must be > 0"),
         (tr.base_batch_size > 0, "trainer.base_batch_size", "must be > 0"),
         (tr.lr_scaling in ("sqrt", "linear", "none"), "trainer.lr_scaling", "must be sqrt, linear or none"),
@@ -192,9 +209,9 @@ def validate(cfg: BertConfig) -> None:
         (0.0 <= tr.end_learning_rate_fraction <= 1.0, "trainer.end_learning_rate_fraction", "must be in [0, 1]"),
         (tr.steps_per_execution > 0, "trainer.steps_per_execution", "must be > 0"),
         (tr.checkpoint_every > 0 and tr.checkpoint_every % tr.steps_per_execution == 0,
-         "trainer.checkpoint_every", "must be a positive multiple of trainer.steps_per_execution"),
+         "trainer.checkpoint_every", of_spe),
         (tr.log_every > 0 and tr.log_every % tr.steps_per_execution == 0,
-         "trainer.log_every", "must be a positive multiple of trainer.steps_per_execution"),
+         "trainer.log_every", of_spe),
         (tr.keep_checkpoints > 0, "trainer.keep_checkpoints", "must be > 0"),
         (tr.shuffle_buffer > 0, "trainer.shuffle_buffer", "must be > 0"),
         (rt.replicas >= 0, "runtime.replicas", "must be >= 0"),
@@ -203,4 +220,4 @@ def validate(cfg: BertConfig) -> None:
     ]
     for ok, name, rule in checks:
         if not ok:
-            raise ConfigError(f"config.{name}: {rule}")
+            raise ConfigError(name, rule)

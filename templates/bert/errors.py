@@ -12,7 +12,14 @@ class TemplateError(Exception):
 
 
 class ConfigError(TemplateError, ValueError):
-    """The config file is missing, malformed or breaks a rule (message starts with the field)."""
+    """The config file is missing, malformed or breaks a rule. `field` is the dotted key at fault inside the
+    config ("trainer.max_steps"; "" for the whole file) and `rule` what is wrong with it, so a host that checks
+    a config before shipping it can name the field in its own terms."""
+
+    def __init__(self, field: str, rule: str):
+        super().__init__(f"config.{field}: {rule}" if field else f"config: {rule}")
+        self.field = field
+        self.rule = rule
 
 
 class DataError(TemplateError, ValueError):

@@ -71,7 +71,7 @@ def run(cfg: BertConfig, *, log=None) -> dict:
     emit = log or (lambda line: print(line, flush=True))
     rt = cfg.runtime
     if not rt.data_dir or not rt.model_dir:
-        raise ConfigError("config.runtime: data_dir and model_dir are required")
+        raise ConfigError("runtime", "data_dir and model_dir are required")
     from . import strategy as strategy_mod
 
     worker = strategy_mod.follower()
@@ -162,8 +162,8 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest) -> BertConfig:
     task = dataclasses.asdict(cfg.task)
     if previous and previous["task"] != task:
         changed = sorted(k for k in task if previous["task"].get(k) != task[k])
-        raise ConfigError(f"config.task: {changed} differ from the checkpoints in {rt.model_dir}; "
-                          "use a new model_dir or the original task settings")
+        raise ConfigError("task", f"{changed} differ from the checkpoints in {rt.model_dir}; "
+                                  "use a new model_dir or the original task settings")
     tf.io.gfile.makedirs(rt.model_dir)
     if not previous:
         _write(tf, state_path, json.dumps({"vocab_sha256": manifest.vocab_sha256, "task": task}, indent=2))

@@ -119,7 +119,8 @@ def catalog_refresh(project: str | None, cloud: str | None, as_json: bool) -> No
 def cost_command(since: str, by: str, project: str | None, cloud: str | None, as_json: bool) -> None:
     """What tpuctl runs cost, by run, owner or type.
 
-    Live resources are found by their tpuctl labels; deleted ones come from the local ledger.
+    Live resources are found by their tpuctl labels; deleted ones come from the local ledger, including
+    those an interrupted or failed `up` rolled back (they billed from their create request).
     """
     from tpuctl.provision import gc
 
@@ -131,9 +132,10 @@ def cost_command(since: str, by: str, project: str | None, cloud: str | None, as
     if as_json:
         console.emit_json(rep.to_json())
         return
-    console.table((by, "resources", "live", "resource-hours", "cost", "$/h now"),
-                  [(r.key, r.resources, r.live, f"{r.hours:.2f}", _money(r.usd), _money(r.usd_per_hour_now))
-                   for r in rep.rows])
+    console.table((by, "resources", "live", "rolled back", "resource-hours", "cost", "$/h now"),
+                  [(r.key, r.resources, r.live,
+                    f"{r.rolled_back} ({_money(r.rolled_back_usd)})" if r.rolled_back else "-",
+                    f"{r.hours:.2f}", _money(r.usd), _money(r.usd_per_hour_now)) for r in rep.rows])
     console.info(f"total {_money(rep.total_usd)} over the last {since}; live resources bill "
                  f"{_money(rep.usd_per_hour_now)}/h now (prices: {rep.prices_from})")
 
@@ -202,13 +204,14 @@ def _install_schedule(sched: gc.Schedule) -> None:
 @click.option("--schedule", is_flag=True, help="print a crontab line and systemd units that run this gc")
 @click.option("--install", is_flag=True, help="write the systemd units and install the crontab line")
 @click.option("--every", default="10m", show_default=True, help="how often the scheduled gc runs")
+@click.option("--yes", "-y", is_flag=True, help="delete without asking (a scheduled gc passes it)")
 @_project
 @_cloud
 @click.option("--json", "as_json", is_flag=True, help="one JSON record per action on stdout")
 @click.pass_context
 def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | None, budget_per: str,
                all_owners: bool, owner: str | None, buckets: bool, lock_wait: float, timeout: str, schedule: bool, install: bool,
-               every: str, project: str | None, cloud: str | None, as_json: bool) -> None:
+               every: str, yes: bool, project: str | None, cloud: str | None, as_json: bool) -> None:
     """Delete runs that outlived their purpose (the cleanup cron).
 
     A run goes when its TTL passed, its job finished, failed or was cancelled, it is idle, its TPU was
@@ -228,7 +231,9 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
         raise BadInput("--lock-wait must be >= 0 seconds", field="lock-wait")
     if schedule or install:
         every_s = cost.parse_duration(every, field="every")
-        argv = [*_tpuctl_argv(), "gc", "--idle", idle] + (["--budget-per", budget_per] if budget is not None else [])
+        # --yes: cron and systemd have no terminal to confirm on, and scheduling gc is the consent.
+        argv = [*_tpuctl_argv(), "gc", "--yes", "--idle", idle] + (
+            ["--budget-per", budget_per] if budget is not None else [])
         for flag, on in (("--all-owners", all_owners), ("--buckets", buckets)):
             argv += [flag] if on else []
         for flag, value in (("--budget", budget), ("--owner", owner), ("--project", project), ("--cloud", cloud)):
@@ -242,6 +247,8 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
             click.echo(f"# ~/.config/systemd/user/tpuctl-gc.service\n{sched.service_unit}")
             click.echo(f"# ~/.config/systemd/user/tpuctl-gc.timer\n{sched.timer_unit}")
         return
+    if not dry_run:
+        console.can_confirm(yes=yes, to="let gc delete")
     clients = _clients(project, cloud)
     policy = gc.Policy(now=time.time(), owner=labels.label_value(owner) if owner else labels.owner(),
                        all_owners=all_owners, idle_s=idle_s, budget_usd=budget, budget_per=budget_per, buckets=buckets)
@@ -252,8 +259,15 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
         else:
             click.echo(_outcome_line(o))
 
+    def ask(going) -> None:  # on a terminal only: --yes passes no callback
+        for a in going:
+            console.info(f"  {a.resource.kind.value} {a.resource.location}/{a.resource.name} run={a.run}: {a.why}")
+        console.confirm(f"delete these {len(going)} resource(s)?", yes=yes, to="let gc delete",
+                        nothing="nothing was deleted")
+
     result = gc.run(clients, policy, dry_run=dry_run, catalog=catalog_mod.load(), ledger=Ledger(),
-                    lock=paths.gc_lock(), lock_wait_s=lock_wait, on_outcome=show, deadline_s=timeout_s)
+                    lock=paths.gc_lock(), lock_wait_s=lock_wait, on_outcome=show, deadline_s=timeout_s,
+                    confirm=None if yes else ask)
     if result.locked_out:
         console.note(f"gc: another tpuctl gc holds {paths.gc_lock()}; skipped this run")
         return

@@ -78,6 +78,8 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
         raise BadInput("no spec file given", field="spec", hint="tpuctl run examples/bert-tiny.yaml --yes")
     opts = RunOptions(name=name, yes=yes, detach=detach, attach=attach, download=Path(download) if download else None,
                       delete_bucket=delete_bucket, max_recoveries=max_recoveries, dry_run=dry_run, poll_s=poll_s)
+    if not attach and not dry_run:
+        console.can_confirm(yes=yes, to="create the run's resources")  # before the local cloud even starts
     if attach:
         pipeline = Pipeline(_clients(project, cloud), options=opts)
         outcome = pipeline.attach()

@@ -145,12 +145,19 @@ def status_command(as_json: bool, state_dir: Path | None) -> None:
 @click.option("--probability", type=click.FloatRange(0, 1), help="fire with this probability per matching call")
 @click.option("--seed", type=int, help="seed for --probability")
 @click.option("--quota", help="quota name a quota fault reports")
+@click.option("--code", type=click.Choice(["8", "9", "13"]),
+              help="capacity: the create operation's error code (8 no capacity, 9 reservation, 13 internal)")
+@click.option("--details/--no-details", default=None, help="quota (TPU): send google.rpc.QuotaFailure details")
+@click.option("--in-operation", is_flag=True, default=None, help="quota (Compute): fail the insert operation, not the request")
+@click.option("--state", type=click.Choice(["REPAIRING", "RESTARTING"]), help="repair: the state the node passes through")
+@click.option("--seconds", type=click.FloatRange(min=0), help="repair: simulated seconds under maintenance [default: 120]")
 @click.option("--node", help="preempt / kill-worker / drop-ssh: the TPU node or VM name")
 @click.option("--worker", type=click.IntRange(min=0), help="kill-worker: the worker index")
 @click.option("--after", type=click.FloatRange(min=0), help="preempt: seconds from now")
 @_state_dir_option
 def fault_command(kind: str, state_dir: Path | None, after: float | None, **options) -> None:
-    """Inject a fault (capacity, quota, unavailable, stuck, preempt, kill-worker, drop-ssh); `list`; `clear`."""
+    """Inject a fault (capacity, quota, unavailable, stuck, preempt, kill-worker, drop-ssh, repair,
+    no-guest-attributes); `list`; `clear`."""
     info = _running(_dir(state_dir))
     if kind == "list":
         console.emit_json(_admin(info, "GET", "faults")["faults"])
@@ -160,7 +167,9 @@ def fault_command(kind: str, state_dir: Path | None, after: float | None, **opti
         console.info(f"cleared {cleared} fault(s)")
         return
     body = {k: v for k, v in options.items() if v is not None}
-    if kind in ("preempt", "kill-worker", "drop-ssh") and not body.get("node"):
+    if "code" in body:
+        body["code"] = int(body["code"])
+    if kind in ("preempt", "kill-worker", "drop-ssh", "repair") and not body.get("node"):
         raise BadInput(f"fault {kind} needs the node it acts on", field="node", hint=f"tpuctl local fault {kind} --node NAME")
     if kind == "preempt":
         result = _admin(info, "POST", "preempt", {"node": body["node"], "after": after})

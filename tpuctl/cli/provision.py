@@ -106,6 +106,8 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
     plan = prov.plan(spec, project=settings.project)
     if dry_run:
         _dry_run_checks(settings, plan, named_bucket=spec.bucket != "auto")
+    else:  # a script without --yes hears only this, before the plan
+        console.can_confirm(yes=yes, to=f"create run {plan.run}")
     if as_json and dry_run:
         console.emit_json({"plan": plan.to_json(), "target": settings.target})
         return
@@ -113,13 +115,13 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
         print_plan(plan, spec, settings)
     if dry_run:
         return
-    if console.interactive() and not yes and not console.confirm(
-            f"create run {plan.run} at about {_money(plan.price_per_hour)}/hour?", yes=False):
-        raise BadInput("not confirmed; nothing was created", field="yes", hint="pass --yes to skip the question")
+    console.confirm(f"create run {plan.run} at about {_money(plan.price_per_hour)}/hour?", yes=yes,
+                    to=f"create run {plan.run}")
     clients = prov.connect(config.ensure_endpoint(settings))
     started = time.monotonic()
     with console.ProgressBoard(f"tpuctl up {plan.run}") as board:
-        result = prov.apply(clients, plan, progress=board.update, keep_on_failure=keep_on_failure)
+        result = prov.apply(clients, plan, progress=board.update, keep_on_failure=keep_on_failure,
+                            on_gone=ledger.remember_gone)
     ledger.remember(result.resources)
     tpu_r = result.get(prov.Kind.TPU)
     if as_json:
@@ -158,6 +160,7 @@ def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
     from tpuctl.provision import inventory, labels
 
     labels.check_name(run, field="run")  # no resource can carry an invalid name: a typo, not an empty run
+    console.can_confirm(yes=yes, to=f"delete run {run}")
     settings = config.settings(project=project, cloud=cloud)
     clients = prov.connect(settings)
     found = prov.list_resources(clients, run, include_iam=True)
@@ -181,8 +184,8 @@ def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
             c = prov.bucket_contents(clients, b.name)
             console.warn(f"gs://{b.name} holds {c.objects} objects ({c.bytes / 1e6:,.1f} MB)"
                          + (f", e.g. {', '.join(c.sample[:5])}" if c.sample else "") + "; they will be deleted")
-    if not console.confirm(f"delete {len(going)} resource(s) of run {run}?", yes=yes):
-        raise BadInput("not confirmed; nothing was deleted", field="yes", hint="pass --yes to skip the question")
+    console.confirm(f"delete {len(going)} resource(s) of run {run}?", yes=yes, to=f"delete run {run}",
+                    nothing="nothing was deleted")
     with console.ProgressBoard(f"tpuctl down {run}") as board:
         result = prov.down(clients, run, delete_bucket=delete_bucket, progress=board.update)
     ledger.remember(result.deleted, deleted=True)
