@@ -43,13 +43,22 @@ def _emulated() -> bool:
 
 
 def _client(project: str):
+    """A storage client acting as the VM's service account, as on a real TPU VM (the metadata server's token).
+    With an emulator and no metadata server to ask, requests go anonymously (the emulator's owner)."""
     from google.cloud import storage
 
-    if _emulated():
+    if not _emulated():
+        return storage.Client(project=project)
+    if os.environ.get("GCE_METADATA_HOST"):
+        import google.auth
+
+        credentials = google.auth.default()[0]
+    else:
         from google.auth.credentials import AnonymousCredentials
 
-        return storage.Client(project=project, credentials=AnonymousCredentials())
-    return storage.Client(project=project)
+        credentials = AnonymousCredentials()
+    # The client ignores ambient credentials when STORAGE_EMULATOR_HOST is set: they must be passed.
+    return storage.Client(project=project, credentials=credentials)
 
 
 def _split(url: str) -> tuple[str, str]:

@@ -469,7 +469,7 @@ class Pipeline:
                         if r.kind is Kind.TPU and r.name == rec.node]
                 if maintenance:
                     console.warn(f"TPU node {rec.node} is under maintenance: waiting for it to come back")
-                if not maintenance:
+                else:
                     ledger.remember(lost, deleted=True)
                 node = provision.recreate_node(self.clients, rec.zone, rec.node, force=not maintenance)
                 if maintenance and any(r.created != node.created for r in lost):

@@ -30,6 +30,7 @@ from .schema import validator
 from .server import Api, HttpServer
 from .storage import StorageServer
 from .runtimes import WorkerPython
+from .tokens import Tokens
 from .tpu import TpuService, ssh_keys_of
 from .workers import WorkerPool
 
@@ -59,6 +60,8 @@ class LocalCloud:
         self._sampler: threading.Thread | None = None
         self._seen_buckets: set[str] = set()
         self.world: World | None = None
+        # Service account tokens: issued to guests, checked by Cloud Storage against bucket IAM.
+        self.tokens = Tokens()
         self.endpoint = ""
         self.storage_host = ""
         self.started = 0.0
@@ -72,10 +75,12 @@ class LocalCloud:
             self._tmp = root = Path(tempfile.mkdtemp(prefix="localcloud-"))
         try:
             workers = self._workers = WorkerPool(root / "workers", self.python.bin_dir)
-            self._storage = StorageServer(root / "storage" if self.state_dir is not None else None, validator)
+            self._storage = StorageServer(root / "storage" if self.state_dir is not None else None, validator,
+                                          tokens=self.tokens)
             self.storage_host = self._storage.start()
             w = self.world = World(speed=self.speed, strict=self.strict, state_dir=self.state_dir,
                                    workers=workers, storage_host=self.storage_host, python=self.python)
+            w.tokens = self.tokens
             self.tpu, self.compute, self.accounts = TpuService(w), ComputeService(w), AccountsService(w)
             self.projects = ProjectsService(w, self._refresh_keys)
             w.worker_keys = self.projects.authorized_keys
@@ -333,6 +338,13 @@ class LocalCloud:
             live.add(name)
             self.world.meter.sample_bucket(name, f"bucket/{region}/standard", facts.STORAGE_PRICE_PER_GB_MONTH,
                                            float(b.get("bytes") or 0) / 1e9, now)
+        # Soft-deleted bytes bill at the storage class's rate until their hard delete time, also after their
+        # bucket is gone (cloud.google.com/storage/docs/soft-delete).
+        for bucket, soft in self._storage.soft_deleted().items():
+            name = f"buckets/{bucket}/soft-deleted"
+            live.add(name)
+            self.world.meter.sample_bucket(name, f"bucket/{soft['location'].lower()}/standard/soft-deleted",
+                                           facts.STORAGE_PRICE_PER_GB_MONTH, soft["bytes"] / 1e9, now)
         for gone in self._seen_buckets - live:
             self.world.meter.sample_bucket(gone, "", 0.0, None, now)
         self._seen_buckets = live

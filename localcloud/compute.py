@@ -180,7 +180,8 @@ class ComputeService:
             return guest.guest_tree(
                 project=project, number=facts.project_number(project), zone=zone, name=inst["name"],
                 instance_id=inst["id"], attributes=_metadata_dict(inst),
-                service_account=(accounts[0]["email"], list(accounts[0].get("scopes") or [])) if accounts else None)
+                service_account=(accounts[0]["email"], list(accounts[0].get("scopes") or [])) if accounts else None,
+                tokens=self.w.tokens)
 
     def _stop_worker(self, rec: dict) -> None:
         rec["endpoints"] = []

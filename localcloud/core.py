@@ -397,6 +397,7 @@ class World:
         self.workers = workers
         self.storage_host = storage_host
         self.python = python  # runtimes.WorkerPython: which interpreter TPU workers run
+        self.tokens = None  # tokens.Tokens, set by LocalCloud: guests' service account tokens
         self.lock = threading.RLock()
         self.changed_cv = threading.Condition(self.lock)
         self.actions: dict[str, Callable[..., None]] = {}

@@ -161,6 +161,53 @@ TPU_PRICES["us-central1"]["tpu7x"] = (8.40, 1.672)
 # Flex-start VMs run for at most 7 days (tpu/docs/request-using-flex-start); maxRunDuration is at least 30 s.
 FLEX_START_MAX_RUN_S = (30, 7 * 86400)
 
+# Cloud Storage locations (cloud.google.com/storage/docs/locations, 2026-11): multi-regions, predefined
+# dual-regions, and regions. us-central2 is listed because it is where TPU v4 lives and Google's v4 guides
+# create the training bucket there.
+GCS_MULTI_REGIONS = frozenset({"US", "EU", "ASIA"})
+GCS_DUAL_REGIONS = frozenset({"ASIA1", "EUR4", "EUR5", "EUR7", "EUR8", "NAM4"})
+GCS_REGIONS = frozenset(r.upper() for r in (
+    "northamerica-northeast1", "northamerica-northeast2", "northamerica-south1", "us-central1", "us-central2",
+    "us-east1", "us-east4", "us-east5", "us-south1", "us-west1", "us-west2", "us-west3", "us-west4",
+    "southamerica-east1", "southamerica-west1",
+    "europe-central2", "europe-north1", "europe-north2", "europe-southwest1", "europe-west1", "europe-west2",
+    "europe-west3", "europe-west4", "europe-west6", "europe-west8", "europe-west9", "europe-west10",
+    "europe-west12",
+    "asia-east1", "asia-east2", "asia-northeast1", "asia-northeast2", "asia-northeast3", "asia-south1",
+    "asia-south2", "asia-southeast1", "asia-southeast2",
+    "me-central1", "me-central2", "me-west1", "australia-southeast1", "australia-southeast2", "africa-south1",
+))
+
+# Soft delete (cloud.google.com/storage/docs/soft-delete): on by default for 7 days; a policy is 0 (off) or
+# 7 to 90 days.
+SOFT_DELETE_DEFAULT_S = 7 * 86400
+SOFT_DELETE_MIN_S = 7 * 86400
+SOFT_DELETE_MAX_S = 90 * 86400
+
+# Which storage permissions each predefined role grants on a bucket (cloud.google.com/storage/docs/
+# access-control/iam-roles; the legacy roles as google-cloud-storage's Java StorageRoles lists them).
+# storage.buckets.get is in none of the object roles.
+_OBJECT_ALL = ("storage.objects.create", "storage.objects.delete", "storage.objects.get", "storage.objects.list",
+               "storage.objects.update", "storage.objects.getIamPolicy", "storage.objects.setIamPolicy")
+STORAGE_ROLES: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
+    "roles/storage.admin": (*_OBJECT_ALL, "storage.buckets.get", "storage.buckets.update",
+                            "storage.buckets.delete", "storage.buckets.getIamPolicy",
+                            "storage.buckets.setIamPolicy"),
+    "roles/storage.objectAdmin": _OBJECT_ALL,
+    "roles/storage.objectUser": _OBJECT_ALL[:5],
+    "roles/storage.objectCreator": ("storage.objects.create",),
+    "roles/storage.objectViewer": ("storage.objects.get", "storage.objects.list"),
+    "roles/storage.legacyBucketOwner": ("storage.buckets.get", "storage.buckets.update",
+                                        "storage.buckets.getIamPolicy", "storage.buckets.setIamPolicy",
+                                        "storage.objects.list", "storage.objects.create", "storage.objects.delete"),
+    "roles/storage.legacyBucketWriter": ("storage.buckets.get", "storage.objects.list", "storage.objects.create",
+                                         "storage.objects.delete"),
+    "roles/storage.legacyBucketReader": ("storage.buckets.get", "storage.objects.list"),
+    "roles/storage.legacyObjectOwner": ("storage.objects.get", "storage.objects.update",
+                                        "storage.objects.getIamPolicy", "storage.objects.setIamPolicy"),
+    "roles/storage.legacyObjectReader": ("storage.objects.get",),
+}.items()}
+
 _SIZES = {
     "v2": (8, 32, 128, 256, 512),
     "v3": (8, 32, 64, 128, 256, 512, 1024, 2048),

@@ -47,18 +47,19 @@ class Json:
 Tree = dict[str, Any]
 
 
-def service_account_dir(email: str, scopes: list[str]) -> Tree:
+def service_account_dir(email: str, scopes: list[str], token: str | None = None) -> Tree:
     """`instance/service-accounts/<account>/`, as google-auth's `get_service_account_info` and token fetch read it.
 
-    The token is a fresh random string per read: nothing in the local cloud checks credentials.
+    `token` is the account's access token (`tokens.Tokens.issue`: Cloud Storage checks bucket IAM for it); without
+    one, a fresh random string that nothing checks.
     """
-    token = f"ya29.localcloud-{secrets.token_urlsafe(24)}"
+    token = token or f"ya29.localcloud-{secrets.token_urlsafe(24)}"
     return {"aliases": "default", "email": email, "scopes": "\n".join(scopes) + "\n",
             "token": Json({"access_token": token, "expires_in": 3599, "token_type": "Bearer"})}
 
 
 def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: str, attributes: dict[str, str],
-               service_account: tuple[str, list[str]] | None) -> Tree:
+               service_account: tuple[str, list[str]] | None, tokens: Any = None) -> Tree:
     """The paths a Compute Engine guest (a TPU VM worker is one) reads; see the module docstring.
 
     `instance/hostname` is the VM's internal zonal DNS name, NAME.ZONE.c.PROJECT.internal.
@@ -66,7 +67,9 @@ def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: 
     accounts: Tree = {}
     if service_account is not None:
         email, scopes = service_account
-        accounts = {"default": service_account_dir(email, scopes), email: service_account_dir(email, scopes)}
+        token = tokens.issue(email, project) if tokens is not None else None
+        accounts = {"default": service_account_dir(email, scopes, token),
+                    email: service_account_dir(email, scopes, token)}
     return {
         "instance": {"attributes": dict(attributes), "hostname": f"{name}.{zone}.c.{project}.internal",
                      "id": instance_id, "name": name, "zone": f"projects/{number}/zones/{zone}",

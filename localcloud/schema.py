@@ -6,7 +6,8 @@ and return. Each `schemas` entry is converted to JSON Schema once and compiled l
 
 - `$ref: X` becomes `#/$defs/X`; every object is closed (unknown properties rejected) unless the
   discovery document declares `additionalProperties` (a map);
-- int64/uint64 (strings on the wire) must be digit strings, enums must be one of the declared names;
+- int64/uint64 (strings on the wire) must be digit strings (requests may send integers),
+  enums must be one of the declared names;
 - in requests, output-only fields (`readOnly`, or a description starting "[Output Only]" / "Output
   only.") are forbidden; responses may carry them.
 
@@ -140,7 +141,11 @@ class Validator:
             if "enum" in node:
                 return {"type": "string", "enum": list(node["enum"])}
             if node.get("format") in _INT64_FORMATS:
-                return {"type": "string", "pattern": r"^-?[0-9]+$"}
+                digits = {"type": "string", "pattern": r"^-?[0-9]+$"}
+                # Google's JSON parsers accept an int64 as a number too (proto3 JSON mapping), and
+                # google-cloud-storage sends softDeletePolicy.retentionDurationSeconds that way; responses
+                # always carry strings.
+                return {"anyOf": [digits, {"type": "integer"}]} if request else digits
             return {"type": "string"}
         if kind == "integer":
             return {"type": "integer"}

@@ -42,10 +42,13 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from gcp_storage_emulator.server import RequestHandler as EmulatorHandler
 from gcp_storage_emulator.storage import Storage as EmulatorStorage
+
+from . import facts
+from . import tokens as tokenlib
 
 LOOPBACK = "127.0.0.1"
 _API = "/storage/v1"
@@ -53,14 +56,15 @@ _UPLOAD = "/upload/storage/v1"
 _CHUNK = 1 << 20
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer", "upgrade",
                "proxy-connection"}
-_MULTI_REGIONS = {"US", "EU", "ASIA"}
-_DUAL_REGIONS = {"NAM4", "EUR4", "EUR5", "EUR7", "EUR8", "ASIA1"}
-_REGION_RE = re.compile(r"[A-Z]+(?:-[A-Z]+)+[0-9]+")
 _BUCKET_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]*[a-z0-9]")
+_DOTTED_DECIMAL = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}")
+# "google" and close misspellings ("g00gle"): Google's naming page forbids both.
+_GOOGLE_LIKE = re.compile(r"g[o0]{2}g[l1]e")
 _PUBLIC_ACCESS_PREVENTION = {"inherited": "inherited", "unspecified": "inherited", "enforced": "enforced"}
 # GCS locks uniform bucket-level access in 90 days; after that it cannot be disabled.
 _UBLA_LOCK = timedelta(days=90)
 _SIDECAR = "localcloud-buckets.json"
+_SOFT_SIDECAR = "localcloud-soft-deleted.json"
 # How often the servers' loops check for shutdown: stop() waits up to this long (the default is 0.5 s).
 _POLL_S = 0.05
 
@@ -113,15 +117,115 @@ def _error_body(status: int, message: str, reason: str) -> bytes:
 _SPECIAL = {
     ("POST", "buckets"): "_insert_bucket", ("GET", "buckets"): "_list_buckets",
     ("PATCH", "bucket"): "_patch_bucket", ("DELETE", "bucket"): "_delete_bucket",
-    ("PUT", "iam"): "_set_iam_policy",
+    ("PUT", "iam"): "_set_iam_policy", ("DELETE", "object"): "_delete_object",
 }
 
 
 def _valid_bucket_name(name: str) -> bool:
-    """GCS naming rules: 3-63 characters (222 with dots, 63 per dot-separated part), no "goog" prefix."""
+    """GCS naming rules (cloud.google.com/storage/docs/buckets#naming): lowercase letters, digits, -, _ and .,
+    starting and ending with a letter or digit; 3-63 characters (222 with dots, 63 per dot-separated part); not
+    an IP address in dotted-decimal notation; no "goog" prefix; no "google" or close misspellings."""
     limit = 222 if "." in name else 63
     return (3 <= len(name) <= limit and bool(_BUCKET_NAME_RE.fullmatch(name))
-            and all(len(part) <= 63 for part in name.split(".")) and not name.startswith("goog"))
+            and all(len(part) <= 63 for part in name.split(".")) and not _DOTTED_DECIMAL.fullmatch(name)
+            and not name.startswith("goog") and not _GOOGLE_LIKE.search(name))
+
+
+def _rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _soft_delete_policy(requested: Any) -> dict:
+    """A softDeletePolicy as GCS stores it: retention 0 (off) or 7-90 days, effective from now. 400 otherwise."""
+    raw = (requested or {}).get("retentionDurationSeconds")
+    raw = facts.SOFT_DELETE_DEFAULT_S if raw is None else raw
+    try:
+        seconds = int(raw)
+    except (TypeError, ValueError):
+        seconds = -1
+    if seconds != 0 and not facts.SOFT_DELETE_MIN_S <= seconds <= facts.SOFT_DELETE_MAX_S:
+        raise _Reject(400, f"Invalid argument: softDeletePolicy.retentionDurationSeconds {raw!r} must be 0 (soft "
+                           f"delete disabled) or between {facts.SOFT_DELETE_MIN_S} (7 days) and "
+                           f"{facts.SOFT_DELETE_MAX_S} (90 days).", "invalid")
+    return {"retentionDurationSeconds": str(seconds), "effectiveTime": _rfc3339(time.time())}
+
+
+def _retention_s(bucket: dict | None) -> int:
+    try:
+        return int(((bucket or {}).get("softDeletePolicy") or {}).get("retentionDurationSeconds") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _default_bindings(project: str, uniform: bool) -> list[dict]:
+    """The IAM policy GCS gives a new bucket: the project's owners and editors own it, its viewers read it
+    (project convenience values). With uniform bucket-level access the object-level legacy roles are bound too,
+    since no object ACL can grant them."""
+    owners = [f"projectEditor:{project}", f"projectOwner:{project}"]
+    viewers = [f"projectViewer:{project}"]
+    bindings = [{"role": "roles/storage.legacyBucketOwner", "members": owners},
+                {"role": "roles/storage.legacyBucketReader", "members": viewers}]
+    if uniform:
+        bindings += [{"role": "roles/storage.legacyObjectOwner", "members": owners},
+                     {"role": "roles/storage.legacyObjectReader", "members": viewers}]
+    return bindings
+
+
+def _granted(policy: dict | None, email: str) -> frozenset[str]:
+    """Storage permissions `email` (a service account) holds through the bucket's policy. Project-level roles
+    are not modelled: the account has none (Google stopped granting Editor to default service accounts)."""
+    who = {f"serviceAccount:{email}", "allUsers", "allAuthenticatedUsers"}
+    granted: set[str] = set()
+    for binding in (policy or {}).get("bindings", []):
+        if who & set(binding.get("members", [])):
+            granted |= facts.STORAGE_ROLES.get(binding.get("role", ""), frozenset())
+    return frozenset(granted)
+
+
+def _quote(name: str) -> str:
+    return quote(name, safe="")
+
+
+# (method, route) -> the permission it needs on the bucket in the path (None: on the project) and what kind of
+# resource the permission error names. Uploads, copies and rewrites are handled in _required.
+_PERMISSIONS = {
+    ("POST", "buckets"): ("storage.buckets.create", None), ("GET", "buckets"): ("storage.buckets.list", None),
+    ("GET", "bucket"): ("storage.buckets.get", "bucket"), ("PATCH", "bucket"): ("storage.buckets.update", "bucket"),
+    ("PUT", "bucket"): ("storage.buckets.update", "bucket"), ("DELETE", "bucket"): ("storage.buckets.delete", "bucket"),
+    ("GET", "iam"): ("storage.buckets.getIamPolicy", "bucket"),
+    ("PUT", "iam"): ("storage.buckets.setIamPolicy", "bucket"),
+    ("GET", "objects"): ("storage.objects.list", "bucket"),
+    ("GET", "object"): ("storage.objects.get", "object"), ("GET", "download"): ("storage.objects.get", "object"),
+    ("PATCH", "object"): ("storage.objects.update", "object"), ("PUT", "object"): ("storage.objects.update", "object"),
+    ("DELETE", "object"): ("storage.objects.delete", "object"), ("POST", "compose"): ("storage.objects.create", "object"),
+}
+_DESTINATION = re.compile(r"/(?:copyTo|rewriteTo)/b/(?P<bucket>[^/]+)/o/")
+
+
+def _required(method: str, route: str | None, params: dict, query: dict, document: Any, path: str,
+              exists: Callable[[str, str], bool]) -> list[tuple[str, str | None, str]]:
+    """(permission, bucket or None for the project, noun) pairs a request needs, as Cloud Storage checks them.
+
+    Overwriting an existing object needs storage.objects.delete as well as create (iam-permissions page);
+    a resumable upload is authorized when it starts, not per chunk."""
+    bucket = params.get("bucket")
+    if route == "upload":
+        if method != "POST" or "upload_id" in query:
+            return []
+        name = (query.get("name") or [None])[0] or (document or {}).get("name")
+        needs = [("storage.objects.create", bucket, "object")]
+        if name and exists(bucket, name):
+            needs.append(("storage.objects.delete", bucket, "object"))
+        return needs
+    if route in ("copy", "rewrite"):
+        target = _DESTINATION.search(path)
+        return [("storage.objects.get", bucket, "object"),
+                ("storage.objects.create", unquote(target["bucket"]) if target else bucket, "object")]
+    found = _PERMISSIONS.get((method, route))
+    if found is None:
+        return []
+    permission, noun = found
+    return [(permission, bucket if noun else None, noun or "project")]
 
 
 def _carries_metadata(route: str | None, query: dict, content_type: str) -> bool:
@@ -163,9 +267,9 @@ def _route(path: str) -> tuple[str | None, dict[str, str]]:
 
 
 def _location_type(location: str) -> str:
-    if location in _MULTI_REGIONS:
+    if location in facts.GCS_MULTI_REGIONS:
         return "multi-region"
-    return "dual-region" if location in _DUAL_REGIONS else "region"
+    return "dual-region" if location in facts.GCS_DUAL_REGIONS else "region"
 
 
 def _next_etag(etag: str | None) -> str:
@@ -291,16 +395,23 @@ class _Proxy(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str, route: str | None, params: dict, query: dict, content_type: str,
                   metadata: bool, special: str | None) -> None:
+        body = None
         try:
             # Read every body the proxy answers itself, so an early rejection never desyncs keep-alive.
             body = self._read_body() if metadata or special or self._is_chunked() else None
             document = self._check_request(method, route, content_type, body) if metadata and body else None
+            self._authorize(method, route, params, query, document)
+            if (method, route) == ("GET", "objects") and (query.get("softDeleted") or [""])[0].lower() == "true":
+                special = "_list_soft_deleted"
             if special is None:
+                self._note_overwrite(route, method, params, query, document)
                 self._forward(method, route, params, body)
                 return
             status, payload = getattr(self, special)(params, document or {}, query)
             self._reply_json(method, route, status, payload, params)
         except _Reject as exc:
+            if body is None and int(self.headers.get("Content-Length") or 0):
+                self.close_connection = True  # the unread media must not be taken for the next request
             self._send(exc.status, {"Content-Type": "application/json"},
                        _error_body(exc.status, exc.message, exc.reason))
 
@@ -333,8 +444,9 @@ class _Proxy(BaseHTTPRequestHandler):
             raise _Reject(400, "Parse Error: the request metadata is not JSON.", "parseError") from None
         schema = _REQUEST_SCHEMAS.get((method, route))
         if schema is not None:
-            # In a PATCH, null means "delete this key" (the client sends labels {"old": null}): not a type error.
-            self._validate(schema, _without_nulls(document) if method == "PATCH" else document, request=True)
+            # null means "unset": in a PATCH it deletes the key (the client sends labels {"old": null}), in an
+            # insert it leaves the default (the client sends softDeletePolicy.effectiveTime: null). Not a type error.
+            self._validate(schema, _without_nulls(document), request=True)
         return document
 
     def _validate(self, schema: str, document: Any, *, request: bool) -> None:
@@ -356,7 +468,7 @@ class _Proxy(BaseHTTPRequestHandler):
         if not _valid_bucket_name(name):
             raise _Reject(400, f"Invalid bucket name: '{name}'", "invalid")
         location = (body.get("location") or "US").upper()
-        if location not in _MULTI_REGIONS | _DUAL_REGIONS and not _REGION_RE.fullmatch(location):
+        if location not in facts.GCS_MULTI_REGIONS | facts.GCS_DUAL_REGIONS | facts.GCS_REGIONS:
             raise _Reject(400, f"The specified location constraint is not valid: '{body.get('location')}'",
                           "invalid")
         project = (query.get("project") or [""])[0]
@@ -364,7 +476,8 @@ class _Proxy(BaseHTTPRequestHandler):
             raise _Reject(400, "Required parameter: project", "required")
         # Everything is checked before the emulator sees the bucket: bad input creates nothing.
         fields = {k: v for k, v in body.items() if k not in ("name", "iamConfiguration", "location")}
-        fields.update(location=location, iamConfiguration=_iam_configuration({}, body.get("iamConfiguration", {})))
+        fields.update(location=location, iamConfiguration=_iam_configuration({}, body.get("iamConfiguration", {})),
+                      softDeletePolicy=_soft_delete_policy(body.get("softDeletePolicy")))
         if "labels" in fields:
             _checked_labels(fields["labels"] or {})
         backend = self.server.backend
@@ -372,9 +485,18 @@ class _Proxy(BaseHTTPRequestHandler):
         # bucket half made); a failed metadata write removes the bucket again.
         with self.server.bucket_lock(name):
             status, created = backend.call("POST", f"{_API}/b", {"name": name})
+            if status == 409 and self.server.projects().get(name) not in (None, project):
+                # One namespace for every project: another project's bucket is not "yours already".
+                raise _Reject(409, "The requested bucket name is not available. The bucket namespace is shared by "
+                                   "all users of the system. Please select a different name and try again.",
+                              "conflict")
             if status != 200:
                 return status, created
             status, bucket = backend.call("PATCH", f"{_API}/b/{name}", fields)
+            if status == 200:
+                uniform = fields["iamConfiguration"]["uniformBucketLevelAccess"]["enabled"]
+                status, _ = backend.call("PUT", f"{_API}/b/{name}/iam",
+                                         {"bindings": _default_bindings(project, uniform)})
             if status != 200:
                 backend.call("DELETE", f"{_API}/b/{name}")
                 return status, bucket
@@ -404,6 +526,9 @@ class _Proxy(BaseHTTPRequestHandler):
             if "iamConfiguration" in body:
                 body["iamConfiguration"] = _iam_configuration(current.get("iamConfiguration", {}),
                                                               body["iamConfiguration"] or {})
+            if "softDeletePolicy" in body:
+                # Objects deleted before the change keep the retention they were deleted under.
+                body["softDeletePolicy"] = _soft_delete_policy(body["softDeletePolicy"])
             body.pop("location", None)  # a bucket's location is fixed at creation
             return backend.call("PATCH", path, body)
 
@@ -413,6 +538,65 @@ class _Proxy(BaseHTTPRequestHandler):
             self.server.forget_project(params["bucket"])
             return 204, None
         return status, payload
+
+    def _delete_object(self, params: dict, body: dict, query: dict) -> tuple[int, Any]:
+        """Delete an object; under a soft delete policy its bytes stay (and bill) until the retention ends."""
+        backend = self.server.backend
+        bucket, name = params["bucket"], params["object"]
+        path = f"{_API}/b/{bucket}/o/{_quote(name)}"
+        _, old = backend.call("GET", path)
+        status, payload = backend.call("DELETE", path)
+        if status in (200, 204):
+            self.server.soft.deleted(old, *self._bucket_retention(bucket))
+            return 204, None
+        return status, payload
+
+    def _list_soft_deleted(self, params: dict, body: dict, query: dict) -> tuple[int, Any]:
+        prefix = (query.get("prefix") or [""])[0]
+        items = [o for o in self.server.soft.objects(params["bucket"]) if o["name"].startswith(prefix)]
+        return 200, {"kind": "storage#objects", "items": items}
+
+    def _bucket_retention(self, bucket: str) -> tuple[int, str, str | None]:
+        """(soft delete retention seconds, location, project) of a bucket; (0, "", None) when it is gone."""
+        status, meta = self.server.backend.call("GET", f"{_API}/b/{bucket}")
+        if status != 200:
+            return 0, "", None
+        return _retention_s(meta), str(meta.get("location") or ""), self.server.projects().get(bucket)
+
+    def _note_overwrite(self, route: str | None, method: str, params: dict, query: dict, document: Any) -> None:
+        """Before an upload that names an existing object: remember that object, soft-deleted once replaced."""
+        if route != "upload" or method != "POST":
+            return
+        name = (query.get("name") or [None])[0] or (document or {}).get("name")
+        if name:
+            _, old = self.server.backend.call("GET", f"{_API}/b/{params['bucket']}/o/{_quote(name)}")
+            if isinstance(old, dict) and old.get("kind") == "storage#object":
+                self.server.soft.pending(old)
+
+    def _authorize(self, method: str, route: str | None, params: dict, query: dict, document: Any) -> None:
+        """IAM for requests that carry a worker's service account token; others act as the project owner."""
+        token = tokenlib.bearer(self.headers.get("Authorization"))
+        if token is None or not tokenlib.is_ours(token) or self.server.tokens is None:
+            return
+        who = self.server.tokens.identity(token)
+        if who is None:
+            raise _Reject(401, "Invalid Credentials", "authError")
+        backend = self.server.backend
+
+        def exists(bucket: str, name: str) -> bool:
+            return backend.call("GET", f"{_API}/b/{bucket}/o/{_quote(name)}")[0] == 200
+
+        for permission, bucket, noun in _required(method, route, params, query, document,
+                                                  urlsplit(self.path).path, exists):
+            if bucket is None:
+                raise _Reject(403, f"{who.email} does not have {permission} access to the Google Cloud project. "
+                                   f"Permission '{permission}' denied on resource (or it may not exist).",
+                              "forbidden")
+            status, policy = backend.call("GET", f"{_API}/b/{bucket}/iam")
+            if status == 200 and permission not in _granted(policy, who.email):
+                raise _Reject(403, f"{who.email} does not have {permission} access to the Google Cloud Storage "
+                                   f"{noun}. Permission '{permission}' denied on resource (or it may not exist).",
+                              "forbidden")
 
     def _set_iam_policy(self, params: dict, body: dict, query: dict) -> tuple[int, Any]:
         backend = self.server.backend
@@ -432,8 +616,13 @@ class _Proxy(BaseHTTPRequestHandler):
     def _present(self, method: str, route: str | None, payload: Any) -> Any:
         """Fix what the emulator stores but presents wrongly, then check it against the schema."""
         if isinstance(payload, dict) and payload.get("kind") in ("storage#bucket", "storage#buckets"):
+            owners = self.server.projects()
             for bucket in payload.get("items", []) if payload["kind"] == "storage#buckets" else [payload]:
                 bucket["locationType"] = _location_type(bucket.get("location", "US"))
+                if bucket.get("name") in owners:
+                    bucket["projectNumber"] = facts.project_number(owners[bucket["name"]])
+        if route == "upload" and isinstance(payload, dict) and payload.get("kind") == "storage#object":
+            self.server.soft.replaced(payload, lambda: self._bucket_retention(payload.get("bucket", "")))
         schema = _RESPONSE_SCHEMAS.get((method, route))
         if schema is not None and payload is not None:
             self._validate(schema, payload, request=False)
@@ -527,6 +716,73 @@ class _Proxy(BaseHTTPRequestHandler):
             conn.close()
 
 
+class _SoftDeleted:
+    """Soft-deleted object generations: kept (listed with softDeleted=true, billed) until their hardDeleteTime.
+
+    GCS keeps their bytes for restore; localcloud keeps only their metadata and size, which is what listing and
+    billing need. Persisted next to the emulator's data when there is a data dir."""
+
+    def __init__(self, sidecar: Path | None):
+        self._sidecar = sidecar
+        self._lock = threading.Lock()
+        self._items: list[dict] = json.loads(sidecar.read_text()) if sidecar and sidecar.exists() else []
+        self._pending: dict[tuple[str, str], dict] = {}
+
+    def deleted(self, obj: Any, retention_s: int, location: str, project: str | None) -> None:
+        """Record `obj` (its metadata as read just before it went) as soft-deleted now, if the bucket keeps it."""
+        if not isinstance(obj, dict) or obj.get("kind") != "storage#object" or retention_s <= 0:
+            return
+        now = time.time()
+        item = {"kind": "storage#object", "bucket": obj["bucket"], "name": obj["name"],
+                "generation": str(obj.get("generation", "")), "size": str(obj.get("size", "0")),
+                "softDeleteTime": _rfc3339(now), "hardDeleteTime": _rfc3339(now + retention_s),
+                "_hard": now + retention_s, "_location": location, "_project": project}
+        with self._lock:
+            self._items.append(item)
+            self._save()
+
+    def pending(self, obj: dict) -> None:
+        """An upload over `obj` has started; it is soft-deleted when the upload completes (`replaced`)."""
+        with self._lock:
+            self._pending[(obj["bucket"], obj["name"])] = obj
+
+    def replaced(self, new: dict, retention: Callable[[], tuple[int, str, str | None]]) -> None:
+        """An upload completed as `new`; the object it replaced (if `pending`) is soft-deleted under the bucket's
+        `retention()` = (seconds, location, project)."""
+        with self._lock:
+            old = self._pending.pop((new.get("bucket", ""), new.get("name", "")), None)
+        if old is not None and str(old.get("generation")) != str(new.get("generation")):
+            self.deleted(old, *retention())
+
+    def _live(self) -> list[dict]:
+        now = time.time()
+        if any(i["_hard"] <= now for i in self._items):
+            self._items = [i for i in self._items if i["_hard"] > now]
+            self._save()
+        return self._items
+
+    def objects(self, bucket: str) -> list[dict]:
+        """The bucket's soft-deleted objects as the JSON API lists them."""
+        with self._lock:
+            return [{k: v for k, v in i.items() if not k.startswith("_")} for i in self._live() if i["bucket"] == bucket]
+
+    def totals(self) -> dict[str, dict]:
+        """Per bucket name (deleted buckets too): soft-deleted bytes still retained, location and project."""
+        out: dict[str, dict] = {}
+        with self._lock:
+            for i in self._live():
+                row = out.setdefault(i["bucket"], {"bytes": 0, "location": i["_location"], "project": i["_project"]})
+                row["bytes"] += int(i["size"] or 0)
+        return out
+
+    def _save(self) -> None:
+        if self._sidecar is None:
+            return
+        tmp = self._sidecar.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._items))
+        tmp.replace(self._sidecar)
+
+
 class _FrontServer(ThreadingHTTPServer):
     """The address clients see; owns the bucket -> project record that GCS keeps and the emulator lacks."""
 
@@ -538,10 +794,13 @@ class _FrontServer(ThreadingHTTPServer):
         if not isinstance(sys.exc_info()[1], ConnectionError):
             super().handle_error(request, client_address)
 
-    def __init__(self, backend: _Backend, validator: Any, sidecar: Path | None):
+    def __init__(self, backend: _Backend, validator: Any, sidecar: Path | None, tokens: tokenlib.Tokens | None,
+                 soft: _SoftDeleted):
         super().__init__((LOOPBACK, 0), _Proxy)
         self.backend = backend
         self.validator = validator
+        self.tokens = tokens
+        self.soft = soft
         self._sidecar = sidecar
         self._lock = threading.Lock()
         # Held across a read and the write that depends on it (label merges, IAM etag checks), so two
@@ -582,13 +841,16 @@ class _FrontServer(ThreadingHTTPServer):
 class StorageServer:
     """Cloud Storage on 127.0.0.1: persistent under ``data_dir`` (in memory when None).
 
-    ``validator_factory("storage.v1")`` (e.g. ``schema.Validator``) turns on strict mode.
+    ``validator_factory("storage.v1")`` (e.g. ``schema.Validator``) turns on strict mode. With ``tokens``,
+    requests bearing a token it issued are checked against the bucket's IAM policy.
     ``start`` blocks until the server answers; ``stop`` is idempotent.
     """
 
-    def __init__(self, data_dir: Path | None, validator_factory: Callable[[str], object] | None = None):
+    def __init__(self, data_dir: Path | None, validator_factory: Callable[[str], object] | None = None,
+                 tokens: tokenlib.Tokens | None = None):
         self._data_dir = Path(data_dir).absolute() if data_dir is not None else None
         self._validator = validator_factory("storage.v1") if validator_factory else None
+        self._tokens = tokens
         self._backend: _Backend | None = None
         self._front: _FrontServer | None = None
         self._front_thread: threading.Thread | None = None
@@ -609,7 +871,8 @@ class StorageServer:
         self._backend = _Backend(self._data_dir)
         self._backend.thread.start()
         sidecar = self._data_dir / _SIDECAR if self._data_dir is not None else None
-        self._front = _FrontServer(self._backend, self._validator, sidecar)
+        soft = _SoftDeleted(self._data_dir / _SOFT_SIDECAR if self._data_dir is not None else None)
+        self._front = _FrontServer(self._backend, self._validator, sidecar, self._tokens, soft)
         self._front_thread = threading.Thread(target=self._front.serve_forever, args=(_POLL_S,),
                                               name="localcloud-gcs-proxy", daemon=True)
         self._front_thread.start()
@@ -635,7 +898,8 @@ class StorageServer:
     def buckets(self) -> list[dict]:
         """Every bucket with what the billing meter and `local status` need, read through the emulator.
 
-        Keys: name, project, location, labels, iamConfiguration, iam_policy, objects (count), bytes.
+        Keys: name, project, location, labels, iamConfiguration, iam_policy, softDeletePolicy, objects (count),
+        bytes.
         """
         if self._backend is None or self._front is None:
             raise RuntimeError("storage server is not started")
@@ -655,7 +919,15 @@ class StorageServer:
                 "labels": bucket.get("labels") or {},
                 "iamConfiguration": bucket.get("iamConfiguration", {}),
                 "iam_policy": policy,
+                "softDeletePolicy": bucket.get("softDeletePolicy") or {},
                 "objects": len(items),
                 "bytes": sum(int(item.get("size", 0)) for item in items),
             })
         return result
+
+    def soft_deleted(self) -> dict[str, dict]:
+        """Per bucket name, including deleted buckets: bytes of soft-deleted objects still retained (billed until
+        their hardDeleteTime), location and project."""
+        if self._front is None:
+            raise RuntimeError("storage server is not started")
+        return self._front.soft.totals()

@@ -292,7 +292,8 @@ class TpuService:
             email = account.get("email") or f"{number}-compute@developer.gserviceaccount.com"
             return guest.guest_tree(
                 project=project, number=number, zone=zone, name=hosts[index], instance_id=f"{node['id']}{index}",
-                attributes=attributes, service_account=(email, list(account.get("scope") or DEFAULT_SCOPES)))
+                attributes=attributes, service_account=(email, list(account.get("scope") or DEFAULT_SCOPES)),
+                tokens=self.w.tokens)
 
     def _stop_workers(self, rec: dict) -> None:
         rec["endpoints"] = []

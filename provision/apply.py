@@ -205,7 +205,7 @@ def _run(clients: Clients, plan: Plan, pool: ThreadPoolExecutor, created: _Creat
     def bucket_step() -> Resource:
         undo = Undo(Kind.BUCKET, plan.bucket, plan.region)
         r = bucket.ensure(clients, plan.bucket, plan.region, plan.labels, allow_cross_region=plan.allow_cross_region,
-                          cancel=cancel, progress=lambda s, d: say(undo.key, s.value, d),
+                          soft_delete_s=plan.bucket_soft_delete_s, cancel=cancel, progress=lambda s, d: say(undo.key, s.value, d),
                           on_issued=lambda: created.add(undo))
         say(undo.key, State.READY.value, "adopted" if existing is not None else "created")
         if existing is not None:

@@ -95,7 +95,7 @@ def resources(clients: Clients, run: str | None = None, *, include_iam: bool = F
             out += [bucket.iam_resource(clients.project, b.name, m.removeprefix("serviceAccount:"), run=b.run,
                                         region=b.location)
                     for role, m in bucket.bindings(clients, b.name)
-                    if role == bucket.ROLE and m.startswith("serviceAccount:")]
+                    if role in (bucket.ROLE, *bucket.FORMER_ROLES) and m.startswith("serviceAccount:")]
     return out
 
 

@@ -25,7 +25,10 @@ _LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
 # TPU node ids, Compute instance names, queued resource ids: RFC 1035 labels.
 _RESOURCE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+# Cloud Storage bucket names (cloud.google.com/storage/docs/buckets#naming).
+_BUCKET_CHARS = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
+_DOTTED_DECIMAL = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
+_GOOGLE_LIKE = re.compile(r"g[o0]{2}g[l1]e")  # "google" and close misspellings such as "g00gle"
 
 
 def label_value(text: str) -> str:
@@ -82,17 +85,39 @@ def suggest_name(text: str, max_len: int = 63) -> str:
     return s[:max_len].rstrip("-") or "run"
 
 
+def bucket_name_problem(name: str) -> str | None:
+    """Which of Google's bucket naming rules `name` breaks, or None."""
+    limit = 222 if "." in name else 63
+    if not 3 <= len(name) <= limit:
+        return f"must be 3-63 characters (up to 222 with dots), not {len(name)}"
+    if any(len(part) > 63 for part in name.split(".")):
+        return "each dot-separated part must be at most 63 characters"
+    if not _BUCKET_CHARS.match(name):
+        return "use lowercase letters, digits, -, _ and ., starting and ending with a letter or digit"
+    if ".." in name:
+        return "no empty dot-separated part ('..')"
+    if _DOTTED_DECIMAL.match(name):
+        return "must not be an IP address"
+    if name.startswith("goog"):
+        return "must not start with 'goog'"
+    if _GOOGLE_LIKE.search(name):
+        return "must not contain 'google' or a close misspelling of it"
+    return None
+
+
 def check_bucket_name(name: str, *, field: str = "bucket") -> None:
-    if not _BUCKET.match(name) or ".." in name or name.startswith("goog") or "google" in name:
-        raise BadInput(f"{name!r} is not a valid bucket name", field=field,
-                       hint="3-63 lowercase letters, digits, -, _ or ., starting and ending with a letter or digit, "
-                            "not starting with 'goog' nor containing 'google'")
+    problem = bucket_name_problem(name)
+    if problem:
+        raise BadInput(f"{name!r} is not a valid bucket name: {problem}", field=field,
+                       hint="or use bucket: auto (a unique name made from the project and run)")
 
 
 def auto_bucket(project: str, run: str) -> str:
     """A globally unique, stable bucket name for a run: the same project and run always give the same name."""
     digest = hashlib.sha256(f"{project}/{run}".encode()).hexdigest()[:8]
-    return f"tpuctl-{run[:46].rstrip('-')}-{digest}"
+    # A run may be called anything valid as a TPU name, "google-test" included, which no bucket may contain.
+    stem = _GOOGLE_LIKE.sub("g-oogle", run)[:46].rstrip("-")
+    return f"tpuctl-{stem}-{digest}"
 
 
 def matches(labels: Mapping[str, str] | None, run: str | None = None) -> bool:

@@ -15,6 +15,7 @@ from tpuctl import catalog as catalog_mod
 from tpuctl.catalog import AcceleratorType, Catalog, region_of
 from tpuctl.errors import BadInput
 from tpuctl.provision import labels as L
+from tpuctl.provision.bucket import ROLE
 from tpuctl.provision.resources import Kind
 from tpuctl.spec import RunSpec, VmSpec, format_duration
 
@@ -57,6 +58,7 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     max_run_duration_s: float | None = None  # flex-start: the provider deletes the TPU after this long
     internal_ips: bool = False
+    bucket_soft_delete_s: int = 0  # soft delete retention of a bucket tpuctl creates; 0 = off
 
     @property
     def spot(self) -> bool:
@@ -75,7 +77,8 @@ class Plan:
             "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts, "api": self.accelerator.api,
             "max_run_duration": None if self.max_run_duration_s is None else format_duration(self.max_run_duration_s),
             "runtime_version": self.runtime_version, "provisioning": self.provisioning,
-            "bucket": f"gs://{self.bucket}", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
+            "bucket": f"gs://{self.bucket}", "bucket_soft_delete": format_duration(self.bucket_soft_delete_s)
+            if self.bucket_soft_delete_s else "0s", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
             "internal_ips": self.internal_ips,
             "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
             "steps": [{"key": s.key, "kind": s.kind.value, "name": s.name, "location": s.location,
@@ -155,8 +158,10 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     via = f", Compute Engine {t.machine_type}" if t.api == "compute" else ""
     ends = f", deleted after {spec.max_run_duration}" if spec.max_run_duration else ""
     steps = [
-        Step("bucket", Kind.BUCKET, bucket, region, detail="uniform access, public access prevention"),
-        Step("bucket-iam", Kind.IAM, bucket, region, after=("bucket",), detail=f"objectAdmin for {sa_text}"),
+        Step("bucket", Kind.BUCKET, bucket, region,
+             detail=f"uniform access, public access prevention, {_soft_delete_text(spec.bucket_soft_delete_s)}"),
+        Step("bucket-iam", Kind.IAM, bucket, region, after=("bucket",),
+             detail=f"{ROLE.removeprefix('roles/storage.')} for {sa_text}, on this bucket only"),
         Step("tpu", tpu_kind, run, zones[0], price_per_hour=tpu_price,
              detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}){via}, {runtime}, {spec.provisioning}{ends}"
                     + (f", failover {', '.join(zones[1:])}" if len(zones) > 1 else "")),
@@ -169,12 +174,18 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 service_account=spec.service_account, network=spec.network, subnet=spec.subnet,
                 tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
                 vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes),
-                max_run_duration_s=spec.max_run_duration_s,
-                internal_ips=spec.internal_ips)
+                max_run_duration_s=spec.max_run_duration_s, internal_ips=spec.internal_ips,
+                bucket_soft_delete_s=spec.bucket_soft_delete_s)
 
 
 def _single_host(catalog: Catalog, t: AcceleratorType) -> str:
     return next((o.name for o in catalog.accelerators() if o.generation == t.generation and not o.multi_host), t.name)
+
+
+def _soft_delete_text(seconds: int) -> str:
+    if not seconds:
+        return "soft delete off (deleted checkpoints stop billing at once)"
+    return f"soft delete {format_duration(seconds)} (deleted and overwritten objects bill {format_duration(seconds)} more)"
 
 
 def _order_zones(zones: tuple[str, ...]) -> tuple[str, ...]:

@@ -26,8 +26,8 @@ LOCAL_PROJECT = "tpuctl-local"
 TARGETS = ("local", "gcp")
 
 # Spec fields that may also come from the environment, e.g. TPUCTL_PROJECT, TPUCTL_ZONE=a,b.
-ENV_FIELDS = ("project", "zone", "accelerator", "runtime_version", "provisioning", "bucket", "service_account",
-              "ttl", "network", "subnet")
+ENV_FIELDS = ("project", "zone", "accelerator", "runtime_version", "provisioning", "bucket", "bucket_soft_delete",
+              "service_account", "ttl", "network", "subnet")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 All figures come from catalog prices times wall-clock lifetime: a TPU, VM or disk bills from its creation to
 its deletion. A queued resource itself costs nothing (the node it becomes bills as a TPU), and a bucket's
 accrued cost is left out of running totals because it depends on bytes stored, not on time alive; the
-estimate includes it from a size the caller gives.
+estimate includes it from a size the caller gives. The soft-deleted bytes a deleted bucket leaves behind are
+counted: they bill at the storage rate until their hard delete time.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Iterable, Sequence
 from tpuctl import spec as spec_mod
 from tpuctl.catalog import Catalog, region_of
 from tpuctl.errors import BadInput
-from tpuctl.ledger import Entry
+from tpuctl.ledger import SOFT_DELETED, Entry
 
 HOURS_PER_MONTH = 730.0  # Google's billing convention for per-month prices
 GROUPINGS = ("run", "owner", "type")
@@ -39,6 +40,8 @@ def hourly(e: Entry, catalog: Catalog) -> float:
     if e.kind == "vm" and e.machine_type:
         disk = e.disk_gb * catalog.disk_price_per_gb_month() / HOURS_PER_MONTH
         return catalog.vm_price_per_hour(e.machine_type, e.location) + disk
+    if e.kind == SOFT_DELETED:
+        return e.gb * catalog.storage_price_per_gb_month(e.location) / HOURS_PER_MONTH
     return 0.0
 
 
@@ -201,7 +204,7 @@ def report(entries: Iterable[Entry], catalog: Catalog, *, since: float, now: flo
             continue
         per_hour = hourly(e, catalog)
         hours = lifetime_hours(e, since=since, now=now)
-        live = e.deleted is None
+        live = e.deleted is None or e.deleted > now  # soft-deleted bytes bill until a known future time
         row = acc.setdefault(_group_key(e, by), [0, 0, 0.0, 0.0, 0.0, 0, 0.0])
         row[0] += 1
         row[1] += live

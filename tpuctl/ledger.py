@@ -22,13 +22,16 @@ from tpuctl import paths
 from tpuctl.catalog import write_json_atomic
 
 _VERSION = 1
+# The soft-deleted bytes a deleted bucket left behind: Cloud Storage bills them at the storage rate until their
+# hard delete time, after the bucket is gone.
+SOFT_DELETED = "soft-deleted"
 
 
 @dataclass(frozen=True)
 class Entry:
     """One resource's lifetime as tpuctl last knew it; times are unix seconds."""
 
-    kind: str  # provision.resources.Kind value: "tpu", "queued-resource", "vm", "bucket"
+    kind: str  # provision.resources.Kind value ("tpu", "queued-resource", "vm", "bucket") or SOFT_DELETED
     name: str
     project: str
     location: str
@@ -42,6 +45,7 @@ class Entry:
     disk_gb: int = 0
     ends: float | None = None  # when the provider deletes it by itself (a flex-start TPU's max run duration)
     rolled_back: bool = False  # created and deleted again by the same `up` (failure, Ctrl-C, no capacity)
+    gb: float = 0.0  # SOFT_DELETED: the bytes still billed from `created` until `deleted` (hard delete time)
 
     @property
     def key(self) -> str:

@@ -24,6 +24,9 @@ PROVISIONING = ("on-demand", "spot", "preemptible", "queued", "flex-start")
 # at least 30 s (compute/docs/instances/limit-vm-runtime).
 FLEX_START_MAX_RUN_S = (30.0, 7 * 86400.0)
 DEFAULT_TTL_S = 24 * 3600.0
+# Cloud Storage soft delete retention: 0 or 7 to 90 days (cloud.google.com/storage/docs/soft-delete).
+SOFT_DELETE_MIN_S = 7 * 86400
+SOFT_DELETE_MAX_S = 90 * 86400
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _SECONDS = re.compile(r"^\d+(?:\.\d+)?$")
@@ -131,6 +134,9 @@ class RunSpec(_Strict):
     max_run_duration: Duration | None = Field(default=None, validate_default=True)  # flex-start only (required there): Google deletes the TPU after it
     vms: list[VmSpec] = Field(default_factory=list)
     bucket: str = "auto"
+    # Soft delete retention of a bucket tpuctl creates: 0s (off) or 7d to 90d, Google's allowed values. Google's
+    # default is 7d, which bills every rotated checkpoint and a deleted bucket's bytes for 7 more days.
+    bucket_soft_delete: str = "0s"
     service_account: str = "default"  # or an email
     network: str = "default"
     subnet: str | None = None
@@ -158,6 +164,15 @@ class RunSpec(_Strict):
     @classmethod
     def _distinct_zones(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(dict.fromkeys(v))
+
+    @field_validator("bucket_soft_delete", mode="before")
+    @classmethod
+    def _soft_delete_retention(cls, v: Any) -> str:
+        seconds = 0.0 if str(v).strip() in ("0", "0s", "0d", "off") else parse_duration(v)
+        if seconds and not SOFT_DELETE_MIN_S <= seconds <= SOFT_DELETE_MAX_S:
+            raise ValueError(f"{format_duration(seconds)} is not allowed: Google keeps soft-deleted objects for 0 "
+                             "(off) or 7 to 90 days")
+        return format_duration(seconds) if seconds else "0s"
 
     @field_validator("valid_until")
     @classmethod
@@ -191,6 +206,10 @@ class RunSpec(_Strict):
     @property
     def ttl_s(self) -> float:
         return parse_duration(self.ttl)
+
+    @property
+    def bucket_soft_delete_s(self) -> int:
+        return 0 if self.bucket_soft_delete == "0s" else int(parse_duration(self.bucket_soft_delete))
 
     @property
     def valid_until_s(self) -> float | None:
@@ -253,6 +272,7 @@ _HINTS = {
     "ttl": "a duration such as 2h, 90m, 1d or 3600 (seconds)",
     "valid_until": "a duration such as 6h; only with provisioning: queued",
     "max_run_duration": "a duration from 30s to 7d, e.g. 4h; only with provisioning: flex-start",
+    "bucket_soft_delete": "0s (off, tpuctl's default) or 7d to 90d",
 }
 
 

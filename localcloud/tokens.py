@@ -1,0 +1,61 @@
+"""OAuth access tokens that localcloud issues to the service accounts of its TPU nodes and VMs.
+
+On Google a TPU VM's programs get their service account's token from the metadata server
+(`instance/service-accounts/default/token`) and send it as `Authorization: Bearer TOKEN`; Cloud Storage then
+checks the bucket's IAM policy for that account. `Tokens` is the one place that mints such tokens and maps them
+back to the account, so the metadata server (whoever serves it) and the storage layer agree on the format.
+Tokens are opaque random strings with Google's `ya29.` prefix and an expiry; they die with the process (a worker
+asks the metadata server again, as google-auth does when a token expires or is refused).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+# Only tokens of this shape are checked; any other bearer token (a user's real credentials) acts as the owner.
+PREFIX = "ya29.lcsa."
+LIFETIME_S = 3600  # what the metadata server's token response says in expires_in
+
+
+@dataclass(frozen=True)
+class Identity:
+    email: str
+    project: str
+    expires: float
+
+
+class Tokens:
+    """Thread-safe registry of issued tokens. `issue` and `identity` never block on I/O."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._issued: dict[str, Identity] = {}
+
+    def issue(self, email: str, project: str, *, lifetime_s: float = LIFETIME_S) -> str:
+        """A new token for service account `email` of `project`, valid for `lifetime_s` seconds."""
+        token = PREFIX + secrets.token_urlsafe(24)
+        with self._lock:
+            now = time.time()
+            self._issued = {t: i for t, i in self._issued.items() if i.expires > now}
+            self._issued[token] = Identity(email, project, now + lifetime_s)
+        return token
+
+    def identity(self, token: str) -> Identity | None:
+        """Whose token this is; None for a token localcloud did not issue or that has expired."""
+        with self._lock:
+            found = self._issued.get(token)
+        return found if found is not None and found.expires > time.time() else None
+
+
+def is_ours(token: str) -> bool:
+    """Whether a bearer token has localcloud's shape (issued here, possibly expired)."""
+    return token.startswith(PREFIX)
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer TOKEN` header value, else None."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
