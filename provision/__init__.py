@@ -38,7 +38,8 @@ from tpuctl.spec import RunSpec
 
 __all__ = [
     "ApplyResult", "Clients", "DownResult", "Kind", "Plan", "ProgressFn", "Resource", "RunStatus", "State", "Step",
-    "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents", "connect", "delete_node", "down", "get_node", "list_resources",
+    "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents", "connect", "delete_node",
+    "down", "get_node", "list_resources",
     "plan", "recreate_node", "status", "wait_node_ready", "workers",
 ]
 

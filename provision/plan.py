@@ -59,6 +59,7 @@ class Plan:
     vms: tuple[VmSpec, ...]
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = field(default=())
+    max_run_duration_s: float | None = None  # flex-start: the provider deletes the TPU after this long
     internal_ips: bool = False
     bucket_soft_delete_s: int = 0  # soft delete retention of a bucket tpuctl creates; 0 = off
     framework: str = ""  # "tensorflow" | "jax"; "" when planned without frameworks
@@ -77,7 +78,8 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {
             "run": self.run, "project": self.project, "zones": list(self.zones), "region": self.region,
-            "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts,
+            "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts, "api": self.accelerator.api,
+            "max_run_duration": None if self.max_run_duration_s is None else format_duration(self.max_run_duration_s),
             "runtime_version": self.runtime_version, "framework": self.framework or None,
             "provisioning": self.provisioning,
             "bucket": f"gs://{self.bucket}", "bucket_soft_delete": format_duration(self.bucket_soft_delete_s)
@@ -123,6 +125,14 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     notes: list[str] = []
     if len(zones) > 1 and region_of(zones[-1]) != region:
         notes.append(f"failover outside {region} leaves the bucket in {region}: cross-region reads cost per GB")
+    if spec.provisioning not in t.provisioning:
+        raise BadInput(f"{t.name} cannot be provisioned {spec.provisioning}", field="provisioning",
+                       hint=f"{t.name} offers: {', '.join(t.provisioning)}")
+    if t.api == "compute" and t.multi_host and spec.provisioning == "flex-start":
+        # Flex-start slices come from MIG resize requests (tpu/docs/request-using-flex-start), not made here.
+        raise BadInput(f"{t.name} is a {t.hosts}-host Compute Engine slice; tpuctl makes flex-start TPU7x "
+                       f"single-host only so far", field="provisioning",
+                       hint=f"use {_single_host(catalog, t)} for flex-start, or on-demand or spot for {t.name}")
     runtime, framework = spec.runtime_version or t.default_runtime, ""
     if frameworks is not None:
         choice = frameworks_mod.choose(spec.job.framework if spec.job else "auto", t, spec.runtime_version,
@@ -152,14 +162,16 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     tpu_price = (price_fn or catalog.tpu_price_per_hour)(t.name, region, spot)
     tpu_kind = Kind.QUEUED if spec.queued else Kind.TPU
     sa_text = "the project's default compute SA" if spec.service_account == "default" else spec.service_account
+    via = f", Compute Engine {t.machine_type}" if t.api == "compute" else ""
+    ends = f", deleted after {spec.max_run_duration}" if spec.max_run_duration else ""
     steps = [
         Step("bucket", Kind.BUCKET, bucket, region,
              detail=f"uniform access, public access prevention, {_soft_delete_text(spec.bucket_soft_delete_s)}"),
         Step("bucket-iam", Kind.IAM, bucket, region, after=("bucket",),
              detail=f"{ROLE.removeprefix('roles/storage.')} for {sa_text}, on this bucket only"),
         Step("tpu", tpu_kind, run, zones[0], price_per_hour=tpu_price,
-             detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}), {runtime}"
-                    + (f" ({framework})" if framework else "") + f", {spec.provisioning}"
+             detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}){via}, {runtime}"
+                    + (f" ({framework})" if framework else "") + f", {spec.provisioning}{ends}"
                     + (f", failover {', '.join(zones[1:])}" if len(zones) > 1 else "")),
         *(Step(f"vm:{vm.name}", Kind.VM, f"{run}-{vm.name}", zones[0],
                price_per_hour=catalog.vm_price_per_hour(vm.machine_type, region),
@@ -169,8 +181,13 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 provisioning=spec.provisioning, valid_until_s=spec.valid_until_s, bucket=bucket,
                 service_account=spec.service_account, network=spec.network, subnet=spec.subnet,
                 tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
-                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes), internal_ips=spec.internal_ips,
+                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes),
+                max_run_duration_s=spec.max_run_duration_s, internal_ips=spec.internal_ips,
                 bucket_soft_delete_s=spec.bucket_soft_delete_s, framework=framework)
+
+
+def _single_host(catalog: Catalog, t: AcceleratorType) -> str:
+    return next((o.name for o in catalog.accelerators() if o.generation == t.generation and not o.multi_host), t.name)
 
 
 def _soft_delete_text(seconds: int) -> str:
