@@ -36,6 +36,8 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
         "data_bench": ("data prep: prepare vs raw tokenizers throughput, peak RSS, bytes ratio, tf.data rate",
                        [PY, "bench/data_bench.py"]),
         "train_bench": ("train: bert-tiny steps/s and examples/s fed from memory", [PY, "bench/train_bench.py"]),
+        "backends": ("bert-tiny on TensorFlow vs JAX on this CPU, same data and seed: steps/s ratio, loss within 2 %",
+                     [PY, "bench/backends.py"]),
         "run_bench": ("run latency: last training step to TPU delete request (target <= 5 s)",
                       [PY, "bench/run_bench.py"]),
         "cost_accuracy": ("cost accuracy: tpuctl's accrued cost vs the local cloud's meter (tolerance 1 %)",
@@ -158,6 +160,7 @@ HEADLINE_LINES = {
 }
 HEADLINE_KEYS = {
     "train_bench": ("steps_per_sec", "examples_per_sec"),
+    "backends": ("tensorflow_steps_per_sec", "jax_steps_per_sec", "jax_over_tf_steps_per_sec", "loss_rel_diff", "ok"),
     "run_bench": ("worker_s_median", "worker_s_max", "target_s", "ok"),
     "cost_accuracy": ("max_rel_error_in_1h", "tolerance", "ok"),
 }

@@ -63,9 +63,10 @@ def resolve_template(template: str) -> Path:
 
 
 def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, run: str,
-               data_url: str | None) -> dict:
+               data_url: str | None, framework: str = "") -> dict:
     """The template's config: the user's overrides plus where to read and write. Model, TensorBoard events
-    and exports live under `gs://BUCKET/runs/RUN/model/`, so the run's results outlive its TPU."""
+    and exports live under `gs://BUCKET/runs/RUN/model/`, so the run's results outlive its TPU. `framework`
+    (the plan's choice, which fixed the TPU's runtime) becomes `runtime.framework`."""
     config = json.loads(json.dumps(dict(overrides or {})))
     if preset:
         config.setdefault("preset", preset)
@@ -75,6 +76,8 @@ def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, ru
     runtime.setdefault("export_dir", f"{model}/export")
     if data_url:
         runtime.setdefault("data_dir", data_url)
+    if framework:
+        runtime["framework"] = framework
     config["runtime"] = runtime
     return config
 
@@ -110,12 +113,16 @@ def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequenc
         raise BadInput(f"environment variable name(s) {bad_env!r} are not valid", field="job.env",
                        hint=ENV_NAME_RULE)
     package = template_dir.name
-    requirements = template_dir / "requirements.txt"
+    # A framework's own list where the template has one (bert: requirements-jax.txt for the JAX base images).
+    framework = str(((job.config or {}).get("runtime") or {}).get("framework") or "")
+    requirements = template_dir / f"requirements-{framework}.txt"
+    if not framework or not requirements.is_file():
+        requirements = template_dir / "requirements.txt"
     doc = {
         "run": job.run, "project": job.project, "bucket": job.bucket, "prefix": job.prefix, "module": job.module,
         "config": job.config, "args": list(job.args), "env": dict(job.env), "num_workers": job.num_workers,
         "heartbeat_s": job.heartbeat_s,
-        "requirements": f"{package}/requirements.txt" if requirements.is_file() else None,
+        "requirements": f"{package}/{requirements.name}" if requirements.is_file() else None,
     }
     raw = io.BytesIO()
     # gzip with mtime 0 and no file name: byte-identical output for identical input.

@@ -221,7 +221,7 @@ class Pipeline:
             # A directory relative to the spec wins over a built-in template of the same name; a template given
             # as a path is only ever looked for there.
             self.template = contract.find(self.spec.job.template, base_dir=self.spec_dir)
-            self.plan = provision.plan(self.spec, project=self.project, framework=self.template.framework)
+            self.plan = provision.plan(self.spec, project=self.project, frameworks=self.template.frameworks)
             check_runtime_tensorflow(self.template, self.plan.runtime_version, self.plan.accelerator.default_runtime)
             self.run_name = self.outcome.run = self.plan.run
             self.outcome.bucket = self.plan.bucket
@@ -232,8 +232,10 @@ class Pipeline:
             self._check_config()
             for note in self.plan.notes:
                 console.note(note)
+            framework = f", {self.plan.framework} on {self.plan.runtime_version}" if self.plan.framework else ""
             console.info(f"run {self.plan.run}: {self.plan.accelerator.name} in {', '.join(self.plan.zones)} "
-                         f"({self.plan.provisioning}), bucket gs://{self.plan.bucket}, ~${self.plan.price_per_hour:.2f}/h")
+                         f"({self.plan.provisioning}{framework}), bucket gs://{self.plan.bucket}, "
+                         f"~${self.plan.price_per_hour:.2f}/h")
 
     def _check_data(self) -> None:
         """Corpus files and options are checked before anything is created: bad input costs nothing."""
@@ -328,7 +330,7 @@ class Pipeline:
         with self.phase("upload"):
             job = self.spec.job
             config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
-                                        data_url=data_url)
+                                        data_url=data_url, framework=self.plan.framework)
             description = bundles.JobDescription(
                 run=self.plan.run, project=self.project, bucket=self.plan.bucket, module=self.template.entry_module,
                 config=config, args=tuple(job.args), env=dict(job.env), num_workers=self.num_workers,

@@ -98,6 +98,8 @@ def all_skus() -> list[dict]:
     out = []
     for region, gens in sorted(facts.TPU_PRICES.items()):
         for gen, (on_demand, spot) in sorted(gens.items()):
+            if gen not in _TPU_SKU:  # TPU7x: no published SKU was found; its meter price is an estimate
+                continue
             service, label = _TPU_SKU[gen]
             for usage, price, prefix in (("OnDemand", on_demand, ""), ("Preemptible", spot, "Preemptible ")):
                 if price is None:

@@ -23,6 +23,7 @@ from . import facts, runtimes
 from .accounts import AccountsService
 from .compute import ComputeService
 from .compute import _metadata_dict
+from .compute_groups import ComputeGroupsService
 from .core import Fault, Faults, Meter, World
 from .projects import ProjectsService
 from .schema import validator
@@ -83,7 +84,9 @@ class LocalCloud:
             self.tpu, self.compute, self.accounts = TpuService(w), ComputeService(w), AccountsService(w)
             self.projects = ProjectsService(w, self._refresh_keys)
             w.worker_keys = self.projects.authorized_keys
-            w.services = {"tpu": self.tpu, "compute": self.compute, "projects": self.projects}
+            self.compute.groups = self.groups = ComputeGroupsService(w, self.compute)
+            w.services = {"tpu": self.tpu, "compute": self.compute, "projects": self.projects,
+                          "compute_groups": self.groups}
             w.faults.on_add = self._apply_fault
             self._http = HttpServer(Api(w, self._handlers(), self._admin, guard=self.projects.guard), self.port)
             self.endpoint = f"http://127.0.0.1:{self._http.port}"
@@ -225,6 +228,7 @@ class LocalCloud:
             "compute.zoneOperations.get": c.operations_get, "compute.zoneOperations.wait": c.operations_wait,
             "compute.zones.list": c.zones_list, "compute.zones.get": c.zones_get,
             "compute.machineTypes.get": c.machine_types_get,
+            **self._group_handlers(),
             "cloudresourcemanager.projects.get": a.projects_get,
             "cloudresourcemanager.projects.testIamPermissions": pr.test_iam_permissions,
             "compute.projects.get": pr.projects_get,
@@ -238,6 +242,21 @@ class LocalCloud:
             "oslogin.users.importSshPublicKey": pr.import_ssh_public_key,
             "orgpolicy.projects.policies.getEffectivePolicy": pr.effective_policy,
             "cloudbilling.services.list": a.services_list, "cloudbilling.services.skus.list": a.skus_list,
+        }
+
+    def _group_handlers(self) -> dict:
+        g = self.groups
+        return {
+            "compute.resourcePolicies.insert": g.policies_insert, "compute.resourcePolicies.get": g.policies_get,
+            "compute.resourcePolicies.list": g.policies_list, "compute.resourcePolicies.delete": g.policies_delete,
+            "compute.regionInstanceTemplates.insert": g.templates_insert,
+            "compute.regionInstanceTemplates.get": g.templates_get,
+            "compute.regionInstanceTemplates.list": g.templates_list,
+            "compute.regionInstanceTemplates.delete": g.templates_delete,
+            "compute.instanceGroupManagers.insert": g.migs_insert, "compute.instanceGroupManagers.get": g.migs_get,
+            "compute.instanceGroupManagers.list": g.migs_list, "compute.instanceGroupManagers.delete": g.migs_delete,
+            "compute.instanceGroupManagers.listManagedInstances": g.migs_list_managed_instances,
+            "compute.regionOperations.get": g.region_operations_get,
         }
 
     def _refresh_keys(self, project: str | None) -> None:

@@ -43,8 +43,10 @@ class ComputeService:
     def __init__(self, world: World):
         self.w = world
         self.instances: dict[str, dict] = {}   # "projects/P/zones/Z/instances/N" -> record
-        self.ops: dict[str, dict] = {}         # "projects/P/zones/Z/operations/NAME" -> Operation body
-        for action in ("insert_done", "insert_failed", "delete_done", "stop_done", "set_labels_done", "set_metadata_done"):
+        self.ops: dict[str, dict] = {}         # "projects/P/{zones/Z,regions/R}/operations/NAME" -> Operation body
+        self.groups = None  # ComputeGroupsService, told when a MIG member's insert fails
+        for action in ("insert_done", "insert_failed", "delete_done", "stop_done", "set_labels_done", "set_metadata_done",
+                       "expire"):
             world.actions[f"compute.{action}"] = getattr(self, f"_{action}")
 
     def dump(self) -> dict:
@@ -117,8 +119,35 @@ class ComputeService:
 
     def _meter(self, rec: dict) -> None:
         mt = rec["machine_type"]
-        price = facts.MACHINE_TYPES[mt][3]
-        self.w.meter.begin(rec["key"], "vm", f"vm/{mt}/{rec['zone']}", price)
+        tpu = facts.TPU_MACHINE_TYPES.get(mt)
+        if tpu is None:
+            self.w.meter.begin(rec["key"], "vm", f"vm/{mt}/{rec['zone']}", facts.MACHINE_TYPES[mt][3])
+            return
+        model = (rec["instance"].get("scheduling") or {}).get("provisioningModel") or "STANDARD"
+        spot = model == "SPOT"
+        per_chip = facts.tpu_price(tpu.generation, facts.region_of(rec["zone"]), spot)
+        if per_chip is None:
+            per_chip = facts.tpu_price(tpu.generation, facts.region_of(rec["zone"]), False) or 0.0
+        kind = {"SPOT": "spot", "FLEX_START": "flex-start"}.get(model, "on-demand")
+        self.w.meter.begin(rec["key"], "tpu", f"tpu/{mt}/{rec['zone']}/{kind}", tpu.chips * per_chip)
+
+    def _check_machine_type(self, name: str, zone: str, body: dict, mt_url: str) -> None:
+        """A general-purpose type exists everywhere localcloud serves; a TPU type only in its zones, with the
+        provisioning models Compute accepts for it, and flex-start only with maxRunDuration and DELETE."""
+        tpu = facts.TPU_MACHINE_TYPES.get(name)
+        if tpu is None and name not in facts.MACHINE_TYPES or tpu is not None and zone not in tpu.zones:
+            raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.machineType': '{mt_url}'. Machine type with name '{name}' does not exist in zone '{zone}'.")
+        sched = body.get("scheduling") or {}
+        model = sched.get("provisioningModel") or "STANDARD"
+        if tpu is not None and model not in tpu.provisioning_models:
+            raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.scheduling.provisioningModel': '{model}'. Not supported for machine type '{name}'.")
+        if model == "FLEX_START":
+            seconds = int((sched.get("maxRunDuration") or {}).get("seconds") or 0)
+            low, high = facts.FLEX_START_MAX_RUN_S
+            if not low <= seconds <= high:
+                raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.scheduling.maxRunDuration': '{seconds}s'. Flex-start instances need a max run duration from {low}s to {high}s.")
+            if sched.get("instanceTerminationAction") != "DELETE":
+                raise ApiError("INVALID_ARGUMENT", "Invalid value for field 'resource.scheduling.instanceTerminationAction'. Flex-start instances must use DELETE.")
 
     def _boot_worker(self, key: str) -> None:
         with self.w.lock:
@@ -170,8 +199,7 @@ class ComputeService:
             raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.machineType': '{mt_url}'. Must be a URL to a valid Compute resource of the correct type.")
         if m.group(1) != p["zone"]:
             raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.machineType': '{mt_url}'. Machine type must be in zone {p['zone']}.")
-        if m.group(2) not in facts.MACHINE_TYPES:
-            raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.machineType': '{mt_url}'. Machine type with name '{m.group(2)}' does not exist in zone '{p['zone']}'.")
+        self._check_machine_type(m.group(2), p["zone"], body, mt_url)
         check_labels(body.get("labels"), "resource.labels")
         disks = body.get("disks") or []
         if not any(d.get("boot") for d in disks):
@@ -227,7 +255,37 @@ class ComputeService:
             if rec is not None and rec["instance"]["status"] == "STAGING":
                 rec["instance"]["status"] = "RUNNING"
                 rec["instance"]["lastStartTimestamp"] = now_rfc3339()
+                self._schedule_expiry(rec)
             self._finish_op(op)
+            self.w.changed()
+
+    def _schedule_expiry(self, rec: dict) -> None:
+        """maxRunDuration counts from when the instance runs; then Compute applies instanceTerminationAction
+        (compute/docs/instances/limit-vm-runtime). Simulated seconds, like every latency; the timestamp
+        published in resourceStatus is the wall-clock moment it will happen."""
+        sched = rec["instance"].get("scheduling") or {}
+        seconds = int((sched.get("maxRunDuration") or {}).get("seconds") or 0)
+        if not seconds:
+            return
+        when = time.time() + self.w.latency(seconds)
+        rec["instance"].setdefault("resourceStatus", {}).setdefault("scheduling", {})["terminationTimestamp"] = (
+            time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}-00:00")
+        self.w.later(seconds, "compute.expire", key=rec["key"])
+
+    def _expire(self, key: str) -> None:
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is None or rec.get("deleting"):
+                return
+            if (rec["instance"].get("scheduling") or {}).get("instanceTerminationAction") == "DELETE":
+                rec["deleting"] = True
+                rec["instance"]["status"] = "STOPPING"
+                self._stop_worker(rec)
+                self.w.later(DELETE_S, "compute.delete_done", key=key)
+            else:
+                rec["instance"]["status"] = "TERMINATED"
+                self._stop_worker(rec)
+                self.w.meter.end(key)
             self.w.changed()
 
     def _insert_failed(self, key: str, op: str, quota: str | None = None) -> None:
@@ -236,6 +294,8 @@ class ComputeService:
             if rec is None:
                 return
             self.w.meter.end(key)
+            if rec.get("mig") and self.groups is not None:
+                self.groups.member_failed(rec["mig"])
             zone = f"projects/{rec['project']}/zones/{rec['zone']}"
             if quota:
                 region = rec["zone"].rsplit("-", 1)[0]
@@ -468,6 +528,9 @@ class ComputeService:
     def machine_types_get(self, p: dict, q: dict, body: None) -> dict:
         self._zone_ok(p["zone"])
         mt = facts.MACHINE_TYPES.get(p["machineType"])
+        tpu = facts.TPU_MACHINE_TYPES.get(p["machineType"])
+        if tpu is not None and p["zone"] in tpu.zones:
+            mt = (tpu.vcpus, tpu.memory_mb, False, 0.0)
         url = f"{ROOT}projects/{p['project']}/zones/{p['zone']}/machineTypes/{p['machineType']}"
         if mt is None:
             raise ApiError("NOT_FOUND", f"The resource '{url[len(ROOT):]}' was not found")

@@ -134,6 +134,33 @@ MACHINE_TYPES: dict[str, tuple[int, int, bool, float]] = {
 
 STORAGE_PRICE_PER_GB_MONTH = 0.020
 
+
+@dataclass(frozen=True)
+class TpuMachineType:
+    """A TPU sold as a Compute Engine machine type (not through the Cloud TPU API): one VM = one host."""
+
+    name: str
+    generation: str
+    chips: int
+    vcpus: int
+    memory_mb: int
+    zones: tuple[str, ...]
+    provisioning_models: tuple[str, ...]  # Scheduling.provisioningModel values Compute accepts for it
+
+
+# compute/docs/tpus/tpu-machines and tpu/docs/tpu7x (read 2026-11-23): TPU7x is only a Compute Engine machine
+# type, 4 chips per VM with 224 vCPUs and 960 GB; us-central1-c is where Google's and practitioners' TPU7x and
+# flex-start samples run.
+TPU_MACHINE_TYPES: dict[str, TpuMachineType] = {
+    "tpu7x-standard-4t": TpuMachineType("tpu7x-standard-4t", "tpu7x", 4, 224, 960 * 1024, ("us-central1-c",),
+                                        ("STANDARD", "SPOT", "FLEX_START")),
+}
+# No published TPU7x price was reachable on 2026-11-23: localcloud bills an estimate of twice v5p's us-central1
+# per-chip price (spot likewise), the same assumption tpuctl's catalog states; flex-start bills on-demand.
+TPU_PRICES["us-central1"]["tpu7x"] = (8.40, 1.672)
+# Flex-start VMs run for at most 7 days (tpu/docs/request-using-flex-start); maxRunDuration is at least 30 s.
+FLEX_START_MAX_RUN_S = (30, 7 * 86400)
+
 # Cloud Storage locations (cloud.google.com/storage/docs/locations, 2026-11): multi-regions, predefined
 # dual-regions, and regions. us-central2 is listed because it is where TPU v4 lives and Google's v4 guides
 # create the training bucket there.

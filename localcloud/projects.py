@@ -45,7 +45,11 @@ SHAPE_OPTIONS = ("disabled_services", "default_network", "networks", "subnetwork
                  "service_accounts", "metadata", "denied_permissions", "external_ips_denied")
 EXTERNAL_IP_CONSTRAINT = "compute.vmExternalIpAccess"
 # Public image families a VM may boot from (debian-cloud's as listed in googleapis/google-cloud-go#10484).
-PUBLIC_IMAGE_FAMILIES = {"debian-cloud": ("debian-11", "debian-12", "debian-11-arm64", "debian-12-arm64")}
+PUBLIC_IMAGE_FAMILIES = {"debian-cloud": ("debian-11", "debian-12", "debian-11-arm64", "debian-12-arm64"),
+                         # TPU VMs on Compute Engine (practitioners' notes, 2026-08: see README "TPUs as Compute
+                         # Engine machine types"): TPU7x's 24.04 family and the v5e/v5p/v6e 22.04 one.
+                         "ubuntu-os-accelerator-images": ("ubuntu-accel-2404-amd64-tpu-tpu7x",
+                                                          "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e")}
 _TRUE = "true"
 
 

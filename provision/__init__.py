@@ -38,7 +38,8 @@ from tpuctl.spec import RunSpec
 
 __all__ = [
     "ApplyResult", "Clients", "DownResult", "Kind", "Plan", "ProgressFn", "Resource", "RunStatus", "State", "Step",
-    "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents", "connect", "delete_node", "down", "get_node", "list_resources",
+    "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents", "connect", "delete_node",
+    "down", "get_node", "list_resources",
     "plan", "recreate_node", "status", "wait_node_ready", "workers",
 ]
 
@@ -49,15 +50,18 @@ REPAIR_DEADLINE_S = 1800.0
 
 def plan(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
          now: float | None = None, price_fn: Callable[[str, str, bool], float] | None = None,
-         framework: str | None = None) -> Plan:
+         frameworks: tuple[str, ...] | None = ("tensorflow", "jax"), framework: str | None = "") -> Plan:
     """Validate `spec` and lay out the step DAG with its $/hour. Pure: no API call, never blocks.
 
     Raises BadInput naming the field (unknown type, zone not offering it, runtime of another generation,
-    bad names/labels, zones outside the bucket's region, a type or runtime without the job's `framework`)
-    so that nothing is created on bad input.
+    bad names/labels, zones outside the bucket's region, a framework Google does not run on the type) so that
+    nothing is created on bad input. `frameworks`: what the job's template runs (None: plan no framework);
+    `framework` ("tensorflow", or None) is shorthand for a template that runs only that one.
     """
+    if framework != "":
+        frameworks = (framework,) if framework else None
     return _make_plan(spec, project=project, catalog=catalog, owner=owner, now=now, price_fn=price_fn,
-                      framework=framework)
+                      frameworks=frameworks)
 
 
 def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, keep_on_failure: bool = False,

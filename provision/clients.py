@@ -23,6 +23,11 @@ class Clients:
     projects: Any  # resourcemanager_v3.ProjectsClient (REST)
     billing_catalog: Any  # billing_v1.CloudCatalogClient (REST)
     local: bool
+    # Multi-host Compute Engine TPU slices (TPU7x): workload policy, instance template, managed instance group.
+    resource_policies: Any = None  # compute_v1.ResourcePoliciesClient
+    instance_templates: Any = None  # compute_v1.RegionInstanceTemplatesClient
+    instance_groups: Any = None  # compute_v1.InstanceGroupManagersClient
+    region_operations: Any = None  # compute_v1.RegionOperationsClient
     service_usage: Any = None  # service_usage_v1.ServiceUsageClient (REST)
     compute_projects: Any = None  # compute_v1.ProjectsClient: project-wide metadata (enable-oslogin)
     networks: Any = None  # compute_v1.NetworksClient
@@ -77,6 +82,10 @@ def build(*, project: str, credentials: Any, endpoint: str | None, storage_host:
         projects=resourcemanager_v3.ProjectsClient(transport="rest", credentials=credentials, client_options=opts),
         billing_catalog=billing_v1.CloudCatalogClient(transport="rest", credentials=credentials, client_options=opts),
         local=local,
+        resource_policies=compute_v1.ResourcePoliciesClient(credentials=credentials, client_options=opts),
+        instance_templates=compute_v1.RegionInstanceTemplatesClient(credentials=credentials, client_options=opts),
+        instance_groups=compute_v1.InstanceGroupManagersClient(credentials=credentials, client_options=opts),
+        region_operations=compute_v1.RegionOperationsClient(credentials=credentials, client_options=opts),
         service_usage=service_usage_v1.ServiceUsageClient(transport="rest", credentials=credentials, client_options=opts),
         compute_projects=compute_v1.ProjectsClient(credentials=credentials, client_options=opts),
         networks=compute_v1.NetworksClient(credentials=credentials, client_options=opts),

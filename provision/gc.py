@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import Enum
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
@@ -52,6 +53,7 @@ class Reason(str, Enum):
     IDLE = "idle"
     PREEMPTED = "preempted"
     OVER_BUDGET = "over-budget"
+    ENDED = "ended"  # a flex-start TPU reached its max run duration: Google deletes it, the run is over
 
 
 # Kinds that bill by the hour and go with their run. IAM bindings live and die with the bucket.
@@ -119,6 +121,13 @@ def _expires(r: Resource) -> float | None:
         return None
 
 
+def _ends(r: Resource) -> float | None:
+    try:
+        return datetime.fromisoformat(r.detail["ends"]).timestamp()
+    except (KeyError, ValueError):
+        return None
+
+
 def _created_s(r: Resource) -> float:
     if r.created is not None:
         return r.created.timestamp()
@@ -167,6 +176,8 @@ def run_reasons(run: _Run, status: JobStatus | None, accrued_usd: float, owner_u
     if (policy.idle_s is not None and status is not None and status.state == "running" and not recovering
             and (status.heartbeat is None or policy.now - status.heartbeat > policy.idle_s)):
         reasons.append(Reason.IDLE)
+    if any((e := _ends(r)) is not None and e <= policy.now for r in compute):
+        reasons.append(Reason.ENDED)
     if not recovering and any(r.state == State.PREEMPTED for r in compute):
         reasons.append(Reason.PREEMPTED)
     if policy.budget_usd is not None:
@@ -300,7 +311,7 @@ def execute(clients: Clients, actions: Iterable[Action], *, dry_run: bool, ledge
         t0 = time.monotonic()
         try:
             r = a.resource
-            delete(clients, Undo(r.kind, r.name, r.location), deadline_s=deadline_s, cancel=cancel)
+            delete(clients, Undo.of(r), deadline_s=deadline_s, cancel=cancel)
         except TpuctlError as exc:
             return Outcome(a, ok=False, dry_run=False, error=str(exc), seconds=time.monotonic() - t0)
         if ledger is not None:

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from tpuctl.provision import bucket, tpu, vm
+from tpuctl import catalog as catalog_mod
+from tpuctl.provision import bucket, compute_tpu, tpu, vm
 from tpuctl.provision import labels as L
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.resources import Kind, Resource, State
@@ -82,7 +83,12 @@ def resources(clients: Clients, run: str | None = None, *, include_iam: bool = F
         buckets = pool.submit(bucket.list_labelled, clients, run)
         out = [tpu.to_resource(n, local=clients.local) for n in nodes.result() if L.matches(n.labels, run)]
         out += [r for r in map(tpu.queued_to_resource, queued.result()) if L.matches(r.labels, run)]
-        out += [vm.to_resource(i, project=clients.project) for i in vms.result()]
+        catalog = catalog_mod.load()
+        tpu_vms, slices, plain = compute_tpu.split(vms.result(), catalog)
+        out += [compute_tpu.to_resource(i, project=clients.project, catalog=catalog) for i in tpu_vms]
+        out += [compute_tpu.slice_to_resource(mig, members, project=clients.project, catalog=catalog)
+                for mig, members in slices.items()]
+        out += [vm.to_resource(i, project=clients.project) for i in plain]
         out += [bucket.to_resource(b, project=clients.project) for b in buckets.result()]
     if include_iam:
         for b in [r for r in out if r.kind is Kind.BUCKET]:
@@ -106,22 +112,35 @@ def runs(found: Iterable[Resource], *, price: Callable[[Resource], float] | None
         billable = [r for r in rs if r.kind in _BILLABLE] or rs
         created = _label_float(rs, L.CREATED)
         per_hour = sum(price(r) for r in rs) if price else 0.0
-        accrued = sum(price(r) * max(0.0, now - _start(r, created, now)) / 3600 for r in rs
+        accrued = sum(price(r) * max(0.0, _end(r, now) - _start(r, created, now)) / 3600 for r in rs
                       if r.kind in _BILLABLE and r.state not in (State.STOPPED, State.PREEMPTED)) if price else 0.0
         tpus = [r for r in rs if r.kind is Kind.TPU] or [r for r in rs if r.kind is Kind.QUEUED]
         out.append(RunStatus(
             run=run, owner=next((r.labels.get(L.OWNER) for r in rs if r.labels.get(L.OWNER)), None),
             created=created, expires=_label_float(rs, L.EXPIRES),
             zone=tpus[0].location if tpus else None,
-            state=min((r.state for r in billable), key=_SEVERITY.index),
+            state=worst(r.state for r in billable),
             resources=tuple(sorted(rs, key=lambda r: (list(Kind).index(r.kind), r.name))),
             price_per_hour=per_hour, accrued=accrued))
     return sorted(out, key=lambda s: -(s.created or 0))
 
 
+def worst(states: Iterable[State]) -> State:
+    """The state to show for several resources (a run, or a slice's hosts): the worst of them."""
+    return min(states, key=_SEVERITY.index)
+
+
 def _label_float(rs: Sequence[Resource], key: str) -> float | None:
     values = [float(r.labels[key]) for r in rs if r.labels.get(key, "").isdigit()]
     return min(values) if values else None
+
+
+def _end(r: Resource, now: float) -> float:
+    """Now, or earlier when the provider ends the resource by itself (a flex-start TPU's max run duration)."""
+    try:
+        return min(now, datetime.fromisoformat(r.detail["ends"]).timestamp())
+    except (KeyError, ValueError):
+        return now
 
 
 def _start(r: Resource, run_created: float | None, now: float) -> float:

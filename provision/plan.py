@@ -12,12 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuctl import catalog as catalog_mod
+from tpuctl import frameworks as frameworks_mod
 from tpuctl.catalog import AcceleratorType, Catalog, region_of
 from tpuctl.errors import BadInput
 from tpuctl.provision import labels as L
 from tpuctl.provision.bucket import ROLE
 from tpuctl.provision.resources import Kind
 from tpuctl.spec import RunSpec, VmSpec, format_duration
+
+ALL_FRAMEWORKS = ("tensorflow", "jax")
 
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$")
 
@@ -56,8 +59,10 @@ class Plan:
     vms: tuple[VmSpec, ...]
     steps: tuple[Step, ...]
     notes: tuple[str, ...] = field(default=())
+    max_run_duration_s: float | None = None  # flex-start: the provider deletes the TPU after this long
     internal_ips: bool = False
     bucket_soft_delete_s: int = 0  # soft delete retention of a bucket tpuctl creates; 0 = off
+    framework: str = ""  # "tensorflow" | "jax"; "" when planned without frameworks
 
     @property
     def spot(self) -> bool:
@@ -73,8 +78,10 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return {
             "run": self.run, "project": self.project, "zones": list(self.zones), "region": self.region,
-            "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts,
-            "runtime_version": self.runtime_version, "provisioning": self.provisioning,
+            "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts, "api": self.accelerator.api,
+            "max_run_duration": None if self.max_run_duration_s is None else format_duration(self.max_run_duration_s),
+            "runtime_version": self.runtime_version, "framework": self.framework or None,
+            "provisioning": self.provisioning,
             "bucket": f"gs://{self.bucket}", "bucket_soft_delete": format_duration(self.bucket_soft_delete_s)
             if self.bucket_soft_delete_s else "0s", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
             "internal_ips": self.internal_ips,
@@ -91,14 +98,13 @@ def default_run_name(spec: RunSpec, owner: str) -> str:
 
 
 def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
-         now: float | None = None, price_fn=None, framework: str | None = None) -> Plan:
+         now: float | None = None, price_fn=None, frameworks: tuple[str, ...] | None = ALL_FRAMEWORKS) -> Plan:
     """Validate `spec` and lay out the plan. Pure; raises BadInput naming the field.
 
-    `framework` is what the job's template runs ("tensorflow"; None when no job is planned): the type and
-    runtime must run it (`Catalog.check`).
-
     `price_fn(accelerator, region, spot) -> $/h` prices the TPU (the cost module's, when present); VMs are
-    priced from the catalog.
+    priced from the catalog. `frameworks`: what the job's template runs (tpuctl.frameworks picks one and
+    its runtime from `job.framework`; the type and runtime must run it, `Catalog.check`); None plans no
+    framework (the runtime as given or the catalog's default).
     """
     catalog = catalog or catalog_mod.load()
     owner = owner or L.owner()
@@ -119,10 +125,21 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     notes: list[str] = []
     if len(zones) > 1 and region_of(zones[-1]) != region:
         notes.append(f"failover outside {region} leaves the bucket in {region}: cross-region reads cost per GB")
-    runtime = spec.runtime_version
-    runtime = runtime or t.default_runtime
+    if spec.provisioning not in t.provisioning:
+        raise BadInput(f"{t.name} cannot be provisioned {spec.provisioning}", field="provisioning",
+                       hint=f"{t.name} offers: {', '.join(t.provisioning)}")
+    if t.api == "compute" and t.multi_host and spec.provisioning == "flex-start":
+        # Flex-start slices come from MIG resize requests (tpu/docs/request-using-flex-start), not made here.
+        raise BadInput(f"{t.name} is a {t.hosts}-host Compute Engine slice; tpuctl makes flex-start TPU7x "
+                       f"single-host only so far", field="provisioning",
+                       hint=f"use {_single_host(catalog, t)} for flex-start, or on-demand or spot for {t.name}")
+    runtime, framework = spec.runtime_version or t.default_runtime, ""
+    if frameworks is not None:
+        choice = frameworks_mod.choose(spec.job.framework if spec.job else "auto", t, spec.runtime_version,
+                                       frameworks)
+        runtime, framework = choice.runtime_version, choice.framework
     for z in zones:
-        catalog.check(t.name, z, runtime, framework)
+        catalog.check(t.name, z, runtime, framework or None)
     run = spec.name or default_run_name(spec, owner)
     L.check_name(run, field="name", max_len=40)
     bucket = L.auto_bucket(project, run) if spec.bucket == "auto" else spec.bucket.removeprefix("gs://").rstrip("/")
@@ -145,13 +162,16 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     tpu_price = (price_fn or catalog.tpu_price_per_hour)(t.name, region, spot)
     tpu_kind = Kind.QUEUED if spec.queued else Kind.TPU
     sa_text = "the project's default compute SA" if spec.service_account == "default" else spec.service_account
+    via = f", Compute Engine {t.machine_type}" if t.api == "compute" else ""
+    ends = f", deleted after {spec.max_run_duration}" if spec.max_run_duration else ""
     steps = [
         Step("bucket", Kind.BUCKET, bucket, region,
              detail=f"uniform access, public access prevention, {_soft_delete_text(spec.bucket_soft_delete_s)}"),
         Step("bucket-iam", Kind.IAM, bucket, region, after=("bucket",),
              detail=f"{ROLE.removeprefix('roles/storage.')} for {sa_text}, on this bucket only"),
         Step("tpu", tpu_kind, run, zones[0], price_per_hour=tpu_price,
-             detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}), {runtime}, {spec.provisioning}"
+             detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}){via}, {runtime}"
+                    + (f" ({framework})" if framework else "") + f", {spec.provisioning}{ends}"
                     + (f", failover {', '.join(zones[1:])}" if len(zones) > 1 else "")),
         *(Step(f"vm:{vm.name}", Kind.VM, f"{run}-{vm.name}", zones[0],
                price_per_hour=catalog.vm_price_per_hour(vm.machine_type, region),
@@ -161,8 +181,13 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 provisioning=spec.provisioning, valid_until_s=spec.valid_until_s, bucket=bucket,
                 service_account=spec.service_account, network=spec.network, subnet=spec.subnet,
                 tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
-                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes), internal_ips=spec.internal_ips,
-                bucket_soft_delete_s=spec.bucket_soft_delete_s)
+                vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes),
+                max_run_duration_s=spec.max_run_duration_s, internal_ips=spec.internal_ips,
+                bucket_soft_delete_s=spec.bucket_soft_delete_s, framework=framework)
+
+
+def _single_host(catalog: Catalog, t: AcceleratorType) -> str:
+    return next((o.name for o in catalog.accelerators() if o.generation == t.generation and not o.multi_host), t.name)
 
 
 def _soft_delete_text(seconds: int) -> str:

@@ -93,7 +93,8 @@ def list_all(clients: Clients, run: str | None = None) -> list[compute_v1.Instan
 
 
 def wait_zone_op(clients: Clients, zone: str, op: compute_v1.Operation, *, what: str, deadline_s: float,
-                 cancel: threading.Event | None, progress: Progress | None, state: State) -> None:
+                 cancel: threading.Event | None, progress: Progress | None, state: State,
+                 region: str | None = None) -> None:
     """Poll a zonal operation until DONE and raise its error by code.
 
     ZoneOperations.get, not .wait: a server-side wait holds the connection for up to two minutes, during
@@ -102,14 +103,20 @@ def wait_zone_op(clients: Clients, zone: str, op: compute_v1.Operation, *, what:
     name = op.name
 
     def poll() -> tuple[bool, compute_v1.Operation]:
-        current = waits.call(lambda: clients.zone_operations.get(project=clients.project, zone=zone, operation=name),
-                             what=what, cancel=cancel)
+        current = waits.call(
+            lambda: clients.region_operations.get(project=clients.project, region=region, operation=name) if region
+            else clients.zone_operations.get(project=clients.project, zone=zone, operation=name),
+            what=what, cancel=cancel)
         return states.compute_op_done(current.status), current
 
     done = op if states.compute_op_done(op.status) else waits.until(
         poll, what=what, deadline_s=deadline_s, cancel=cancel,
         on_poll=(lambda _o, t: progress(state, f"{t:.0f}s")) if progress else None)
-    errors = list(done.error.errors) if done.error else []
+    raise_errors(list(done.error.errors) if done.error else [], what=what)
+
+
+def raise_errors(errors: list, *, what: str) -> None:
+    """Raise Compute errors (`[{code, message}]`, from an operation or a MIG's last attempt) by code."""
     if errors:
         codes = {e.code for e in errors}
         text = "; ".join(f"{e.code}: {e.message}" for e in errors)
@@ -126,11 +133,22 @@ def wait_zone_op(clients: Clients, zone: str, op: compute_v1.Operation, *, what:
 def create(clients: Clients, req: VmRequest, *, deadline_s: float, cancel: threading.Event | None = None,
            progress: Progress | None = None, on_issued: Callable[[], None] | None = None) -> Resource:
     """Create (or adopt, by name + run label) a VM; block until RUNNING."""
-    what = f"create VM {req.name} in {req.zone}"
-    inst = get(clients, req.zone, req.name)
-    if inst is not None and inst.labels.get(L.RUN) != req.labels.get(L.RUN):
-        raise BadInput(f"VM {req.name} in {req.zone} exists and does not belong to run {req.labels.get(L.RUN)!r}",
-                       field="vms", hint="rename the VM in the spec or pick another run name with --name")
+    return ensure_instance(clients, req.zone, req.name, req.labels, lambda: _instance_proto(req),
+                           lambda i: to_resource(i, project=clients.project), what=f"VM {req.name}",
+                           field="vms", deadline_s=deadline_s, cancel=cancel, progress=progress, on_issued=on_issued)
+
+
+def ensure_instance(clients: Clients, zone: str, name: str, labels: Mapping[str, str],
+                    build: Callable[[], compute_v1.Instance], convert: Callable[[compute_v1.Instance], Resource], *,
+                    what: str, field: str, deadline_s: float, cancel: threading.Event | None = None,
+                    progress: Progress | None = None, on_issued: Callable[[], None] | None = None) -> Resource:
+    """Insert the instance `build()` makes (or adopt one of the same name with the run label) and block until
+    `convert` says it is READY. Shared by plain VMs and Compute Engine TPU VMs."""
+    inst = get(clients, zone, name)
+    if inst is not None and inst.labels.get(L.RUN) != labels.get(L.RUN):
+        raise BadInput(f"{what} in {zone} exists and does not belong to run {labels.get(L.RUN)!r}",
+                       field=field, hint="pick another run name with --name")
+    what = f"create {what} in {zone}"
     if inst is None:
         if on_issued is not None:
             on_issued()
@@ -138,24 +156,24 @@ def create(clients: Clients, req: VmRequest, *, deadline_s: float, cancel: threa
             progress(State.CREATING, "requested")
         try:
             op = waits.call(lambda: clients.instances.insert_unary(
-                project=clients.project, zone=req.zone, instance_resource=_instance_proto(req)),
+                project=clients.project, zone=zone, instance_resource=build()),
                 what=what, cancel=cancel)
         except TpuctlError as exc:
             # A retried insert whose first attempt got through: adopt below.
             if not isinstance(exc.__cause__, gexc.Conflict):
                 raise
         else:
-            wait_zone_op(clients, req.zone, op, what=what, deadline_s=deadline_s, cancel=cancel,
+            wait_zone_op(clients, zone, op, what=what, deadline_s=deadline_s, cancel=cancel,
                          progress=progress, state=State.CREATING)
 
     def poll() -> tuple[bool, Resource]:
-        i = get(clients, req.zone, req.name)
+        i = get(clients, zone, name)
         if i is None:
-            raise CloudError(f"VM {req.name} in {req.zone} vanished while being created")
-        r = to_resource(i, project=clients.project)
+            raise CloudError(f"instance {name} in {zone} vanished while being created")
+        r = convert(i)
         return r.state is State.READY, r
 
-    return waits.until(poll, what=f"VM {req.name} to run", deadline_s=deadline_s, cancel=cancel,
+    return waits.until(poll, what=f"instance {name} to run", deadline_s=deadline_s, cancel=cancel,
                        on_poll=(lambda r, t: progress(r.state, f"{t:.0f}s")) if progress else None)
 
 

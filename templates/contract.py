@@ -10,7 +10,7 @@ A template is a Python package directory. Its `template.json` declares every par
                    (kind), `manifest` (written last), `files`, and hooks `options`, `prepare`, `upload`, `error`,
                    `spec_options` (spec `job.data` field -> options field)
     outputs        what it writes: `checkpoints`, `tensorboard`, `export` (formats with {model_dir}/{export_dir})
-    framework      optional: what the workers run ("tensorflow", the default), for the runtime image choice
+    frameworks     optional: what the workers can run (or one `framework`; default tensorflow), for the runtime image
     keras_by_tensorflow  optional: TF minor version -> the Keras the template is tested with (the agent pins it)
     uses           other built-in template packages shipped beside it in the bundle (shared code, not copies)
 
@@ -94,7 +94,7 @@ class Template:
     builtin: bool
     entry_module: str
     description: str = ""
-    framework: str = "tensorflow"  # what the workers run: the runtime images carry TensorFlow today
+    frameworks: tuple[str, ...] = ("tensorflow",)  # what the workers can run (`frameworks`, else `framework`)
     keras_by_tensorflow: Mapping[str, str] = field(default_factory=dict)  # tested TF minor -> Keras pin
     presets: Mapping[str, Preset] = field(default_factory=dict)
     default_preset: str = ""
@@ -220,7 +220,7 @@ def load(root: Path, *, builtin: bool = False) -> Template:
         uses.append(used)
     return Template(
         name=meta.get("name", root.name), root=root, builtin=builtin, entry_module=meta["entry_module"],
-        description=meta.get("description", ""), framework=meta.get("framework") or "tensorflow",
+        description=meta.get("description", ""), frameworks=tuple(meta.get("frameworks") or [meta.get("framework") or "tensorflow"]),
         keras_by_tensorflow=dict(meta.get("keras_by_tensorflow") or {}), presets=presets, default_preset=default_preset,
         validate_config=_hook(root, builtin, config["validate"], "config.validate"), validate_ref=config["validate"],
         parameter_count=(_hook(root, builtin, config["parameters"], "config.parameters")

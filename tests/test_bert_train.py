@@ -64,7 +64,8 @@ def test_bert_tiny_loss_falls(first_run):
     assert sorted(losses) == [10, 20, 30, 40, 50, 60]
     assert losses[60] < losses[10] - 0.5, losses
     assert metrics["final_step"] == 60 and metrics["loss"] == pytest.approx(losses[60], abs=1e-4)
-    assert lines[0].startswith("start strategy=cpu replicas=1 hosts=1 global_batch=16 step=0 max_steps=60")
+    assert lines[0].startswith("start backend=tensorflow strategy=cpu processes=1 hosts=1 devices=1 per_replica_batch=16 "
+                           "global_batch=16 step=0 max_steps=60")
     assert lines[-1].startswith("done step=60 ")
 
 
@@ -87,7 +88,7 @@ def test_export_has_model_vocab_config_and_metrics(first_run, data_dir):
 
 def test_resume_continues_step_count_and_loss_curve(first_run, data_dir):
     model_dir, first_lines, _ = first_run
-    assert {p.name for p in (model_dir / "checkpoints").glob("ckpt-*.index")} == {"ckpt-30.index", "ckpt-60.index"}
+    assert {p.name for p in (model_dir / "checkpoints").glob("ckpt-*.npz")} == {"ckpt-30.npz", "ckpt-60.npz"}
     lines: list[str] = []
     metrics = train.run(tiny(data_dir, model_dir, max_steps=80), log=lines.append)
     before, after = steps(first_lines), steps(lines)
@@ -187,5 +188,6 @@ def test_eight_logical_replicas_rehearse_a_tpu_v3_8(data_dir, tmp_path):
                           cwd=tmp_path, env=_worker_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("start strategy=cpu replicas=8 hosts=1 global_batch=64 step=0")
+    assert lines[0].startswith("start backend=tensorflow strategy=cpu processes=1 hosts=1 devices=8 per_replica_batch=8 "
+                           "global_batch=64 step=0")
     assert sorted(steps(lines)) == [5, 10] and lines[-1].startswith("done step=10 ")

@@ -325,10 +325,11 @@ def test_real_bert_on_a_4_worker_slice_is_driven_by_worker_0_found_from_metadata
     o = p.run()
     assert o.state == "succeeded" and o.step == 10
     logs = [_text(tpc, o.bucket, f"runs/bert-pod/logs/worker-{w}.log") for w in range(4)]
-    assert "start strategy=cpu replicas=1 hosts=1 " in logs[0] and "done step=10 " in logs[0]
+    assert "start backend=tensorflow strategy=cpu processes=1 hosts=1 devices=1 " in logs[0]
+    assert "done step=10 " in logs[0]
     for w in (1, 2, 3):
         assert f"idle worker={w} reason=pod-slice-driven-by-worker-0" in logs[w]
-        assert "start strategy=" not in logs[w] and "step=" not in logs[w]
+        assert "start backend=" not in logs[w] and "step=" not in logs[w]
     assert {"export/model.keras", "export/metrics.json"} <= set(o.artifacts)
     assert _zero(cloud, project)
 

@@ -32,7 +32,7 @@ COMPUTE_SERVICE = "services/6F81-5844-456A"
 
 # SKU description token -> generation. v2/v3/v4 SKUs not described as per chip are priced per 8-core
 # device (4 chips), as the older catalog entries are.
-_SKU_GENERATIONS = (("tpuv5e", "v5e"), ("tpuv5p", "v5p"), ("tpuv6e", "v6e"),
+_SKU_GENERATIONS = (("tpuv5e", "v5e"), ("tpuv5p", "v5p"), ("tpuv6e", "v6e"), ("tpu7x", "tpu7x"),
                     ("tpu-v2", "v2"), ("tpu-v3", "v3"), ("tpu-v4", "v4"))
 _CHIPS_PER_DEVICE_SKU = {"v2": 4, "v3": 4, "v4": 4}
 # TPU VM images with TensorFlow are named tpu-vm-tf-X.Y.Z[-pod][-pjrt|-se] (cloud.google.com/tpu/docs/runtimes).
@@ -54,6 +54,10 @@ class AcceleratorType:
     runtimes: tuple[str, ...]
     default_runtime: str
     tensorflow: bool = True  # Google runs TensorFlow on this generation (none from v6e on)
+    # Which API provisions it: "tpu-v2" (Cloud TPU API nodes) or "compute" (Compute Engine machine types, TPU7x+).
+    api: str = "tpu-v2"
+    machine_type: str | None = None  # the Compute Engine machine type of one host, for api == "compute"
+    provisioning: tuple[str, ...] = ("on-demand", "spot", "preemptible", "queued")
 
     @property
     def multi_host(self) -> bool:
@@ -134,12 +138,18 @@ class Catalog:
                     cores=chips * g["cores_per_chip"], hosts=hosts, topology=topology(chips, g["topology_dims"]),
                     zones=tuple(g["zones"]), runtimes=tuple(g["runtimes"]),
                     default_runtime=g["default_runtime_pod"] if hosts > 1 else g["default_runtime"],
-                    tensorflow=g.get("tensorflow", True))
+                    tensorflow=g.get("tensorflow", True), api=g.get("api", "tpu-v2"),
+                    machine_type=g.get("machine_type"),
+                    provisioning=tuple(g.get("provisioning", AcceleratorType.provisioning)))
 
     # -- shapes ---------------------------------------------------------------------------------------------
 
     def accelerators(self) -> list[AcceleratorType]:
         return list(self._types.values())
+
+    def for_machine_type(self, machine_type: str, hosts: int = 1) -> AcceleratorType | None:
+        """The Compute Engine TPU type whose hosts are `machine_type` VMs, `hosts` of them (None: not a TPU)."""
+        return next((t for t in self._types.values() if t.machine_type == machine_type and t.hosts == hosts), None)
 
     def generations(self) -> list[str]:
         return list(self._data["generations"])
@@ -170,7 +180,8 @@ class Catalog:
         if framework == "tensorflow" and not t.tensorflow:
             raise BadInput(
                 f"TensorFlow does not run on {t.generation} ({t.name}): Google supports no TensorFlow from v6e on "
-                f"and its TensorFlow runtimes stop at 2.18; use a {', '.join(self.tensorflow_types())} type",
+                f"and its TensorFlow runtimes stop at 2.18: the job needs a JAX backend there; use a "
+                f"{', '.join(self.tensorflow_types())} type",
                 field="accelerator", hint="e.g. --accelerator v5litepod-8 or v3-8; `tpuctl catalog list` shows them")
         if zone not in t.zones:
             same_region = [z for z in t.zones if region_of(z) == region_of(zone)]
@@ -251,7 +262,9 @@ def accelerator_json(t: AcceleratorType, cat: Catalog) -> dict[str, Any]:
     prices = {region: {"on_demand": round(t.chips * p.on_demand, 4),
                        "spot": None if p.spot is None else round(t.chips * p.spot, 4)}
               for region, p in cat.tpu_prices(t.generation).items()}
-    return {"name": t.name, "generation": t.generation, "api_type": t.api_type, "chips": t.chips, "cores": t.cores,
+    return {"name": t.name, "generation": t.generation, "api_type": t.api_type, "api": t.api,
+            "machine_type": t.machine_type, "provisioning": list(t.provisioning),
+            "chips": t.chips, "cores": t.cores,
             "hosts": t.hosts, "topology": t.topology, "zones": list(t.zones), "runtimes": list(t.runtimes),
             "default_runtime": t.default_runtime, "tensorflow": t.tensorflow, "price_per_hour_by_region": prices}
 

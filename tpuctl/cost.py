@@ -48,6 +48,8 @@ def hourly(e: Entry, catalog: Catalog) -> float:
 def lifetime_hours(e: Entry, *, since: float, now: float) -> float:
     """Hours of the resource's life inside the window [since, now]."""
     end = now if e.deleted is None else min(e.deleted, now)
+    if e.ends is not None:  # a flex-start TPU is deleted by Google at its end, whenever we noticed
+        end = min(end, e.ends)
     return max(0.0, end - max(e.created, since)) / 3600.0
 
 

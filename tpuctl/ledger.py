@@ -43,6 +43,7 @@ class Entry:
     machine_type: str | None = None
     spot: bool = False
     disk_gb: int = 0
+    ends: float | None = None  # when the provider deletes it by itself (a flex-start TPU's max run duration)
     rolled_back: bool = False  # created and deleted again by the same `up` (failure, Ctrl-C, no capacity)
     gb: float = 0.0  # SOFT_DELETED: the bytes still billed from `created` until `deleted` (hard delete time)
 
@@ -65,7 +66,17 @@ def entry_of(r: Any, *, now: float | None = None) -> Entry:
             created = time.time() if now is None else now
     return Entry(kind=r.kind.value, name=r.name, project=r.project, location=r.location, run=r.run,
                  owner=r.labels.get("tpuctl-owner"), created=created, accelerator=r.accelerator,
-                 machine_type=r.machine_type, spot=bool(r.spot), disk_gb=int(r.detail.get("disk_gb", 0) or 0))
+                 machine_type=r.machine_type, spot=bool(r.spot), disk_gb=int(r.detail.get("disk_gb", 0) or 0),
+                 ends=_timestamp(r.detail.get("ends")))
+
+
+def _timestamp(text: str | None) -> float | None:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(text).timestamp() if text else None
+    except ValueError:
+        return None
 
 
 def key_of(r: Any) -> str:

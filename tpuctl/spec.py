@@ -19,7 +19,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from tpuctl.errors import BadInput
 
 TPU_NODE_RETIRED = "2025-04-15"
-PROVISIONING = ("on-demand", "spot", "preemptible", "queued")
+PROVISIONING = ("on-demand", "spot", "preemptible", "queued", "flex-start")
+# Flex-start VMs run for at most 7 days (tpu/docs/request-using-flex-start); Compute takes a maxRunDuration of
+# at least 30 s (compute/docs/instances/limit-vm-runtime).
+FLEX_START_MAX_RUN_S = (30.0, 7 * 86400.0)
 DEFAULT_TTL_S = 24 * 3600.0
 # Cloud Storage soft delete retention: 0 or 7 to 90 days (cloud.google.com/storage/docs/soft-delete).
 SOFT_DELETE_MIN_S = 7 * 86400
@@ -110,6 +113,8 @@ class JobSpec(_Strict):
     args: list[str] = Field(default_factory=list)
     max_recoveries: int = Field(default=3, ge=0)
     env: dict[str, str] = Field(default_factory=dict)
+    # auto: TensorFlow where Google ships it (v2-v5p) and the template offers it, else JAX (tpuctl.frameworks)
+    framework: Literal["auto", "tensorflow", "jax"] = "auto"
 
     @field_validator("env")
     @classmethod
@@ -126,8 +131,9 @@ class RunSpec(_Strict):
     zones: tuple[str, ...] = ()  # failover order; `zone:` in YAML (a string, a list, or "a,b")
     accelerator: str | None = None
     runtime_version: str | None = None  # default: the catalog's per-generation choice
-    provisioning: Literal["on-demand", "spot", "preemptible", "queued"] = "on-demand"
+    provisioning: Literal["on-demand", "spot", "preemptible", "queued", "flex-start"] = "on-demand"
     valid_until: Duration | None = None  # queued only: give up waiting for capacity after this long
+    max_run_duration: Duration | None = Field(default=None, validate_default=True)  # flex-start only (required there): Google deletes the TPU after it
     vms: list[VmSpec] = Field(default_factory=list)
     bucket: str = "auto"
     # Soft delete retention of a bucket tpuctl creates: 0s (off) or 7d to 90d, Google's allowed values. Google's
@@ -177,6 +183,20 @@ class RunSpec(_Strict):
             raise ValueError("valid_until applies only to provisioning: queued")
         return v
 
+    @field_validator("max_run_duration")
+    @classmethod
+    def _flex_start_only(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None and info.data.get("provisioning") == "flex-start":
+            raise ValueError("provisioning: flex-start needs max_run_duration (Google deletes the TPU when it ends)")
+        if v is not None and info.data.get("provisioning") != "flex-start":
+            raise ValueError("max_run_duration applies only to provisioning: flex-start")
+        if v is not None:
+            low, high = FLEX_START_MAX_RUN_S
+            if not low <= parse_duration(v) <= high:
+                raise ValueError(f"max_run_duration {v} is outside Google's limits for flex-start "
+                                 f"({format_duration(low)} to {format_duration(high)})")
+        return v
+
     @field_validator("vms")
     @classmethod
     def _distinct_vms(cls, v: list[VmSpec]) -> list[VmSpec]:
@@ -198,12 +218,23 @@ class RunSpec(_Strict):
         return None if self.valid_until is None else parse_duration(self.valid_until)
 
     @property
+    def max_run_duration_s(self) -> float | None:
+        return None if self.max_run_duration is None else parse_duration(self.max_run_duration)
+
+    @property
     def spot(self) -> bool:
         return self.provisioning in ("spot", "preemptible")
 
     @property
     def queued(self) -> bool:
         return self.provisioning == "queued"
+
+
+def with_framework(spec: RunSpec, framework: str | None) -> RunSpec:
+    """`spec` with `job.framework` set (the `--framework` flag, which wins over the file); None keeps it."""
+    if framework is None:
+        return spec
+    return spec.model_copy(update={"job": (spec.job or JobSpec()).model_copy(update={"framework": framework})})
 
 
 def load(path: str | Path | None = None, *, overrides: Mapping[str, Any] | None = None,
@@ -249,6 +280,7 @@ _HINTS = {
     "provisioning": "one of: " + ", ".join(PROVISIONING),
     "ttl": "a duration such as 2h, 90m, 1d or 3600 (seconds)",
     "valid_until": "a duration such as 6h; only with provisioning: queued",
+    "max_run_duration": "a duration from 30s to 7d, e.g. 4h; only with provisioning: flex-start",
     "bucket_soft_delete": "0s (off, tpuctl's default) or 7d to 90d",
 }
 

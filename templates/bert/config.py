@@ -80,6 +80,9 @@ class RuntimeConfig:
     then TPU device files, then GPUs, then the CPU); "local" forces this TPU VM's chips; a node name or
     `grpc://host:8470` forces that TPU.
     `replicas` > 0 forces a CPU rehearsal with that many logical devices (see strategy.py).
+    `framework`: the Keras backend, "tensorflow" (TPUStrategy; Google's `tpu-vm-tf-*` runtimes, v2-v5p) or
+    "jax" (`keras.distribution.DataParallel` over every device of the slice; every TPU generation). Set as
+    KERAS_BACKEND before Keras is imported; the checkpoints of one resume on the other.
     """
 
     data_dir: str = ""
@@ -90,6 +93,7 @@ class RuntimeConfig:
     mixed_precision: str = "auto"  # auto: mixed_bfloat16 on TPU, float32 elsewhere
     jit_compile: bool = False  # TPUs always compile; True on CPU/GPU rehearses XLA compatibility
     seed: int = 0
+    framework: str = "tensorflow"
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     for name, preset in json.loads((Path(__file__).parent / "template.json").read_text(encoding="utf-8"))[
         "presets"].items()
 }
+
+FRAMEWORKS = ("tensorflow", "jax")  # Keras backends the template runs on
 
 _SECTIONS = {"task": TaskConfig, "trainer": TrainerConfig, "runtime": RuntimeConfig}
 
@@ -215,6 +221,7 @@ def validate(cfg: BertConfig) -> None:
         (tr.keep_checkpoints > 0, "trainer.keep_checkpoints", "must be > 0"),
         (tr.shuffle_buffer > 0, "trainer.shuffle_buffer", "must be > 0"),
         (rt.replicas >= 0, "runtime.replicas", "must be >= 0"),
+        (rt.framework in FRAMEWORKS, "runtime.framework", "must be tensorflow or jax"),
         (rt.mixed_precision in ("auto", "float32", "mixed_bfloat16"),
          "runtime.mixed_precision", "must be auto, float32 or mixed_bfloat16"),
     ]

@@ -22,6 +22,16 @@ Pod slices: TensorFlow drives every host of a slice from one client process (wor
 serves it, and tf.data runs one input pipeline per host there. The same command is started on every
 worker, so `follower()` tells workers 1..N-1 that they have nothing to run. `set_tpu_environment`
 has the TF load-time variables for both cases.
+
+JAX (`resolve_jax`, `runtime.framework = "jax"`): one process per worker host, every worker runs the job.
+On a multi-host slice `jax.distributed.initialize` gets worker 0's IP from `worker-network-endpoints` (port
+8476, JAX's own Cloud TPU default in `jax/_src/clusters/cloud_tpu_cluster.py`), the number of processes and
+this process's id (`agent-worker-number`) from the metadata server (guest.py), the way JAX's own Cloud TPU
+detection reads them. Training is `keras.distribution.DataParallel` over every device of the slice; each
+process feeds its local devices' share of the global batch. A CPU rehearsal (`runtime.replicas`, or
+`LOCALCLOUD_TPU_REHEARSAL=cpu` on a chipless TPU VM) forces that host's device count on the CPU
+(`--xla_force_host_platform_device_count`); its processes still meet through the coordinator and all-reduce
+across processes (gloo), so a 2-host slice rehearses real cross-process collectives.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ PJRT_LIBTPU = "/lib/libtpu.so"
 # Where the dynamic loader finds a bare "libtpu.so" on TPU VM images (TF's last resort is dlopen("libtpu.so")).
 SYSTEM_LIBTPU = (PJRT_LIBTPU, "/usr/lib/libtpu.so")
 CPU_REHEARSAL_VAR = "LOCALCLOUD_TPU_REHEARSAL"
+JAX_COORDINATOR_PORT = 8476  # jax/_src/clusters/cloud_tpu_cluster.py: the coordinator on worker 0
 DEVICE_PATTERNS = ("/dev/accel*", "/dev/vfio/[0-9]*")
 
 
@@ -50,6 +61,9 @@ class Resolved:
     kind: str  # "tpu" | "gpu" | "cpu"
     replicas: int  # replicas in sync: global batch = per-replica batch x this
     hosts: int  # input pipelines (one per worker host)
+    backend: str = "tensorflow"
+    processes: int = 1  # programs that train together (TF: one client; JAX: one per host)
+    process: int = 0  # this one's index: only process 0 writes checkpoints and summaries
 
 
 def follower() -> int | None:
@@ -104,7 +118,60 @@ def resolve(runtime: RuntimeConfig) -> Resolved:
     return Resolved(tf.distribute.get_strategy(), "cpu", 1, 1)
 
 
-def _check_tpu_host(vm: guest.TpuVm | None, tpu: str) -> bool:
+def resolve_jax(runtime: RuntimeConfig) -> Resolved:
+    """Initialise JAX (multi-host: blocks until every process reached the coordinator) and return a
+    DataParallel distribution over all devices. Call before anything imports jax. Raises AcceleratorError."""
+    vm = None if runtime.replicas else guest.tpu_vm()
+    devices = runtime.replicas
+    if not devices and (vm is not None or _chips()):
+        if _check_tpu_host(vm, "local", configure_tf=False):
+            devices = _devices_per_host(vm.accelerator_type, len(vm.hosts)) if vm is not None else 1
+    if devices:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    import jax
+    import keras
+
+    cluster = jax_cluster(vm, rehearsal=bool(devices))
+    if cluster is not None:
+        try:
+            jax.distributed.initialize(**cluster)
+        except (RuntimeError, ValueError) as exc:
+            raise AcceleratorError(f"runtime.framework: jax.distributed.initialize({cluster}) failed: {exc}") from exc
+    platform = jax.devices()[0].platform
+    distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
+    # Global, not only a scope: fit() distributes each batch under the distribution in force when it runs.
+    keras.distribution.set_distribution(distribution)
+    return Resolved(distribution, "tpu" if platform == "tpu" else platform, jax.device_count(), jax.process_count(),
+                    backend="jax", processes=jax.process_count(), process=jax.process_index())
+
+
+def jax_cluster(vm: guest.TpuVm | None, *, rehearsal: bool) -> dict | None:
+    """`jax.distributed.initialize`'s arguments on a multi-host slice (None on one host): worker 0's IP from
+    worker-network-endpoints with JAX's port, the number of workers, and this worker's agent-worker-number."""
+    if vm is None or len(vm.hosts) < 2:
+        return None
+    port = _rehearsal_port(vm.node) if rehearsal else JAX_COORDINATOR_PORT
+    return {"coordinator_address": f"{vm.hosts[0]}:{port}", "num_processes": len(vm.hosts), "process_id": vm.worker}
+
+
+def _devices_per_host(accelerator_type: str, hosts: int) -> int:
+    """JAX devices per host of a TPU type: v4 and v5p names count TensorCores (two per megacore chip, one
+    JAX device); v2/v3 (one device per core), v5e, v6e and later count chips."""
+    family, _, size = accelerator_type.rpartition("-")
+    count = int(size) // (2 if family in ("v4", "v5p") else 1)
+    return max(count // max(hosts, 1), 1)
+
+
+def _rehearsal_port(node: str) -> int:
+    """A rehearsal's hosts share one machine (and 127.0.0.1) with other rehearsals: a port per node, not 8476."""
+    import zlib
+
+    return 20000 + zlib.crc32(node.encode()) % 20000
+
+
+def _check_tpu_host(vm: guest.TpuVm | None, tpu: str, *, configure_tf: bool = True) -> bool:
     """On a TPU host: its chips and libtpu must be there. True for an explicitly requested CPU rehearsal."""
     where = (f"TPU VM {vm.node} ({vm.accelerator_type}) worker {vm.worker} per its metadata server"
              if vm is not None else "this TPU host")
@@ -117,7 +184,8 @@ def _check_tpu_host(vm: guest.TpuVm | None, tpu: str) -> bool:
             f"{libtpu or '; '.join(tried)}. Not falling back to the CPU; set runtime.replicas to rehearse on it")
     if tpu == "local" and libtpu is None:
         raise AcceleratorError(f"runtime.tpu: {where} has TPU chips but no libtpu.so: tried {'; '.join(tried)}")
-    set_tpu_environment(tpu, libtpu)
+    if configure_tf:  # on JAX, TensorFlow (the input pipeline) must stay off the chips
+        set_tpu_environment(tpu, libtpu)
     return False
 
 

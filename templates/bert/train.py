@@ -10,11 +10,15 @@ order does not, it is reshuffled). A rerun after completion only re-exports.
 Output lines on stdout, one event per line, `key=value` fields separated by single spaces (values have no
 spaces); the first word says what the line is:
 
-    start strategy=cpu replicas=8 hosts=1 global_batch=64 step=0 max_steps=200 vocab_size=8000 seq_len=128
+    start backend=jax strategy=tpu processes=2 hosts=2 devices=16 per_replica_batch=8 global_batch=128 step=0 max_steps=200 vocab_size=8000 seq_len=128
     step=120 loss=6.1234 mlm_accuracy=0.0412 learning_rate=0.00012 examples_per_sec=812.3
     checkpoint step=200 path=/model/checkpoints/ckpt-200
     done step=200 loss=5.9876 mlm_accuracy=0.0833 export_dir=/model/export
-    idle worker=3 reason=pod-slice-driven-by-worker-0     (workers 1..N-1 of a multi-host TPU slice; exit 0)
+    idle worker=3 reason=pod-slice-driven-by-worker-0     (TF: workers 1..N-1 of a multi-host TPU slice; exit 0)
+
+`runtime.framework` picks the Keras backend (tensorflow: one TF client drives the slice; jax: every host runs
+a process, process 0 alone writes checkpoints, summaries and the export). Checkpoints are backend-neutral
+(checkpoints.py): either backend resumes the other's.
 
 `step=` lines come every `trainer.log_every` steps; loss and accuracy there are averages over the steps since
 the previous line; examples_per_sec counts global-batch examples over that window's wall time (the first
@@ -74,21 +78,30 @@ def run(cfg: BertConfig, *, log=None) -> dict:
         raise ConfigError("runtime", "data_dir and model_dir are required")
     from . import strategy as strategy_mod
 
-    worker = strategy_mod.follower()
-    if worker is not None:
-        emit(f"idle worker={worker} reason=pod-slice-driven-by-worker-0")
-        return {}
-    resolved = strategy_mod.resolve(rt)  # first: the CPU split must precede any other TF device use
+    jax_backend = rt.framework == "jax"
+    if not jax_backend:
+        worker = strategy_mod.follower()
+        if worker is not None:
+            emit(f"idle worker={worker} reason=pod-slice-driven-by-worker-0")
+            return {}
+    os.environ["KERAS_BACKEND"] = rt.framework  # Keras reads it once, at its first import
+    # First: TF's CPU split / JAX's forced host devices must precede any other device use.
+    resolved = strategy_mod.resolve_jax(rt) if jax_backend else strategy_mod.resolve(rt)
 
     import keras
     import tensorflow as tf
 
+    if keras.backend.backend() != rt.framework:
+        raise ConfigError("runtime.framework", f"{rt.framework} asked, but Keras was already imported with "
+                          f"the {keras.backend.backend()} backend in this process; run the trainer in a fresh one")
+    from . import checkpoints
     from .callbacks import Monitor
     from .data import join, make_dataset, read_manifest
     from .model import WarmupLinearDecay, build_model
 
     manifest = read_manifest(rt.data_dir)
-    cfg = _bind_model_dir(tf, cfg, manifest)
+    writer = resolved.process == 0  # JAX: every host trains, only process 0 writes
+    cfg = _bind_model_dir(tf, cfg, manifest, write=writer)
 
     tr = cfg.trainer
     global_batch = tr.per_replica_batch_size * resolved.replicas
@@ -102,38 +115,51 @@ def run(cfg: BertConfig, *, log=None) -> dict:
     strategy = resolved.strategy
     with strategy.scope():
         model = build_model(cfg.task, vocab_size=manifest.vocab_size)
-        optimizer = _compile(keras, model, tr, schedule, jit_compile=rt.jit_compile and resolved.kind != "tpu")
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    manager = tf.train.CheckpointManager(checkpoint, join(rt.model_dir, "checkpoints"),
-                                         max_to_keep=tr.keep_checkpoints, step_counter=optimizer.iterations)
-    if manager.latest_checkpoint:
-        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
-    start = int(optimizer.iterations.numpy())
+        # JAX always compiles the step (eager JAX is op by op); TF compiles on TPU by itself.
+        optimizer = _compile(keras, model, tr, schedule,
+                             jit_compile=jax_backend or (rt.jit_compile and resolved.kind != "tpu"))
+        ckpt_dir = join(rt.model_dir, "checkpoints")
+        checkpoints.restore(checkpoints.latest(ckpt_dir), model, optimizer, processes=resolved.processes)
+    start = int(checkpoints.host_value(optimizer.iterations))
     export_dir = rt.export_dir or join(rt.model_dir, "export")
     metrics_path = join(export_dir, "metrics.json")
-    if start >= tr.max_steps and tf.io.gfile.exists(metrics_path):
+    if checkpoints.process0(start >= tr.max_steps and tf.io.gfile.exists(metrics_path), resolved.processes):
         metrics = json.loads(_read(tf, metrics_path))  # finished and exported before: nothing to do
         _done(emit, metrics, export_dir)
         return metrics
-    emit(f"start strategy={resolved.kind} replicas={resolved.replicas} hosts={resolved.hosts} "
+    emit(f"start backend={resolved.backend} strategy={resolved.kind} processes={resolved.processes} "
+         f"hosts={resolved.hosts} devices={resolved.replicas} per_replica_batch={tr.per_replica_batch_size} "
          f"global_batch={global_batch} step={start} max_steps={tr.max_steps} "
          f"vocab_size={manifest.vocab_size} seq_len={cfg.task.seq_len}")
 
-    monitor = Monitor(manager, schedule, global_batch, tr.log_every, tr.checkpoint_every,
-                       tf.summary.create_file_writer(join(rt.model_dir, "tensorboard")), emit, start)
+    save = (lambda step: checkpoints.save(ckpt_dir, step, model, optimizer, keep=tr.keep_checkpoints)) \
+        if writer else None
+    monitor = Monitor(save, schedule, global_batch, tr.log_every, tr.checkpoint_every,
+                      tf.summary.create_file_writer(join(rt.model_dir, "tensorboard")) if writer else None,
+                      emit, start)
     if start < tr.max_steps:
-        dataset = strategy.distribute_datasets_from_function(
-            lambda ctx: make_dataset(rt.data_dir, manifest, ctx.get_per_replica_batch_size(global_batch),
-                                     mask_rate=cfg.task.mask_rate, shuffle_buffer=tr.shuffle_buffer,
-                                     input_context=ctx, seed=rt.seed or None))
+        def dataset_for(ctx):
+            return make_dataset(rt.data_dir, manifest, ctx.get_per_replica_batch_size(global_batch),
+                                mask_rate=cfg.task.mask_rate, shuffle_buffer=tr.shuffle_buffer,
+                                input_context=ctx, seed=rt.seed or None)
+
+        if jax_backend:  # this process's share: its hosts' files, its local devices' part of the global batch
+            dataset = dataset_for(tf.distribute.InputContext(resolved.processes, resolved.process,
+                                                             resolved.processes))
+        else:
+            dataset = strategy.distribute_datasets_from_function(dataset_for)
         model.fit(dataset, epochs=1, steps_per_epoch=tr.max_steps - start, callbacks=[monitor], verbose=0,
                   shuffle=False)
     if monitor.saved_step != tr.max_steps and start < tr.max_steps:
         monitor.save(tr.max_steps)
     # loss/accuracy are None only when a previous process trained to the end but died before exporting.
-    metrics = {"final_step": int(optimizer.iterations.numpy()), "loss": None, "mlm_accuracy": None, **monitor.last,
-               "global_batch": global_batch, "replicas": resolved.replicas, "strategy": resolved.kind}
-    _export(tf, model, cfg, rt.data_dir, export_dir, metrics)
+    metrics = {"final_step": int(checkpoints.host_value(optimizer.iterations)), "loss": None, "mlm_accuracy": None,
+               **monitor.last, "global_batch": global_batch, "replicas": resolved.replicas,
+               "strategy": resolved.kind, "backend": resolved.backend}
+    if writer:
+        if resolved.processes > 1:  # Keras saves via numpy, which cannot read arrays spanning other hosts
+            model = _local_copy(keras, model, cfg, manifest.vocab_size)
+        _export(tf, model, cfg, rt.data_dir, export_dir, metrics)
     _done(emit, metrics, export_dir)
     return metrics
 
@@ -146,7 +172,7 @@ def _peak_learning_rate(tr, global_batch: int) -> float:
     return tr.learning_rate * (ratio if tr.lr_scaling == "linear" else 1.0)
 
 
-def _bind_model_dir(tf, cfg: BertConfig, manifest) -> BertConfig:
+def _bind_model_dir(tf, cfg: BertConfig, manifest, *, write: bool = True) -> BertConfig:
     """Check the data against the config and against what model_dir was trained with; record that on first use.
 
     Returns `cfg` with the manifest's vocab_size. Raises DataError / ConfigError before anything is written.
@@ -164,6 +190,8 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest) -> BertConfig:
         changed = sorted(k for k in task if previous["task"].get(k) != task[k])
         raise ConfigError("task", f"{changed} differ from the checkpoints in {rt.model_dir}; "
                                   "use a new model_dir or the original task settings")
+    if not write:
+        return cfg
     tf.io.gfile.makedirs(rt.model_dir)
     if not previous:
         _write(tf, state_path, json.dumps({"vocab_sha256": manifest.vocab_sha256, "task": task}, indent=2))
@@ -184,6 +212,17 @@ def _compile(keras, model, tr, schedule, *, jit_compile: bool):
         steps_per_execution=tr.steps_per_execution, jit_compile=jit_compile)
     optimizer.build(model.trainable_variables)  # slots exist before restore: restored, not deferred
     return optimizer
+
+
+def _local_copy(keras, model, cfg: BertConfig, vocab_size: int):
+    """The model with this host's copy of its (replicated) weights, outside the slice-wide distribution."""
+    from .checkpoints import host_value
+    from .model import build_model
+
+    keras.distribution.set_distribution(None)  # training is over: variables on this host's default device
+    local = build_model(cfg.task, vocab_size=vocab_size)
+    local.set_weights([host_value(v) for v in model.weights])
+    return local
 
 
 def _done(emit, metrics: dict, export_dir: str) -> None:

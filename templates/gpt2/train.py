@@ -118,7 +118,7 @@ def run(cfg: Gpt2Config, *, log=None) -> dict:
     emit(f"start strategy={resolved.kind} replicas={resolved.replicas} hosts={resolved.hosts} "
          f"global_batch={global_batch} step={start} max_steps={tr.max_steps} "
          f"vocab_size={manifest.vocab_size} seq_len={cfg.task.seq_len}")
-    monitor = Monitor(manager, schedule, global_batch, tr.log_every, tr.checkpoint_every,
+    monitor = Monitor(lambda step: manager.save(checkpoint_number=step), schedule, global_batch, tr.log_every, tr.checkpoint_every,
                       tf.summary.create_file_writer(join(rt.model_dir, "tensorboard")), emit, start, accuracy=ACCURACY)
     if start < tr.max_steps:
         dataset = strategy.distribute_datasets_from_function(

@@ -39,7 +39,7 @@ def catalog_group() -> None:
 
 
 @catalog_group.command("list")
-@click.option("--generation", "-g", help="only this generation: v2 v3 v4 v5e v5p v6e")
+@click.option("--generation", "-g", help="only this generation: v2 v3 v4 v5e v5p v6e tpu7x")
 @click.option("--region", "-r", default="us-central1", show_default=True, help="region whose prices to show")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def catalog_list(generation: str | None, region: str, as_json: bool) -> None:
@@ -53,10 +53,10 @@ def catalog_list(generation: str | None, region: str, as_json: bool) -> None:
         console.emit_json({"as_of": cat.as_of, "prices_from": cat.prices_from, "source": cat.source,
                            "accelerators": [catalog_mod.accelerator_json(t, cat) for t in types]})
         return
-    rows = [(t.name, t.chips, t.cores, t.hosts, t.topology,
+    rows = [(t.name, t.api, t.chips, t.cores, t.hosts, t.topology,
              _money(cat.tpu_price_per_hour(t.name, region, spot=False)),
              _money(cat.tpu_price_per_hour(t.name, region, spot=True)), t.default_runtime) for t in types]
-    console.table(("type", "chips", "cores", "hosts", "topology", f"$/h {region}", "spot $/h", "default runtime"),
+    console.table(("type", "api", "chips", "cores", "hosts", "topology", f"$/h {region}", "spot $/h", "default runtime"),
                   rows)
     console.note(f"prices: {cat.prices_from}; regions without a sampled price show the dearest known one")
 
@@ -74,6 +74,7 @@ def catalog_show(accelerator: str, as_json: bool) -> None:
         return
     console.table(("field", "value"), [
         ("type", t.name), ("generation", t.generation), ("api type", t.api_type),
+        ("provisioned by", t.api + (f" (machine type {t.machine_type})" if t.machine_type else "")),
         ("chips / cores / hosts", f"{t.chips} / {t.cores} / {t.hosts}"), ("topology", t.topology),
         ("zones", ", ".join(t.zones)), ("runtimes", ", ".join(t.runtimes)), ("default runtime", t.default_runtime),
         ("TensorFlow", "yes" if t.tensorflow else "no (Google supports none from v6e on)")])

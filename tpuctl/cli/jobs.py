@@ -59,11 +59,13 @@ def _summary(o) -> None:
 @click.option("--poll", "poll_s", type=click.FloatRange(0.2), default=2.0, show_default=True,
               help="seconds between job/node checks")
 @click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
+@click.option("--framework", type=click.Choice(("auto", "tensorflow", "jax")),
+              help="job.framework (auto: TensorFlow where Google ships it and the template offers it, else JAX)")
 @click.option("--dry-run", is_flag=True, help="validate and show the plan; create nothing")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
 @_cloud_options
 def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, migrate,
-                dry_run, as_json, cloud, project) -> None:
+                framework, dry_run, as_json, cloud, project) -> None:
     """Run a training job end to end: up, prepare data, ship, train on every worker, collect, tear down.
 
     The TPU and VMs are deleted whatever happens (success, failure, Ctrl-C, SIGTERM); the bucket with the
@@ -71,8 +73,9 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
     """
     from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
-    if attach and (spec_file or detach or dry_run or migrate):
-        raise BadInput("--attach takes a run name and no spec, --detach, --dry-run or --migrate", field="attach",
+    if attach and (spec_file or detach or dry_run or migrate or framework):
+        raise BadInput("--attach takes a run name and no spec, --detach, --dry-run, --migrate or --framework",
+                       field="attach",
                        hint="tpuctl run --attach RUN")
     if not attach and not spec_file:
         raise BadInput("no spec file given", field="spec", hint="tpuctl run examples/bert-tiny.yaml --yes")
@@ -89,7 +92,7 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
 
         # Flags > TPUCTL_* env > spec file > user config > gcloud config > defaults, as for `up`.
         merged, sources = config.layered({"name": name, "project": project}, spec_mod.read_file(spec_file))
-        spec = spec_mod.from_mapping(merged, migrate=migrate)
+        spec = spec_mod.with_framework(spec_mod.from_mapping(merged, migrate=migrate), framework)
         settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=not dry_run)
         clients = None if dry_run else provision.connect(settings)
         pipeline = Pipeline(clients, spec, project=settings.project, spec_dir=Path(spec_file).resolve().parent,
@@ -105,7 +108,8 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
             plan = pipeline.plan
             console.table(("step", "kind", "name", "where", "$/h"),
                           [(s.key, s.kind.value, s.name, s.location, f"{s.price_per_hour:.2f}" if s.price_per_hour else "-")
-                           for s in plan.steps], title=f"plan for run {plan.run} ({settings.target})")
+                           for s in plan.steps], title=f"plan for run {plan.run} ({settings.target})"
+                          + (f": {plan.framework} on {plan.runtime_version}" if plan.framework else ""))
         elif outcome.state == "detached":
             console.info(f"detached: follow with `tpuctl logs {outcome.run} -f`; finish with "
                          f"`tpuctl run --attach {outcome.run}` (or `tpuctl gc` tears it down when it ends)")

@@ -73,8 +73,12 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
 @click.option("--zone", help="zone, or comma-separated zones in failover order [env TPUCTL_ZONE]")
 @click.option("--accelerator", help="TPU type, e.g. v3-8, v4-32, v5litepod-16, v6e-8")
 @click.option("--runtime-version", help="TPU VM image (default: the catalog's choice for the generation)")
+@click.option("--framework", type=click.Choice(("auto", "tensorflow", "jax")),
+              help="job.framework: picks the runtime (auto: TensorFlow on v2-v5p, JAX elsewhere)")
 @click.option("--spot", is_flag=True, default=None, help="spot capacity (cheaper, can be preempted)")
-@click.option("--provisioning", type=click.Choice(spec_mod.PROVISIONING), help="on-demand, spot, preemptible, queued")
+@click.option("--provisioning", type=click.Choice(spec_mod.PROVISIONING),
+              help="on-demand, spot, preemptible, queued, flex-start")
+@click.option("--max-run-duration", help="flex-start: Google deletes the TPU after this long, e.g. 4h (30s to 7d)")
 @click.option("--bucket", help="bucket name, or auto")
 @click.option("--service-account", help="email the TPU VM runs as (default: the project's compute SA)")
 @click.option("--ttl", help="delete by this age, e.g. 2h (tpuctl gc enforces it)")
@@ -86,7 +90,8 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
 @click.option("--keep-on-failure", is_flag=True, help="leave what was created when up fails")
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
 @click.option("--json", "as_json", is_flag=True, help="print the plan and result as JSON")
-def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot, provisioning, bucket,
+def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, framework, spot, provisioning,
+       max_run_duration, bucket,
        service_account, ttl, allow_cross_region, internal_ips, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
     """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
     from tpuctl import provision as prov
@@ -96,11 +101,12 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, spot
         raise BadInput(f"--spot and --provisioning {provisioning} ask for different capacity", field="provisioning",
                        hint="give one of them: --spot is --provisioning spot")
     flags = {"name": name, "project": project, "zone": zone, "accelerator": accelerator,
-             "runtime_version": runtime_version, "provisioning": "spot" if spot else provisioning, "bucket": bucket,
+             "runtime_version": runtime_version, "provisioning": "spot" if spot else provisioning,
+             "max_run_duration": max_run_duration, "bucket": bucket,
              "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region,
              "internal_ips": internal_ips}
     spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=migrate)
-    plan = prov.plan(spec, project=settings.project)
+    plan = prov.plan(spec_mod.with_framework(spec, framework), project=settings.project)
     if dry_run:
         _dry_run_checks(settings, plan, named_bucket=spec.bucket != "auto")
     else:  # a script without --yes hears only this, before the plan

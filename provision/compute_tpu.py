@@ -1,0 +1,297 @@
+"""TPUs that Google sells as Compute Engine machine types (TPU7x and later): one instance per TPU VM host.
+
+The Cloud TPU API does not offer TPU7x; Compute Engine does, as the accelerator-optimized machine type
+`tpu7x-standard-4t` (4 chips per VM). A single-host slice is one instance of it
+(compute/docs/tpus/create-tpu-vm-instance). Flex-start is the instance's own scheduling: provisioning model
+FLEX_START with a max run duration, after which Compute deletes the instance (instanceTerminationAction
+DELETE). A multi-host slice is, as compute/docs/tpus/create-tpu-mig-multi-host-slice makes it, a regional
+workload policy (HIGH_THROUGHPUT, acceleratorTopology = the slice's topology), a regional instance template
+and a zonal managed instance group (MIG) of N instances with that policy; the MIG names each instance in its
+`created-by` metadata, which is how the slice is found again.
+
+Everything else reads these as one `Kind.TPU` resource each, with `detail["api"]` "compute" (one instance) or
+"compute-mig" (a slice: one worker per instance), so status, down, gc and cost treat them as TPU API nodes;
+raw protos stay in here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from google.api_core import exceptions as gexc
+from google.cloud import compute_v1
+
+from tpuctl.catalog import Catalog
+from tpuctl.errors import TpuctlError
+from tpuctl.provision import labels as L
+from tpuctl.provision import vm, waits
+from tpuctl.provision.clients import Clients
+from tpuctl.provision.resources import Kind, Resource, State, Worker
+
+API = "compute"
+API_MIG = "compute-mig"
+MIG_WAIT_S = 5.0  # a MIG's instances appear after the MIG itself: poll its managed instances this often at most
+# Google's TPU VM guides use hyperdisk-balanced boot disks for TPU7x; persistent-disk types are refused there.
+BOOT_DISK_TYPE = "hyperdisk-balanced"
+BOOT_DISK_GB = 100
+
+
+@dataclass(frozen=True)
+class TpuVmRequest:
+    """One Compute Engine TPU VM (a single-host slice), in our terms."""
+
+    name: str
+    zone: str
+    machine_type: str
+    image: str
+    labels: Mapping[str, str]
+    service_account: str
+    provisioning: str = "on-demand"  # on-demand | spot | flex-start
+    max_run_duration_s: float | None = None  # flex-start: Compute deletes the instance after this long
+    network: str = "default"
+    subnet: str | None = None
+    tags: tuple[str, ...] = ()
+    metadata: Mapping[str, str] | None = None
+    internal_ips: bool = False  # no external address (an org policy may forbid them)
+
+    def in_zone(self, zone: str) -> TpuVmRequest:
+        return TpuVmRequest(**{**self.__dict__, "zone": zone})
+
+
+def _scheduling(req: TpuVmRequest) -> compute_v1.Scheduling:
+    # Accelerator VMs cannot live-migrate: host maintenance terminates them.
+    sched = compute_v1.Scheduling(on_host_maintenance="TERMINATE", automatic_restart=False)
+    if req.provisioning == "spot":
+        sched.provisioning_model = "SPOT"
+    elif req.provisioning == "flex-start":
+        sched.provisioning_model = "FLEX_START"
+        sched.instance_termination_action = "DELETE"
+        sched.max_run_duration = compute_v1.Duration(seconds=int(req.max_run_duration_s or 0))
+    else:
+        sched.provisioning_model = "STANDARD"
+    return sched
+
+
+def instance_proto(req: TpuVmRequest) -> compute_v1.Instance:
+    nic = compute_v1.NetworkInterface(
+        network=req.network if "/" in req.network else f"global/networks/{req.network}",
+        access_configs=[] if req.internal_ips else [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])
+    if req.subnet:
+        nic.subnetwork = req.subnet
+    items = [compute_v1.Items(key=k, value=v) for k, v in (req.metadata or {}).items()]
+    return compute_v1.Instance(
+        name=req.name, machine_type=f"zones/{req.zone}/machineTypes/{req.machine_type}", labels=dict(req.labels),
+        disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
+            source_image=req.image, disk_size_gb=BOOT_DISK_GB,
+            disk_type=f"zones/{req.zone}/diskTypes/{BOOT_DISK_TYPE}"))],
+        network_interfaces=[nic], tags=compute_v1.Tags(items=list(req.tags)),
+        metadata=compute_v1.Metadata(items=items),
+        scheduling=_scheduling(req),
+        service_accounts=[compute_v1.ServiceAccount(email=req.service_account, scopes=list(vm.SCOPES))])
+
+
+def is_tpu(inst: compute_v1.Instance, catalog: Catalog) -> bool:
+    return catalog.for_machine_type(inst.machine_type.rsplit("/", 1)[-1]) is not None
+
+
+def _timestamp(text: str) -> datetime | None:
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
+    except ValueError:
+        return None
+
+
+def to_resource(inst: compute_v1.Instance, *, project: str, catalog: Catalog) -> Resource:
+    base = vm.to_resource(inst, project=project)
+    t = catalog.for_machine_type(base.machine_type or "")
+    sched = inst.scheduling
+    model = {"SPOT": "spot", "FLEX_START": "flex-start"}.get(sched.provisioning_model, "on-demand")
+    detail = {"api": API, "provisioning": model}
+    ends = _timestamp(inst.resource_status.scheduling.termination_timestamp)
+    if ends is not None:
+        detail["ends"] = ends.isoformat()
+    workers = tuple(
+        Worker(index=0, ip=(nic.access_configs[0].nat_i_p if nic.access_configs else "") or nic.network_i_p, port=22)
+        for nic in inst.network_interfaces[:1])
+    return Resource(kind=Kind.TPU, name=base.name, project=project, location=base.location, state=base.state,
+                    labels=base.labels, created=base.created, run=base.run,
+                    accelerator=t.name if t else None, machine_type=base.machine_type, spot=base.spot,
+                    workers=workers, detail=detail)
+
+
+def create(clients: Clients, req: TpuVmRequest, *, catalog: Catalog, deadline_s: float,
+           cancel: threading.Event | None = None, progress=None,
+           on_issued: Callable[[], None] | None = None) -> Resource:
+    """Create (or adopt, by name + run label) the TPU VM instance; block until RUNNING.
+
+    Capacity errors (ZONE_RESOURCE_POOL_EXHAUSTED) raise CapacityError, so the caller fails over to the next
+    zone as it does for TPU API nodes."""
+    return vm.ensure_instance(clients, req.zone, req.name, req.labels, lambda: instance_proto(req),
+                              lambda i: to_resource(i, project=clients.project, catalog=catalog),
+                              what=f"TPU VM {req.name}", field="name", deadline_s=deadline_s, cancel=cancel,
+                              progress=progress, on_issued=on_issued)
+
+
+def delete(clients: Clients, zone: str, name: str, *, deadline_s: float = 900.0,
+           cancel: threading.Event | None = None, progress=None) -> None:
+    """Delete the TPU VM instance and block until gone. Idempotent: NotFound is success."""
+    vm.delete(clients, zone, name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+
+
+def split(instances: list[compute_v1.Instance], catalog: Catalog) -> tuple[list, dict[str, list], list]:
+    """(single TPU VM instances, slice instances by their MIG's path, plain VMs) of a listing."""
+    singles, slices, plain = [], {}, []
+    for i in instances:
+        mig = created_by(i)
+        if not is_tpu(i, catalog):
+            plain.append(i)
+        elif mig:
+            slices.setdefault(mig, []).append(i)
+        else:
+            singles.append(i)
+    return singles, slices, plain
+
+
+def created_by(inst: compute_v1.Instance) -> str | None:
+    """The path of the MIG that made `inst` (Compute's `created-by` metadata), or None."""
+    value = next((i.value for i in inst.metadata.items if i.key == "created-by"), "")
+    return value if "/instanceGroupManagers/" in value else None
+
+
+# -- multi-host slices: workload policy + instance template + MIG ---------------------------------------------
+
+
+def policy_name(name: str) -> str:
+    return f"{name}-wp"
+
+
+def template_name(name: str) -> str:
+    return f"{name}-tpl"
+
+
+def slice_to_resource(mig: str, members: list[compute_v1.Instance], *, project: str, catalog: Catalog) -> Resource:
+    """One slice from its instances: workers in name order, the worst state of its hosts, the earliest create."""
+    from tpuctl.provision.inventory import worst
+
+    hosts = [to_resource(i, project=project, catalog=catalog) for i in sorted(members, key=lambda i: i.name)]
+    first = hosts[0]
+    t = catalog.for_machine_type(first.machine_type or "", hosts=len(hosts))
+    workers = tuple(Worker(index=n, ip=h.workers[0].ip if h.workers else "", port=22) for n, h in enumerate(hosts))
+    created = min((h.created for h in hosts if h.created is not None), default=None)
+    return Resource(kind=Kind.TPU, name=mig.rsplit("/", 1)[-1], project=project, location=first.location,
+                    state=worst(h.state for h in hosts), labels=first.labels, created=created, run=first.run,
+                    accelerator=t.name if t else None, machine_type=first.machine_type, spot=first.spot,
+                    workers=workers, detail={**first.detail, "api": API_MIG, "instances": str(len(hosts))})
+
+
+def _region_of(zone: str) -> str:
+    return zone.rsplit("-", 1)[0]
+
+
+def _ensure(get, insert, wait, on_issued: Callable[[], None], *, what: str,
+            cancel: threading.Event | None) -> None:
+    """Create one part of a slice unless it exists (adopted: a retried `up` continues where it stopped)."""
+    if waits.get_or_none(get, what=f"read {what}", cancel=cancel) is not None:
+        return
+    on_issued()
+    try:
+        op = waits.call(insert, what=f"create {what}", cancel=cancel)
+    except TpuctlError as exc:
+        if not isinstance(exc.__cause__, gexc.Conflict):
+            raise
+        return
+    wait(op, f"create {what}")
+
+
+def create_slice(clients: Clients, req: TpuVmRequest, *, hosts: int, topology: str, catalog: Catalog,
+                 deadline_s: float, cancel: threading.Event | None = None, progress=None,
+                 on_issued: Callable[[], None] | None = None) -> Resource:
+    """Create (or adopt) the workload policy, instance template and MIG of a `hosts`-VM slice; block until every
+    instance runs. A MIG whose last attempt failed for capacity raises CapacityError (the caller fails over).
+    `on_issued` runs once, before the first create request."""
+    project, zone, region = clients.project, req.zone, _region_of(req.zone)
+    base = f"projects/{project}/regions/{region}"
+    issued = threading.Event()
+
+    def once() -> None:
+        if not issued.is_set() and on_issued is not None:
+            on_issued()
+        issued.set()
+
+    def wait(op, what: str, *, regional: bool = True) -> None:
+        vm.wait_zone_op(clients, zone, op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
+                        state=State.CREATING, region=region if regional else None)
+
+    policy = compute_v1.ResourcePolicy(name=policy_name(req.name), workload_policy=compute_v1.ResourcePolicyWorkloadPolicy(
+        type_="HIGH_THROUGHPUT", accelerator_topology=topology))
+    _ensure(lambda: clients.resource_policies.get(project=project, region=region, resource_policy=policy.name),
+            lambda: clients.resource_policies.insert_unary(project=project, region=region,
+                                                           resource_policy_resource=policy),
+            wait, once, what=f"workload policy {policy.name}", cancel=cancel)
+    inst = instance_proto(req)
+    template = compute_v1.InstanceTemplate(name=template_name(req.name), properties=compute_v1.InstanceProperties(
+        machine_type=req.machine_type, disks=inst.disks, network_interfaces=inst.network_interfaces,
+        labels=inst.labels, metadata=inst.metadata, scheduling=inst.scheduling, tags=inst.tags,
+        service_accounts=inst.service_accounts))
+    _ensure(lambda: clients.instance_templates.get(project=project, region=region, instance_template=template.name),
+            lambda: clients.instance_templates.insert_unary(project=project, region=region,
+                                                            instance_template_resource=template),
+            wait, once, what=f"instance template {template.name}", cancel=cancel)
+    mig = compute_v1.InstanceGroupManager(
+        name=req.name, base_instance_name=req.name, target_size=hosts,
+        instance_template=f"{base}/instanceTemplates/{template.name}",
+        resource_policies=compute_v1.InstanceGroupManagerResourcePolicies(
+            workload_policy=f"{base}/resourcePolicies/{policy.name}"))
+    _ensure(lambda: clients.instance_groups.get(project=project, zone=zone, instance_group_manager=req.name),
+            lambda: clients.instance_groups.insert_unary(project=project, zone=zone,
+                                                         instance_group_manager_resource=mig),
+            lambda op, what: wait(op, what, regional=False), once, what=f"managed instance group {req.name}",
+            cancel=cancel)
+
+    def poll() -> tuple[bool, int]:
+        managed = waits.call(lambda: list(clients.instance_groups.list_managed_instances(
+            project=project, zone=zone, instance_group_manager=req.name)), what=f"list the instances of {req.name}",
+            cancel=cancel)
+        for m in managed:
+            vm.raise_errors(list(m.last_attempt.errors.errors), what=f"create TPU slice {req.name} in {zone}")
+        running = sum(m.instance_status == "RUNNING" for m in managed)
+        return running == hosts and len(managed) == hosts, running
+
+    waits.until(poll, what=f"TPU slice {req.name} to run", deadline_s=deadline_s, cancel=cancel,
+                backoff=waits.Backoff(maximum=MIG_WAIT_S),
+                on_poll=(lambda n, t: progress(State.CREATING, f"{n}/{hosts} hosts, {t:.0f}s")) if progress else None)
+    mig_path = f"projects/{project}/zones/{zone}/instanceGroupManagers/{req.name}"
+    members = [i for i in vm.list_all(clients, req.labels.get(L.RUN)) if created_by(i) == mig_path]
+    return slice_to_resource(mig_path, members, project=project, catalog=catalog)
+
+
+def get_slice(clients: Clients, zone: str, name: str):
+    """The slice's MIG, or None."""
+    return waits.get_or_none(lambda: clients.instance_groups.get(project=clients.project, zone=zone,
+                                                                 instance_group_manager=name),
+                             what=f"get managed instance group {name} in {zone}")
+
+
+def delete_slice(clients: Clients, zone: str, name: str, *, deadline_s: float = 900.0,
+                 cancel: threading.Event | None = None, progress=None) -> None:
+    """Delete the MIG (and with it every instance), then its template and workload policy; block until gone.
+    Idempotent: each part that is already gone counts as deleted."""
+    project, region = clients.project, _region_of(zone)
+    parts = (
+        (f"managed instance group {name}", None,
+         lambda: clients.instance_groups.delete_unary(project=project, zone=zone, instance_group_manager=name)),
+        (f"instance template {template_name(name)}", region,
+         lambda: clients.instance_templates.delete_unary(project=project, region=region,
+                                                         instance_template=template_name(name))),
+        (f"workload policy {policy_name(name)}", region,
+         lambda: clients.resource_policies.delete_unary(project=project, region=region,
+                                                        resource_policy=policy_name(name))),
+    )
+    for what, in_region, request in parts:
+        waits.delete(request, lambda op, what=what, in_region=in_region: vm.wait_zone_op(
+                         clients, zone, op, what=f"delete {what}", deadline_s=deadline_s, cancel=cancel,
+                         progress=progress, state=State.DELETING, region=in_region),
+                     what=f"delete {what}", cancel=cancel, progress=progress)

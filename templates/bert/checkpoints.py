@@ -1,0 +1,130 @@
+"""Backend-neutral checkpoints: the model's and the optimizer's variables by Keras path, in one `.npz` file.
+
+`model_dir/checkpoints/ckpt-STEP.npz` holds `model/PATH` and `optimizer/PATH` arrays (Keras 3 variable
+paths without the optimizer's own name, the same on TensorFlow and JAX; the optimizer's `iteration` is the
+step counter), written to `NAME.tmp` and renamed; then the index `checkpoint` (TensorFlow's CheckpointState
+text) is rewritten the same way, last, so a reader that finds an index finds its file. tf.train.Checkpoint
+would tie the weights to TensorFlow; this format lets a model trained on one backend resume on the other. Local paths and gs:// through tf.io.gfile.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import tensorflow as tf
+
+from .errors import ConfigError
+
+INDEX = "checkpoint"
+
+
+def _join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name
+
+
+def host_array(value) -> np.ndarray:
+    """A value as numpy on this host: a JAX array replicated over other processes' devices is not fully
+    addressable, but any local shard of a replicated array is the whole value."""
+    if getattr(value, "is_fully_addressable", True) is False:
+        value = value.addressable_shards[0].data
+    return np.asarray(value)
+
+
+def host_value(variable) -> np.ndarray:
+    return host_array(variable.value)
+
+
+def _variables(model, optimizer) -> dict:
+    found = {f"model/{v.path}": v for v in model.weights}
+    # An optimizer's path starts with its auto-generated, per-process unique name ("adam_w_1/..."): dropped.
+    found.update({f"optimizer/{v.path.split('/', 1)[-1]}": v for v in optimizer.variables})
+    return found
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    with tf.io.gfile.GFile(path + ".tmp", "wb") as f:
+        f.write(data)
+    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+
+
+def _index(directory: str) -> list[str]:
+    """The checkpoint names the index holds, newest first."""
+    path = _join(directory, INDEX)
+    if not tf.io.gfile.exists(path):
+        return []
+    with tf.io.gfile.GFile(path, "r") as f:
+        pairs = re.findall(r'^(model_checkpoint_path|all_model_checkpoint_paths): "(.*)"$', f.read(), re.M)
+    latest = [v for k, v in pairs if k == "model_checkpoint_path"]
+    return latest + [v for k, v in reversed(pairs) if k != "model_checkpoint_path" and v not in latest]
+
+
+def _index_text(names: list[str]) -> str:
+    """TensorFlow's CheckpointState text format (newest in model_checkpoint_path, the list oldest first): what
+    TF's tools and tpuctl's worker agent read as a checkpoint directory's pointer."""
+    return "".join([f'model_checkpoint_path: "{names[0]}"\n',
+                    *(f'all_model_checkpoint_paths: "{n}"\n' for n in reversed(names))])
+
+
+def latest(directory: str) -> str | None:
+    """The newest checkpoint's path, or None. Never blocks beyond one read."""
+    names = _index(directory)
+    return _join(directory, names[0]) if names else None
+
+
+def save(directory: str, step: int, model, optimizer, *, keep: int) -> str:
+    """Write `ckpt-STEP.npz`, then the index; drop checkpoints beyond the newest `keep`. Idempotent per step."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **{name: host_value(v) for name, v in _variables(model, optimizer).items()})
+    tf.io.gfile.makedirs(directory)
+    name = f"ckpt-{step}.npz"
+    _write_atomically(_join(directory, name), buffer.getvalue())
+    names = [name] + [n for n in _index(directory) if n != name]
+    _write_atomically(_join(directory, INDEX), _index_text(names[:keep]).encode())
+    for old in names[keep:]:
+        if tf.io.gfile.exists(_join(directory, old)):
+            tf.io.gfile.remove(_join(directory, old))
+    return _join(directory, name)
+
+
+def process0(flag: bool, processes: int) -> bool:
+    """Process 0's answer on every host (JAX, several processes); the local one otherwise. Blocks until all
+    processes ask."""
+    if processes < 2:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(int(multihost_utils.broadcast_one_to_all(np.int32(flag))))
+
+
+def restore(path: str | None, model, optimizer, *, processes: int = 1) -> bool:
+    """Assign every model and optimizer variable from `path` (None: nothing to restore). Returns whether it
+    restored. Raises ConfigError when the file lacks a variable or holds another shape (another model; the
+    run.json check catches that first).
+
+    JAX on several hosts (`processes` > 1): process 0's view wins. It alone reads; whether it found a
+    checkpoint and every value are broadcast to the others, so the hosts cannot start from different steps
+    (a host whose copy of model_dir lags would otherwise resume elsewhere and hang the collectives).
+    """
+    variables = _variables(model, optimizer)
+    stored = {}
+    if path is not None:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            arrays = np.load(io.BytesIO(f.read()))
+            stored = {name: arrays[name] for name in arrays.files}
+    if processes > 1:
+        from jax.experimental import multihost_utils
+
+        if not process0(path is not None, processes):
+            return False
+        local = {name: stored.get(name, np.zeros(v.shape, v.dtype)) for name, v in variables.items()}
+        stored = multihost_utils.broadcast_one_to_all(local)
+    elif path is None:
+        return False
+    for name, variable in variables.items():
+        if name not in stored or tuple(stored[name].shape) != tuple(variable.shape):
+            raise ConfigError("task", f"checkpoint {path} has no {name} of shape {tuple(variable.shape)}; "
+                                      "it was written by another model")
+        variable.assign(np.asarray(stored[name]))
+    return True

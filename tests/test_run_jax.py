@@ -1,0 +1,64 @@
+"""`tpuctl run` of the BERT template on JAX across a 2-host slice of the local cloud, preempted mid-run.
+
+A v5litepod-16 has 2 hosts of 8 chips. With `framework: jax` each worker runs its own process; they meet
+through `jax.distributed` (coordinator: worker 0 from worker-network-endpoints; process ids from each worker's
+metadata server), each forcing 8 CPU devices under the local cloud's LOCALCLOUD_TPU_REHEARSAL=cpu, and train
+one DataParallel model over 16 devices with cross-process all-reduces. The node is preempted after a checkpoint;
+tpuctl recreates it and the job resumes from the bucket's checkpoint on both hosts.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+
+from test_run import REPO, _node_path, _text, _zero, project, tpc  # noqa: F401 (fixtures)
+from tpuctl import spec as spec_mod
+from tpuctl.jobs.pipeline import Pipeline, RunOptions
+
+pytest.importorskip("jax")
+
+
+@pytest.mark.slow
+@pytest.mark.tf
+@pytest.mark.timeout(900)
+def test_jax_on_a_2_host_v5e_slice_trains_on_both_hosts_and_resumes_after_preemption(tpc, cloud, project):
+    spec = spec_mod.from_mapping({
+        "name": "bert-jax", "zone": "us-east5-a", "accelerator": "v5litepod-16", "provisioning": "spot",
+        "job": {"template": "bert", "preset": "bert-tiny", "framework": "jax",
+                "config": {"trainer": {"max_steps": 30, "checkpoint_every": 10, "log_every": 10,
+                                       "steps_per_execution": 10, "warmup_steps": 5, "per_replica_batch_size": 8,
+                                       "shuffle_buffer": 256}},
+                "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    assert (p.spec.job.framework, p.spec.runtime_version) == ("jax", None)
+    preempted = threading.Event()
+
+    def preempt_after_the_first_checkpoint():
+        while not preempted.is_set():
+            if (p.outcome.step or 0) >= 20 and p.node:
+                cloud.preempt(_node_path(p))
+                preempted.set()
+            time.sleep(0.05)
+
+    threading.Thread(target=preempt_after_the_first_checkpoint, daemon=True).start()
+    try:
+        o = p.run()
+    finally:
+        preempted.set()
+    assert p.plan.runtime_version == "v2-alpha-tpuv5-lite" and p.plan.framework == "jax"
+    assert o.state == "succeeded" and o.recoveries == 1 and o.step == 30, o
+    logs = [_text(tpc, o.bucket, f"runs/bert-jax/logs/worker-{w}.log") for w in range(2)]
+    for w, log in enumerate(logs):  # the second incarnation's logs: both hosts resumed from the bucket
+        start = next(line for line in log.splitlines() if line.startswith("start "))
+        assert start.startswith("start backend=jax strategy=cpu processes=2 hosts=2 devices=16 per_replica_batch=8 "
+                                "global_batch=128 step="), (w, log[-2000:])
+        resumed = int(re.search(r" step=(\d+) ", start)[1])
+        assert resumed in (10, 20), start  # at most one checkpoint interval lost
+        assert f"step={resumed + 10} " in log and "done step=30 " in log, (w, log[-2000:])
+    assert "checkpoint step=30 " in logs[0] and "checkpoint step=" not in logs[1]  # process 0 alone writes
+    assert {"checkpoints/ckpt-30.npz", "checkpoints/checkpoint", "export/metrics.json"} <= set(o.artifacts)
+    assert _zero(cloud, project)

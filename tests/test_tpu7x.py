@@ -1,0 +1,268 @@
+"""TPU7x through Compute Engine: catalog, plan, up/status/down/gc/cost, flex-start, against strict localcloud."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+
+import pytest
+from conftest import new_project
+from google.api_core import exceptions as gexc
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import compute_v1
+
+from tpuctl import catalog as catalog_mod
+from tpuctl import cost, provision as prov, spec
+from tpuctl.errors import BadInput, CapacityError
+from tpuctl.ledger import entry_of
+from tpuctl.provision import compute_tpu, gc
+from tpuctl.provision.clients import build
+from test_provision import everything
+from test_up_down import env, tpuctl  # noqa: F401  (fixture)
+
+ZONE = "us-central1-c"
+IMAGE = "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2404-amd64-tpu-tpu7x"
+FAST_DEADLINE = 60.0
+
+
+@pytest.fixture
+def pc(cloud):
+    return build(project=new_project(), credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
+                 storage_host=cloud.storage_host, local=True)
+
+
+def make_plan(pc, **fields):
+    raw = {"name": "x1", "accelerator": "tpu7x-8", "zone": ZONE, "ttl": "2h", **fields}
+    return prov.plan(spec.from_mapping(raw), project=pc.project, owner="tester")
+
+
+def test_catalog_lists_tpu7x_as_compute_engine_types():
+    cat = catalog_mod.load()
+    t = cat.accelerator("tpu7x-8")
+    assert (t.chips, t.cores, t.hosts, t.topology, t.api, t.machine_type) == (4, 8, 1, "2x2x1", "compute",
+                                                                              "tpu7x-standard-4t")
+    assert (cat.accelerator("tpu7x-16").topology, cat.accelerator("tpu7x-16").hosts) == ("2x2x2", 2)
+    assert (cat.accelerator("tpu7x-128").topology, cat.accelerator("tpu7x-128").hosts) == ("4x4x4", 16)
+    assert not t.tensorflow and "flex-start" in t.provisioning
+    assert cat.accelerator("v3-8").api == "tpu-v2"
+    assert cat.tpu_price_per_hour("tpu7x-8", ZONE, spot=True) < cat.tpu_price_per_hour("tpu7x-8", ZONE, spot=False)
+    assert any("tpu7x" in s.lower() and "price" in s.lower() for s in cat._data["sources"])
+
+
+def test_catalog_list_shows_which_api_provisions_each_type(env):
+    p = tpuctl(env, "catalog", "list", "--json")
+    assert p.returncode == 0, p.stderr
+    apis = {a["name"]: a["api"] for a in json.loads(p.stdout)["accelerators"]}
+    assert apis["tpu7x-8"] == "compute" and apis["v3-8"] == "tpu-v2" and apis["v6e-8"] == "tpu-v2"
+    p = tpuctl(env, "catalog", "list", "-g", "tpu7x")
+    assert p.returncode == 0 and "compute" in p.stdout and "tpu7x-8" in p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"accelerator": "tpu7x-16", "provisioning": "flex-start", "max_run_duration": "4h"}, "provisioning"),
+    ({"provisioning": "queued"}, "provisioning"),
+    ({"provisioning": "flex-start"}, "max_run_duration"),
+    ({"provisioning": "flex-start", "max_run_duration": "8d"}, "max_run_duration"),
+    ({"accelerator": "v3-8", "zone": "europe-west4-a", "provisioning": "flex-start", "max_run_duration": "4h"},
+     "provisioning"),
+])
+def test_plan_refuses_what_google_does_not_offer(pc, fields, field):
+    with pytest.raises(BadInput) as exc:
+        make_plan(pc, **fields)
+    assert exc.value.field == field
+
+
+def test_a_tensorflow_job_on_tpu7x_is_refused_naming_jax(pc):
+    raw = {"name": "x1", "accelerator": "tpu7x-8", "zone": ZONE}
+    with pytest.raises(BadInput) as exc:
+        prov.plan(spec.from_mapping(raw), project=pc.project, owner="tester", framework="tensorflow")
+    assert exc.value.field == "accelerator" and "JAX" in exc.value.message
+    prov.plan(spec.from_mapping(raw), project=pc.project, owner="tester")  # `up` (no job) is fine
+
+
+def test_up_status_cost_down_of_a_tpu7x_single_host(pc, cloud):
+    plan = make_plan(pc, provisioning="spot")
+    result = prov.apply(pc, plan, deadline_s=FAST_DEADLINE)
+    tpu_r = result.get(prov.Kind.TPU)
+    assert tpu_r.detail["api"] == "compute" and tpu_r.accelerator == "tpu7x-8" and tpu_r.spot
+    assert len(tpu_r.workers) == 1
+    inst = pc.instances.get(project=pc.project, zone=ZONE, instance="x1")
+    assert inst.machine_type.endswith("/machineTypes/tpu7x-standard-4t")
+    assert inst.scheduling.provisioning_model == "SPOT" and inst.labels["tpuctl-run"] == "x1"
+    # The bucket is in the TPU's region and the instance's service account may write to it.
+    bucket = pc.storage.lookup_bucket(plan.bucket)
+    assert bucket.location.lower() == "us-central1"
+    sa = inst.service_accounts[0].email
+    members = {m for b in bucket.get_iam_policy(requested_policy_version=3).bindings for m in b["members"]}
+    assert f"serviceAccount:{sa}" in members
+    # status: one run, the TPU counted as such (not a VM), priced at the catalog's TPU7x spot price.
+    cat = catalog_mod.load()
+    [run] = prov.status(pc, "x1", price=lambda r: cost.hourly(entry_of(r), cat))
+    assert run.zone == ZONE and run.workers == 1 and run.state is prov.State.READY
+    assert run.price_per_hour == pytest.approx(cat.tpu_price_per_hour("tpu7x-8", ZONE, spot=True))
+    # localcloud bills it as a TPU at its own TPU7x price (4 chips).
+    meter = {m["resource"]: m for m in cloud.meter_report()["resources"]}
+    row = meter[f"projects/{pc.project}/zones/{ZONE}/instances/x1"]
+    assert row["kind"] == "tpu" and row["sku"] == f"tpu/tpu7x-standard-4t/{ZONE}/spot"
+    assert row["usd_per_hour"] == pytest.approx(4 * 1.672)
+    prov.down(pc, "x1", delete_bucket=True)
+    assert everything(pc) == []
+
+
+def test_capacity_fails_over_to_the_next_zone_and_rolls_back(pc, cloud):
+    cloud.faults.add("capacity", service="compute", method="instances.insert", zone=ZONE)
+    with pytest.raises(CapacityError) as exc:
+        prov.apply(pc, make_plan(pc), deadline_s=FAST_DEADLINE)
+    assert "tpu7x-8" in exc.value.message
+    assert everything(pc) == []
+
+
+def test_gc_deletes_an_expired_tpu7x_run(pc):
+    plan = make_plan(pc, ttl="60s")
+    prov.apply(pc, plan, deadline_s=FAST_DEADLINE)
+    found = gc.scan(pc)
+    actions = gc.decide(found, {}, {}, gc.Policy(now=time.time() + 120, owner="tester"))
+    tpu_actions = [a for a in actions if a.resource.kind is prov.Kind.TPU]
+    assert [a.reasons for a in tpu_actions] == [("expired",)]
+    outcomes = gc.execute(pc, actions, dry_run=False)
+    assert all(o.ok for o in outcomes)
+    with pytest.raises(gexc.NotFound):
+        pc.instances.get(project=pc.project, zone=ZONE, instance="x1")
+    prov.down(pc, "x1", delete_bucket=True)
+
+
+def test_flex_start_instance_is_deleted_at_its_max_run_duration(pc, cloud):
+    # 10 simulated minutes at speed 1000 are 0.6 s of wall clock.
+    plan = make_plan(pc, provisioning="flex-start", max_run_duration="10m")
+    assert plan.to_json()["max_run_duration"] == "10m"
+    result = prov.apply(pc, plan, deadline_s=FAST_DEADLINE)
+    tpu_r = result.get(prov.Kind.TPU)
+    assert tpu_r.detail["provisioning"] == "flex-start"
+    inst = pc.instances.get(project=pc.project, zone=ZONE, instance="x1")
+    assert inst.scheduling.instance_termination_action == "DELETE"
+    assert inst.scheduling.max_run_duration.seconds == 600
+    # status shows when it ends; cost stops there.
+    [run] = prov.status(pc, "x1")
+    [r] = [r for r in run.resources if r.kind is prov.Kind.TPU]
+    ends = datetime.fromisoformat(r.detail["ends"]).timestamp()
+    assert ends > time.time() - 5
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            pc.instances.get(project=pc.project, zone=ZONE, instance="x1")
+        except gexc.NotFound:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the flex-start instance outlived its max run duration")
+    e = entry_of(r)
+    assert e.ends == pytest.approx(ends)
+    cat = catalog_mod.load()
+    later = ends + 3600
+    assert cost.accrued(e, cat, now=later) == pytest.approx(cost.hourly(e, cat) * (ends - e.created) / 3600)
+    # gc sees the run's end as a reason even before the listing catches up.
+    found = gc.scan(pc) + [r]
+    actions = gc.decide(found, {}, {}, gc.Policy(now=ends + 1, owner="tester"))
+    assert any("ended" in a.reasons for a in actions if a.resource.kind is prov.Kind.TPU)
+    prov.down(pc, "x1", delete_bucket=True)
+    assert everything(pc) == []
+
+
+def test_localcloud_refuses_flex_start_without_delete_or_duration(pc, cloud):
+    req = compute_tpu.TpuVmRequest(name="y1", zone=ZONE, machine_type="tpu7x-standard-4t", image=IMAGE,
+                                   labels={}, service_account="a@b.iam.gserviceaccount.com",
+                                   provisioning="flex-start", max_run_duration_s=8 * 86400)
+    with pytest.raises(gexc.BadRequest):
+        pc.instances.insert_unary(project=pc.project, zone=ZONE, instance_resource=compute_tpu.instance_proto(req))
+    inst = compute_tpu.instance_proto(req.in_zone("us-central1-a"))
+    inst.scheduling.max_run_duration = compute_v1.Duration(seconds=3600)
+    with pytest.raises(gexc.BadRequest):  # TPU7x machine type is not offered in that zone
+        pc.instances.insert_unary(project=pc.project, zone="us-central1-a", instance_resource=inst)
+    assert everything(pc) == []
+
+
+def test_up_tpu7x_from_the_cli_and_run_refuses(env, tmp_path):
+    p = tpuctl(env, "up", "--accelerator", "tpu7x-8", "--zone", ZONE, "--name", "c7", "--provisioning",
+               "flex-start", "--max-run-duration", "2h", "--dry-run", "--json")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)["plan"]
+    assert plan["api"] == "compute" and plan["max_run_duration"] == "2h"
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text("accelerator: tpu7x-8\nzone: us-central1-c\njob: {template: bert, preset: bert-tiny}\n")
+    p = tpuctl(env, "run", str(spec_file), "--yes")
+    assert p.returncode == 2, p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: accelerator:") and "JAX" in errors[0], p.stderr
+    assert p.stderr.startswith("error:"), p.stderr  # refused before anything was created or printed
+
+
+def test_status_accrues_a_flex_start_tpu_only_until_its_end():
+    from datetime import timezone
+
+    from tpuctl.provision import inventory
+    from tpuctl.provision.resources import Kind, Resource, State
+
+    t0 = 1_800_000_000.0
+    r = Resource(kind=Kind.TPU, name="f", project="p", location=ZONE, state=State.READY,
+                 labels={"tpuctl-run": "f", "tpuctl-owner": "o"}, created=datetime.fromtimestamp(t0, timezone.utc),
+                 run="f", accelerator="tpu7x-8",
+                 detail={"api": "compute", "ends": datetime.fromtimestamp(t0 + 3600, timezone.utc).isoformat()})
+    [run] = inventory.runs([r], price=lambda _r: 10.0, now=t0 + 5 * 3600)
+    assert run.accrued == pytest.approx(10.0)
+
+
+def slice_parts(pc) -> list[str]:
+    """Workload policies, instance templates and MIGs of the project, straight from the APIs."""
+    region = "us-central1"
+    out = [p.name for p in pc.resource_policies.list(project=pc.project, region=region)]
+    out += [t.name for t in pc.instance_templates.list(project=pc.project, region=region)]
+    out += [m.name for m in pc.instance_groups.list(project=pc.project, zone=ZONE)]
+    return out
+
+
+def test_multi_host_slice_is_a_mig_with_a_workload_policy_and_one_resource(pc, cloud):
+    plan = make_plan(pc, accelerator="tpu7x-16")
+    result = prov.apply(pc, plan, deadline_s=FAST_DEADLINE)
+    r = result.get(prov.Kind.TPU)
+    assert (r.name, r.accelerator, r.detail["api"], len(r.workers)) == ("x1", "tpu7x-16", "compute-mig", 2)
+    policy = pc.resource_policies.get(project=pc.project, region="us-central1", resource_policy="x1-wp")
+    assert policy.workload_policy.type_ == "HIGH_THROUGHPUT" and policy.workload_policy.accelerator_topology == "2x2x2"
+    mig = pc.instance_groups.get(project=pc.project, zone=ZONE, instance_group_manager="x1")
+    assert mig.target_size == 2 and mig.resource_policies.workload_policy.endswith("/resourcePolicies/x1-wp")
+    # status: one run, one TPU with two workers, priced as 8 chips.
+    cat = catalog_mod.load()
+    [run] = prov.status(pc, "x1", price=lambda r: cost.hourly(entry_of(r), cat))
+    assert [x.kind for x in run.resources].count(prov.Kind.TPU) == 1 and run.workers == 2
+    assert run.price_per_hour == pytest.approx(cat.tpu_price_per_hour("tpu7x-16", ZONE, spot=False))
+    prov.down(pc, "x1", delete_bucket=True)
+    assert everything(pc) == [] and slice_parts(pc) == []
+
+
+def test_a_slice_without_capacity_is_rolled_back_whole(pc, cloud):
+    # The MIG keeps retrying; its managed instances report the stockout in lastAttempt, which tpuctl reads.
+    cloud.faults.add("capacity", service="compute", method="instances.insert", zone=ZONE)
+    with pytest.raises(CapacityError):
+        prov.apply(pc, make_plan(pc, accelerator="tpu7x-16"), deadline_s=FAST_DEADLINE)
+    assert everything(pc) == [] and slice_parts(pc) == []
+
+
+def test_localcloud_refuses_a_tpu_mig_whose_policy_does_not_match_its_size(pc, cloud):
+    region, base = "us-central1", f"projects/{pc.project}/regions/us-central1"
+    pc.resource_policies.insert_unary(project=pc.project, region=region, resource_policy_resource=compute_v1.ResourcePolicy(
+        name="wp", workload_policy=compute_v1.ResourcePolicyWorkloadPolicy(type_="HIGH_THROUGHPUT",
+                                                                           accelerator_topology="2x2x1")))
+    req = compute_tpu.TpuVmRequest(name="m", zone=ZONE, machine_type="tpu7x-standard-4t", image=IMAGE, labels={},
+                                   service_account="a@b.iam.gserviceaccount.com")
+    inst = compute_tpu.instance_proto(req)
+    pc.instance_templates.insert_unary(project=pc.project, region=region, instance_template_resource=compute_v1.InstanceTemplate(
+        name="tpl", properties=compute_v1.InstanceProperties(machine_type="tpu7x-standard-4t", disks=inst.disks,
+                                                             network_interfaces=inst.network_interfaces)))
+    time.sleep(0.1)
+    with pytest.raises(gexc.BadRequest):
+        pc.instance_groups.insert_unary(project=pc.project, zone=ZONE, instance_group_manager_resource=compute_v1.InstanceGroupManager(
+            name="m", base_instance_name="m", target_size=2, instance_template=f"{base}/instanceTemplates/tpl",
+            resource_policies=compute_v1.InstanceGroupManagerResourcePolicies(workload_policy=f"{base}/resourcePolicies/wp")))
+    compute_tpu.delete_slice(pc, ZONE, "m")  # idempotent: the MIG never existed
+    pc.instance_templates.delete_unary(project=pc.project, region=region, instance_template="tpl")
+    pc.resource_policies.delete_unary(project=pc.project, region=region, resource_policy="wp")
