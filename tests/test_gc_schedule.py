@@ -15,6 +15,11 @@ from tpuctl.provision import gc
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
+    # The schedule pins the caller's cloud environment; the session's local cloud (STORAGE_EMULATOR_HOST, set by
+    # whichever test started it first) must not leak into lines these tests compare.
+    for name in ("TPUCTL_OWNER", "TPUCTL_PROJECT", "TPUCTL_CLOUD", "TPUCTL_API_ENDPOINT", "STORAGE_EMULATOR_HOST",
+                 "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     return tmp_path

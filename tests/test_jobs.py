@@ -162,7 +162,11 @@ def test_job_runs_on_all_four_workers_with_logs_status_and_checkpoints(tmp_path,
     assert [s.exit_code for s in states] == [0, 0, 0, 0]
     for w in range(4):
         mine = [line for i, line in lines if i == w]
-        assert sum(line.startswith("step=") for line in mine) == 12, mine
+        # Every worker of the stand-in writes checkpoints to the one shared model dir, so a worker that starts
+        # after another published one (a loaded machine) rightly resumes from it: it then trains the rest.
+        start = next((int(line.split("=")[1]) for line in mine if line.startswith("restored step=")), 0)
+        assert [int(line.split()[0].split("=")[1]) for line in mine if line.startswith("step=")] == \
+            list(range(start + 1, 13)), mine
         assert f"step=12" in _blob_text(storage, f"runs/{run}/logs/worker-{w}.log")
     status = json.loads(_blob_text(storage, f"runs/{run}/status.json"))
     assert status["state"] == "succeeded" and status["exit_code"] == 0 and status["step"] == 12

@@ -39,6 +39,10 @@ def tensorflow_supported(t: AcceleratorType) -> bool:
 
 
 def jax_runtime(t: AcceleratorType) -> str | None:
+    if t.api == "compute":
+        # Compute Engine TPUs (TPU7x) boot an accelerator OS image into which jax[tpu] is pip-installed, as on
+        # the TPU API's base images (cloud.google.com/tpu/docs/tpu7x: JAX and PyTorch only).
+        return t.default_runtime
     runtime = JAX_RUNTIMES.get(t.generation)
     return runtime if runtime in t.runtimes else None
 
