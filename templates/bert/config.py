@@ -146,13 +146,16 @@ def build(data: dict[str, Any]) -> BertConfig:
     return cfg
 
 
-def load(path: str | Path) -> BertConfig:
-    """Read one JSON config file (local path; the jobs side copies it next to the program)."""
+def read_json(path: str | Path) -> dict[str, Any]:
+    """One JSON config file (local path; the jobs side copies it next to the program), as a mapping."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError("", f"cannot read {path}: {exc}") from exc
-    return build(data)
+
+
+def load(path: str | Path) -> BertConfig:
+    return build(read_json(path))
 
 
 def with_overrides(cfg: BertConfig, **sections: dict[str, Any]) -> BertConfig:

@@ -84,11 +84,7 @@ def _object(name: str, value: Any) -> dict:
 
 
 def load(path: str | Path) -> Gpt2Config:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError("", f"cannot read {path}: {exc}") from exc
-    return build(data)
+    return build(_bert_config.read_json(path))
 
 
 def with_overrides(cfg: Gpt2Config, **sections: dict[str, Any]) -> Gpt2Config:
