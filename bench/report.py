@@ -38,6 +38,9 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
         "train_bench": ("train: bert-tiny steps/s and examples/s fed from memory", [PY, "bench/train_bench.py"]),
         "backends": ("bert-tiny on TensorFlow vs JAX on this CPU, same data and seed: steps/s ratio, loss within 2 %",
                      [PY, "bench/backends.py"]),
+        "hf_parity": ("Hugging Face export: transformers' logits vs Keras' (max |diff| <= 1e-4, float32) and tokenizer "
+                      "ids (identical), in its own venv with transformers + CPU torch",
+                      [PY, "bench/hf_parity.py"]),
         "run_bench": ("run latency: last training step to TPU delete request (target <= 5 s)",
                       [PY, "bench/run_bench.py"]),
         "cost_accuracy": ("cost accuracy: tpuctl's accrued cost vs the local cloud's meter (tolerance 1 %)",

@@ -58,6 +58,7 @@ class RunOptions:
     dry_run: bool = False
     poll_s: float = 2.0
     python: str = "python3"  # the runtime's interpreter on TPU VMs (the venv python on the local cloud)
+    export: tuple[str, ...] = ()  # formats (template `exporters`) written to model/FORMAT/ when the job succeeds
 
 
 @dataclass
@@ -230,6 +231,8 @@ class Pipeline:
                                    else self.spec.job.max_recoveries)
             self._check_data()
             self._check_config()
+            for fmt in self.opts.export:  # a format the template cannot write is bad input, before anything exists
+                self.template.exporter(fmt)
             for note in self.plan.notes:
                 console.note(note)
             framework = f", {self.plan.framework} on {self.plan.runtime_version}" if self.plan.framework else ""
@@ -479,6 +482,12 @@ class Pipeline:
         rec = self.record
         with self.phase("collect"):
             prefix = f"runs/{rec.run}/model/"
+            for fmt in self.opts.export:  # from the bucket's checkpoint, like `tpuctl export`: the TPU may be gone
+                from . import export as exporting
+
+                with tempfile.TemporaryDirectory(prefix="tpuctl-export-") as local:
+                    exporting.export(self.clients, rec.run, fmt, Path(local), bucket=rec.bucket)
+                    exporting.upload(self.clients, Path(local), f"gs://{rec.bucket}/{prefix}{fmt}")
             blobs = list(self.clients.storage.list_blobs(rec.bucket, prefix=prefix))
             self.outcome.artifacts = sorted(b.name[len(prefix):] for b in blobs)
             if self.opts.download:

@@ -10,6 +10,8 @@ A template is a Python package directory. Its `template.json` declares every par
                    (kind), `manifest` (written last), `files`, and hooks `options`, `prepare`, `upload`, `error`,
                    `spec_options` (spec `job.data` field -> options field)
     outputs        what it writes: `checkpoints`, `tensorboard`, `export` (formats with {model_dir}/{export_dir})
+    exporters      optional: {"FORMAT": "MODULE:ATTR"}, `tpuctl export --format FORMAT` and `run --export`: the hook
+                   `(RunFiles, out_dir) -> [file names]` turns a run's checkpoint into that format on the laptop
     frameworks     optional: what the workers can run (or one `framework`; default tensorflow), for the runtime image
     keras_by_tensorflow  optional: TF minor version -> the Keras the template is tested with (the agent pins it)
     uses           other built-in template packages shipped beside it in the bundle (shared code, not copies)
@@ -88,6 +90,17 @@ class DataPrep:
 
 
 @dataclass(frozen=True)
+class RunFiles:
+    """A run's files as an exporter reads them: `read(url)` returns the bytes of a file under `model_dir` or
+    `data_dir` (gs:// URLs or local paths) and raises FileNotFoundError for a missing one. An exporter raises
+    FileNotFoundError (no checkpoint yet) or ValueError (files it cannot export); it imports no TensorFlow."""
+
+    model_dir: str
+    data_dir: str
+    read: Callable[[str], bytes]
+
+
+@dataclass(frozen=True)
 class Template:
     name: str
     root: Path
@@ -104,6 +117,15 @@ class Template:
     data: DataPrep | None = None
     outputs: Mapping[str, str] = field(default_factory=dict)
     uses: tuple[Path, ...] = ()  # package directories shipped beside this one
+    exporters: Mapping[str, Callable[..., list[str]]] = field(default_factory=dict)  # format -> hook (RunFiles)
+
+    def exporter(self, fmt: str) -> Callable[..., list[str]]:
+        """The hook that writes `fmt`; a format this template does not declare is a BadInput listing those it does."""
+        if fmt not in self.exporters:
+            known = ", ".join(sorted(self.exporters)) or "none"
+            raise BadInput(f"template {self.name} has no {fmt!r} exporter", field="format",
+                           hint=f"formats of {self.name}: {known} (template.json `exporters`)")
+        return self.exporters[fmt]
 
     @property
     def package(self) -> str:
@@ -225,7 +247,8 @@ def load(root: Path, *, builtin: bool = False) -> Template:
         validate_config=_hook(root, builtin, config["validate"], "config.validate"), validate_ref=config["validate"],
         parameter_count=(_hook(root, builtin, config["parameters"], "config.parameters")
                          if "parameters" in config else None),
-        data=data, outputs=dict(meta["outputs"] or {}), uses=tuple(uses))
+        data=data, outputs=dict(meta["outputs"] or {}), uses=tuple(uses),
+        exporters={fmt: _hook(root, builtin, ref, f"exporters.{fmt}") for fmt, ref in (meta.get("exporters") or {}).items()})
 
 
 def builtin_root() -> Path:

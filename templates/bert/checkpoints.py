@@ -10,14 +10,12 @@ would tie the weights to TensorFlow; this format lets a model trained on one bac
 from __future__ import annotations
 
 import io
-import re
 
 import numpy as np
 import tensorflow as tf
 
 from .errors import ConfigError
-
-INDEX = "checkpoint"
+from .portable import INDEX, index_text, parse_index
 
 
 def _join(base: str, name: str) -> str:
@@ -55,16 +53,7 @@ def _index(directory: str) -> list[str]:
     if not tf.io.gfile.exists(path):
         return []
     with tf.io.gfile.GFile(path, "r") as f:
-        pairs = re.findall(r'^(model_checkpoint_path|all_model_checkpoint_paths): "(.*)"$', f.read(), re.M)
-    latest = [v for k, v in pairs if k == "model_checkpoint_path"]
-    return latest + [v for k, v in reversed(pairs) if k != "model_checkpoint_path" and v not in latest]
-
-
-def _index_text(names: list[str]) -> str:
-    """TensorFlow's CheckpointState text format (newest in model_checkpoint_path, the list oldest first): what
-    TF's tools and tpuctl's worker agent read as a checkpoint directory's pointer."""
-    return "".join([f'model_checkpoint_path: "{names[0]}"\n',
-                    *(f'all_model_checkpoint_paths: "{n}"\n' for n in reversed(names))])
+        return parse_index(f.read())
 
 
 def latest(directory: str) -> str | None:
@@ -81,7 +70,7 @@ def save(directory: str, step: int, model, optimizer, *, keep: int) -> str:
     name = f"ckpt-{step}.npz"
     _write_atomically(_join(directory, name), buffer.getvalue())
     names = [name] + [n for n in _index(directory) if n != name]
-    _write_atomically(_join(directory, INDEX), _index_text(names[:keep]).encode())
+    _write_atomically(_join(directory, INDEX), index_text(names[:keep]).encode())
     for old in names[keep:]:
         if tf.io.gfile.exists(_join(directory, old)):
             tf.io.gfile.remove(_join(directory, old))

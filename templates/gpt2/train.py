@@ -75,7 +75,7 @@ def run(cfg: Gpt2Config, *, log=None) -> dict:
     from .data import join, make_dataset, read_manifest
     from .model import build_model
 
-    Monitor, WarmupLinearDecay = bert("callbacks").Monitor, bert("model").WarmupLinearDecay
+    Monitor, WarmupLinearDecay, checkpoints = bert("callbacks").Monitor, bert("model").WarmupLinearDecay, bert("checkpoints")
     manifest = read_manifest(rt.data_dir)
     cfg = _bind_model_dir(tf, cfg, manifest)
     tr = cfg.trainer
@@ -102,11 +102,9 @@ def run(cfg: Gpt2Config, *, log=None) -> dict:
             weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name=ACCURACY)],
             steps_per_execution=tr.steps_per_execution, jit_compile=rt.jit_compile and resolved.kind != "tpu")
         optimizer.build(model.trainable_variables)  # slots exist before restore: restored, not deferred
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    manager = tf.train.CheckpointManager(checkpoint, join(rt.model_dir, "checkpoints"),
-                                         max_to_keep=tr.keep_checkpoints, step_counter=optimizer.iterations)
-    if manager.latest_checkpoint:
-        checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
+        # BERT's portable .npz checkpoints: readable without TensorFlow (the Hugging Face export reads them).
+        ckpt_dir = join(rt.model_dir, "checkpoints")
+        checkpoints.restore(checkpoints.latest(ckpt_dir), model, optimizer)
     start = int(optimizer.iterations.numpy())
     export_dir = rt.export_dir or join(rt.model_dir, "export")
     metrics_path = join(export_dir, "metrics.json")
@@ -118,7 +116,7 @@ def run(cfg: Gpt2Config, *, log=None) -> dict:
     emit(f"start strategy={resolved.kind} replicas={resolved.replicas} hosts={resolved.hosts} "
          f"global_batch={global_batch} step={start} max_steps={tr.max_steps} "
          f"vocab_size={manifest.vocab_size} seq_len={cfg.task.seq_len}")
-    monitor = Monitor(lambda step: manager.save(checkpoint_number=step), schedule, global_batch, tr.log_every, tr.checkpoint_every,
+    monitor = Monitor(lambda step: checkpoints.save(ckpt_dir, step, model, optimizer, keep=tr.keep_checkpoints), schedule, global_batch, tr.log_every, tr.checkpoint_every,
                       tf.summary.create_file_writer(join(rt.model_dir, "tensorboard")), emit, start, accuracy=ACCURACY)
     if start < tr.max_steps:
         dataset = strategy.distribute_datasets_from_function(

@@ -22,7 +22,7 @@ SECTIONS = (
     "Local cloud",
 )
 
-COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs", "doctor", "templates")
+COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs", "doctor", "templates", "export")
 
 
 class SectionedGroup(click.Group):

@@ -61,11 +61,13 @@ def _summary(o) -> None:
 @click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
 @click.option("--framework", type=click.Choice(("auto", "tensorflow", "jax")),
               help="job.framework (auto: TensorFlow where Google ships it and the template offers it, else JAX)")
+@click.option("--export", "export", multiple=True, type=click.Choice(("hf",)),
+              help="also write this format of the final model next to it (hf: Hugging Face; see `tpuctl export`)")
 @click.option("--dry-run", is_flag=True, help="validate and show the plan; create nothing")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
 @_cloud_options
 def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, migrate,
-                framework, dry_run, as_json, cloud, project) -> None:
+                framework, export, dry_run, as_json, cloud, project) -> None:
     """Run a training job end to end: up, prepare data, ship, train on every worker, collect, tear down.
 
     The TPU and VMs are deleted whatever happens (success, failure, Ctrl-C, SIGTERM); the bucket with the
@@ -80,7 +82,8 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
     if not attach and not spec_file:
         raise BadInput("no spec file given", field="spec", hint="tpuctl run examples/bert-tiny.yaml --yes")
     opts = RunOptions(name=name, yes=yes, detach=detach, attach=attach, download=Path(download) if download else None,
-                      delete_bucket=delete_bucket, max_recoveries=max_recoveries, dry_run=dry_run, poll_s=poll_s)
+                      delete_bucket=delete_bucket, max_recoveries=max_recoveries, dry_run=dry_run, poll_s=poll_s,
+                      export=tuple(export))
     if not attach and not dry_run:
         console.can_confirm(yes=yes, to="create the run's resources")  # before the local cloud even starts
     if attach:
