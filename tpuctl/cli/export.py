@@ -9,19 +9,18 @@ import click
 from tpuctl import config, console
 
 SECTION = "Run a training job"
-FORMATS = ("hf",)
 
 
 @click.command("export")
 @click.argument("run")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="hf", show_default=True,
-              help="hf: Hugging Face Transformers (safetensors, config.json, tokenizer files)")
+@click.option("--format", "format", default="hf", show_default=True,
+              help="one of the run's template's exporters; hf: Hugging Face Transformers (both built-in templates)")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="local directory to write")
 @click.option("--bucket", help="the run's bucket, when no label or ledger entry names it")
 @click.option("--json", "as_json", is_flag=True, help="print what was written as JSON on stdout")
 @click.option("--cloud", type=click.Choice(config.TARGETS), help="force the target (default: auto)")
 @click.option("--project", help="Google Cloud project [env TPUCTL_PROJECT]")
-def export_command(run, fmt, out, bucket, as_json, cloud, project) -> None:
+def export_command(run, format, out, bucket, as_json, cloud, project) -> None:
     """Export RUN's latest checkpoint (RUN, or gs://BUCKET/runs/RUN) from its bucket: works after the TPU is gone.
 
     `--format hf` writes model.safetensors, config.json and the tokenizer files that `transformers` loads
@@ -31,11 +30,11 @@ def export_command(run, fmt, out, bucket, as_json, cloud, project) -> None:
     from tpuctl.jobs import export as exporting
 
     clients = provision.connect(config.settings(project=project, cloud=cloud))
-    done = exporting.export(clients, run, fmt, Path(out), bucket=bucket)
+    done = exporting.export(clients, run, format, Path(out), bucket=bucket)
     if as_json:
         console.emit_json(done.__dict__)
         return
-    console.info(f"run {done.run} ({done.template}) exported as {fmt} from {done.model_dir} to {done.out_dir}: "
+    console.info(f"run {done.run} ({done.template}) exported as {format} from {done.model_dir} to {done.out_dir}: "
                  f"{', '.join(done.files)}")
 
 

@@ -61,8 +61,8 @@ def _summary(o) -> None:
 @click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
 @click.option("--framework", type=click.Choice(("auto", "tensorflow", "jax")),
               help="job.framework (auto: TensorFlow where Google ships it and the template offers it, else JAX)")
-@click.option("--export", "export", multiple=True, type=click.Choice(("hf",)),
-              help="also write this format of the final model next to it (hf: Hugging Face; see `tpuctl export`)")
+@click.option("--export", "export", multiple=True, metavar="FORMAT",
+              help="also write the final model in this format of the template's (hf: Hugging Face) to model/FORMAT/")
 @click.option("--dry-run", is_flag=True, help="validate and show the plan; create nothing")
 @click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
 @_cloud_options
