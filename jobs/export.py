@@ -5,11 +5,15 @@ Works after the TPU is gone: everything comes from the bucket. The run's bucket 
 `tpuctl-run` label, else the one the local ledger remembers for it, else the one given (`--bucket`, or a
 `gs://BUCKET/runs/RUN` URL). `runs/RUN/launch.json` names the job bundle; its `job.json` says which template ran
 (its module) and where the model and the data are (`runtime.model_dir`, `runtime.data_dir`). A built-in template
-exports with the installed code; a user's template with the copy shipped in the bundle.
+exports with the installed code. A user's template runs its own exporter on this machine, so its code must come
+from this machine too, never from the bucket (the TPU's service account can write there): the template directory
+given (`--template DIR`), else the bundle this machine built for the run (`TPUCTL_HOME/bundles`, checked against the
+sha256 in launch.json).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import tarfile
@@ -88,39 +92,50 @@ def reader(clients: Clients):
     return read
 
 
-def _job(clients: Clients, bucket: str, run: str) -> tuple[dict, bytes]:
-    """The launched job's job.json and its bundle's bytes. Raises NotFound."""
+def _job(clients: Clients, bucket: str, run: str) -> tuple[dict, cluster.LaunchRecord]:
+    """The launched job's job.json (data only: read, never run) and its launch record. Raises NotFound."""
     record = cluster.load_launch(clients, bucket, run)
     try:
         bundle = reader(clients)(f"gs://{bucket}/{record.bundle_object}")
     except FileNotFoundError:
         raise NotFound(f"run {run}'s job bundle gs://{bucket}/{record.bundle_object} is gone", field="run") from None
     with tarfile.open(fileobj=io.BytesIO(bundle), mode="r:gz") as tar:
-        return json.load(tar.extractfile("job.json")), bundle
+        return json.load(tar.extractfile("job.json")), record
 
 
-def _template(package: str, bundle: bytes, scratch: Path) -> contract.Template:
-    """The built-in template of that name, else the user's template as shipped in the bundle."""
+def _template(package: str, record: cluster.LaunchRecord, template_dir: Path | None, scratch: Path) -> contract.Template:
+    """The template directory given, else the built-in of that name, else the user's template from the bundle
+    this machine built for the run. Raises BadInput when none is at hand."""
+    if template_dir is not None:
+        return contract.load(template_dir)
     if (contract.builtin_root() / package / contract.MANIFEST).is_file():
         return contract.find(package)
-    with tarfile.open(fileobj=io.BytesIO(bundle), mode="r:gz") as tar:
+    from tpuctl import paths
+
+    local = paths.home() / "bundles" / f"bundle-{record.bundle_sha[:16]}.tar.gz"
+    if not local.is_file() or hashlib.sha256(local.read_bytes()).hexdigest() != record.bundle_sha:
+        raise BadInput(f"run {record.run} ran the template {package!r}, which is not built in, and this machine does "
+                       "not hold the bundle it was shipped in", field="template",
+                       hint=f"pass the template's directory: --template DIR (the {package}/ the spec named)")
+    with tarfile.open(local, mode="r:gz") as tar:
         members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(f"{package}/")]
         tar.extractall(scratch, members=members, filter="data")
     return contract.load(scratch / package)
 
 
-def export(clients: Clients, run: str, fmt: str, out_dir: Path, *, bucket: str | None = None) -> Exported:
+def export(clients: Clients, run: str, fmt: str, out_dir: Path, *, bucket: str | None = None,
+           template_dir: Path | None = None) -> Exported:
     """Write the `fmt` export of run `run`'s latest checkpoint into local `out_dir` (created; files overwritten).
 
     Blocks for the bucket reads. Raises BadInput (bad run name, a format the template lacks, files it cannot
     export) or NotFound (no bucket, no launch record, no checkpoint yet)."""
     run, bucket = split_run(run, bucket)
     bucket = bucket or find_bucket(clients, run)
-    job, bundle = _job(clients, bucket, run)
+    job, record = _job(clients, bucket, run)
     runtime = (job.get("config") or {}).get("runtime") or {}
     model_dir = runtime.get("model_dir") or f"gs://{bucket}/runs/{run}/model"
     with tempfile.TemporaryDirectory(prefix="tpuctl-export-") as scratch:
-        template = _template(str(job["module"]).split(".")[0], bundle, Path(scratch))
+        template = _template(str(job["module"]).split(".")[0], record, template_dir, Path(scratch))
         hook = template.exporter(fmt)
         files = contract.RunFiles(model_dir=model_dir, data_dir=runtime.get("data_dir") or "", read=reader(clients))
         try:

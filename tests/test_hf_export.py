@@ -276,20 +276,21 @@ def test_a_template_without_the_format_is_refused_naming_those_it_has(tmp_path):
 
 # ------------------------------------------------------------------------------------- the CLI on a bucket
 
-def _bucket_run(pc, trained, run: str, *, checkpoint: bool = True) -> str:
+def _bucket_run(pc, trained, run: str, *, checkpoint: bool = True, template: contract.Template | None = None,
+                bundles: Path | None = None) -> str:
     """A finished run as `tpuctl run` leaves it: its labelled bucket with launch.json, the job bundle, data and model."""
     from tpuctl.jobs import bundle, cluster
 
+    template = template or trained["template"]
     name = f"{run}-{pc.project}"[:63]
     bucket = pc.storage.bucket(name)
     bucket.labels = {"tpuctl-run": run}
     pc.storage.create_bucket(bucket, location="europe-west4")
     model, data = f"gs://{name}/runs/{run}/model", f"gs://{name}/runs/{run}/data"
     config = bundle.job_config({}, preset=None, bucket=name, run=run, data_url=data)
-    job = bundle.JobDescription(run=run, project=pc.project, bucket=name, module=trained["template"].entry_module,
-                                config=config)
-    b = bundle.build(trained["template"].root, job, Path(trained["model_dir"]).parent / "bundles",
-                     packages=trained["template"].uses)
+    job = bundle.JobDescription(run=run, project=pc.project, bucket=name, module=template.entry_module, config=config)
+    b = bundle.build(template.root, job, bundles or Path(trained["model_dir"]).parent / "bundles",
+                     packages=template.uses)
     bundle.upload(pc.storage, name, b)
     cluster.save_launch(pc, cluster.LaunchRecord(run=run, zone="europe-west4-a", node=run, bucket=name,
                                                  bundle_object=b.object_name, bundle_sha=b.sha256, python="python3",
@@ -322,3 +323,30 @@ def test_cli_bad_run_name_no_bucket_and_no_checkpoint_are_one_line_errors(traine
     assert "runs/r2/model/checkpoints/checkpoint" in line
     _one_error(tpuctl(env, "export", "r2", "--format", "onnx", "--out", out), 2, "error: format:")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_user_templates_exporter_comes_from_this_machine_never_from_the_bucket(trained, env, pc, tmp_path):
+    """A user's template is not installed: the export loads the bundle this machine built for the run (checked by
+    its sha256), or the directory given; a bundle only the bucket holds (the TPU's service account can write
+    there) is never run. The template is a copy of bert declaring its exporter under a format the built-in lacks."""
+    from test_templates_contract import copy_template
+
+    if trained["name"] != "bert":
+        pytest.skip("a copy of the bert template")
+    mine = copy_template(tmp_path / "templates")
+    meta = json.loads((mine / "template.json").read_text())
+    meta["exporters"] = {"transformers": "export:to_hf"}
+    (mine / "template.json").write_text(json.dumps(meta))
+    _bucket_run(pc, trained, "r3", template=contract.load(mine), bundles=Path(env["TPUCTL_HOME"]) / "bundles")
+    p = tpuctl(env, "export", "r3", "--format", "transformers", "--out", str(tmp_path / "hf"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "vocab.txt").is_file()
+    _one_error(tpuctl(env, "export", "r3", "--format", "hf", "--out", str(tmp_path / "x")), 2,
+               "error: format: template bert has no 'hf' exporter")
+
+    _bucket_run(pc, trained, "r4", template=contract.load(mine))  # its bundle is in the bucket, not here
+    _one_error(tpuctl(env, "export", "r4", "--format", "transformers", "--out", str(tmp_path / "x")), 2,
+               "error: template: run r4 ran the template 'mine', which is not built in")
+    p = tpuctl(env, "export", "r4", "--format", "transformers", "--template", str(mine), "--out", str(tmp_path / "y"))
+    assert p.returncode == 0, p.stderr
+    assert not (tmp_path / "x").exists()
