@@ -183,8 +183,11 @@ def main() -> int:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     ok = all(c["logits_ok"] and all(c["tokenizer_ids_identical"].values()) and not c["missing_keys"]
              and not c["unexpected_keys"] for c in result["cases"])
-    result["tolerance"], result["ok"] = args.tolerance, ok
-    print(json.dumps(result, indent=1))
+    summary = {"max_abs_logit_diff": max(c["max_abs_logit_diff"] for c in result["cases"]),
+               "tolerance": args.tolerance,
+               "tokenizer_ids_identical": all(all(c["tokenizer_ids_identical"].values()) for c in result["cases"]),
+               "ok": ok}
+    print(json.dumps({**summary, **result}, indent=1))
     return 0 if ok else 1
 
 

@@ -166,6 +166,7 @@ HEADLINE_KEYS = {
     "backends": ("tensorflow_steps_per_sec", "jax_steps_per_sec", "jax_over_tf_steps_per_sec", "loss_rel_diff", "ok"),
     "run_bench": ("worker_s_median", "worker_s_max", "target_s", "ok"),
     "cost_accuracy": ("max_rel_error_in_1h", "tolerance", "ok"),
+    "hf_parity": ("max_abs_logit_diff", "tolerance", "tokenizer_ids_identical", "transformers", "ok"),
 }
 
 
