@@ -396,3 +396,11 @@ def test_a_user_templates_exporter_comes_from_this_machine_never_from_the_bucket
     p = cli("export", "r4", "--format", "transformers", "--template", str(mine), "--out", str(tmp_path / "y"))
     assert p.returncode == 0, p.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_run_refuses_an_export_format_its_template_lacks_before_creating_anything(cli):
+    spec = str(Path(__file__).resolve().parents[1] / "examples" / "gpt2-tiny.yaml")
+    _one_error(cli("run", spec, "--dry-run", "--export", "onnx"), 2,
+               "error: format: template gpt2 has no 'onnx' exporter")
+    p = cli("run", spec, "--dry-run", "--export", "hf", "--json")
+    assert p.returncode == 0, p.stderr
