@@ -146,6 +146,9 @@ def export(clients: Clients, run: str, fmt: str, out_dir: Path, *, bucket: str |
                                              "trainer.checkpoint_every steps") from exc
         except ValueError as exc:
             raise BadInput(f"run {run} cannot be exported as {fmt}: {exc}", field="run") from exc
+        except ImportError as exc:  # the base install provisions only; exporters need the training extra's libraries
+            raise BadInput(f"the {template.name} template's {fmt} exporter needs the Python package "
+                           f"{exc.name or exc}", field="format", hint="pip install 'tpuctl[train]'") from exc
     return Exported(run=run, format=fmt, template=template.name, model_dir=model_dir, out_dir=str(out_dir),
                     files=tuple(written))
 

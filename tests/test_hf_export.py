@@ -371,6 +371,18 @@ def test_cli_bad_run_name_no_bucket_and_no_checkpoint_are_one_line_errors(traine
     assert not (tmp_path / "hf").exists()
 
 
+def test_an_exporter_missing_its_libraries_says_which_to_install(trained, cli, pc, tmp_path, monkeypatch):
+    import sys
+
+    if trained["name"] != "gpt2":
+        pytest.skip("one template is enough")
+    _bucket_run(pc, trained, "r6")
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)  # as on a base install without the train extra
+    line = _one_error(cli("export", "r6", "--out", str(tmp_path / "hf")), 2, "error: format: the gpt2 template's hf "
+                      "exporter needs the Python package safetensors")
+    assert "Traceback" not in line and not (tmp_path / "hf").exists()
+
+
 def test_a_user_templates_exporter_comes_from_this_machine_never_from_the_bucket(trained, cli, env, pc, tmp_path):
     """A user's template is not installed: the export loads the bundle this machine built for the run (checked by
     its sha256), or the directory given; a bundle only the bucket holds (the TPU's service account can write

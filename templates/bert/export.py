@@ -81,6 +81,13 @@ def dense(weights: dict, name: str, n_in: int, n_out: int):
     return weights[name].reshape(n_in, n_out)
 
 
+def require() -> None:
+    """Import the laptop-side libraries first (ImportError), so a missing one fails before anything is written."""
+    import numpy  # noqa: F401
+    import safetensors.numpy  # noqa: F401
+    import tokenizers  # noqa: F401
+
+
 def write_safetensors(tensors: dict, path: Path) -> None:
     import numpy as np
     from safetensors.numpy import save_file
@@ -202,6 +209,7 @@ def to_hf(run, out_dir) -> list[str]:
     """Write the Hugging Face export of `run` (a contract.RunFiles: model_dir, data_dir, read) into `out_dir`.
     Returns the file names written. Raises FileNotFoundError (no checkpoint, no run.json, no data files) or
     ValueError (a checkpoint of another model). Blocks for the reads; idempotent (files are overwritten)."""
+    require()
     out = Path(out_dir)
     task = task_of(run)
     manifest = Manifest.from_json(run.read(join(run.data_dir, MANIFEST_NAME)).decode("utf-8"),

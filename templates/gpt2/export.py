@@ -118,6 +118,7 @@ def to_hf(run, out_dir) -> list[str]:
     """Write the Hugging Face export of `run` (a contract.RunFiles) into `out_dir`; returns the file names.
     Raises FileNotFoundError (no checkpoint, run.json or data files) or ValueError (another model's checkpoint).
     Blocks for the reads; idempotent."""
+    _export.require()
     out = Path(out_dir)
     task = _export.task_of(run)
     where = join(run.data_dir, MANIFEST_NAME)
