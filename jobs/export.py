@@ -67,8 +67,12 @@ def find_bucket(clients: Clients, run: str) -> str:
                       if e.kind == Kind.BUCKET.value and e.run == run and e.project == clients.project]
     except OSError:
         remembered = []
+    alive = [e for e in remembered if e.deleted is None]
+    if alive:
+        return alive[-1].name
     if remembered:
-        return remembered[-1].name
+        raise NotFound(f"run {run}'s bucket {remembered[-1].name} was deleted, and its checkpoints with it",
+                       field="run", hint="keep buckets you want to export from (`tpuctl run` keeps them by default)")
     raise NotFound(f"run {run} has no bucket in project {clients.project}", field="run",
                    hint="see `tpuctl list`; or name it: --bucket BUCKET (or gs://BUCKET/runs/RUN)")
 

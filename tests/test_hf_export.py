@@ -356,6 +356,8 @@ def test_a_bucket_without_labels_is_found_in_the_ledger_or_given(trained, cli, p
     p = cli("export", "r5", "--out", str(tmp_path / "ledger"))
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "ledger" / "model.safetensors").is_file()
+    ledger.Ledger().mark_deleted([f"{pc.project}/bucket/europe-west4/{name}"])
+    _one_error(cli("export", "r5", "--out", str(tmp_path / "x")), 2, f"error: run: run r5's bucket {name} was deleted")
 
 
 def test_cli_bad_run_name_no_bucket_and_no_checkpoint_are_one_line_errors(trained, cli, pc, tmp_path):
