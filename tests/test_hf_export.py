@@ -418,3 +418,16 @@ def test_run_refuses_an_export_format_its_template_lacks_before_creating_anythin
                "error: format: template gpt2 has no 'onnx' exporter")
     p = cli("run", spec, "--dry-run", "--export", "hf", "--json")
     assert p.returncode == 0, p.stderr
+
+
+def test_loading_the_exporters_imports_no_framework():
+    """Every CLI command loads the templates' contract: their exporters must not pull TensorFlow, Keras, numpy or
+    safetensors into it (an export imports what it needs when it runs)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tpuctl.templates import contract; ts = contract.builtins(); "
+            "assert all('hf' in t.exporters for t in ts); "
+            "print(sorted(m for m in ('tensorflow', 'keras', 'jax', 'numpy', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

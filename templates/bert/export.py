@@ -29,10 +29,10 @@ from pathlib import Path
 
 from .manifest import FORMAT, MANIFEST_NAME, TOKENIZER_NAME, VOCAB_NAME, Manifest
 from .portable import INDEX, model_arrays, parse_index, step_of
+from .train import RUN_STATE  # run.json: the task that model_dir was trained with (train.py is light to import)
 
 LAYER_NORM_EPSILON = 1e-12  # model.py's LayerNormalization epsilon everywhere (the published BERT's)
 TYPE_VOCAB_SIZE = 2
-RUN_STATE = "run.json"  # train.py's record of the task that model_dir was trained with
 
 
 def join(base: str, name: str) -> str:
