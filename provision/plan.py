@@ -138,13 +138,6 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
         choice = frameworks_mod.choose(spec.job.framework if spec.job else "auto", t, spec.runtime_version,
                                        frameworks)
         runtime, framework = choice.runtime_version, choice.framework
-        if spec.job and t.api == "compute":
-            # The JAX job's launch on Compute Engine TPU VMs (SSH to MIG instances, the slice's coordinator) is not
-            # built yet: refuse before anything bills rather than create a TPU7x that idles.
-            raise BadInput(f"{t.name} is a Compute Engine TPU: tpuctl provisions it (`tpuctl up`) but does not yet "
-                           f"launch the JAX job on it", field="accelerator",
-                           hint="run the job on a TPU API type with JAX (e.g. v6e-8 or v5litepod-8), or `tpuctl up` "
-                                "the TPU7x and start your JAX program over `tpuctl ssh`")
     for z in zones:
         catalog.check(t.name, z, runtime, framework or None)
     run = spec.name or default_run_name(spec, owner)

@@ -182,7 +182,7 @@ def test_localcloud_refuses_flex_start_without_delete_or_duration(pc, cloud):
     assert everything(pc) == []
 
 
-def test_up_tpu7x_from_the_cli_and_run_refuses(env, tmp_path):
+def test_up_and_run_tpu7x_from_the_cli_plan_it_on_compute_engine_with_jax(env, tmp_path):
     p = tpuctl(env, "up", "--accelerator", "tpu7x-8", "--zone", ZONE, "--name", "c7", "--provisioning",
                "flex-start", "--max-run-duration", "2h", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
@@ -190,11 +190,12 @@ def test_up_tpu7x_from_the_cli_and_run_refuses(env, tmp_path):
     assert plan["api"] == "compute" and plan["max_run_duration"] == "2h"
     spec_file = tmp_path / "s.yaml"
     spec_file.write_text("accelerator: tpu7x-8\nzone: us-central1-c\njob: {template: bert, preset: bert-tiny}\n")
-    p = tpuctl(env, "run", str(spec_file), "--yes")
-    assert p.returncode == 2, p.stderr
+    p = tpuctl(env, "run", str(spec_file), "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert "jax on projects/ubuntu-os-accelerator-images" in p.stdout + p.stderr, p.stdout + p.stderr
+    p = tpuctl(env, "run", str(spec_file), "--dry-run", "--framework", "tensorflow")
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: accelerator:") and "JAX" in errors[0], p.stderr
-    assert p.stderr.startswith("error:"), p.stderr  # refused before anything was created or printed
+    assert p.returncode == 2 and len(errors) == 1 and "jax" in errors[0].lower(), p.stderr
 
 
 def test_status_accrues_a_flex_start_tpu_only_until_its_end():
