@@ -231,6 +231,19 @@ def test_multi_host_slice_is_a_mig_with_a_workload_policy_and_one_resource(pc, c
     assert policy.workload_policy.type_ == "HIGH_THROUGHPUT" and policy.workload_policy.accelerator_topology == "2x2x2"
     mig = pc.instance_groups.get(project=pc.project, zone=ZONE, instance_group_manager="x1")
     assert mig.target_size == 2 and mig.resource_policies.workload_policy.endswith("/resourcePolicies/x1-wp")
+    # The jobs layer reaches both hosts as workers 0 and 1 of one slice (SSH ports and host keys from each
+    # instance's guest attributes); each guest tells JAX its process id and the slice's hosts, as on a TPU API node.
+    workers = prov.workers(pc, ZONE, "x1")
+    assert [w.index for w in workers] == [0, 1] and len({w.port for w in workers}) == 2
+    assert all(w.port != 22 and (w.host_key or "").startswith("ssh-ed25519 ") for w in workers)
+    members = sorted(i.name for i in pc.instances.list(project=pc.project, zone=ZONE))
+    trees = [cloud.compute.guest_metadata(f"projects/{pc.project}/zones/{ZONE}/instances/{m}") for m in members]
+    attrs = [t["instance"]["attributes"] for t in trees]
+    assert [a["agent-worker-number"] for a in attrs] == ["0", "1"]
+    assert {a["accelerator-type"] for a in attrs} == {"tpu7x-16"}
+    assert attrs[0]["worker-network-endpoints"] == attrs[1]["worker-network-endpoints"]
+    assert [e.split(":")[0] for e in attrs[0]["worker-network-endpoints"].split(",")] == members
+    assert "NODE_ID: 'x1'" in attrs[1]["tpu-env"] and "TOPOLOGY: '2x2x2'" in attrs[1]["tpu-env"]
     # status: one run, one TPU with two workers, priced as 8 chips.
     cat = catalog_mod.load()
     [run] = prov.status(pc, "x1", price=lambda r: cost.hourly(entry_of(r), cat))
