@@ -133,6 +133,12 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
         raise BadInput(f"{t.name} is a {t.hosts}-host Compute Engine slice; tpuctl makes flex-start TPU7x "
                        f"single-host only so far", field="provisioning",
                        hint=f"use {_single_host(catalog, t)} for flex-start, or on-demand or spot for {t.name}")
+    if spec.provisioning == "flex-start" and t.flex_start_zones:
+        outside = [z for z in zones if z not in t.flex_start_zones]
+        if outside:
+            raise BadInput(f"Google sells {t.name} flex-start only in {', '.join(t.flex_start_zones)}, not in "
+                           f"{', '.join(outside)}", field="zone",
+                           hint=f"pass --zone {t.flex_start_zones[0]}, or another provisioning model")
     runtime, framework = spec.runtime_version or t.default_runtime, ""
     if frameworks is not None:
         choice = frameworks_mod.choose(spec.job.framework if spec.job else "auto", t, spec.runtime_version,
@@ -160,7 +166,8 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
 
     spot = spec.provisioning in ("spot", "preemptible")
     tpu_price = (price_fn or catalog.tpu_price_per_hour)(t.name, region, spot)
-    tpu_kind = Kind.QUEUED if spec.queued else Kind.TPU
+    # Flex-start on a Cloud TPU API type is a queued resource (tpu/docs/request-using-flex-start).
+    tpu_kind = Kind.QUEUED if spec.queued or (spec.provisioning == "flex-start" and t.api != "compute") else Kind.TPU
     sa_text = "the project's default compute SA" if spec.service_account == "default" else spec.service_account
     via = f", Compute Engine {t.machine_type}" if t.api == "compute" else ""
     ends = f", deleted after {spec.max_run_duration}" if spec.max_run_duration else ""
