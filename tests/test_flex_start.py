@@ -41,6 +41,8 @@ def test_catalog_offers_flex_start_on_v5e_and_v6e_in_googles_zones_only(pc):
         assert "flex-start" in t.provisioning and list(t.flex_start_zones) == zones
     assert "flex-start" not in cat.accelerator("v5p-8").provisioning
     assert "request-using-flex-start" in cat.source
+    shown = catalog_mod.accelerator_json(cat.accelerator("v6e-8"), cat)
+    assert shown["flex_start_zones"] == ["asia-northeast1-b", "us-east5-a"]
     with pytest.raises(BadInput) as exc:
         make_plan(pc, zone="us-east5-b")
     assert exc.value.field == "zone" and "us-east5-a" in exc.value.message
