@@ -14,7 +14,7 @@ from google.cloud import compute_v1
 
 from tpuctl import catalog as catalog_mod
 from tpuctl import cost, provision as prov, spec
-from tpuctl.errors import BadInput, CapacityError
+from tpuctl.errors import BadInput, CapacityError, NotFound
 from tpuctl.ledger import entry_of
 from tpuctl.provision import compute_tpu, gc
 from tpuctl.provision.clients import build
@@ -280,3 +280,25 @@ def test_localcloud_refuses_a_tpu_mig_whose_policy_does_not_match_its_size(pc, c
     compute_tpu.delete_slice(pc, ZONE, "m")  # idempotent: the MIG never existed
     pc.instance_templates.delete_unary(project=pc.project, region=region, instance_template="tpl")
     pc.resource_policies.delete_unary(project=pc.project, region=region, resource_policy="wp")
+
+
+def test_the_jobs_layers_node_calls_answer_for_a_tpu7x_vm(pc, cloud):
+    """What `tpuctl run` asks of a node (get, workers, authorize, recreate, delete) works on a Compute Engine
+    TPU VM through the same provision functions as on a TPU API node."""
+    prov.apply(pc, make_plan(pc, provisioning="spot"), deadline_s=FAST_DEADLINE)
+    node = prov.get_node(pc, ZONE, "x1")
+    assert (node.kind, node.state, node.detail["api"], len(node.workers)) == (prov.Kind.TPU, prov.State.READY,
+                                                                               "compute", 1)
+    [w] = prov.workers(pc, ZONE, "x1")
+    assert w.port != 22 and w.host_key.startswith("ssh-ed25519 ")
+    assert prov.authorize_key(pc, ZONE, "x1", "alice", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey alice") == "alice"
+    inst = pc.instances.get(project=pc.project, zone=ZONE, instance="x1")
+    assert "alice:ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey alice" in compute_tpu.metadata_of(inst)["ssh-keys"]
+    assert prov.recreate_node(pc, ZONE, "x1").created == node.created  # READY: left alone
+    with pytest.raises(NotFound):  # `tpuctl run` then deletes it and makes it again from the plan
+        prov.recreate_node(pc, ZONE, "x1", force=True)
+    prov.delete_node(pc, ZONE, "x1")
+    with pytest.raises(NotFound):
+        prov.get_node(pc, ZONE, "x1")
+    prov.down(pc, "x1", delete_bucket=True)
+    assert everything(pc) == []
