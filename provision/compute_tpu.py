@@ -11,7 +11,8 @@ and a zonal managed instance group (MIG) of N instances with that policy; the MI
 
 Everything else reads these as one `Kind.TPU` resource each, with `detail["api"]` "compute" (one instance) or
 "compute-mig" (a slice: one worker per instance), so status, down, gc and cost treat them as TPU API nodes;
-raw protos stay in here.
+and the jobs layer reaches their workers through the same node functions of `tpuctl.provision` (get, workers
+with host keys from guest attributes, ssh-keys metadata, delete). Raw protos stay in here.
 """
 
 from __future__ import annotations
