@@ -140,7 +140,8 @@ def run(cfg: BertConfig, *, log=None) -> dict:
     if start < tr.max_steps:
         def dataset_for(ctx):
             return make_dataset(rt.data_dir, manifest, ctx.get_per_replica_batch_size(global_batch),
-                                mask_rate=cfg.task.mask_rate, shuffle_buffer=tr.shuffle_buffer,
+                                mask_rate=cfg.task.mask_rate, max_predictions=cfg.task.predictions_per_seq,
+                                shuffle_buffer=tr.shuffle_buffer,
                                 input_context=ctx, seed=rt.seed or None)
 
         if jax_backend:  # this process's share: its hosts' files, its local devices' part of the global batch
@@ -186,8 +187,9 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest, *, write: bool = True) -> Ber
                               vocab_sha256=previous["vocab_sha256"] if previous else None, where=rt.data_dir)
     cfg = config_mod.with_overrides(cfg, task={"vocab_size": manifest.vocab_size})
     task = dataclasses.asdict(cfg.task)
-    if previous and previous["task"] != task:
-        changed = sorted(k for k in task if previous["task"].get(k) != task[k])
+    # A field newer than the model_dir's record (e.g. max_predictions_per_seq) changes no weight: not a change.
+    changed = sorted(k for k in task if previous and previous["task"].get(k, task[k]) != task[k])
+    if changed:
         raise ConfigError("task", f"{changed} differ from the checkpoints in {rt.model_dir}; "
                                   "use a new model_dir or the original task settings")
     if not write:
