@@ -8,8 +8,8 @@ architecture: learned positions, post-LayerNorm blocks, GELU, tied input/output 
 
 Inputs are int32 `input_ids` and `input_mask` [B, L] (no bool inputs: Keras averages inputs across
 replicas and AddN has no bool kernel) and int32 `masked_positions` [B, P]. The MLM head (transform, norm,
-vocabulary projection) runs only at those P positions, gathered with static shapes as google-research/bert's
-`get_masked_lm_output`/`gather_indexes` do: at seq 128 and P = 20 that skips 108/128 of the head's FLOPs and
+vocabulary projection) runs only at those P positions, gathered with static shapes as in google-research/bert's
+`get_masked_lm_output` (see GatherPositions for how the gather itself differs): at seq 128 and P = 20 that skips 108/128 of the head's FLOPs and
 the [B, L, V] logits tensor. Output: float32 logits [B, P, V] whatever the compute dtype.
 """
 
@@ -72,13 +72,14 @@ class PositionEmbedding(layers.Layer):
 
 @keras.saving.register_keras_serializable(package="bert")
 class GatherPositions(layers.Layer):
-    """x [B, L, H] at positions [B, P] -> [B, P, H]: one flat gather (google-research/bert's gather_indexes)."""
+    """x [B, L, H] at positions [B, P] -> [B, P, H].
+
+    A batched gather (take_along_axis), not google-research/bert's flat one (positions + row offsets into
+    [B x L, H]): under JAX's SPMD data parallelism XLA partitions the batched gather per device, while the flat
+    one compiles to an all-gather of the hidden states across the slice (checked in the compiled HLO)."""
 
     def call(self, x, positions):
-        seq_len, width = x.shape[1], x.shape[2]
-        offsets = ops.expand_dims(ops.arange(ops.shape(positions)[0], dtype="int32") * seq_len, 1)
-        flat = ops.take(ops.reshape(x, (-1, width)), ops.reshape(positions + offsets, (-1,)), axis=0)
-        return ops.reshape(flat, (-1, positions.shape[1], width))
+        return ops.take_along_axis(x, ops.expand_dims(positions, -1), axis=1)
 
     def compute_output_spec(self, x, positions):
         return keras.KerasTensor((x.shape[0], positions.shape[1], x.shape[2]), dtype=x.dtype)
