@@ -78,7 +78,8 @@ def mask_tokens(ids: tf.Tensor, *, vocab_size: int, special_ids: list[int], mask
 
 
 def make_dataset(data_dir: str, manifest: Manifest, batch_size: int, *, mask_rate: float, max_predictions: int,
-                 shuffle_buffer: int, input_context: tf.distribute.InputContext | None = None, seed: int | None = None) -> tf.data.Dataset:
+                 shuffle_buffer: int, input_context: tf.distribute.InputContext | None = None,
+                 seed: int | None = None) -> tf.data.Dataset:
     """An infinite dataset of masked batches of `batch_size` (per replica when `input_context` is given)."""
     files = [join(data_dir, s.path) for s in manifest.shards]
     pipelines = input_context.num_input_pipelines if input_context else 1

@@ -9,8 +9,9 @@ architecture: learned positions, post-LayerNorm blocks, GELU, tied input/output 
 Inputs are int32 `input_ids` and `input_mask` [B, L] (no bool inputs: Keras averages inputs across
 replicas and AddN has no bool kernel) and int32 `masked_positions` [B, P]. The MLM head (transform, norm,
 vocabulary projection) runs only at those P positions, gathered with static shapes as in google-research/bert's
-`get_masked_lm_output` (see GatherPositions for how the gather itself differs): at seq 128 and P = 20 that skips 108/128 of the head's FLOPs and
-the [B, L, V] logits tensor. Output: float32 logits [B, P, V] whatever the compute dtype.
+`get_masked_lm_output` (GatherPositions says how the gather itself differs): at seq 128 and P = 20 that skips
+108/128 of the head's FLOPs and the [B, L, V] logits tensor. Output: float32 logits [B, P, V] whatever the
+compute dtype.
 """
 
 from __future__ import annotations
