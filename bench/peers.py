@@ -236,14 +236,12 @@ def bench_training(steps: int) -> dict:
                 print(f"  {model:15} {'xla' if jit else 'eager':5} batch {r['batch']:3} params {r['params']:>9,}: "
                       f"{r['steps_per_sec']:6.2f} steps/s (windows {', '.join(f'{v:.2f}' for v in r['rates'])})",
                       flush=True)
-    summary = {}
+    summary = []
     for family, preset in (("bert", "bert-tiny"), ("gpt2", "gpt2-tiny")):
         for jit in (False, True):
-            ratio = results[(f"tpuctl-{family}", jit)]["steps_per_sec"] / results[(f"keras-hub-{family}", jit)][
-                "steps_per_sec"]
-            summary[f"{family}_{'xla' if jit else 'eager'}"] = ratio
-            print(f"train {preset} {'xla' if jit else 'no-xla'}: tpuctl / keras-hub steps/s = {ratio:.2f}x "
-                  f"(goal >= 1.3)")
+            ours, theirs = (results[(f"{who}-{family}", jit)]["steps_per_sec"] for who in ("tpuctl", "keras-hub"))
+            summary.append(f"train {preset} {'xla' if jit else 'no-xla'}: tpuctl {ours:.2f} / keras-hub "
+                           f"{theirs:.2f} steps/s = {ours / theirs:.2f}x (goal >= 1.3)")
     return summary
 
 
@@ -333,20 +331,18 @@ def bench_prepare(mb: float) -> dict:
         print(f"load after: {load()}")
     rows = (("tpuctl data prepare (tokenizer training included)", tpuctl), ("run_clm recipe (datasets map, "
             f"num_proc={cores})", recipe), ("floor: tokenizers encode_batch alone", floor))
+    summary = [f"prepare {raw / 1e6:.0f} MB of text for GPT-2 (vocab {GPT2_VOCAB}, blocks of {GPT2_BLOCK}):"]
     for label, r in rows:
         disk = f"{r['disk'] / raw:5.2f}x raw" if r["disk"] else "    (none)"
-        print(f"  {label:52} {r['wall_s']:7.1f} s  disk {disk}  peak PSS "
-              f"{r['peak_pss'] / 1e6:6.0f} MB (RSS {r['peak_rss'] / 1e6:6.0f} MB)")
-    out = {"prepare_over_floor": tpuctl["wall_s"] / floor["wall_s"],
-           "recipe_over_prepare": recipe["wall_s"] / tpuctl["wall_s"],
-           "disk_prepare_over_recipe": tpuctl["disk"] / recipe["disk"],
-           "pss_prepare_over_recipe": tpuctl["peak_pss"] / recipe["peak_pss"]}
-    print(f"prepare / floor wall time: {out['prepare_over_floor']:.2f}x (goal <= 1.4)")
-    print(f"recipe / prepare wall time: {out['recipe_over_prepare']:.2f}x (goal >= 1.5)")
-    print(f"prepare / recipe disk: {out['disk_prepare_over_recipe']:.3f} (goal <= 0.1)")
-    print(f"prepare / recipe peak memory (PSS of the process tree): {out['pss_prepare_over_recipe']:.2f} "
-          f"(goal <= 0.33)")
-    return out
+        summary.append(f"  {label:52} {r['wall_s']:6.1f} s  disk {disk}  peak PSS {r['peak_pss'] / 1e6:5.0f} MB "
+                       f"(RSS {r['peak_rss'] / 1e6:5.0f} MB)")
+    summary += [
+        f"prepare / floor wall time: {tpuctl['wall_s'] / floor['wall_s']:.2f}x (goal <= 1.4)",
+        f"recipe / prepare wall time: {recipe['wall_s'] / tpuctl['wall_s']:.2f}x (goal >= 1.5)",
+        f"prepare / recipe disk: {tpuctl['disk'] / recipe['disk']:.3f} (goal <= 0.1)",
+        f"prepare / recipe peak memory (PSS of the process tree): {tpuctl['peak_pss'] / recipe['peak_pss']:.2f} "
+        f"(goal <= 0.33)"]
+    return summary
 
 
 def main() -> None:
@@ -360,13 +356,17 @@ def main() -> None:
     if a.worker:
         print(json.dumps(train_worker(a.worker, bool(a.jit), a.steps)))
         return
-    print(f"load at start: {load()} ({len(os.sched_getaffinity(0))} cores, shared)", flush=True)
-    results = {}
+    started = load()
+    print(f"load at start: {started} ({len(os.sched_getaffinity(0))} cores, shared)", flush=True)
+    summary = []
     if a.only in (None, "train"):
-        results["train"] = bench_training(a.steps)
+        summary += bench_training(a.steps)
     if a.only in (None, "prepare"):
-        results["prepare"] = bench_prepare(a.mb)
-    print(json.dumps(results))
+        summary += bench_prepare(a.mb)
+    # The summary last, in at most 12 lines: bench/report.py records a benchmark's last 12 lines.
+    print(f"summary (load average at start {started}, at end {load()}, {len(os.sched_getaffinity(0))} cores "
+          "shared with other work):")
+    print("\n".join(summary))
 
 
 if __name__ == "__main__":
