@@ -331,7 +331,7 @@ def bench_prepare(mb: float) -> dict:
         print(f"load after: {load()}")
     rows = (("tpuctl data prepare (tokenizer training included)", tpuctl), ("run_clm recipe (datasets map, "
             f"num_proc={cores})", recipe), ("floor: tokenizers encode_batch alone", floor))
-    summary = [f"prepare {raw / 1e6:.0f} MB of text for GPT-2 (vocab {GPT2_VOCAB}, blocks of {GPT2_BLOCK}):"]
+    summary = []
     for label, r in rows:
         disk = f"{r['disk'] / raw:5.2f}x raw" if r["disk"] else "    (none)"
         summary.append(f"  {label:52} {r['wall_s']:6.1f} s  disk {disk}  peak PSS {r['peak_pss'] / 1e6:5.0f} MB "
@@ -364,8 +364,8 @@ def main() -> None:
     if a.only in (None, "prepare"):
         summary += bench_prepare(a.mb)
     # The summary last, in at most 12 lines: bench/report.py records a benchmark's last 12 lines.
-    print(f"summary (load average at start {started}, at end {load()}, {len(os.sched_getaffinity(0))} cores "
-          "shared with other work):")
+    print(f"summary: load average at start {started}, at end {load()} ({len(os.sched_getaffinity(0))} cores shared "
+          f"with other work); prepare: {a.mb:g} MB of text for GPT-2, vocab {GPT2_VOCAB}, blocks of {GPT2_BLOCK}")
     print("\n".join(summary))
 
 
