@@ -211,7 +211,7 @@ def test_a_concurrent_metadata_update_gets_409_and_tpuctl_retries_keeping_both(p
     adder = threading.Thread(target=lambda: result.append(prov.add_ssh_key(
         pc, "europe-west4-a", "run1", "me", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE me@laptop")))
     adder.start()
-    time.sleep(0.3)
+    time.sleep(3)  # the other update holds the node for seconds (localcloud: 5 simulated s), not a blink
     # The other update completes as localcloud's own scheduled transition would have done without the fault.
     cloud.world.later(0, "tpu.update_done", node=name, op=other_op.operation.name, changes={"metadata": other})
     adder.join(timeout=30)
