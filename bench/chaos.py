@@ -64,7 +64,9 @@ FAULTS = ("none", "capacity-first-zone", "capacity-all-zones", "429-storm", "503
           "stockout-9", "stockout-13", "quota-429-bare", "quota-403", "repair-mid-job", "guest-attrs",
           # Another writer's metadata update in flight when `tpuctl run` adds its SSH key (409), and projects
           # with OS Login on: usable (the job logs in as the OS Login user) or with 2FA (refused before `up`).
-          "metadata-409", "oslogin", "oslogin-2fa")
+          "metadata-409", "oslogin", "oslogin-2fa",
+          # A project whose TPU quota is 0 in every zone: the preflight refuses before creating anything.
+          "tpu-quota")
 # Faults that need a running job (and, for preemption, a spot node).
 JOB_FAULTS = ("none", "preempt-mid-job", "kill-worker", "drop-ssh", "repair-mid-job", "guest-attrs",
               "metadata-409", "oslogin")
@@ -386,6 +388,8 @@ def expected_exit(s: Scenario) -> tuple[int, ...]:
         return (EXIT["killed"], EXIT["ok"])
     if s.fault == "oslogin-2fa":
         return (EXIT["bad-input"],)  # the preflight refuses before creating anything
+    if s.fault == "tpu-quota":
+        return (EXIT["capacity"],)  # the preflight refuses (quota, exit 3) before creating anything
     return (EXIT["ok"],)
 
 
@@ -403,6 +407,7 @@ _MESSAGES = {
     "quota-429-bare": re.compile(r"quota", re.IGNORECASE),
     "quota-403": re.compile(r"quota", re.IGNORECASE),
     "oslogin-2fa": re.compile(r"enable-oslogin-2fa"),
+    "tpu-quota": re.compile(r"tpu-quota: .* needs \d+ of quota TPU\w+ForTPUAPI"),
     "sigint": re.compile(r"interrupt", re.IGNORECASE),
     "sigterm": re.compile(r"interrupt", re.IGNORECASE),
 }
@@ -443,13 +448,17 @@ def run_scenario(stack: Stack, s: Scenario) -> Outcome:
                "oslogin-2fa": {"enable-oslogin": "TRUE", "enable-oslogin-2fa": "TRUE"}}.get(s.fault, {})
     try:
         set_project_metadata(stack, oslogin)
+        if s.fault == "tpu-quota":
+            from tpuctl.localcloud import quotas
+
+            stack.admin("POST", f"projects/{PROJECT}", {"tpu_quotas": {q: 0 for q in quotas.known_ids()}})
         if s.uses_run:
             _arm_request_faults(stack, s)
             out.exit_code, out.message, _, out.lost = _tpuctl_run_with_fault(stack, s)
             if out.exit_code == EXIT["interrupted"]:
                 # `tpuctl run` tears its TPU down even on Ctrl-C/SIGTERM; the bucket stays (it holds checkpoints).
                 out.leaked += [f"after interrupted run: {k}" for k in _settle(stack, s.run) if not k.startswith("buckets/")]
-        elif s.fault == "oslogin-2fa":
+        elif s.fault in ("oslogin-2fa", "tpu-quota"):
             result = up(stack, s.run, s.accelerator, s.zones, s.provisioning)
             out.exit_code, out.message = result.exit_code, result.message
             # Refused by the preflight: nothing may exist before any cleanup ran.
@@ -472,6 +481,8 @@ def run_scenario(stack: Stack, s: Scenario) -> Outcome:
         stack.clear_faults()
         if oslogin:
             set_project_metadata(stack, {})
+        if s.fault == "tpu-quota":
+            stack.admin("POST", f"projects/{PROJECT}", {})  # fully set up again
         try:
             cleanup(stack, s.run, s.cleanup)
         except TpuctlError as exc:

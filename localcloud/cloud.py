@@ -199,11 +199,17 @@ class LocalCloud:
 
         def tpu_create(p, q, body):
             pr.check_tpu_node(p["projectsId"], p["locationsId"], body, q.get("nodeId") or "")
+            pr.check_tpu_quota(p["projectsId"], p["locationsId"], body, t.in_use(p["projectsId"], p["locationsId"]))
             return t.nodes_create(p, q, body)
 
         def queued_create(p, q, body):
+            spot = "spot" in (body or {})  # as tpu.queued_create reads it
             for spec in ((body or {}).get("tpu") or {}).get("nodeSpec") or []:
-                pr.check_tpu_node(p["projectsId"], p["locationsId"], spec.get("node") or {}, spec.get("nodeId") or "")
+                node = spec.get("node") or {}
+                pr.check_tpu_node(p["projectsId"], p["locationsId"], node, spec.get("nodeId") or "")
+                pr.check_tpu_quota(p["projectsId"], p["locationsId"],
+                                   {**node, "schedulingConfig": {"spot": True}} if spot else node,
+                                   t.in_use(p["projectsId"], p["locationsId"]))
             return t.queued_create(p, q, body)
 
         def vm_insert(p, q, body):
@@ -241,6 +247,7 @@ class LocalCloud:
             "oslogin.users.getLoginProfile": pr.get_login_profile,
             "oslogin.users.importSshPublicKey": pr.import_ssh_public_key,
             "orgpolicy.projects.policies.getEffectivePolicy": pr.effective_policy,
+            "cloudquotas.projects.locations.services.quotaInfos.get": pr.quota_info_get,
             "cloudbilling.services.list": a.services_list, "cloudbilling.services.skus.list": a.skus_list,
         }
 

@@ -121,6 +121,12 @@ class TpuService:
             raise ApiError("NOT_FOUND", f"Resource '{name}' was not found")
         return rec
 
+    def in_use(self, project: str, zone: str) -> list[tuple[str, bool]]:
+        """(accelerator type, spot) of every node `project` holds in `zone`, for the quota check."""
+        with self.w.lock:
+            return [(rec["type"], rec["spot"]) for rec in self.nodes.values()
+                    if rec["project"] == project and rec["zone"] == zone]
+
     def view(self, rec: dict) -> dict:
         """The Node body a GET returns."""
         node = copy.deepcopy(rec["node"])
