@@ -503,7 +503,9 @@ class TpuService:
             if state == "DELETING":
                 raise ApiError("FAILED_PRECONDITION", f"Node {name} is being deleted.")
             if state in ("PREEMPTED", "STOPPED", "STOPPING"):
-                raise ApiError("FAILED_PRECONDITION", f"Node {name} cannot be updated in state {state}.")
+                # Google's words and code (3) as SkyPilot's GCP failover handler quotes them (README "Faults").
+                raise ApiError("INVALID_ARGUMENT", "Cloud TPU received a bad request. update is not supported while "
+                               f"in state {state}")
             if "metadata" in mask and rec.get("metadata_op") in self.ops and not self.ops[rec["metadata_op"]]["done"]:
                 raise ApiError("ABORTED", f"Node {name} has a metadata update in progress "
                                f"({rec['metadata_op'].rsplit('/', 1)[-1]}); retry after it finishes.")

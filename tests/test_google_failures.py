@@ -188,9 +188,11 @@ def test_a_preempted_node_refuses_updates_and_tpuctl_says_why(pc, cloud):
     prov.apply(pc, make_plan(pc, provisioning="spot"), deadline_s=FAST_DEADLINE)
     cloud.preempt(node_name(pc))
     wait_for(lambda: pc.tpu.get_node(name=node_name(pc)).state == tpu_v2.Node.State.PREEMPTED)
-    with pytest.raises(gexc.BadRequest):  # FAILED_PRECONDITION
+    with pytest.raises(gexc.BadRequest) as refused:  # code 3 INVALID_ARGUMENT, in Google's words
         pc.tpu.update_node(node=tpu_v2.Node(name=node_name(pc), metadata={"a": "b"}),
                            update_mask=field_mask_pb2.FieldMask(paths=["metadata"]))
+    assert "update is not supported while in state PREEMPTED" in refused.value.message
+    assert refused.value.response.json()["error"]["status"] == "INVALID_ARGUMENT"
     with pytest.raises(CapacityError) as e:
         prov.add_ssh_key(pc, "europe-west4-a", "run1", "me", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE me@laptop")
     assert "preempted" in e.value.message and "recreate" in e.value.hint
