@@ -161,7 +161,8 @@ class LocalCloud:
         """Set up `project` otherwise than fully (see `projects.SHAPE_OPTIONS`): `disabled_services`,
         `default_network=False`, `networks`, `subnetworks` ("REGION/NAME/NETWORK"), `compute_sa=False`,
         `service_accounts` (the only others that exist), `metadata` (project-wide, e.g. enable-oslogin),
-        `denied_permissions`, `external_ips_denied` (org policy constraints/compute.vmExternalIpAccess). Returns the project's shape. ValueError on unknown options."""
+        `denied_permissions`, `external_ips_denied` (org policy constraints/compute.vmExternalIpAccess), `tpu_quotas`
+        ({quota id: limit in every zone, or {zone: limit}}). Returns the project's shape. ValueError on unknown options."""
         return self.projects.shape(project, **options)
 
     def repair(self, node: str, state: str = "REPAIRING", seconds: float | None = None) -> None:

@@ -1,6 +1,6 @@
 """What a project is set up with, and the APIs that read it: Service Usage, Compute `projects`, `networks`,
-`subnetworks` and `globalOperations`, IAM `serviceAccounts.get`, Resource Manager `testIamPermissions`, and
-the OS Login API (login profiles and imported SSH keys).
+`subnetworks` and `globalOperations`, IAM `serviceAccounts.get`, Resource Manager `testIamPermissions`, the
+OS Login API (login profiles and imported SSH keys), and Cloud Quotas `quotaInfos.get` of TPU quota (quotas.py).
 
 A project localcloud was never told about is fully set up: every API enabled, an auto-mode `default` network
 with a `default` subnetwork in every region, the default compute service account, every permission held, OS

@@ -5,8 +5,8 @@ enforced at create, from the project's shape (`tpu_quotas`). localcloud's own ta
 - quota ids are TPU{GEN}[Serving][Preemptible][Pod]PerProjectPerZoneForTPUAPI, GEN V2s/V3s/V4s/V5sLitepod/
   V5P/V6E: spot and preemptible nodes draw on the Preemptible quota, v2/v3 single devices (-8) and pods have
   separate quotas, every v4 slice is a pod slice, v5e slices of 1, 4 or 8 chips draw on the Serving quota;
-- a node counts the number in its type's name: TensorCores for v2, v3, v4 and v5p, chips (one TensorCore
-  each) for v5e and v6e;
+- a node counts TensorCores for v2 and v3 (the number in its type's name), chips for v4 and v5p (half that
+  number) and for v5e and v6e (the number: one TensorCore each);
 - an unshaped project is fully set up, as everywhere in localcloud: every quota is GENEROUS (Google's own
   defaults are 16 on-demand and 48 preemptible TensorCores of v2-8/v3-8 and 0 of everything else).
 """
@@ -44,7 +44,10 @@ def known_ids() -> set[str]:
 
 
 def units(accelerator_type: str) -> int:
-    return int(accelerator_type.partition("-")[2])
+    """What a node counts against its quota: v2/v3 TensorCores (the number in the name), v4 and v5p chips (the
+    name counts TensorCores, two per chip), v5e/v6e chips (the number in the name)."""
+    prefix, _, size = accelerator_type.partition("-")
+    return int(size) // 2 if prefix in ("v4", "v5p") else int(size)
 
 
 def limit(shape: dict, quota: str, zone: str) -> int:
