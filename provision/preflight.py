@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 from google.api_core import exceptions as gexc
 
-from tpuctl.catalog import region_of
+from tpuctl.catalog import AcceleratorType, Catalog, region_of
 from tpuctl.errors import EXIT_BAD_INPUT, QUOTAS_PAGE, QuotaError, TpuctlError
 from tpuctl.provision import bucket, oslogin, waits
 from tpuctl.provision.clients import Clients
@@ -66,8 +66,8 @@ class PreflightFailed(TpuctlError):
     exit_code = EXIT_BAD_INPUT
 
 
-def tpu_quota_id(accelerator, spot: bool) -> str | None:
-    """The Cloud TPU API quota a slice of `accelerator` (catalog.AcceleratorType) draws on; None for types
+def tpu_quota_id(accelerator: AcceleratorType, spot: bool) -> str | None:
+    """The Cloud TPU API quota a slice of `accelerator` draws on; None for types
     provisioned through Compute Engine (TPU7x: their quota is Compute's)."""
     gen = _QUOTA_GEN.get(accelerator.generation)
     if gen is None or accelerator.api != "tpu-v2":
@@ -84,7 +84,7 @@ def tpu_quota_id(accelerator, spot: bool) -> str | None:
     return f"TPU{gen}{kind}PerProjectPerZoneForTPUAPI"
 
 
-def quota_units(accelerator) -> int:
+def quota_units(accelerator: AcceleratorType) -> int:
     """The least the slice can count against its quota. Google counts v2/v3 in TensorCores and v5e/v6e in
     chips (one core each); v4/v5p quota "can be specified in terms of chips or TensorCores", so the chips:
     a slice refused on this count is refused in either unit."""
@@ -114,7 +114,7 @@ class Target:
     queued: bool = False
     vms: bool = False
     internal_ips: bool = False
-    accelerator: object = None  # catalog.AcceleratorType; None: the TPU quota is not checked
+    accelerator: AcceleratorType | None = None  # None: the TPU quota is not checked
     zones: tuple[str, ...] = ()
     spot: bool = False
 
@@ -126,7 +126,7 @@ class Target:
                    spot=plan.spot)
 
     @classmethod
-    def of_spec(cls, spec, catalog) -> Target:
+    def of_spec(cls, spec, catalog: Catalog) -> Target:
         """What `tpuctl doctor` checks for a spec that was not planned (no accelerator: no quota check)."""
         known = spec.accelerator in {t.name for t in catalog.accelerators()}
         return cls(region=region_of(spec.zones[0]) if spec.zones else None, network=spec.network,
