@@ -4,15 +4,18 @@
 
 Each scenario picks a shape (single/multi-host, on-demand/spot/queued) and one fault schedule (capacity in
 some zones, 429 storms, 503s, operations that never finish, preemption mid-job, worker death, SSH drops,
-SIGINT/SIGTERM/kill -9 of `tpuctl up` or `tpuctl run` at a random phase), then cleans up with `down` or `gc`.
+SIGINT/SIGTERM/kill -9 of `tpuctl up` or `tpuctl run` at a random phase; Google's own shapes: stockouts as
+code 9 and 13, a bare TPU 429 and Compute's 403 quota, host maintenance mid-job, guest attributes empty or
+failing, a teammate's metadata update in flight (409), OS Login projects, a project with no TPU quota),
+then cleans up with `down` or `gc`.
 Afterwards it checks, from the local cloud's own inventory (`/_localcloud/status`):
 
 - leaked: a tpuctl resource of the scenario's run still present after the scenario's cleanup, or (after an
   exit 130) a resource the interrupted command promised to remove before any cleanup ran;
 - lost checkpoints: a checkpoint object seen in the bucket during the job missing at the end, or a resumed
   job restoring a step below the last checkpoint it had written (the step count went backwards);
-- wrong exit codes: the exit code (0 ok/recovered, 3 capacity, 130 interrupted, -9 killed) or the error
-  line does not match the injected fault. A create that never finishes, or a queued resource waiting for
+- wrong exit codes: the exit code (0 ok/recovered, 2 refused by the preflight, 3 capacity or quota, 130
+  interrupted, -9 killed) or the error line does not match the injected fault. A create that never finishes, or a queued resource waiting for
   capacity, is the user pressing Ctrl-C 1-3 s in (exit 130).
 
 The last four lines are `leaked: N`, `lost checkpoints: N`, `wrong exit codes: N`, `scenarios: N`.
