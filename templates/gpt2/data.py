@@ -1,7 +1,7 @@
 """The tf.data input pipeline: prepared blocks -> fixed-shape next-token batches.
 
-Shards are split per input pipeline, shuffled, read interleaved and batched with `drop_remainder`, as in
-bert/data.py. Each element: ({"input_ids": int32[B, L]}, labels int32[B, L], weights float32[B, L]) where
+Shards are split per input pipeline, shuffled, read interleaved and batched with `drop_remainder` by
+bert/data.py's `batches`. Each element: ({"input_ids": int32[B, L]}, labels int32[B, L], weights float32[B, L]) where
 labels are the ids shifted left by one and the last position (whose next token is in the next block) has
 weight 0: every block trains L-1 predictions with static shapes.
 """
