@@ -61,8 +61,8 @@ def test_a_user_template_trains_checkpoints_to_the_bucket_and_leaves_nothing_run
     assert _zero(cloud, project)
 
 
-@pytest.mark.parametrize("part", ["entry_module", "config", "outputs"])
-def test_a_user_template_missing_a_part_is_one_line_exit_2_creating_nothing(cloud, project, tmp_path, part):
+def test_a_user_template_missing_a_part_is_one_line_exit_2_creating_nothing(cloud, project, tmp_path):
+    part = "outputs"  # each part in-process: test_templates_contract.py; here, the CLI's answer
     _user_template(tmp_path, **{part: None})
     r = _tpuctl(cloud, tmp_path, project, "run", str(_spec(tmp_path, "bad-tpl")), "--yes")
     assert r.returncode == 2, r.stderr
@@ -87,3 +87,14 @@ def test_a_user_templates_config_check_runs_before_anything_is_created(cloud, pr
                 "--yes")
     assert r.returncode == 2 and r.stderr.startswith("error: job.config.trainer.max_stepz: unknown field"), r.stderr
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
+
+
+def test_templates_lists_a_user_template_with_its_presets():
+    from click.testing import CliRunner
+
+    from tpuctl.cli import cli
+
+    result = CliRunner().invoke(cli, ["templates", str(LINREG), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["preset"]: r for r in json.loads(result.output) if r["template"] == "linreg"}
+    assert set(rows) == {"small", "wide"} and rows["small"]["default"] and rows["small"]["entry"] == "linreg.train"
