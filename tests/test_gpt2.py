@@ -224,7 +224,7 @@ def test_gpt2_tiny_runs_end_to_end_on_the_local_cloud(cloud, tmp_path, monkeypat
     p = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
     o = p.run()
     assert o.state == "succeeded" and o.step == 20
-    metrics = json.loads(clients.storage.bucket(o.bucket).blob(f"runs/{p.run}/model/export/metrics.json")
+    metrics = json.loads(clients.storage.bucket(o.bucket).blob(f"runs/{p.plan.run}/model/export/metrics.json")
                          .download_as_text())
     assert p.plan.framework == metrics["backend"] == where.get("framework", "tensorflow"), metrics
     assert any(a.startswith("checkpoints/ckpt-20") for a in o.artifacts), o.artifacts
