@@ -2,7 +2,7 @@
 
 A template is a Python package directory. Its `template.json` declares every part the laptop side uses:
 
-    entry_module   the program the workers run: `python -m ENTRY --config CONFIG.json`
+    entry_module   the program the workers run: `python -m ENTRY --config CONFIG.json`, a module of this package
     presets        named shapes {"NAME": {"description", "task": {...}, "trainer": {...}}}
     config         the config schema: `validate` ("PKG.config:build", raises on a bad config), `default_preset`,
                    and optionally `parameters` ("PKG.config:parameter_count", preset -> weights, for listings)
