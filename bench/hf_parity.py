@@ -91,7 +91,9 @@ def keras_side(name: str, work: Path) -> dict:
     manifest = template.data.prepare([str(corpus)], data_dir,
                                      template.data.make_options(vocab_size=2000, seq_len=128, **data_options))
     preset = template.default_preset
-    task = task_mod.build({"preset": preset, "task": {"vocab_size": manifest.vocab_size}}).task
+    # BERT's head gathers `max_predictions_per_seq` positions: all of them here, for logits at every position.
+    every = {"max_predictions_per_seq": 128} if template_name == "bert" else {}
+    task = task_mod.build({"preset": preset, "task": {"vocab_size": manifest.vocab_size, **every}}).task
     keras.config.set_dtype_policy("float32")
     model = model_mod.build_model(task, vocab_size=manifest.vocab_size)
     randomize(model, seed=len(name))
@@ -117,6 +119,7 @@ def keras_side(name: str, work: Path) -> dict:
         batch[0, : len(first)] = first
         mask[0, len(first):] = 0
         inputs["input_mask"] = mask
+        inputs["masked_positions"] = np.tile(np.arange(L, dtype="int32"), (2, 1))
     logits = np.asarray(model(inputs, training=False), dtype="float32")
     np.savez(case / "keras.npz", input_ids=batch, attention_mask=mask, logits=logits)
     return {"case": name, "template": template_name, "export_dir": str(out), "files": files, "ids": ids,

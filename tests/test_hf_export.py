@@ -27,7 +27,9 @@ pytestmark = [pytest.mark.tf, pytest.mark.timeout(300)]
 
 TEXTS = ["Hello World! The Café on Main St. opened in 1999; naïve Déjà vu.",
          "안녕하세요 세계 katori nemo — UPPER lower MiXeD ÀÉÎÕÜ straße,  double  spaces."]
-TASKS = {"bert": {"seq_len": 128, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
+# BERT's head gathers `max_predictions_per_seq` positions: all of them here, for logits at every position.
+TASKS = {"bert": {"seq_len": 128, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
+                  "max_predictions_per_seq": 128},
          "gpt2": {"seq_len": 32, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}}
 
 
@@ -75,6 +77,7 @@ def trained(request, corpus, tmp_path_factory) -> dict:
     if name == "bert":
         mask[1, task.seq_len // 3:] = 0  # a padded tail
         inputs["input_mask"] = mask
+        inputs["masked_positions"] = np.tile(np.arange(task.seq_len, dtype="int32"), (2, 1))
     logits = np.asarray(model(inputs, training=False))
     return {"name": name, "template": template, "model_dir": model_dir, "data_dir": data_dir, "task": asdict(task),
             "manifest": manifest, "ids": ids, "mask": mask, "logits": logits}
