@@ -168,7 +168,7 @@ def test_gpt2_tiny_runs_end_to_end_on_the_local_cloud(cloud, tmp_path, monkeypat
     raw["job"]["data"] = {"corpus": [str(REPO / "examples" / "data" / "*.txt")], "vocab_size": 2000}
     raw["job"]["config"] = {"trainer": {"max_steps": 20, "checkpoint_every": 10}}
     spec = spec_mod.from_mapping(raw)
-    o = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False).run()
+    o = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0)).run()
     assert o.state == "succeeded" and o.step == 20
     assert any(a.startswith("checkpoints/ckpt-20") for a in o.artifacts), o.artifacts
     assert {"export/model.keras", "export/vocab.json", "export/merges.txt", "export/metrics.json"} <= set(o.artifacts)

@@ -33,7 +33,7 @@ def test_jax_on_a_2_host_v5e_slice_trains_on_both_hosts_and_resumes_after_preemp
                                        "steps_per_execution": 10, "warmup_steps": 5, "per_replica_batch_size": 8,
                                        "shuffle_buffer": 256}},
                 "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     assert (p.spec.job.framework, p.spec.runtime_version) == ("jax", None)
     preempted = threading.Event()
 

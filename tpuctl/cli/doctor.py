@@ -41,7 +41,7 @@ def doctor(ctx, spec_file, cloud, project, zone, network, subnet, service_accoun
     target = preflight.Target(region=region_of(spec.zones[0]) if spec.zones else None, network=spec.network,
                               subnet=spec.subnet, service_account=spec.service_account,
                               queued=spec.provisioning == "queued", vms=bool(spec.vms), internal_ips=spec.internal_ips)
-    clients = prov.connect(config.ensure_endpoint(settings))
+    clients = prov.connect(config.ensure_endpoint(settings, on_event=console.report))
     checks = preflight.checks(clients, target)
     ok = all(c.ok for c in checks)
     if as_json:

@@ -25,7 +25,7 @@ def _cloud_options(f):
 def _clients(project: str | None, cloud: str | None):
     from tpuctl import provision
 
-    return provision.connect(config.settings(project=project, cloud=cloud))
+    return provision.connect(config.settings(project=project, cloud=cloud, on_event=console.report))
 
 
 def _summary(o) -> None:
@@ -62,7 +62,8 @@ def _summary(o) -> None:
 @click.option("--framework", type=click.Choice(("auto", "tensorflow", "jax")),
               help="job.framework (auto: TensorFlow where Google ships it and the template offers it, else JAX)")
 @click.option("--dry-run", is_flag=True, help="validate and show the plan; create nothing")
-@click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
+@click.option("--json", "as_json", is_flag=True,
+              help="print each event, then the summary, as one JSON object per line on stdout")
 @_cloud_options
 def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, migrate,
                 framework, dry_run, as_json, cloud, project) -> None:
@@ -83,40 +84,54 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
                       delete_bucket=delete_bucket, max_recoveries=max_recoveries, dry_run=dry_run, poll_s=poll_s)
     if not attach and not dry_run:
         console.can_confirm(yes=yes, to="create the run's resources")  # before the local cloud even starts
-    if attach:
-        pipeline = Pipeline(_clients(project, cloud), options=opts)
-        outcome = pipeline.attach()
-    else:
+    lines = console.JsonLines() if as_json else None
+    with console.Board(f"tpuctl run {attach or spec_file}") as board:
+        on_event = console.tee(board, lines)
+
+        def confirm(plan) -> bool:
+            with board.paused():  # the question needs the terminal the live view is drawing on
+                return console.confirm(f"create {plan.accelerator.name} for run {plan.run} at "
+                                       f"~${plan.price_per_hour:.2f}/h (torn down when the job ends)?",
+                                       yes=yes, to=f"create run {plan.run}")
+
+        if attach:
+            pipeline = Pipeline(_clients(project, cloud), options=opts, on_event=on_event)
+            try:
+                pipeline.attach()
+            finally:
+                _finish(pipeline.outcome, lines)
+            return
         from tpuctl import provision
         from tpuctl import spec as spec_mod
 
         # Flags > TPUCTL_* env > spec file > user config > gcloud config > defaults, as for `up`.
         merged, sources = config.layered({"name": name, "project": project}, spec_mod.read_file(spec_file))
-        spec = spec_mod.with_framework(spec_mod.from_mapping(merged, migrate=migrate), framework)
-        settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=not dry_run)
+        spec = spec_mod.with_framework(spec_mod.from_mapping(merged, migrate=migrate, on_event=on_event), framework)
+        settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=not dry_run,
+                                   on_event=on_event)
         clients = None if dry_run else provision.connect(settings)
         pipeline = Pipeline(clients, spec, project=settings.project, spec_dir=Path(spec_file).resolve().parent,
-                            options=opts)
+                            options=opts, on_event=on_event, confirm=confirm)
         try:
             outcome = pipeline.run()
         finally:
-            if as_json:
-                console.emit_json(pipeline.outcome.as_dict())
-            elif pipeline.outcome.state != "planned":
-                _summary(pipeline.outcome)
-        if dry_run and not as_json:
-            plan = pipeline.plan
-            console.table(("step", "kind", "name", "where", "$/h"),
-                          [(s.key, s.kind.value, s.name, s.location, f"{s.price_per_hour:.2f}" if s.price_per_hour else "-")
-                           for s in plan.steps], title=f"plan for run {plan.run} ({settings.target})"
-                          + (f": {plan.framework} on {plan.runtime_version}" if plan.framework else ""))
-        elif outcome.state == "detached":
-            console.info(f"detached: follow with `tpuctl logs {outcome.run} -f`; finish with "
-                         f"`tpuctl run --attach {outcome.run}` (or `tpuctl gc` tears it down when it ends)")
-        return
-    if as_json:
-        console.emit_json(outcome.as_dict())
-    else:
+            _finish(pipeline.outcome, lines)
+    if dry_run and not as_json:
+        plan = pipeline.plan
+        console.table(("step", "kind", "name", "where", "$/h"),
+                      [(s.key, s.kind.value, s.name, s.location, f"{s.price_per_hour:.2f}" if s.price_per_hour else "-")
+                       for s in plan.steps], title=f"plan for run {plan.run} ({settings.target})"
+                      + (f": {plan.framework} on {plan.runtime_version}" if plan.framework else ""))
+    elif outcome.state == "detached":
+        console.info(f"detached: follow with `tpuctl logs {outcome.run} -f`; finish with "
+                     f"`tpuctl run --attach {outcome.run}` (or `tpuctl gc` tears it down when it ends)")
+
+
+def _finish(outcome, lines: console.JsonLines | None) -> None:
+    """The summary, whatever happened: the last JSON line with --json, else a few lines on stderr."""
+    if lines is not None:
+        lines.summary(outcome.as_dict())
+    elif outcome.state != "planned":
         _summary(outcome)
 
 
@@ -162,7 +177,7 @@ def ssh_command(run, worker, command, cloud, project) -> None:
     prefix = len(targets) > 1
 
     async def go():
-        async with Fleet(targets, key) as fleet:
+        async with Fleet(targets, key, on_event=console.report) as fleet:
             return await fleet.run_all(lambda t: line)
 
     results = asyncio.run(go())
@@ -223,7 +238,7 @@ def logs_command(run, follow, worker, cloud, project) -> None:
         return
 
     async def go():
-        async with Fleet(targets, key) as fleet:
+        async with Fleet(targets, key, on_event=console.report) as fleet:
             _require_job(run, await launch.poll(fleet, run))
             await logs.follow(fleet, run, sink, follow=follow)
 
@@ -284,7 +299,7 @@ def job_status(run, as_json, cloud, project) -> None:
         _, key, targets = _fleet_for(clients, run, None)
 
         async def go():
-            async with Fleet(targets, key, deadline_s=30) as fleet:
+            async with Fleet(targets, key, deadline_s=30, on_event=console.report) as fleet:
                 return await launch.poll(fleet, run)
 
         doc["workers"] = [s.__dict__ for s in asyncio.run(go())]
@@ -318,7 +333,7 @@ def job_cancel(run, as_json, cloud, project) -> None:
     where, key, targets = _fleet_for(clients, run, None)
 
     async def go():
-        async with Fleet(targets, key, deadline_s=60) as fleet:
+        async with Fleet(targets, key, deadline_s=60, on_event=console.report) as fleet:
             before = await launch.poll(fleet, run)
             _require_job(run, before)
             live = [s.index for s in before if s.state in ("running", "unreachable")]
@@ -329,7 +344,8 @@ def job_cancel(run, as_json, cloud, project) -> None:
     before, live = asyncio.run(go())
     record = (cluster.read_status(clients, where.bucket, run) if where.bucket else None) or {}
     if live and where.bucket:
-        record = cluster.update_status(clients, where.bucket, run, state="cancelled", recovering=False)
+        record = cluster.update_status(clients, where.bucket, run, state="cancelled", recovering=False,
+                                       on_event=console.report)
     state = "cancelled" if live else record.get("state", "ended")
     if as_json:
         console.emit_json({"run": run, "state": state, "cancelled_workers": live,
