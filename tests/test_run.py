@@ -257,7 +257,7 @@ def test_killed_launcher_leaves_the_job_running_and_attach_finishes_it(tpc, clou
     attach = _start(cloud, tmp_path, project, "run", "--attach", "det-run", "--json", "--poll", "0.5")
     out, err = attach.communicate(timeout=120)
     assert attach.returncode == 0, err
-    summary = json.loads(out)
+    summary = json.loads(out.splitlines()[-1])  # after the events
     assert summary["state"] == "succeeded" and summary["step"] == 40
     assert _zero(cloud, project)
     assert "step=40 " in _text(tpc, summary["bucket"], "runs/det-run/logs/worker-3.log")

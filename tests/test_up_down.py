@@ -85,7 +85,7 @@ def test_up_status_list_down(env, pc):
     assert "r1" in text.stdout and "europe-west4-a" in text.stdout
 
     again = tpuctl(env, *UP, "--spot", "--json")  # idempotent: adopts everything
-    assert again.returncode == 0 and json.loads(again.stdout)["created"] == []
+    assert again.returncode == 0 and json.loads(again.stdout.splitlines()[-1])["created"] == []  # events, then it
 
     no = tpuctl(env, "down", "r1")  # no TTY and no --yes: refuses, deletes nothing
     assert no.returncode == 2 and len(everything(pc)) == 2
