@@ -259,8 +259,8 @@ class Pipeline:
 
     def _report_cost(self) -> None:
         """An estimate while resources are up (the plan's price x time since up); teardown reports the
-        ledger's figure."""
-        if self._up_started is not None and self.outcome.price_per_hour is not None:
+        ledger's figure, and after it nothing bills."""
+        if self._up_started is not None and self.delete_requested_at is None and self.outcome.price_per_hour is not None:
             usd = self.outcome.price_per_hour * (time.time() - self._up_started) / 3600
             self.emit(ev.CostAccrued(round(usd, 4), self.outcome.price_per_hour))
 

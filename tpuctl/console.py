@@ -135,7 +135,7 @@ class Board:
     On a TTY: a live table of each resource's state, each worker's step, loss and examples/s, and a footer
     with the phase, elapsed time, cost so far and an ETA from the step rate; log lines, notes and warnings
     print above it. Otherwise one plain line per change (a resource's new state, a phase, a log line), never
-    a line that only says time passed, so logs and cron mails stay readable.
+    a line that only says time passed or a detail changed, so logs and cron mails stay readable.
     """
 
     def __init__(self, title: str):
@@ -192,7 +192,8 @@ class Board:
             self._resources[event.key] = (event.state, event.detail, since)
             if self._billing_since is None:
                 self._billing_since = event.at
-            if self._live is not None or (previous is not None and previous[:2] == (event.state, event.detail)):
+            # A new detail in the same state ("requested", "3/4 hosts") updates the live table only.
+            if self._live is not None or (previous is not None and previous[0] == event.state):
                 return None
             return lambda e: info(f"{e.key}: {e.state}{f' ({e.detail})' if e.detail else ''} "
                                   f"[{time.monotonic() - since:.0f}s]")
