@@ -11,13 +11,15 @@ The Google client libraries load on first use (seconds), not on `import tpuctl`.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from tpuctl import config, ledger
 from tpuctl import spec as spec_mod
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from tpuctl.provision import ApplyResult, Clients, DownResult, Plan, RunStatus
     from tpuctl.provision.gc import Action, GcResult
 
+T = TypeVar("T")
 SpecLike = Union[str, "os.PathLike[str]", Mapping[str, Any], spec_mod.RunSpec]
 
 
@@ -134,31 +137,56 @@ def run(spec: SpecLike, *, on_event: EventSink | None = None, cancel: threading.
     from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
     r = resolve(spec, cloud=cloud, on_event=on_event or ignore)
+    cancel = cancel or threading.Event()
     options = RunOptions(name=name, yes=confirm is None, download=Path(download) if download else None,
                          delete_bucket=delete_bucket, max_recoveries=max_recoveries, poll_s=poll_s, cancel=cancel)
     pipeline = Pipeline(provision.connect(r.settings), r.spec, project=r.settings.project, spec_dir=r.spec_dir,
                         options=options, on_event=on_event, confirm=confirm)
     try:
-        return pipeline.run()
+        return _outside_event_loop(pipeline.run, cancel)
     except TpuctlError as exc:
         exc.outcome = pipeline.outcome  # type: ignore[attr-defined]  # the phases, steps and cost so far
         raise
+
+
+def _outside_event_loop(fn: Callable[[], T], cancel: threading.Event) -> T:
+    """`fn()`, in a thread of its own when this one runs an event loop: Jupyter's kernel does, and the run's
+    SSH fleet needs an `asyncio.run` of its own, which cannot nest. Ctrl-C (interrupt the kernel) then sets
+    `cancel`, and the run tears down before the interrupt is raised."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return fn()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpuctl-run") as pool:
+        future = pool.submit(fn)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            cancel.set()
+            return future.result()
 
 
 def _run_name(run: Run | str) -> str:
     return run.name if isinstance(run, Run) else run
 
 
+def _clients_for(run: Run | str | None, project: str | None, cloud: str | None, on_event: EventSink) -> Clients:
+    """A Run knows its project and target; a name is looked up where `project`/`cloud` resolve to."""
+    if isinstance(run, Run):
+        return connect(run.project, run.target, on_event=on_event)
+    return connect(project, cloud, on_event=on_event)
+
+
 def down(run: Run | str, *, delete_bucket: bool = False, on_event: EventSink | None = None,
          project: str | None = None, cloud: str | None = None) -> DownResult:
     """Delete every resource of `run` (the bucket too with `delete_bucket`) and verify none remain. Blocks;
-    idempotent. A Run carries its project; a name uses `project` or the resolved default."""
+    idempotent. A Run carries its project and target; a name uses `project`/`cloud` or the resolved ones."""
     from tpuctl.provision import labels
 
     name = _run_name(run)
     labels.check_name(name, field="run")
     sink = on_event or ignore
-    clients = connect(run.project if isinstance(run, Run) else project, cloud, on_event=sink)
+    clients = _clients_for(run, project, cloud, sink)
     return delete_run(clients, name, delete_bucket=delete_bucket, on_event=sink)
 
 
@@ -168,7 +196,7 @@ def status(run: Run | str | None = None, *, project: str | None = None,
     from tpuctl import catalog, cost, provision
 
     prices = catalog.load()
-    clients = connect(run.project if isinstance(run, Run) else project, cloud)
+    clients = _clients_for(run, project, cloud, ignore)
     return provision.status(clients, None if run is None else _run_name(run),
                             price=lambda r: cost.hourly(ledger.entry_of(r), prices))
 
