@@ -149,18 +149,18 @@ class Board:
         self._price: float | None = None
         self._cost: ev.CostAccrued | None = None
         # Re-entrant: a signal handler in the main thread may report while that thread is inside a report.
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # guards the state above; held only to read or change it
         self._live: Live | None = None
 
     def __enter__(self) -> Board:
         if interactive():
-            self._live = Live(self._render(), console=err, refresh_per_second=4, transient=False)
+            # get_renderable: each refresh redraws from the current state, so elapsed times tick between events.
+            self._live = Live(console=err, get_renderable=self._render, refresh_per_second=4, transient=False)
             self._live.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         if self._live is not None:
-            self._live.update(self._render())
             self._live.__exit__(*exc)
             self._live = None
 
@@ -177,12 +177,13 @@ class Board:
                 live.start()
 
     def __call__(self, event: ev.Event) -> None:
+        # Print and redraw outside our lock: rich's refresh thread takes its own lock, then ours (in _render).
         with self._lock:
             line = self._apply(event)
-            if line is not None:
-                line(event)
-            if self._live is not None:
-                self._live.update(self._render())
+        if line is not None:
+            line(event)
+        if self._live is not None:
+            self._live.refresh()
 
     def _apply(self, event: ev.Event) -> Callable[[ev.Event], None] | None:
         """Update the state from `event`; return how to print it as a line, if it deserves one."""
