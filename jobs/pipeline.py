@@ -588,8 +588,7 @@ class Pipeline:
         if self.opts.dry_run:
             return self.outcome
         if not self.opts.yes and not (self.confirm is not None and self.confirm(self.plan)):
-            raise BadInput(f"run {self.plan.run} was not confirmed; nothing was created", field="yes",
-                           hint="confirm it, or pass yes (--yes)")
+            raise BadInput(f"run {self.plan.run} was not confirmed; nothing was created", field="confirm")
         return self._drive(fresh=True)
 
     def attach(self) -> Outcome:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from test_run import REPO, _env, _spec, _spec_file, _zero, project  # noqa: F401 - `project` is a fixture
+from test_run import REPO, _buckets, _env, _spec, _spec_file, _zero, project  # noqa: F401 - `project` is a fixture
 import tpuctl
 from tpuctl import events as ev
-from tpuctl.errors import Interrupted
+from tpuctl.errors import BadInput, Interrupted
 
 # The library: everything but the CLI and the one module that renders for it.
 LIBRARY = ("provision", "jobs", "templates", "tpuctl")
@@ -128,6 +128,14 @@ def test_run_from_python_reports_typed_events_in_order(cloud, api_env):
     assert not [e for e in seen if isinstance(e, ev.WorkerLog) and e.worker and e.line.startswith("step=")]
     final = [e for e in seen if isinstance(e, ev.CostAccrued)][-1]
     assert final.final and final.usd == outcome.cost_usd
+
+
+def test_a_run_its_caller_does_not_confirm_creates_nothing(cloud, api_env):
+    plans = []
+    with pytest.raises(BadInput, match="not confirmed"):
+        tpuctl.run(_spec("lib-no"), confirm=lambda plan: plans.append(plan) or False)
+    assert [p.run for p in plans] == ["lib-no"]
+    assert _zero(cloud, api_env) and _buckets(cloud, api_env) == []
 
 
 def test_cancelling_a_python_run_mid_training_tears_it_down(cloud, api_env):

@@ -123,7 +123,7 @@ def up(spec: SpecLike, *, on_event: EventSink | None = None, cloud: str | None =
 
 
 def run(spec: SpecLike, *, on_event: EventSink | None = None, cancel: threading.Event | None = None,
-        confirm: Callable[[Plan], bool] | None = None, cloud: str | None = None, name: str | None = None,
+        confirm: Callable[[Plan], bool] | None = None, cloud: str | None = None,
         download: str | os.PathLike[str] | None = None, delete_bucket: bool = False,
         max_recoveries: int | None = None, poll_s: float = 2.0) -> Outcome:
     """Train the spec's job end to end (up, data, ship, train, collect) and tear the TPU and VMs down,
@@ -138,7 +138,7 @@ def run(spec: SpecLike, *, on_event: EventSink | None = None, cancel: threading.
 
     r = resolve(spec, cloud=cloud, on_event=on_event or ignore)
     cancel = cancel or threading.Event()
-    options = RunOptions(name=name, yes=confirm is None, download=Path(download) if download else None,
+    options = RunOptions(yes=confirm is None, download=Path(download) if download else None,
                          delete_bucket=delete_bucket, max_recoveries=max_recoveries, poll_s=poll_s, cancel=cancel)
     pipeline = Pipeline(provision.connect(r.settings), r.spec, project=r.settings.project, spec_dir=r.spec_dir,
                         options=options, on_event=on_event, confirm=confirm)
