@@ -501,7 +501,7 @@ def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
                          env={**env, "TPUCTL_HOME": str(tmp_path / "home"), "HOME": str(tmp_path), "NO_COLOR": "1"},
                          capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0, dry.stderr
-    assert json.loads(dry.stdout)["state"] == "planned"
+    assert json.loads(dry.stdout.splitlines()[-1])["state"] == "planned"  # the summary, after the events
     monkeypatch.chdir(elsewhere)  # a relative path means the spec's directory even where the cwd has a match
     assert _corpus_path("data/*.txt", example.parent) == str(example.parent / "data" / "*.txt")
 

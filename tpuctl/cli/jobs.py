@@ -85,22 +85,19 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
     if not attach and not dry_run:
         console.can_confirm(yes=yes, to="create the run's resources")  # before the local cloud even starts
     lines = console.JsonLines() if as_json else None
-    with console.Board(f"tpuctl run {attach or spec_file}") as board:
-        on_event = console.tee(board, lines)
+    board = console.Board(f"tpuctl run {attach or spec_file}")
+    on_event = console.tee(board, lines)
 
-        def confirm(plan) -> bool:
-            with board.paused():  # the question needs the terminal the live view is drawing on
-                return console.confirm(f"create {plan.accelerator.name} for run {plan.run} at "
-                                       f"~${plan.price_per_hour:.2f}/h (torn down when the job ends)?",
-                                       yes=yes, to=f"create run {plan.run}")
+    def confirm(plan) -> bool:
+        with board.paused():  # the question needs the terminal the live view is drawing on
+            return console.confirm(f"create {plan.accelerator.name} for run {plan.run} at "
+                                   f"~${plan.price_per_hour:.2f}/h (torn down when the job ends)?",
+                                   yes=yes, to=f"create run {plan.run}")
 
-        if attach:
-            pipeline = Pipeline(_clients(project, cloud), options=opts, on_event=on_event)
-            try:
-                pipeline.attach()
-            finally:
-                _finish(pipeline.outcome, lines)
-            return
+    if attach:
+        pipeline = Pipeline(_clients(project, cloud), options=opts, on_event=on_event)
+        go = pipeline.attach
+    else:
         from tpuctl import provision
         from tpuctl import spec as spec_mod
 
@@ -112,10 +109,12 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
         clients = None if dry_run else provision.connect(settings)
         pipeline = Pipeline(clients, spec, project=settings.project, spec_dir=Path(spec_file).resolve().parent,
                             options=opts, on_event=on_event, confirm=confirm)
-        try:
-            outcome = pipeline.run()
-        finally:
-            _finish(pipeline.outcome, lines)
+        go = pipeline.run
+    try:
+        with board:
+            outcome = go()
+    finally:  # after the live view ended, so the summary is the last thing on the terminal
+        _finish(pipeline.outcome, lines)
     if dry_run and not as_json:
         plan = pipeline.plan
         console.table(("step", "kind", "name", "where", "$/h"),
