@@ -146,7 +146,8 @@ def test_failure_before_launch_removes_the_bucket_it_created_and_keeps_an_adopte
 def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("pre-run", trainer={"max_steps": 40, "checkpoint_every": 5,
                                                            "step_seconds": 0.1}))
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
+    seen: list = []
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), on_event=seen.append)
     preempted = threading.Event()
 
     def preempt_at_step_12():
@@ -164,6 +165,11 @@ def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
         preempted.set()
     assert o.state == "succeeded" and o.recoveries == 1 and o.step == 40
     assert _zero(cloud, project)
+    from tpuctl import events
+
+    recovery = [(e.type, e.attempt) for e in seen if isinstance(e, (events.RecoveryStarted, events.RecoveryEnded))]
+    assert recovery == [("recovery_started", 1), ("recovery_ended", 1)]
+    assert [e for e in seen if isinstance(e, events.RecoveryEnded)][0].ok
     log = _text(tpc, o.bucket, "runs/pre-run/logs/worker-0.log")
     restored = [int(line.split("=")[1]) for line in log.splitlines() if line.startswith("restored step=")]
     assert restored and restored[0] >= 10, log[:500]
