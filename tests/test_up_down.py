@@ -85,7 +85,10 @@ def test_up_status_list_down(env, pc):
     assert "r1" in text.stdout and "europe-west4-a" in text.stdout
 
     again = tpuctl(env, *UP, "--spot", "--json")  # idempotent: adopts everything
-    assert again.returncode == 0 and json.loads(again.stdout.splitlines()[-1])["created"] == []  # events, then it
+    records = [json.loads(line) for line in again.stdout.splitlines()]  # the events, then the result
+    assert again.returncode == 0 and records[-1]["type"] == "summary" and records[-1]["created"] == []
+    assert {r["key"] for r in records if r["type"] == "resource" and r["state"] == "ready"} >= {
+        "tpu/europe-west4-a/r1"}
 
     no = tpuctl(env, "down", "r1")  # no TTY and no --yes: refuses, deletes nothing
     assert no.returncode == 2 and len(everything(pc)) == 2
