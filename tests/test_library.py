@@ -174,3 +174,18 @@ def test_cli_run_json_is_one_event_per_line_and_plain_progress_never_repeats_a_s
     states = re.findall(r"^(\S+/\S+): (\w+)", r.stderr, flags=re.M)
     assert states and len(states) == len(set(states)), r.stderr
     assert ("==> train" in r.stderr) and "[w0] step=15 " in r.stderr
+
+
+def test_on_a_terminal_run_asks_then_shows_a_live_board(cloud, project, tmp_path):
+    from test_up_down import _on_a_terminal
+
+    spec = _spec_file(tmp_path, _spec("board-run", accelerator="v3-8"))
+    env = {k: v for k, v in _env(cloud, tmp_path, project).items() if k != "NO_COLOR"}
+    code, text = _on_a_terminal({**env, "TERM": "xterm-256color", "COLUMNS": "160"}, "run", str(spec),
+                                "--poll", "0.5", answer="y", timeout=240)
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+    assert code == 0, plain[-3000:]
+    assert "for run board-run at" in plain and "[y/N]" in plain  # the question, with the live view paused
+    assert "worker 0" in plain and "step 15" in plain and "examples/s" in plain, plain[-3000:]
+    assert "phase train" in plain and "cost " in plain and "ETA" in plain
+    assert "run board-run: succeeded" in plain and _zero(cloud, project)
