@@ -138,6 +138,25 @@ def test_a_run_its_caller_does_not_confirm_creates_nothing(cloud, api_env):
     assert _zero(cloud, api_env) and _buckets(cloud, api_env) == []
 
 
+def test_up_status_gc_down_from_python(cloud, api_env):
+    seen: list[ev.Event] = []
+    run = tpuctl.up({"name": "lib-up", "zone": "us-central1-a", "accelerator": "v3-8"}, on_event=seen.append)
+    assert run.project == api_env and run.target == "local" and len(run.workers) == 1
+    assert {e.key for e in seen if isinstance(e, ev.ResourceChanged) and e.state == "ready"} >= {
+        "tpu/us-central1-a/lib-up", f"bucket/us-central1/{run.bucket}"}
+    assert [s.state_text for s in tpuctl.status(run)] == ["ready"]
+
+    # Over a (tiny) budget, the run is what gc would delete; a dry run deletes nothing.
+    result = tpuctl.gc(dry_run=True, budget_usd=1e-9)
+    assert {(o.action.run, o.action.verdict, o.record()["status"]) for o in result.outcomes
+            if o.action.resource.kind.value == "tpu"} == {("lib-up", "delete", "would-delete")}
+    assert not _zero(cloud, api_env)
+
+    gone = tpuctl.down(run, delete_bucket=True)
+    assert {r.name for r in gone.deleted} >= {"lib-up", run.bucket} and not gone.kept
+    assert _zero(cloud, api_env) and _buckets(cloud, api_env) == []
+
+
 def test_cancelling_a_python_run_mid_training_tears_it_down(cloud, api_env):
     cancel = threading.Event()
     seen: list[ev.Event] = []
