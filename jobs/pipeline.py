@@ -98,16 +98,26 @@ class Outcome:
 
 class _Serialized:
     """The caller's event sink, called by one thread at a time: provisioning and log streams report from
-    several, and a notebook's callback should not have to lock."""
+    several, and a notebook's callback should not have to lock.
+
+    A sink that raises is not called again and its exception is kept in `failure`: raised where it happened
+    (a log stream, a provisioning thread) it would be lost or taken for a cloud failure; the pipeline raises
+    it at its next check instead, and still tears down."""
 
     def __init__(self, sink: ev.EventSink):
         self._sink = sink
         # Re-entrant: teardown's signal handler reports from the main thread, which may be inside a report.
         self._lock = threading.RLock()
+        self.failure: Exception | None = None
 
     def __call__(self, event: ev.Event) -> None:
         with self._lock:
-            self._sink(event)
+            if self.failure is not None:
+                return
+            try:
+                self._sink(event)
+            except Exception as exc:  # noqa: BLE001 - see the class docstring
+                self.failure = exc
 
 
 def _number(text: str | None, previous: float | None) -> float | None:
@@ -256,6 +266,9 @@ class Pipeline:
     def _check_cancel(self) -> None:
         if self.cancel.is_set():
             raise Interrupted(f"run {self.run_name}: cancelled")
+        if self.emit.failure is not None:
+            raise TpuctlError(f"run {self.run_name}: the on_event callback failed: {self.emit.failure!r}",
+                              hint="fix the callback; the run was torn down") from self.emit.failure
 
     def _report_cost(self) -> None:
         """An estimate while resources are up (the plan's price x time since up); teardown reports the
@@ -432,8 +445,8 @@ class Pipeline:
             unreachable = 0
             try:
                 while True:
-                    if self.cancel.is_set():
-                        return "cancelled", None
+                    if self.cancel.is_set() or self.emit.failure is not None:
+                        return "stopped", None
                     node = await asyncio.to_thread(cluster.node_state, self.clients, rec.zone, rec.node)
                     if node is None or node.state is not State.READY:
                         self.emit(ev.Warn(f"TPU node {rec.node} is {'gone' if node is None else node.state.value}"))

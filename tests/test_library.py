@@ -176,6 +176,18 @@ def test_cancelling_a_python_run_mid_training_tears_it_down(cloud, api_env):
     assert max(e.step for e in seen if isinstance(e, ev.Metrics)) < 2000
 
 
+def test_a_failing_callback_stops_the_run_and_it_still_tears_down(cloud, api_env):
+    def on_event(e: ev.Event) -> None:
+        if isinstance(e, ev.Metrics) and e.step >= 3:
+            raise ZeroDivisionError("the notebook's bug")
+
+    spec = _spec("lib-badcb", accelerator="v3-8", trainer={"max_steps": 2000, "step_seconds": 0.05})
+    with pytest.raises(tpuctl.errors.TpuctlError, match="on_event callback failed.*the notebook's bug") as info:
+        tpuctl.run(spec, on_event=on_event, poll_s=0.3)
+    assert info.value.outcome.state == "failed" and (info.value.outcome.step or 0) < 2000
+    assert _zero(cloud, api_env)
+
+
 def test_cli_run_json_is_one_event_per_line_and_plain_progress_never_repeats_a_state(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("ndjson-run", accelerator="v3-8"))
     r = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes", "--json", "--poll", "0.5"],

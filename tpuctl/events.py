@@ -4,8 +4,9 @@ The library never prints, prompts or imports a terminal library. Each long opera
 callback (`EventSink`) and calls it with one of the frozen dataclasses below; the CLI renders them (a live board
 on a terminal, plain lines otherwise, NDJSON with `--json`), a notebook or a scheduler does what it likes.
 A sink is called synchronously, so it must return quickly; `tpuctl.run` serialises the calls (never two at
-once), although they may come from the library's worker threads. A sink must not raise: the library
-does not guard its steps against a failing callback.
+once), although they may come from the library's worker threads. A sink should not raise; if it does,
+`tpuctl.run` calls it no more, stops at its next check and tears down (raising TpuctlError from it), and
+`up`/`down` fail the step that reported.
 
 Wire format (`Event.to_json()`, one JSON object per line with `tpuctl run|up|down --json`): every object
 has `v` (the schema version, `SCHEMA_VERSION`), `type` (below), `at` (Unix seconds) and the event's own
