@@ -53,11 +53,10 @@ class Run:
 class Resolved:
     spec: spec_mod.RunSpec
     settings: config.Settings
-    spec_dir: Path  # where relative paths in the spec (corpus files, a template directory) are looked up
+    spec_dir: Path  # where relative paths in the spec are looked up: its file's directory, else the cwd
 
 
-def resolve(spec: SpecLike, *, cloud: str | None = None, start_local: bool = True,
-            on_event: EventSink = ignore) -> Resolved:
+def resolve(spec: SpecLike, *, cloud: str | None = None, on_event: EventSink = ignore) -> Resolved:
     """The spec (a YAML path, a mapping or a RunSpec) merged with env and config as the CLI merges it, and
     the target. Blocks only to start the embedded local cloud when it is the target and not running."""
     if isinstance(spec, spec_mod.RunSpec):
@@ -68,8 +67,7 @@ def resolve(spec: SpecLike, *, cloud: str | None = None, start_local: bool = Tru
         merged, sources = config.layered({}, raw)
         run_spec = spec_mod.from_mapping(merged, on_event=on_event)
         spec_dir = Path(spec).resolve().parent if is_path else Path.cwd()
-    settings = config.settings(project=run_spec.project, cloud=cloud, sources=sources, start_local=start_local,
-                               on_event=on_event)
+    settings = config.settings(project=run_spec.project, cloud=cloud, sources=sources, on_event=on_event)
     return Resolved(run_spec, settings, spec_dir)
 
 
