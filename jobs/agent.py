@@ -156,6 +156,18 @@ def _keep_installed(workdir: Path, installing: list[str], cache: Path) -> list[s
     return ["-c", str(constraints)]
 
 
+def _install_target() -> list[str]:
+    """Where pip installs outside a venv: the user site. An interpreter its distribution marks EXTERNALLY-MANAGED
+    (PEP 668; Ubuntu 24.04, which TPU7x's accelerator image is) refuses even `--user` installs unless told
+    `--break-system-packages` (pip's documented override; the user site leaves the system packages as they are)."""
+    if sys.prefix != sys.base_prefix:
+        return []
+    import sysconfig
+
+    managed = Path(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED").is_file()
+    return ["--user", "--break-system-packages"] if managed else ["--user"]
+
+
 def prepare(bundle: Path, cache: Path) -> int:
     job = json.loads((bundle / "job.json").read_text())
     req_rel = job.get("requirements")
@@ -181,8 +193,7 @@ def prepare(bundle: Path, cache: Path) -> int:
     if missing:
         print(f"tpuctl agent: installing {' '.join(missing)}", flush=True)
         base = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-        in_venv = sys.prefix != sys.base_prefix
-        done = subprocess.run(base + ([] if in_venv else ["--user"]) + _keep_installed(bundle.parent, missing, cache)
+        done = subprocess.run(base + _install_target() + _keep_installed(bundle.parent, missing, cache)
                               + missing)
         if done.returncode != 0:
             print(f"tpuctl agent: pip install failed ({done.returncode})", file=sys.stderr, flush=True)

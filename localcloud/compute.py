@@ -19,7 +19,7 @@ import uuid
 from . import facts
 from . import metadata as guest
 from .core import ApiError, World, check_labels, now_rfc3339
-from .tpu import paginate, ssh_keys_of
+from .tpu import CPU_REHEARSAL_VAR, paginate, ssh_keys_of
 
 INSERT_S, DELETE_S, STOP_S, START_S, SET_LABELS_S, SET_METADATA_S = 25.0, 40.0, 30.0, 20.0, 2.0, 2.0
 CAPACITY_FAIL_S = 10.0
@@ -155,8 +155,12 @@ class ComputeService:
             if rec is None:
                 return
             meta = _metadata_dict(rec["instance"])
-            env = {"GOOGLE_CLOUD_PROJECT": rec["project"], "STORAGE_EMULATOR_HOST": self.w.storage_host,
-                   "TPUCTL_LOCALCLOUD": "1", "VM_NAME": rec["instance"]["name"], "VM_ZONE": rec["zone"]}
+            if rec["machine_type"] in facts.TPU_MACHINE_TYPES:
+                # A TPU VM's guest, as a TPU API node's: identity only from its metadata server (guest_metadata).
+                env = {"STORAGE_EMULATOR_HOST": self.w.storage_host, CPU_REHEARSAL_VAR: "cpu"}
+            else:
+                env = {"GOOGLE_CLOUD_PROJECT": rec["project"], "STORAGE_EMULATOR_HOST": self.w.storage_host,
+                       "TPUCTL_LOCALCLOUD": "1", "VM_NAME": rec["instance"]["name"], "VM_ZONE": rec["zone"]}
             keys = self.w.worker_keys(rec["project"], meta, ssh_keys_of(meta))
             script = meta.get("startup-script")
             worker_key = rec["worker_key"]
@@ -170,18 +174,54 @@ class ComputeService:
             rec["endpoints"] = [{"host": e.host, "port": e.port, "host_key": e.host_key} for e in endpoints]
 
     def guest_metadata(self, key: str) -> guest.Tree | None:
-        """What the VM reads from its metadata server: its metadata items, identity and service account."""
+        """What the VM reads from its metadata server: its metadata items, identity and service account, and on
+        a TPU machine type the TPU attributes (`_tpu_attributes`)."""
         with self.w.lock:
             rec = self.instances.get(key)
             if rec is None:
                 return None
             inst, project, zone = rec["instance"], rec["project"], rec["zone"]
             accounts = inst.get("serviceAccounts") or []
+            attributes = {**_metadata_dict(inst), **self._tpu_attributes(rec)}
             return guest.guest_tree(
                 project=project, number=facts.project_number(project), zone=zone, name=inst["name"],
-                instance_id=inst["id"], attributes=_metadata_dict(inst),
+                instance_id=inst["id"], attributes=attributes,
                 service_account=(accounts[0]["email"], list(accounts[0].get("scopes") or [])) if accounts else None,
                 tokens=self.w.tokens)
+
+    def _tpu_attributes(self, rec: dict) -> dict[str, str]:
+        """A TPU VM instance's TPU attributes: the keys JAX's `GceTpuCluster` reads on Compute Engine
+        (`agent-worker-number`, `worker-network-endpoints` "hostname:uid:ip" in worker order) and the ones a TPU
+        API node's guest carries (`accelerator-type`, `tpu-env`). One instance is a one-worker slice named after
+        itself; a MIG's instance is worker i of the MIG's slice (members in name order, NODE_ID the MIG's name).
+        Empty for a machine type without TPUs. Called under the lock."""
+        tpu = facts.TPU_MACHINE_TYPES.get(rec["machine_type"])
+        if tpu is None:
+            return {}
+        members, node, topology = [rec], rec["instance"]["name"], "2x2x1"  # one VM: 4 chips
+        group = self.groups.migs.get(rec.get("mig") or "") if self.groups is not None else None
+        if group is not None:
+            members = sorted((self.instances[k] for k in group["members"] if k in self.instances),
+                             key=lambda r: r["instance"]["name"])
+            node = group["name"]
+            policy = self.groups.policies.get(group["policy"]) or {}
+            topology = (policy.get("workloadPolicy") or {}).get("acceleratorTopology") or topology
+        index = next(i for i, r in enumerate(members) if r["key"] == rec["key"])
+        project = rec["project"]
+        accelerator = tpu.accelerator_type(len(members))
+        tpu_env = {
+            "ACCELERATOR_TYPE": accelerator, "CONSUMER_PROJECT_ID": project,
+            "CONSUMER_PROJECT_NUMBER": facts.project_number(project), "NODE_ID": node,
+            "PREEMPTIBLE": str((rec["instance"].get("scheduling") or {}).get("provisioningModel") == "SPOT").lower(),
+            "TOPOLOGY": topology, "WORKER_ID": str(index), "ZONE": rec["zone"],
+        }
+        return {
+            "accelerator-type": accelerator,
+            "agent-worker-number": str(index),
+            "worker-network-endpoints": ",".join(
+                f"{r['instance']['name']}:{r['instance']['id']}:127.0.0.1" for r in members),
+            "tpu-env": "".join(f"{k}: '{v}'\n" for k, v in sorted(tpu_env.items())),
+        }
 
     def _stop_worker(self, rec: dict) -> None:
         rec["endpoints"] = []
@@ -478,6 +518,10 @@ class ComputeService:
                 key_type, _, data = ep["host_key"].partition(" ")
                 if path in ("", "hostkeys/", f"hostkeys/{key_type}"):
                     items.append({"namespace": "hostkeys", "key": key_type, "value": data.split(" ")[0]})
+                # Local stand-in for "sshd listens on 22": every worker is 127.0.0.1, so its guest publishes its
+                # own port (as the TPU API's networkEndpoints[].port carries it for nodes; README "Workers").
+                if path in ("", "localcloud/", "localcloud/ssh-port"):
+                    items.append({"namespace": "localcloud", "key": "ssh-port", "value": str(ep["port"])})
         if not items:
             raise ApiError("NOT_FOUND", f"The resource '{key}/guestAttributes/{path}' was not found")
         return {"kind": "compute#guestAttributes", "queryPath": path, "queryValue": {"items": items},

@@ -146,6 +146,11 @@ class TpuMachineType:
     memory_mb: int
     zones: tuple[str, ...]
     provisioning_models: tuple[str, ...]  # Scheduling.provisioningModel values Compute accepts for it
+    cores_per_chip: int = 2  # TPU7x: 2 TensorCores per chip, and its type names count cores (tpu7x-8 = 4 chips)
+
+    def accelerator_type(self, hosts: int) -> str:
+        """The slice's TPU type name as its guests' `accelerator-type` reads: `tpu7x-8` for one VM of 4 chips."""
+        return f"{self.generation}-{self.chips * self.cores_per_chip * hosts}"
 
 
 # compute/docs/tpus/tpu-machines and tpu/docs/tpu7x (read 2026-11-23): TPU7x is only a Compute Engine machine
@@ -160,6 +165,13 @@ TPU_MACHINE_TYPES: dict[str, TpuMachineType] = {
 TPU_PRICES["us-central1"]["tpu7x"] = (8.40, 1.672)
 # Flex-start VMs run for at most 7 days (tpu/docs/request-using-flex-start); maxRunDuration is at least 30 s.
 FLEX_START_MAX_RUN_S = (30, 7 * 86400)
+# Flex-start through the Cloud TPU API (queued resources, v2alpha1 provisioningModel FLEX_START): only these
+# generations in these zones (tpu/docs/request-using-flex-start, "Limitations": v6e asia-northeast1-b and
+# us-east5-a; v5e us-west4-a for training and us-central1-a for serving).
+TPU_FLEX_START_ZONES: dict[str, tuple[str, ...]] = {
+    "v6e": ("asia-northeast1-b", "us-east5-a"),
+    "v5e": ("us-west4-a", "us-central1-a"),
+}
 
 # Cloud Storage locations (cloud.google.com/storage/docs/locations, 2026-11): multi-regions, predefined
 # dual-regions, and regions. us-central2 is listed because it is where TPU v4 lives and Google's v4 guides

@@ -30,6 +30,7 @@ import fastjsonschema
 
 _DOC_FILES = {
     "tpu.v2": "tpu.v2.json",
+    "tpu.v2alpha1": "tpu.v2alpha1.json",
     "compute.v1": "compute.v1.json",
     "storage.v1": "storage.v1.json",
     "cloudresourcemanager.v3": "cloudresourcemanager.v3.json",
@@ -89,6 +90,26 @@ class Validator:
         except fastjsonschema.JsonSchemaValueException as exc:
             return [_describe(exc, schema_name)]
         return []
+
+    def prune(self, schema_name: str, body: Any, sibling: Validator) -> Any:
+        """`body` as a client of this API version sees it when the resource was made through `sibling` (another
+        version of the API, e.g. a v2alpha1 flex-start queued resource read through v2): fields `sibling`
+        declares and this version does not are left out. Fields neither declares stay, so strict mode still
+        reports them."""
+        return self._prune(self._schemas[schema_name], sibling._schemas.get(schema_name) or {}, sibling, body)
+
+    def _prune(self, node: dict, other: dict, sibling: Validator, body: Any) -> Any:
+        if "$ref" in node:
+            return self._prune(self._schemas[node["$ref"]], other, sibling, body)
+        if "$ref" in other:
+            return self._prune(node, sibling._schemas.get(other["$ref"]) or {}, sibling, body)
+        if isinstance(body, dict) and node.get("properties"):
+            props, theirs = node["properties"], other.get("properties") or {}
+            return {k: self._prune(props[k], theirs.get(k) or {}, sibling, v) if k in props else v
+                    for k, v in body.items() if k in props or k not in theirs}
+        if isinstance(body, list) and node.get("type") == "array":
+            return [self._prune(node.get("items") or {}, other.get("items") or {}, sibling, v) for v in body]
+        return body
 
     def _validator(self, schema_name: str, request: bool):
         key = (schema_name, request)

@@ -23,6 +23,8 @@ from .schema import load_document, validator
 # (discovery doc, short-method prefix to strip, error style, proto types module for int enums)
 _APIS = (
     ("tpu.v2", "tpu.projects.locations.", "google", "google.cloud.tpu_v2.types"),
+    # v2alpha1 only for what v2 lacks: flex-start queued resources (provisioningModel, runDuration).
+    ("tpu.v2alpha1", "tpu.projects.locations.", "google", None),
     ("compute.v1", "compute.", "compute", None),
     ("cloudresourcemanager.v3", "cloudresourcemanager.", "google", "google.cloud.resourcemanager_v3.types"),
     ("cloudbilling.v1", "cloudbilling.", "google", "google.cloud.billing_v1.types"),
@@ -31,9 +33,13 @@ _APIS = (
     ("oslogin.v1", "oslogin.", "google", "google.cloud.oslogin_v1.types"),
     ("orgpolicy.v2", "orgpolicy.", "google", None),
 )
-SERVICE_OF_DOC = {"tpu.v2": "tpu", "compute.v1": "compute", "cloudresourcemanager.v3": "cloudresourcemanager",
+SERVICE_OF_DOC = {"tpu.v2": "tpu", "tpu.v2alpha1": "tpu", "compute.v1": "compute", "cloudresourcemanager.v3": "cloudresourcemanager",
                   "cloudbilling.v1": "cloudbilling", "serviceusage.v1": "serviceusage", "iam.v1": "iam",
                   "oslogin.v1": "oslogin", "orgpolicy.v2": "orgpolicy"}
+# Methods served from these documents, by method id prefix (the rest of the document is not served).
+_ONLY = {"tpu.v2alpha1": ("tpu.projects.locations.queuedResources.", "tpu.projects.locations.operations.get")}
+# Versions whose resources may have been made through another version: answers leave out what only that one has.
+_PRUNED = {"tpu.v2": "tpu.v2alpha1"}
 # Request bodies of these methods may carry output-only fields: clients send back what they read.
 _UPDATE_METHODS = {"tpu.projects.locations.nodes.patch"}
 
@@ -56,6 +62,8 @@ def build_routes() -> list[Route]:
         def walk(resources: dict) -> None:
             for res in resources.values():
                 for m in (res.get("methods") or {}).values():
+                    if doc_name in _ONLY and not m["id"].startswith(_ONLY[doc_name]):
+                        continue
                     path = m.get("flatPath") or m["path"]
                     regex = re.sub(r"\{[+]?(\w+)\}", r"(?P<\1>[^/:]+)", re.escape(base + path).replace(r"\{", "{").replace(r"\}", "}"))
                     routes.append(Route(doc_name, m["id"], m["httpMethod"], re.compile(regex + "$"),
@@ -220,6 +228,8 @@ class Api:
                 if problems:
                     raise ApiError("INVALID_ARGUMENT", "Invalid JSON payload received (localcloud strict schema): " + "; ".join(problems))
         result = handler(params, query, body)
+        if route.doc in _PRUNED and route.response:
+            result = validator(route.doc).prune(route.response, result, validator(_PRUNED[route.doc]))
         if self.w.strict and route.response:
             problems = validator(route.doc).check_response(route.response, result)
             if problems:

@@ -84,7 +84,7 @@ class TpuService:
         self.queued: dict[str, dict] = {}      # full QR name -> record
         self.ops: dict[str, dict] = {}         # full operation name -> Operation body
         for action in ("create_done", "create_failed", "delete_done", "stop_done", "start_done", "update_done",
-                       "preempt", "repair_done", "qr_accept", "qr_tick", "qr_delete_done"):
+                       "preempt", "repair_done", "qr_accept", "qr_tick", "qr_delete_done", "qr_expire"):
             world.actions[f"tpu.{action}"] = getattr(self, f"_{action}")
 
     # ---------------------------------------------------------------------------------- persistence
@@ -346,6 +346,7 @@ class TpuService:
             if qr and qr["qr"]["state"]["state"] == "PROVISIONING" and all(
                     self.nodes.get(n, {}).get("node", {}).get("state") == "READY" for n in qr["nodes"]):
                 self._qr_state(qr, "ACTIVE")
+                self._schedule_flex_end(qr)
             self.w.changed()
 
     def _create_failed(self, node: str, message: str, code: int = 8) -> None:
@@ -708,7 +709,8 @@ class TpuService:
                 raise ApiError("INVALID_ARGUMENT", f"nodeSpec.parent must be {parent!r}, got {spec.get('parent')!r}.")
             if not _ID_RE.match(spec.get("nodeId") or ""):
                 raise ApiError("INVALID_ARGUMENT", "nodeSpec.nodeId is required (multisliceParams are not supported by localcloud).")
-            self.resolve_type(spec.get("node") or {}, zone)
+            t = self.resolve_type(spec.get("node") or {}, zone)
+            self._check_flex_start(body, t, zone)
         policy = body.get("queueingPolicy") or {}
         deadline = None
         if policy.get("validUntilDuration"):
@@ -736,6 +738,24 @@ class TpuService:
                 self.w.later(QR_ACCEPT_S, "tpu.qr_accept", qr=name, op=op["name"])
             self.w.changed()
             return op
+
+    @staticmethod
+    def _check_flex_start(body: dict, t: facts.TpuType, zone: str) -> None:
+        """FLEX_START (v2alpha1 `provisioningModel`) needs `runDuration.maxRunDuration` within Google's limits and
+        a generation and zone that offer it (facts.TPU_FLEX_START_ZONES); a run duration needs FLEX_START."""
+        seconds = parse_duration((body.get("runDuration") or {}).get("maxRunDuration") or "0s")
+        if body.get("provisioningModel") != "FLEX_START":
+            if seconds:
+                raise ApiError("INVALID_ARGUMENT", "runDuration.maxRunDuration is only valid with provisioningModel FLEX_START.")
+            return
+        low, high = facts.FLEX_START_MAX_RUN_S
+        if not low <= seconds <= high:
+            raise ApiError("INVALID_ARGUMENT", f"runDuration.maxRunDuration must be from {low}s to {high}s for "
+                           f"FLEX_START, got {int(seconds)}s.")
+        if zone not in facts.TPU_FLEX_START_ZONES.get(t.generation, ()):
+            raise ApiError("INVALID_ARGUMENT", f"Flex-start is not available for {t.name} in zone {zone}.")
+        if "spot" in body or "guaranteed" in body:
+            raise ApiError("INVALID_ARGUMENT", "provisioningModel FLEX_START cannot be combined with a spot or guaranteed tier.")
 
     def _qr_accept(self, qr: str, op: str) -> None:
         with self.w.lock:
@@ -770,6 +790,27 @@ class TpuService:
                     rec["nodes"].append(node["node"]["name"])
                     if not self.w.faults.take("stuck", "tpu", "queuedResources.create", rec["zone"]):
                         self.w.later(CREATE_S, "tpu.create_done", node=node["node"]["name"])
+            self.w.changed()
+
+    def _schedule_flex_end(self, rec: dict) -> None:
+        """A flex-start request runs for maxRunDuration from when it is ACTIVE (simulated seconds, like every
+        latency); its end is published as runDuration.terminationTime (wall clock). Then Google deletes its
+        TPUs and the request is SUSPENDED (tpu/docs/request-using-flex-start)."""
+        seconds = parse_duration((rec["qr"].get("runDuration") or {}).get("maxRunDuration") or "0s")
+        if rec["qr"].get("provisioningModel") != "FLEX_START" or not seconds:
+            return
+        rec["qr"]["runDuration"]["terminationTime"] = now_rfc3339(time.time() + self.w.latency(seconds))
+        self.w.later(seconds, "tpu.qr_expire", qr=rec["qr"]["name"])
+
+    def _qr_expire(self, qr: str) -> None:
+        with self.w.lock:
+            rec = self.queued.get(qr)
+            if rec is None or rec["qr"]["state"]["state"] != "ACTIVE":
+                return
+            self._qr_state(rec, "SUSPENDING")
+            for n in rec["nodes"]:
+                if n in self.nodes and self.nodes[n]["node"]["state"] != "DELETING":
+                    self._begin_delete(self.nodes[n], "queuedResources.expire")
             self.w.changed()
 
     def queued_get(self, p: dict, q: dict, body: None) -> dict:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from tpuctl import catalog as _catalog
 from tpuctl.catalog import Catalog
 from tpuctl.errors import CapacityError, WaitTimeout
 from tpuctl.errors import NotFound as _NotFound
 from tpuctl.provision import bucket as _bucket
+from tpuctl.provision import compute_tpu as _compute_tpu
 from tpuctl.provision import inventory as _inventory
 from tpuctl.provision import oslogin as _oslogin
 from tpuctl.provision import tpu as _tpu
@@ -126,22 +128,30 @@ def bucket_contents(clients: Clients, bucket: str) -> _bucket.Contents:
 
 
 def get_node(clients: Clients, zone: str, name: str) -> Resource:
-    """The TPU node with its workers (no host keys). Read-only; NotFound if absent."""
+    """The TPU node (or Compute Engine TPU) with its workers (no host keys). Read-only; NotFound if absent."""
 
     node = _tpu.get_node(clients, zone, name)
     if node is None:
-        raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
+        found = _compute_tpu.get(clients, zone, name, catalog=_catalog.load())
+        if found is None:
+            raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
+        return found
     return _tpu.to_resource(node, local=clients.local)
 
 
 def workers(clients: Clients, zone: str, name: str) -> tuple[Worker, ...]:
     """The node's workers in index order, with SSH host keys from guest attributes where published.
-    Read-only; NotFound if the node is absent."""
+    A Compute Engine TPU (one instance, or a MIG slice) answers the same way. Read-only; NotFound if absent."""
 
-    node = get_node(clients, zone, name)
+    node = _tpu.get_node(clients, zone, name)
+    if node is None:
+        found = _compute_tpu.workers(clients, zone, name, catalog=_catalog.load())
+        if found is None:
+            raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
+        return found
     keys = _tpu.host_keys(clients, zone, name)
     return tuple(Worker(index=w.index, ip=w.ip, port=w.port, host_key=keys[w.index] if w.index < len(keys) else None)
-                 for w in node.workers)
+                 for w in _tpu.to_resource(node, local=clients.local).workers)
 
 
 def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: str, *,
@@ -166,7 +176,14 @@ def authorize_key(clients: Clients, zone: str, name: str, user: str, public_key:
 
     node = _tpu.get_node(clients, zone, name)
     if node is None:
-        raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
+        catalog = _catalog.load()
+        found = _compute_tpu.instances_of(clients, zone, name, catalog=catalog)
+        if found is None or not found[0]:
+            raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
+        if _oslogin.enabled(_oslogin.project_metadata(clients), _compute_tpu.metadata_of(found[0][0])):
+            return _oslogin.login_user(clients, public_key)
+        _compute_tpu.add_ssh_key(clients, zone, name, user, public_key, catalog=catalog, deadline_s=deadline_s)
+        return user
     if _oslogin.enabled(_oslogin.project_metadata(clients), dict(node.metadata)):
         return _oslogin.login_user(clients, public_key)
     _tpu.add_ssh_key(clients, zone, name, user, public_key, deadline_s=deadline_s)
@@ -189,8 +206,14 @@ def delete_node(clients: Clients, zone: str, name: str, *, deadline_s: float = 9
     if node is not None and node.queued_resource:
         _tpu.delete_queued(clients, zone, node.queued_resource.rsplit("/", 1)[-1], deadline_s=deadline_s,
                            progress=progress)
-    else:
+    elif node is not None:
         _tpu.delete_node(clients, zone, name, deadline_s=deadline_s, progress=progress)
+    else:
+        found = _compute_tpu.instances_of(clients, zone, name, catalog=_catalog.load())
+        if found is not None and found[1]:
+            _compute_tpu.delete_slice(clients, zone, name, deadline_s=deadline_s, progress=progress)
+        elif found is not None:
+            _compute_tpu.delete(clients, zone, name, deadline_s=deadline_s, progress=progress)
 
 
 def recreate_node(clients: Clients, zone: str, name: str, *, force: bool = False,
@@ -206,8 +229,13 @@ def recreate_node(clients: Clients, zone: str, name: str, *, force: bool = False
 
     node = _tpu.get_node(clients, zone, name)
     if node is None:
-        raise _NotFound(f"TPU node {name} does not exist in {zone}; nothing to recreate from", field="run",
-                        hint="run `tpuctl up` again with the run's spec")
+        current = _compute_tpu.get(clients, zone, name, catalog=_catalog.load())
+        if current is not None and current.state is State.READY and not force:
+            return current
+        # A Compute Engine TPU is made again from the run's plan (`tpuctl run` deletes it and runs `up`).
+        raise _NotFound(f"TPU node {name} does not exist in {zone}; nothing to recreate from" if current is None
+                        else f"TPU VM {name} in {zone} is {current.state.value}: it is recreated from the run's plan",
+                        field="run", hint="run `tpuctl up` again with the run's spec")
     current = _tpu.to_resource(node, local=clients.local)
     if current.state is State.REPAIRING:
         # Maintenance, a repair or a restart: Google brings the node back by itself. Deleting it would

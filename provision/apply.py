@@ -246,9 +246,10 @@ def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted:
     base = tpu.NodeRequest(
         name=plan.run, zone=plan.zones[0], accelerator=plan.accelerator.name, runtime_version=plan.runtime_version,
         labels=plan.labels, service_account=sa, spot=plan.provisioning == "spot",
-        preemptible=plan.provisioning == "preemptible", queued=plan.provisioning == "queued",
+        preemptible=plan.provisioning == "preemptible", queued=plan.provisioning in ("queued", "flex-start"),
         valid_until_s=plan.valid_until_s, network=plan.network, subnet=plan.subnet, tags=plan.tags,
-        internal_ips=plan.internal_ips)
+        internal_ips=plan.internal_ips,
+        max_run_duration_s=plan.max_run_duration_s if plan.provisioning == "flex-start" else None)
     kind = Kind.QUEUED if base.queued else Kind.TPU
     get, create = (tpu.get_queued, tpu.create_queued) if base.queued else (tpu.get_node, tpu.create_node)
     return _failover(clients, plan, kind, "", created, adopted, say, cancel,

@@ -49,6 +49,17 @@ class Clients:
             raise gexc.from_http_response(resp)
         return resp.json()
 
+    def post_json(self, api: str, path: str, body: dict) -> dict:
+        """POST `body` to `path` of `api`, as `get_json` GETs: for fields only a pre-GA API version carries (the
+        installed clients speak TPU v2alpha1 over gRPC only)."""
+        from google.api_core import exceptions as gexc
+
+        root = self.endpoint or f"https://{api}.googleapis.com"
+        resp = self.session.post(f"{root.rstrip('/')}/{path}", json=body, timeout=60)
+        if resp.status_code >= 400:
+            raise gexc.from_http_response(resp)
+        return resp.json()
+
 
 def connect(settings: Settings) -> Clients:
     """Build every client for `settings`. Makes no API call; for GCP resolves ADC (files, or metadata)."""

@@ -11,7 +11,8 @@ and a zonal managed instance group (MIG) of N instances with that policy; the MI
 
 Everything else reads these as one `Kind.TPU` resource each, with `detail["api"]` "compute" (one instance) or
 "compute-mig" (a slice: one worker per instance), so status, down, gc and cost treat them as TPU API nodes;
-raw protos stay in here.
+and the jobs layer reaches their workers through the same node functions of `tpuctl.provision` (get, workers
+with host keys from guest attributes, ssh-keys metadata, delete). Raw protos stay in here.
 """
 
 from __future__ import annotations
@@ -295,3 +296,113 @@ def delete_slice(clients: Clients, zone: str, name: str, *, deadline_s: float = 
                          clients, zone, op, what=f"delete {what}", deadline_s=deadline_s, cancel=cancel,
                          progress=progress, state=State.DELETING, region=in_region),
                      what=f"delete {what}", cancel=cancel, progress=progress)
+
+
+# -- reaching a Compute Engine TPU's workers (the jobs layer's view, through `provision`) ----------------------
+
+METADATA_ATTEMPTS = 5  # setMetadata is fingerprint-guarded: a concurrent update makes us re-read and retry
+
+
+def instances_of(clients: Clients, zone: str, name: str, *,
+                 catalog: Catalog) -> tuple[list[compute_v1.Instance], bool] | None:
+    """The TPU VM instances of `name` in worker order and whether they form a MIG slice, or None when `name` is
+    neither a TPU VM instance nor a slice's MIG. Read-only."""
+    inst = vm.get(clients, zone, name)
+    if inst is not None and is_tpu(inst, catalog) and created_by(inst) is None:
+        return [inst], False
+    mig = get_slice(clients, zone, name)
+    if mig is None:
+        return None
+    managed = waits.call(lambda: list(clients.instance_groups.list_managed_instances(
+        project=clients.project, zone=zone, instance_group_manager=name)), what=f"list the instances of {name}")
+    members = [i for i in (vm.get(clients, zone, m.instance.rsplit("/", 1)[-1]) for m in managed if m.instance)
+               if i is not None]
+    return sorted(members, key=lambda i: i.name), True
+
+
+def get(clients: Clients, zone: str, name: str, *, catalog: Catalog) -> Resource | None:
+    """The Compute Engine TPU `name` (one instance, or a MIG slice) as one Resource, or None. Read-only."""
+    found = instances_of(clients, zone, name, catalog=catalog)
+    if found is None:
+        return None
+    members, is_slice = found
+    if not is_slice:
+        return to_resource(members[0], project=clients.project, catalog=catalog)
+    if not members:  # a MIG whose instances are gone (or not yet made): a slice with no live host
+        return Resource(kind=Kind.TPU, name=name, project=clients.project, location=zone, state=State.CREATING,
+                        labels={}, created=None, run=None, accelerator=None, workers=(),
+                        detail={"api": API_MIG, "instances": "0"})
+    path = f"projects/{clients.project}/zones/{zone}/instanceGroupManagers/{name}"
+    return slice_to_resource(path, members, project=clients.project, catalog=catalog)
+
+
+def _guest(clients: Clients, zone: str, inst: compute_v1.Instance) -> tuple[str | None, int | None]:
+    """(SSH host key "TYPE BASE64", the local cloud's SSH port) from the instance's guest attributes; Nones where
+    not published (SSH then trusts the key on first use, jobs/ssh.py)."""
+    try:
+        attrs = waits.call(lambda: clients.instances.get_guest_attributes(
+            request={"project": clients.project, "zone": zone, "instance": inst.name, "query_path": ""}),
+            what=f"read the guest attributes of {inst.name}", deadline_s=30.0)
+    except TpuctlError:
+        return None, None
+    items = list(attrs.query_value.items)
+    keys = sorted((e for e in items if e.namespace == "hostkeys"), key=lambda e: (e.key != "ssh-ed25519", e.key))
+    port = next((int(e.value) for e in items if e.namespace == "localcloud" and e.key == "ssh-port"), None)
+    return (f"{keys[0].key} {keys[0].value}" if keys else None), port
+
+
+def workers(clients: Clients, zone: str, name: str, *, catalog: Catalog) -> tuple[Worker, ...] | None:
+    """The TPU's workers in index order with host keys (and, on the local cloud, each worker's SSH port, which
+    its guest publishes: every local worker is 127.0.0.1). None when `name` is no Compute Engine TPU."""
+    found = instances_of(clients, zone, name, catalog=catalog)
+    if found is None:
+        return None
+    out = []
+    for index, inst in enumerate(found[0]):
+        host = to_resource(inst, project=clients.project, catalog=catalog).workers
+        key, port = _guest(clients, zone, inst)
+        out.append(Worker(index=index, ip=host[0].ip if host else "",
+                          port=port if clients.local and port else 22, host_key=key))
+    return tuple(out)
+
+
+def metadata_of(inst: compute_v1.Instance) -> dict[str, str]:
+    return {i.key: i.value for i in inst.metadata.items}
+
+
+def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: str, *, catalog: Catalog,
+                deadline_s: float = 300.0, cancel: threading.Event | None = None) -> bool:
+    """Add `USER:KEY` to the `ssh-keys` metadata of every instance of the TPU; False when all had it (idempotent).
+    Blocks for each setMetadata operation; a stale fingerprint (412: someone else updated it) re-reads and retries."""
+    line = f"{user}:{public_key.strip()}"
+    found = instances_of(clients, zone, name, catalog=catalog)
+    if found is None:
+        raise TpuctlError(f"TPU VM {name} does not exist in {zone}")
+    changed = False
+    for inst in found[0]:
+        what = f"add an SSH key to TPU VM {inst.name} in {zone}"
+        for attempt in range(1, METADATA_ATTEMPTS + 1):
+            current = vm.get(clients, zone, inst.name) if attempt > 1 else inst
+            if current is None:
+                raise TpuctlError(f"{what}: the instance is gone")
+            meta = metadata_of(current)
+            keys = [ln for ln in meta.get("ssh-keys", "").splitlines() if ln.strip()]
+            if line in keys:
+                break
+            meta["ssh-keys"] = "\n".join([*keys, line])
+            body = compute_v1.Metadata(fingerprint=current.metadata.fingerprint,
+                                       items=[compute_v1.Items(key=k, value=v) for k, v in meta.items()])
+            try:
+                op = waits.call(lambda n=current.name, b=body: clients.instances.set_metadata_unary(
+                    project=clients.project, zone=zone, instance=n, metadata_resource=b), what=what, cancel=cancel)
+            except TpuctlError as exc:
+                if isinstance(exc.__cause__, (gexc.PreconditionFailed, gexc.FailedPrecondition)) \
+                        and attempt < METADATA_ATTEMPTS:
+                    waits.pause(0.2 * attempt, cancel)
+                    continue
+                raise
+            vm.wait_zone_op(clients, zone, op, what=what, deadline_s=deadline_s, cancel=cancel, progress=None,
+                            state=State.READY)
+            changed = True
+            break
+    return changed

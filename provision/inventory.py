@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from tpuctl import catalog as catalog_mod
@@ -83,6 +83,7 @@ def resources(clients: Clients, run: str | None = None, *, include_iam: bool = F
         buckets = pool.submit(bucket.list_labelled, clients, run)
         out = [tpu.to_resource(n, local=clients.local) for n in nodes.result() if L.matches(n.labels, run)]
         out += [r for r in map(tpu.queued_to_resource, queued.result()) if L.matches(r.labels, run)]
+        out = _with_flex_start_ends(clients, out)
         catalog = catalog_mod.load()
         tpu_vms, slices, plain = compute_tpu.split(vms.result(), catalog)
         out += [compute_tpu.to_resource(i, project=clients.project, catalog=catalog) for i in tpu_vms]
@@ -96,6 +97,19 @@ def resources(clients: Clients, run: str | None = None, *, include_iam: bool = F
                                         region=b.location)
                     for role, m in bucket.bindings(clients, b.name)
                     if role in (bucket.ROLE, *bucket.FORMER_ROLES) and m.startswith("serviceAccount:")]
+    return out
+
+
+def _with_flex_start_ends(clients: Clients, found: list[Resource]) -> list[Resource]:
+    """Queued resources (and their nodes) marked flex-start with the time Google ends them (`detail["ends"]`),
+    which only TPU v2alpha1 shows: one GET per queued resource listed."""
+    extra = {(r.location, r.name): tpu.flex_start_detail(clients, r.location, r.name)
+             for r in found if r.kind is Kind.QUEUED}
+    out = []
+    for r in found:
+        qr = r.name if r.kind is Kind.QUEUED else r.detail.get("queued_resource", "").rsplit("/", 1)[-1]
+        detail = extra.get((r.location, qr)) if r.kind in (Kind.QUEUED, Kind.TPU) and qr else None
+        out.append(replace(r, detail={**r.detail, **detail}) if detail else r)
     return out
 
 

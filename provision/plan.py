@@ -133,18 +133,17 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
         raise BadInput(f"{t.name} is a {t.hosts}-host Compute Engine slice; tpuctl makes flex-start TPU7x "
                        f"single-host only so far", field="provisioning",
                        hint=f"use {_single_host(catalog, t)} for flex-start, or on-demand or spot for {t.name}")
+    if spec.provisioning == "flex-start" and t.flex_start_zones:
+        outside = [z for z in zones if z not in t.flex_start_zones]
+        if outside:
+            raise BadInput(f"Google sells {t.name} flex-start only in {', '.join(t.flex_start_zones)}, not in "
+                           f"{', '.join(outside)}", field="zone",
+                           hint=f"pass --zone {t.flex_start_zones[0]}, or another provisioning model")
     runtime, framework = spec.runtime_version or t.default_runtime, ""
     if frameworks is not None:
         choice = frameworks_mod.choose(spec.job.framework if spec.job else "auto", t, spec.runtime_version,
                                        frameworks)
         runtime, framework = choice.runtime_version, choice.framework
-        if spec.job and t.api == "compute":
-            # The JAX job's launch on Compute Engine TPU VMs (SSH to MIG instances, the slice's coordinator) is not
-            # built yet: refuse before anything bills rather than create a TPU7x that idles.
-            raise BadInput(f"{t.name} is a Compute Engine TPU: tpuctl provisions it (`tpuctl up`) but does not yet "
-                           f"launch the JAX job on it", field="accelerator",
-                           hint="run the job on a TPU API type with JAX (e.g. v6e-8 or v5litepod-8), or `tpuctl up` "
-                                "the TPU7x and start your JAX program over `tpuctl ssh`")
     for z in zones:
         catalog.check(t.name, z, runtime, framework or None)
     run = spec.name or default_run_name(spec, owner)
@@ -167,7 +166,8 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
 
     spot = spec.provisioning in ("spot", "preemptible")
     tpu_price = (price_fn or catalog.tpu_price_per_hour)(t.name, region, spot)
-    tpu_kind = Kind.QUEUED if spec.queued else Kind.TPU
+    # Flex-start on a Cloud TPU API type is a queued resource (tpu/docs/request-using-flex-start).
+    tpu_kind = Kind.QUEUED if spec.queued or (spec.provisioning == "flex-start" and t.api != "compute") else Kind.TPU
     sa_text = "the project's default compute SA" if spec.service_account == "default" else spec.service_account
     via = f", Compute Engine {t.machine_type}" if t.api == "compute" else ""
     ends = f", deleted after {spec.max_run_duration}" if spec.max_run_duration else ""

@@ -6,6 +6,7 @@ done, and every wait goes through `waits.until` (deadline, backoff, progress) in
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from datetime import datetime
 
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
-from google.protobuf import duration_pb2, field_mask_pb2
+from google.protobuf import duration_pb2, field_mask_pb2, json_format
 
 from tpuctl.errors import BadInput, CapacityError, TpuctlError, from_google
 from tpuctl.provision import labels as L
@@ -53,6 +54,7 @@ class NodeRequest:
     tags: tuple[str, ...] = ()
     metadata: Mapping[str, str] | None = None
     internal_ips: bool = False
+    max_run_duration_s: float | None = None  # flex-start (a queued resource): Google deletes the TPU after this
 
     def in_zone(self, zone: str) -> NodeRequest:
         return NodeRequest(**{**self.__dict__, "zone": zone})
@@ -246,7 +248,9 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
         if states.queued_state(qr.state.state) in states.SETTLED_BAD:
             delete_queued(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
             qr = None
-    if qr is None:
+    if qr is None and req.max_run_duration_s:
+        _create_flex_start(clients, req, what=what, cancel=cancel, progress=progress, on_issued=on_issued)
+    elif qr is None:
         policy = None
         if req.valid_until_s is not None:
             policy = tpu_v2.QueuedResource.QueueingPolicy(
@@ -279,6 +283,51 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
     waits.until(poll, what=f"queued resource {req.name} in {req.zone} to become active", deadline_s=deadline_s,
                 cancel=cancel, on_poll=(lambda r, t: progress(r.state, "")) if progress else None)
     return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+
+
+# tpu/docs/request-using-flex-start: flex-start is a queued resource whose v2alpha1 `provisioningModel` is
+# FLEX_START with `runDuration.maxRunDuration`; TPU v2 has neither field.
+FLEX_START_API = "v2alpha1"
+
+
+def _create_flex_start(clients: Clients, req: NodeRequest, *, what: str, cancel: threading.Event | None,
+                       progress: Progress | None, on_issued: Callable[[], None] | None) -> None:
+    """Request the flex-start queued resource (TPU v2alpha1 JSON; the node spec is the v2 node's). Returns once
+    the request is accepted; the caller polls it like any queued resource. A retried request that got through
+    (409) is adopted."""
+    node = json.loads(json_format.MessageToJson(tpu_v2.Node.pb(_node_proto(req))))
+    body = {"tpu": {"nodeSpec": [{"parent": parent(clients.project, req.zone), "nodeId": req.name, "node": node}]},
+            "provisioningModel": "FLEX_START", "runDuration": {"maxRunDuration": f"{int(req.max_run_duration_s)}s"}}
+    if on_issued is not None:
+        on_issued()
+    if progress:
+        progress(State.PENDING, "queued (flex-start)")
+    path = f"{FLEX_START_API}/{parent(clients.project, req.zone)}/queuedResources?queuedResourceId={req.name}"
+    try:
+        waits.call(lambda: clients.post_json("tpu", path, body), what=what, cancel=cancel)
+    except TpuctlError as exc:
+        if not isinstance(exc.__cause__, gexc.Conflict):
+            raise
+
+
+def flex_start_detail(clients: Clients, zone: str, name: str) -> dict[str, str]:
+    """`{"provisioning": "flex-start", "ends": ISO time}` for a flex-start queued resource (`ends` once Google
+    has set its termination time, when it became active); {} for any other. Read-only; one v2alpha1 GET."""
+    try:
+        qr = waits.call(lambda: clients.get_json("tpu", f"{FLEX_START_API}/{queued_path(clients.project, zone, name)}"),
+                        what=f"get queued resource {name} in {zone}")
+    except TpuctlError as exc:
+        if isinstance(exc.__cause__, gexc.NotFound):
+            return {}
+        raise
+    if qr.get("provisioningModel") != "FLEX_START":
+        return {}
+    ends = (qr.get("runDuration") or {}).get("terminationTime")
+    try:
+        ends = datetime.fromisoformat(ends.replace("Z", "+00:00")).isoformat() if ends else None
+    except ValueError:
+        ends = None
+    return {"provisioning": "flex-start", **({"ends": ends} if ends else {})}
 
 
 def _check_ours(labels: Mapping[str, str], req: NodeRequest, *, what: str) -> None:

@@ -109,6 +109,7 @@ def test_estimate_with_and_without_a_bound(cat):
     assert (hours, bound) == (1.0, "7200 steps x 0.5 s")
     assert cost.run_bound(steps=7200, step_seconds=0.5, ttl="30m") == (0.5, "ttl 30m")
     assert cost.run_bound() == (None, None)
+    assert cost.run_bound(ttl="1d", max_run_duration="2h") == (2.0, "flex-start max run duration 2h")
 
 
 def test_estimate_spec_reads_a_run_spec_shape(cat):

@@ -62,3 +62,29 @@ def test_jax_on_a_2_host_v5e_slice_trains_on_both_hosts_and_resumes_after_preemp
     assert "checkpoint step=30 " in logs[0] and "checkpoint step=" not in logs[1]  # process 0 alone writes
     assert {"checkpoints/ckpt-30.npz", "checkpoints/checkpoint", "export/metrics.json"} <= set(o.artifacts)
     assert _zero(cloud, project)
+
+
+@pytest.mark.slow
+@pytest.mark.tf
+@pytest.mark.timeout(600)
+def test_jax_on_a_tpu7x_compute_engine_vm_trains_checkpoints_and_leaves_nothing(tpc, cloud, project):
+    """TPU7x is a Compute Engine instance, not a TPU API node: the same pipeline reaches its one SSH worker,
+    whose guest learns the slice from its metadata server (accelerator-type tpu7x-8: 8 JAX devices)."""
+    spec = spec_mod.from_mapping({
+        "name": "bert-7x", "zone": "us-central1-c", "accelerator": "tpu7x-8",
+        "job": {"template": "bert", "preset": "bert-tiny",
+                "config": {"trainer": {"max_steps": 10, "checkpoint_every": 10, "log_every": 10,
+                                       "steps_per_execution": 10, "warmup_steps": 2, "per_replica_batch_size": 8,
+                                       "shuffle_buffer": 64}},
+                "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    o = p.run()
+    assert (p.plan.accelerator.api, p.plan.framework) == ("compute", "jax")
+    assert o.state == "succeeded" and o.step == 10, o
+    log = _text(tpc, o.bucket, "runs/bert-7x/logs/worker-0.log")
+    start = next(line for line in log.splitlines() if line.startswith("start "))
+    assert start.startswith("start backend=jax strategy=cpu processes=1 hosts=1 devices=8 per_replica_batch=8 "
+                            "global_batch=64 step=0"), log[-2000:]
+    assert "checkpoint step=10 " in log and "done step=10 " in log, log[-2000:]
+    assert {"checkpoints/ckpt-10.npz", "checkpoints/checkpoint"} <= set(o.artifacts)
+    assert _zero(cloud, project)

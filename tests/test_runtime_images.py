@@ -181,6 +181,19 @@ def test_installs_on_a_worker_keep_the_images_packages_at_their_versions(tmp_pat
     assert agent._keep_installed(tmp_path / "nowhere", ["keras"], tmp_path / "env") == []
 
 
+def test_installs_outside_a_venv_go_to_the_user_site_even_on_a_pep_668_image(tmp_path, monkeypatch):
+    # TPU7x boots Ubuntu 24.04, whose python3 is EXTERNALLY-MANAGED: a plain `pip install --user` is refused there.
+    import sysconfig
+
+    monkeypatch.setattr(agent.sys, "prefix", agent.sys.base_prefix)
+    monkeypatch.setattr(sysconfig, "get_path", lambda name, *a, **k: str(tmp_path))
+    assert agent._install_target() == ["--user"]
+    (tmp_path / "EXTERNALLY-MANAGED").write_text("[externally-managed]\n")
+    assert agent._install_target() == ["--user", "--break-system-packages"]
+    monkeypatch.setattr(agent.sys, "prefix", str(tmp_path / "venv"))
+    assert agent._install_target() == []
+
+
 # ------------------------------------------------------------------------------------------ image venvs
 
 def test_image_venvs_build_once_under_concurrency_and_workers_layer_their_own(tmp_path):

@@ -14,7 +14,7 @@ from google.cloud import compute_v1
 
 from tpuctl import catalog as catalog_mod
 from tpuctl import cost, provision as prov, spec
-from tpuctl.errors import BadInput, CapacityError
+from tpuctl.errors import BadInput, CapacityError, NotFound
 from tpuctl.ledger import entry_of
 from tpuctl.provision import compute_tpu, gc
 from tpuctl.provision.clients import build
@@ -182,7 +182,7 @@ def test_localcloud_refuses_flex_start_without_delete_or_duration(pc, cloud):
     assert everything(pc) == []
 
 
-def test_up_tpu7x_from_the_cli_and_run_refuses(env, tmp_path):
+def test_up_and_run_tpu7x_from_the_cli_plan_it_on_compute_engine_with_jax(env, tmp_path):
     p = tpuctl(env, "up", "--accelerator", "tpu7x-8", "--zone", ZONE, "--name", "c7", "--provisioning",
                "flex-start", "--max-run-duration", "2h", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
@@ -190,11 +190,12 @@ def test_up_tpu7x_from_the_cli_and_run_refuses(env, tmp_path):
     assert plan["api"] == "compute" and plan["max_run_duration"] == "2h"
     spec_file = tmp_path / "s.yaml"
     spec_file.write_text("accelerator: tpu7x-8\nzone: us-central1-c\njob: {template: bert, preset: bert-tiny}\n")
-    p = tpuctl(env, "run", str(spec_file), "--yes")
-    assert p.returncode == 2, p.stderr
+    p = tpuctl(env, "run", str(spec_file), "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert "jax on projects/ubuntu-os-accelerator-images" in p.stdout + p.stderr, p.stdout + p.stderr
+    p = tpuctl(env, "run", str(spec_file), "--dry-run", "--framework", "tensorflow")
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: accelerator:") and "JAX" in errors[0], p.stderr
-    assert p.stderr.startswith("error:"), p.stderr  # refused before anything was created or printed
+    assert p.returncode == 2 and len(errors) == 1 and "jax" in errors[0].lower(), p.stderr
 
 
 def test_status_accrues_a_flex_start_tpu_only_until_its_end():
@@ -230,6 +231,19 @@ def test_multi_host_slice_is_a_mig_with_a_workload_policy_and_one_resource(pc, c
     assert policy.workload_policy.type_ == "HIGH_THROUGHPUT" and policy.workload_policy.accelerator_topology == "2x2x2"
     mig = pc.instance_groups.get(project=pc.project, zone=ZONE, instance_group_manager="x1")
     assert mig.target_size == 2 and mig.resource_policies.workload_policy.endswith("/resourcePolicies/x1-wp")
+    # The jobs layer reaches both hosts as workers 0 and 1 of one slice (SSH ports and host keys from each
+    # instance's guest attributes); each guest tells JAX its process id and the slice's hosts, as on a TPU API node.
+    workers = prov.workers(pc, ZONE, "x1")
+    assert [w.index for w in workers] == [0, 1] and len({w.port for w in workers}) == 2
+    assert all(w.port != 22 and (w.host_key or "").startswith("ssh-ed25519 ") for w in workers)
+    members = sorted(i.name for i in pc.instances.list(project=pc.project, zone=ZONE))
+    trees = [cloud.compute.guest_metadata(f"projects/{pc.project}/zones/{ZONE}/instances/{m}") for m in members]
+    attrs = [t["instance"]["attributes"] for t in trees]
+    assert [a["agent-worker-number"] for a in attrs] == ["0", "1"]
+    assert {a["accelerator-type"] for a in attrs} == {"tpu7x-16"}
+    assert attrs[0]["worker-network-endpoints"] == attrs[1]["worker-network-endpoints"]
+    assert [e.split(":")[0] for e in attrs[0]["worker-network-endpoints"].split(",")] == members
+    assert "NODE_ID: 'x1'" in attrs[1]["tpu-env"] and "TOPOLOGY: '2x2x2'" in attrs[1]["tpu-env"]
     # status: one run, one TPU with two workers, priced as 8 chips.
     cat = catalog_mod.load()
     [run] = prov.status(pc, "x1", price=lambda r: cost.hourly(entry_of(r), cat))
@@ -266,3 +280,25 @@ def test_localcloud_refuses_a_tpu_mig_whose_policy_does_not_match_its_size(pc, c
     compute_tpu.delete_slice(pc, ZONE, "m")  # idempotent: the MIG never existed
     pc.instance_templates.delete_unary(project=pc.project, region=region, instance_template="tpl")
     pc.resource_policies.delete_unary(project=pc.project, region=region, resource_policy="wp")
+
+
+def test_the_jobs_layers_node_calls_answer_for_a_tpu7x_vm(pc, cloud):
+    """What `tpuctl run` asks of a node (get, workers, authorize, recreate, delete) works on a Compute Engine
+    TPU VM through the same provision functions as on a TPU API node."""
+    prov.apply(pc, make_plan(pc, provisioning="spot"), deadline_s=FAST_DEADLINE)
+    node = prov.get_node(pc, ZONE, "x1")
+    assert (node.kind, node.state, node.detail["api"], len(node.workers)) == (prov.Kind.TPU, prov.State.READY,
+                                                                               "compute", 1)
+    [w] = prov.workers(pc, ZONE, "x1")
+    assert w.port != 22 and w.host_key.startswith("ssh-ed25519 ")
+    assert prov.authorize_key(pc, ZONE, "x1", "alice", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey alice") == "alice"
+    inst = pc.instances.get(project=pc.project, zone=ZONE, instance="x1")
+    assert "alice:ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKey alice" in compute_tpu.metadata_of(inst)["ssh-keys"]
+    assert prov.recreate_node(pc, ZONE, "x1").created == node.created  # READY: left alone
+    with pytest.raises(NotFound):  # `tpuctl run` then deletes it and makes it again from the plan
+        prov.recreate_node(pc, ZONE, "x1", force=True)
+    prov.delete_node(pc, ZONE, "x1")
+    with pytest.raises(NotFound):
+        prov.get_node(pc, ZONE, "x1")
+    prov.down(pc, "x1", delete_bucket=True)
+    assert everything(pc) == []

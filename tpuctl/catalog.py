@@ -58,6 +58,8 @@ class AcceleratorType:
     api: str = "tpu-v2"
     machine_type: str | None = None  # the Compute Engine machine type of one host, for api == "compute"
     provisioning: tuple[str, ...] = ("on-demand", "spot", "preemptible", "queued")
+    # Where flex-start is sold, when Google limits it to some of the type's zones (Cloud TPU API types); () = all.
+    flex_start_zones: tuple[str, ...] = ()
 
     @property
     def multi_host(self) -> bool:
@@ -140,7 +142,8 @@ class Catalog:
                     default_runtime=g["default_runtime_pod"] if hosts > 1 else g["default_runtime"],
                     tensorflow=g.get("tensorflow", True), api=g.get("api", "tpu-v2"),
                     machine_type=g.get("machine_type"),
-                    provisioning=tuple(g.get("provisioning", AcceleratorType.provisioning)))
+                    provisioning=tuple(g.get("provisioning", AcceleratorType.provisioning)),
+                    flex_start_zones=tuple(g.get("flex_start_zones", ())))
 
     # -- shapes ---------------------------------------------------------------------------------------------
 
@@ -264,6 +267,7 @@ def accelerator_json(t: AcceleratorType, cat: Catalog) -> dict[str, Any]:
               for region, p in cat.tpu_prices(t.generation).items()}
     return {"name": t.name, "generation": t.generation, "api_type": t.api_type, "api": t.api,
             "machine_type": t.machine_type, "provisioning": list(t.provisioning),
+            "flex_start_zones": list(t.flex_start_zones or (t.zones if "flex-start" in t.provisioning else ())),
             "chips": t.chips, "cores": t.cores,
             "hosts": t.hosts, "topology": t.topology, "zones": list(t.zones), "runtimes": list(t.runtimes),
             "default_runtime": t.default_runtime, "tensorflow": t.tensorflow, "price_per_hour_by_region": prices}

@@ -119,16 +119,21 @@ def estimate(catalog: Catalog, *, accelerator: str, zone: str, spot: bool, vms: 
 
 
 def run_bound(*, steps: int | None = None, step_seconds: float | None = None,
-              ttl: str | None = None) -> tuple[float | None, str | None]:
-    """Hours a run can last and why: steps x expected step time when both are known, else the TTL.
+              ttl: str | None = None, max_run_duration: str | None = None) -> tuple[float | None, str | None]:
+    """Hours a run can last and why: steps x expected step time when both are known, the TTL, and a flex-start
+    TPU's max run duration (Google deletes it then).
 
-    The smaller bound wins when both exist: the TTL deletes the run even if the steps are not done.
+    The smallest bound wins: the TTL deletes the run even if the steps are not done, and so does Google at a
+    flex-start TPU's end.
     """
     bounds: list[tuple[float, str]] = []
     if steps and step_seconds:
         bounds.append((steps * step_seconds / 3600.0, f"{steps} steps x {step_seconds:g} s"))
     if ttl:
         bounds.append((parse_duration(ttl, field="ttl") / 3600.0, f"ttl {ttl}"))
+    if max_run_duration:
+        bounds.append((parse_duration(max_run_duration, field="max_run_duration") / 3600.0,
+                       f"flex-start max run duration {max_run_duration}"))
     if not bounds:
         return None, None
     return min(bounds)
@@ -144,7 +149,7 @@ def estimate_spec(spec: Any, catalog: Catalog, *, step_seconds: float | None = N
     config = dict(getattr(job, "config", None) or {})
     steps = config.get("steps") or config.get("train_steps")
     hours, bound = run_bound(steps=int(steps) if steps else None, step_seconds=step_seconds,
-                             ttl=getattr(spec, "ttl", None))
+                             ttl=getattr(spec, "ttl", None), max_run_duration=getattr(spec, "max_run_duration", None))
     vms = [VmPlan(v.name, v.machine_type, int(getattr(v, "disk_gb", 0) or 0)) for v in (spec.vms or ())]
     return estimate(catalog, accelerator=spec.accelerator, zone=zone,
                     spot=spec.provisioning in ("spot", "preemptible"), vms=vms, bucket_gb=bucket_gb,

@@ -76,7 +76,10 @@ def catalog_show(accelerator: str, as_json: bool) -> None:
         ("type", t.name), ("generation", t.generation), ("api type", t.api_type),
         ("provisioned by", t.api + (f" (machine type {t.machine_type})" if t.machine_type else "")),
         ("chips / cores / hosts", f"{t.chips} / {t.cores} / {t.hosts}"), ("topology", t.topology),
-        ("zones", ", ".join(t.zones)), ("runtimes", ", ".join(t.runtimes)), ("default runtime", t.default_runtime),
+        ("zones", ", ".join(t.zones)),
+        ("provisioning", ", ".join(t.provisioning) + (f" (flex-start in {', '.join(data['flex_start_zones'])})"
+                                                      if data["flex_start_zones"] else "")),
+        ("runtimes", ", ".join(t.runtimes)), ("default runtime", t.default_runtime),
         ("TensorFlow", "yes" if t.tensorflow else "no (Google supports none from v6e on)")])
     console.table(("region", "on-demand $/h", "spot $/h"),
                   [(r, _money(p["on_demand"]), _money(p["spot"]))
