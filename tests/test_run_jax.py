@@ -77,7 +77,7 @@ def test_jax_on_a_tpu7x_compute_engine_vm_trains_checkpoints_and_leaves_nothing(
                                        "steps_per_execution": 10, "warmup_steps": 2, "per_replica_batch_size": 8,
                                        "shuffle_buffer": 64}},
                 "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     o = p.run()
     assert (p.plan.accelerator.api, p.plan.framework) == ("compute", "jax")
     assert o.state == "succeeded" and o.step == 10, o
