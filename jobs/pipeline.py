@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from tpuctl import catalog, cost, ledger, provision
 from tpuctl import events as ev
-from tpuctl.errors import BadInput, CapacityError, Interrupted, JobFailed, NotFound, TpuctlError
+from tpuctl.errors import BadInput, CapacityError, Interrupted, JobFailed, NotFound, RunDurationEnded, TpuctlError
 from tpuctl.provision import Kind, State
 from tpuctl.templates import contract
 
@@ -238,6 +238,7 @@ class Pipeline:
         self.max_recoveries = 0
         self.num_workers = 0  # set by up()
         self._up_started: float | None = None
+        self._tpu: provision.Resource | None = None  # the TPU as up/recovery last made it
         self._created_bucket = False  # this invocation made the bucket (set by up())
         self._launched = False  # a job was started on the workers, so the bucket may hold checkpoints
         self._holds_data = False  # prepared data is in the bucket (costly to make again)
@@ -361,6 +362,7 @@ class Pipeline:
         tpu = result.get(Kind.TPU)
         if tpu is None:
             raise TpuctlError(f"up finished without a TPU node for run {self.plan.run}")
+        self._tpu = tpu
         self.zone, self.node = tpu.location, tpu.name
         self.num_workers = max(len(tpu.workers), self.plan.accelerator.hosts)
 
@@ -508,10 +510,29 @@ class Pipeline:
                         hint=f"last lines of worker {failed.index}:\n{lines}\n  full logs: "
                              f"gs://{rec.bucket}/runs/{rec.run}/logs/worker-{failed.index}.log")
 
+    def _run_ended(self) -> RunDurationEnded:
+        """Google ended a flex-start TPU at the max run duration the user chose. That bound is the user's
+        budget, and a new request would wait in the flex-start queue again with no end in sight: stop, say
+        where the checkpoint is and how to resume, and exit with the code that says "time ran out"."""
+        run, bucket = self.run_name, self.outcome.bucket
+        ledger.remember([self._tpu], deleted=True, on_event=self.emit)  # Google deleted it: it bills no more
+        if self.record is not None:
+            # A final state gc and `job status` know ("failed": the job did not finish), and why.
+            cluster.update_status(self.clients, self.record.bucket, self.record.run, state="failed",
+                                  recovering=False, ended="max_run_duration", on_event=self.emit)
+        return RunDurationEnded(
+            f"the flex-start TPU {self.node} reached its max run duration ({self.spec.max_run_duration}) at "
+            f"{self._tpu.detail['ends']} and Google ended it before the job finished (step "
+            f"{self.outcome.step or 0}); it was not requested again",
+            hint=f"checkpoints are kept in gs://{bucket}/runs/{run}/model/: `tpuctl run SPEC --name {run}` resumes "
+                 "from them on a new flex-start TPU (or raise max_run_duration, up to 7d)")
+
     def _recover(self, *, maintenance: bool = False) -> None:
         """Bring the node back and relaunch (the job resumes from its checkpoint). A node seen under
         maintenance (REPAIRING/RESTARTING) is waited for, not recreated: it is the same node after a reboot."""
         rec = self.record
+        if self._tpu is not None and provision.run_ended(self._tpu):
+            raise self._run_ended()
         if self.outcome.recoveries >= rec.max_recoveries:
             raise JobFailed(f"the TPU node was lost {self.outcome.recoveries + 1} time(s); max recoveries is "
                             f"{rec.max_recoveries}", hint="raise --max-recoveries, or use on-demand provisioning")
@@ -533,6 +554,8 @@ class Pipeline:
                 # A lost node bills no more; its successor (same name) is a new ledger entry.
                 lost = [r for r in provision.list_resources(self.clients, rec.run)
                         if r.kind is Kind.TPU and r.name == rec.node]
+                if not lost and self._tpu is not None:
+                    lost = [self._tpu]  # Google deleted it (a Spot VM's termination action DELETE)
                 if maintenance:
                     self.emit(ev.Warn(f"TPU node {rec.node} is under maintenance: waiting for it to come back"))
                 else:
@@ -541,6 +564,7 @@ class Pipeline:
                 if maintenance and any(r.created != node.created for r in lost):
                     ledger.remember(lost, deleted=True, on_event=self.emit)  # it never came back and was recreated
                 ledger.remember([node], on_event=self.emit)
+                self._tpu = node
             except (NotFound, CapacityError) as exc:
                 if self.plan is None:
                     raise JobFailed(f"cannot recreate TPU node {rec.node}: {exc}",
@@ -640,14 +664,20 @@ class Pipeline:
                 self.collect()
             return self.outcome
         except BaseException as exc:
-            if not isinstance(exc, KeyboardInterrupt) and not self.cancel.is_set():
-                self.outcome.state = "failed"
-                self.outcome.error = str(exc)
+            if isinstance(exc, KeyboardInterrupt) or self.cancel.is_set():
+                self.outcome.state = "interrupted"
+                if self.record is not None:
+                    cluster.update_status(self.clients, self.record.bucket, self.record.run, state="failed",
+                                          recovering=False, interrupted=True, on_event=self.emit)
                 raise
-            self.outcome.state = "interrupted"
-            if self.record is not None:
-                cluster.update_status(self.clients, self.record.bucket, self.record.run, state="failed",
-                                      recovering=False, interrupted=True, on_event=self.emit)
+            self.outcome.state = "failed"
+            if (isinstance(exc, TpuctlError) and not isinstance(exc, RunDurationEnded) and self._tpu is not None
+                    and provision.run_ended(self._tpu)):
+                # Whatever broke when the TPU went (a launch, an SSH session), its end is the reason.
+                ended = self._run_ended()
+                self.outcome.error = str(ended)
+                raise ended from exc
+            self.outcome.error = str(exc)
             raise
         finally:
             if not torn_down:

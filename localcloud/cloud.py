@@ -144,10 +144,12 @@ class LocalCloud:
         return self.world.meter
 
     def preempt(self, node: str, at: datetime | float | None = None) -> None:
-        """Preempt a spot/preemptible TPU node now, or at `at` (datetime or unix seconds). ValueError if
-        the node does not exist or is on-demand."""
+        """Preempt a spot/preemptible TPU node, or a Spot/preemptible Compute Engine instance (a TPU7x VM), now
+        or at `at` (datetime or unix seconds). ValueError if there is no such node or instance, or it is on-demand."""
         when = at.timestamp() if isinstance(at, datetime) else at
-        self.tpu.preempt(node, when)
+        with self.world.lock:
+            is_node = any(k == node or k.rsplit("/", 1)[-1] == node for k in self.tpu.nodes)
+        (self.tpu if is_node else self.compute).preempt(node, when)
 
     def idle_s(self) -> float:
         """Seconds since the latest request to any API (storage included); 0.0 while a TPU node or VM is billed
@@ -225,7 +227,7 @@ class LocalCloud:
             "compute.instances.aggregatedList": c.aggregated_list, "compute.instances.delete": c.delete,
             "compute.instances.stop": c.stop, "compute.instances.start": c.start,
             "compute.instances.setLabels": c.set_labels, "compute.instances.setMetadata": c.set_metadata, "compute.instances.getGuestAttributes": c.get_guest_attributes,
-            "compute.zoneOperations.get": c.operations_get, "compute.zoneOperations.wait": c.operations_wait,
+            "compute.zoneOperations.get": c.operations_get, "compute.zoneOperations.list": c.operations_list, "compute.zoneOperations.wait": c.operations_wait,
             "compute.zones.list": c.zones_list, "compute.zones.get": c.zones_get,
             "compute.machineTypes.get": c.machine_types_get,
             **self._group_handlers(),
@@ -289,7 +291,7 @@ class LocalCloud:
         if not fault.node:
             raise ValueError(f"fault {fault.kind} needs node=")
         if fault.kind == "preempt":
-            self.tpu.preempt(fault.node, fault.at)
+            self.preempt(fault.node, fault.at)
         elif fault.kind == "repair":
             self.repair(fault.node, fault.state or "REPAIRING", fault.seconds)
         elif fault.kind == "kill-worker":

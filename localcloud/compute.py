@@ -22,6 +22,9 @@ from .core import ApiError, World, check_labels, now_rfc3339
 from .tpu import CPU_REHEARSAL_VAR, paginate, ssh_keys_of
 
 INSERT_S, DELETE_S, STOP_S, START_S, SET_LABELS_S, SET_METADATA_S = 25.0, 40.0, 30.0, 20.0, 2.0, 2.0
+# A preempted VM gets a 30 s notice (ACPI G2 Soft Off) before Compute stops it hard (compute/docs/instances/spot,
+# "Preemption process").
+PREEMPT_NOTICE_S = 30.0
 CAPACITY_FAIL_S = 10.0
 WAIT_MAX_S = 60.0
 
@@ -46,7 +49,7 @@ class ComputeService:
         self.ops: dict[str, dict] = {}         # "projects/P/{zones/Z,regions/R}/operations/NAME" -> Operation body
         self.groups = None  # ComputeGroupsService, told when a MIG member's insert fails
         for action in ("insert_done", "insert_failed", "delete_done", "stop_done", "set_labels_done", "set_metadata_done",
-                       "expire"):
+                       "expire", "preempt"):
             world.actions[f"compute.{action}"] = getattr(self, f"_{action}")
 
     def dump(self) -> dict:
@@ -324,8 +327,55 @@ class ComputeService:
                 self.w.later(DELETE_S, "compute.delete_done", key=key)
             else:
                 rec["instance"]["status"] = "TERMINATED"
+                rec["instance"]["lastStopTimestamp"] = now_rfc3339()
                 self._stop_worker(rec)
                 self.w.meter.end(key)
+            self.w.changed()
+
+    def find(self, name: str) -> str:
+        """The key of the instance named by its full name or, when unambiguous, its short name. ValueError if none."""
+        with self.w.lock:
+            if name in self.instances:
+                return name
+            hits = [k for k in self.instances if k.rsplit("/", 1)[-1] == name]
+        if len(hits) != 1:
+            raise ValueError(f"no instance named {name!r}" if not hits else f"instance name {name!r} is ambiguous: give the full name")
+        return hits[0]
+
+    def preempt(self, name: str, at: float | None = None) -> None:
+        """Preempt a Spot (or legacy preemptible) instance now or at wall-clock time `at`, as Compute does
+        (`_preempt`). ValueError if it is neither: Compute preempts only those."""
+        key = self.find(name)
+        with self.w.lock:
+            sched = self.instances[key]["instance"].get("scheduling") or {}
+            if sched.get("provisioningModel") != "SPOT" and not sched.get("preemptible"):
+                raise ValueError(f"instance {key} is not a Spot or preemptible VM: it cannot be preempted")
+        if at is None or at <= time.time():
+            self._preempt(key)
+        else:
+            self.w.scheduler.at(at, "compute.preempt", key=key)
+
+    def _preempt(self, key: str) -> None:
+        """Compute's preemption of a running Spot VM: a `compute.instances.preempted` operation by `system`
+        (zoneOperations, as Google's preemption-history sample lists them), the guest gone (its processes die;
+        localcloud runs no shutdown script in the notice period), then the termination action: STOP (the
+        default) -> STOPPING for the notice, then TERMINATED with lastStopTimestamp and the meter stopped;
+        DELETE -> the instance is deleted (the meter stops when the delete finishes)."""
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is None or rec.get("deleting") or rec["instance"]["status"] not in ("PROVISIONING", "STAGING", "RUNNING"):
+                return
+            p = {"project": rec["project"], "zone": rec["zone"]}
+            op = self._new_op(p, "compute.instances.preempted", key, rec["instance"]["id"])
+            op["user"] = "system"
+            self._finish_op(self._op_key(op))
+            self._stop_worker(rec)
+            rec["instance"]["status"] = "STOPPING"
+            if (rec["instance"].get("scheduling") or {}).get("instanceTerminationAction") == "DELETE":
+                rec["deleting"] = True
+                self.w.later(PREEMPT_NOTICE_S + DELETE_S, "compute.delete_done", key=key)
+            else:
+                self.w.later(PREEMPT_NOTICE_S, "compute.stop_done", key=key, op=self._op_key(op))
             self.w.changed()
 
     def _insert_failed(self, key: str, op: str, quota: str | None = None) -> None:
@@ -536,6 +586,19 @@ class ComputeService:
                 raise ApiError("NOT_FOUND", f"The resource '{key}' was not found")
             return copy.deepcopy(op)
 
+    def operations_list(self, p: dict, q: dict, body: None) -> dict:
+        """The zone's operations, oldest first, filtered: how Google's preemption-history sample finds
+        preemptions (`operationType="compute.instances.preempted" AND targetLink:instances/NAME`)."""
+        self._zone_ok(p["zone"])
+        prefix = f"projects/{p['project']}/zones/{p['zone']}/operations/"
+        pred = parse_filter(q.get("filter") or "")
+        with self.w.lock:
+            items = [copy.deepcopy(op) for k, op in self.ops.items() if k.startswith(prefix)]
+        items = [op for op in items if pred(op)]
+        page, token = paginate(items, q.get("maxResults"), q.get("pageToken"))
+        return {"kind": "compute#operationList", "id": prefix.rstrip("/"), "items": page,
+                "selfLink": f"{ROOT}{prefix.rstrip('/')}", **({"nextPageToken": token} if token else {})}
+
     def operations_wait(self, p: dict, q: dict, body: None) -> dict:
         """Blocks until the operation is DONE or WAIT_MAX_S pass (real: up to 2 minutes), then returns it."""
         key = f"projects/{p['project']}/zones/{p['zone']}/operations/{p['operation']}"
@@ -600,7 +663,7 @@ _TERM_RE = re.compile(r"""\(?\s*([A-Za-z_][\w.\-]*)\s*(=|!=|:|eq|ne)\s*("[^"]*"|
 
 def parse_filter(text: str):
     """A predicate for Compute's list `filter`: terms `field = value`, `field != value`, `field:*`
-    (presence), `labels.KEY = value`, joined by whitespace or AND. Values may end with `*` (prefix)."""
+    (presence), `field:value` (contains), `labels.KEY = value`, joined by whitespace or AND. Values may end with `*` (prefix)."""
     text = text.strip()
     if not text:
         return lambda item: True
@@ -627,7 +690,9 @@ def parse_filter(text: str):
         for path, op, value in terms:
             actual = lookup(item, path)
             if op == ":":
-                ok = actual is not None if value == "*" else (actual is not None and str(actual) == value)
+                # `:` is "has": presence with `*`, else the value contained in the field (Google's
+                # preemption-history sample: "it's `contains` not `equals`").
+                ok = actual is not None if value == "*" else (actual is not None and value in str(actual))
             else:
                 if value.endswith("*"):
                     eq = actual is not None and str(actual).startswith(value[:-1])

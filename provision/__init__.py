@@ -14,7 +14,9 @@ raw protos never leave `tpuctl.provision`. Conventions, in the spirit of SkyPilo
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from datetime import datetime
 
 from tpuctl import catalog as _catalog
 from tpuctl.catalog import Catalog
@@ -214,6 +216,24 @@ def delete_node(clients: Clients, zone: str, name: str, *, deadline_s: float = 9
             _compute_tpu.delete_slice(clients, zone, name, deadline_s=deadline_s, progress=progress)
         elif found is not None:
             _compute_tpu.delete(clients, zone, name, deadline_s=deadline_s, progress=progress)
+
+
+# Compute ends a VM at its max run duration, up to 30 s after the published moment
+# (compute/docs/instances/limit-vm-runtime), never before: only a laptop clock behind Google's can make it
+# look early. Allow that much.
+RUN_END_SLACK_S = 30.0
+
+
+def run_ended(tpu: Resource, *, now: float | None = None) -> bool:
+    """True when Google ends `tpu` at a moment it published (a flex-start TPU's max run duration,
+    `detail["ends"]`) and that moment has come, within RUN_END_SLACK_S. Such a TPU is not lost: it was given
+    back as the user asked. Reads only the resource; no API call."""
+
+    try:
+        ends = datetime.fromisoformat(tpu.detail["ends"]).timestamp()
+    except (KeyError, ValueError):
+        return False
+    return (time.time() if now is None else now) >= ends - RUN_END_SLACK_S
 
 
 def recreate_node(clients: Clients, zone: str, name: str, *, force: bool = False,

@@ -67,6 +67,9 @@ def _scheduling(req: TpuVmRequest) -> compute_v1.Scheduling:
     sched = compute_v1.Scheduling(on_host_maintenance="TERMINATE", automatic_restart=False)
     if req.provisioning == "spot":
         sched.provisioning_model = "SPOT"
+        # DELETE, not the default STOP: a Spot TPU cannot be restarted, only recreated (tpu/docs/spot), so a
+        # stopped one is only a billed boot disk and a name to delete first; Google frees both at preemption.
+        sched.instance_termination_action = "DELETE"
     elif req.provisioning == "flex-start":
         sched.provisioning_model = "FLEX_START"
         sched.instance_termination_action = "DELETE"

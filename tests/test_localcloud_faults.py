@@ -205,3 +205,49 @@ def test_drop_ssh_closes_live_sessions(clients, cloud):
             return "closed"
 
     assert asyncio.run(scenario()) in ("closed", "ConnectionLost", "ChannelOpenError", "DisconnectError")
+
+
+def _meter_row(cloud, key: str) -> dict:
+    return next(r for r in cloud.meter_report()["resources"] if r["resource"] == key)
+
+
+def test_preempt_a_spot_compute_instance_as_compute_does(clients, cloud):
+    """A Spot VM is preempted by a `compute.instances.preempted` operation from `system` (the one Google's
+    preemption-history sample lists), its guest dies, and its termination action follows: STOP (the default)
+    leaves it TERMINATED with lastStopTimestamp and no bill; DELETE deletes it. On-demand VMs are refused."""
+    from google.cloud import compute_v1
+
+    from test_localcloud_compute import _insert
+
+    zone = "us-central1-a"
+    _insert(clients, "plain-vm", zone)
+    _insert(clients, "spot-stop", zone, scheduling=compute_v1.Scheduling(provisioning_model="SPOT"))
+    _insert(clients, "spot-del", zone, scheduling=compute_v1.Scheduling(provisioning_model="SPOT",
+                                                                        instance_termination_action="DELETE"))
+    key = f"projects/{clients.project}/zones/{zone}/instances/spot-stop"
+    with pytest.raises(ValueError, match="not a Spot or preemptible VM"):
+        cloud.preempt(f"projects/{clients.project}/zones/{zone}/instances/plain-vm")
+    assert [w["port"] for w in next(i for i in cloud.inventory()["instances"] if i["name"] == "spot-stop")["workers"]]
+    cloud.preempt(key)  # the session cloud's other projects may hold the same short names
+    assert _admin(cloud, "POST", "preempt", {"node": key.replace("spot-stop", "spot-del")})[0] == 200
+    vm = clients.instances.get(project=clients.project, zone=zone, instance="spot-stop")
+    assert vm.status in ("STOPPING", "TERMINATED")
+    assert not next(i for i in cloud.inventory()["instances"] if i["name"] == "spot-stop"
+                    and i["project"] == clients.project)["workers"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        vm = clients.instances.get(project=clients.project, zone=zone, instance="spot-stop")
+        try:
+            clients.instances.get(project=clients.project, zone=zone, instance="spot-del")
+        except gexc.NotFound:
+            if vm.status == "TERMINATED":
+                break
+        time.sleep(0.05)
+    assert vm.status == "TERMINATED" and vm.last_stop_timestamp
+    assert not _meter_row(cloud, key)["running"]
+    ops = list(clients.zone_operations.list(request=compute_v1.ListZoneOperationsRequest(
+        project=clients.project, zone=zone,
+        filter='operationType="compute.instances.preempted" AND targetLink:instances/spot-')))
+    assert sorted(op.target_link.rsplit("/", 1)[-1] for op in ops) == ["spot-del", "spot-stop"]
+    assert all(op.user == "system" and op.status == compute_v1.Operation.Status.DONE and not op.error.errors
+               for op in ops)

@@ -9,6 +9,7 @@ tpuctl recreates it and the job resumes from the bucket's checkpoint on both hos
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -87,4 +88,78 @@ def test_jax_on_a_tpu7x_compute_engine_vm_trains_checkpoints_and_leaves_nothing(
                             "global_batch=64 step=0"), log[-2000:]
     assert "checkpoint step=10 " in log and "done step=10 " in log, log[-2000:]
     assert {"checkpoints/ckpt-10.npz", "checkpoints/checkpoint"} <= set(o.artifacts)
+    assert _zero(cloud, project)
+
+
+def _tpu7x_spec(name: str, *, max_steps: int, **fields) -> dict:
+    """bert-tiny on one TPU7x VM (Compute Engine), checkpointing every 5 steps."""
+    return {"name": name, "zone": "us-central1-c", "accelerator": "tpu7x-8", **fields,
+            "job": {"template": "bert", "preset": "bert-tiny",
+                    "config": {"trainer": {"max_steps": max_steps, "checkpoint_every": 5, "log_every": 5,
+                                           "steps_per_execution": 5, "warmup_steps": 2,
+                                           "per_replica_batch_size": 8, "shuffle_buffer": 64}},
+                    "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}}
+
+
+def _instance_path(p: Pipeline) -> str:
+    return f"projects/{p.project}/zones/{p.zone}/instances/{p.node}"
+
+
+@pytest.mark.slow
+@pytest.mark.tf
+@pytest.mark.timeout(600)
+def test_spot_tpu7x_preempted_by_compute_is_recreated_and_resumes_from_the_checkpoint(tpc, cloud, project):
+    """Compute preempts the Spot TPU7x VM mid-run (its termination action is DELETE: Spot TPUs are recreated,
+    never restarted); tpuctl makes it again from the run's plan and the job resumes from the bucket's checkpoint."""
+    from tpuctl.ledger import Ledger
+
+    spec = spec_mod.from_mapping(_tpu7x_spec("spot-7x", max_steps=30, provisioning="spot"))
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    preempted = threading.Event()
+
+    def preempt_after_a_checkpoint():
+        while not preempted.is_set():
+            if (p.outcome.step or 0) >= 10 and p.node:
+                cloud.preempt(_instance_path(p))
+                preempted.set()
+            time.sleep(0.05)
+
+    threading.Thread(target=preempt_after_a_checkpoint, daemon=True).start()
+    try:
+        o = p.run()
+    finally:
+        preempted.set()
+    assert o.state == "succeeded" and o.recoveries == 1 and o.step == 30, o
+    log = _text(tpc, o.bucket, "runs/spot-7x/logs/worker-0.log")  # the second incarnation's log
+    start = next(line for line in log.splitlines() if line.startswith("start "))
+    resumed = int(re.search(r" step=(\d+) ", start)[1])
+    assert resumed in (5, 10), start  # at most one checkpoint interval lost
+    assert f"step={resumed + 5} " in log and "done step=30 " in log, log[-2000:]
+    # Google deleted the first VM itself (termination action DELETE): both lifetimes are costed, one after the other.
+    first, second = sorted((e for e in Ledger().entries() if e.kind == "tpu" and e.run == "spot-7x"),
+                           key=lambda e: e.created)
+    assert first.deleted is not None and second.deleted is not None and first.deleted <= second.created
+    assert _zero(cloud, project)
+
+
+@pytest.mark.slow
+@pytest.mark.tf
+@pytest.mark.timeout(600)
+def test_flex_start_tpu7x_ended_at_its_max_run_duration_stops_the_run_without_asking_again(tpc, cloud, project):
+    """Compute deletes a flex-start TPU7x VM at its max run duration (12 h, 43 s of wall clock at the tests'
+    speed) while the job trains: the run ends with exit code 4 and a resume hint, and no second TPU is asked for."""
+    from tpuctl.errors import RunDurationEnded
+    from tpuctl.ledger import Ledger
+
+    spec = spec_mod.from_mapping(_tpu7x_spec("flex-7x", max_steps=100000, provisioning="flex-start",
+                                             max_run_duration="12h"))
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    with pytest.raises(RunDurationEnded) as e:
+        p.run()
+    assert e.value.exit_code == 4 and "max run duration (12h)" in e.value.message, e.value.message
+    assert "--name flex-7x" in e.value.hint and "gs://" in e.value.hint
+    assert p.outcome.recoveries == 0 and (p.outcome.step or 0) >= 5, p.outcome
+    assert [e.kind for e in Ledger().entries() if e.kind == "tpu" and e.run == "flex-7x"] == ["tpu"]
+    status = json.loads(_text(tpc, p.outcome.bucket, "runs/flex-7x/status.json"))
+    assert status["state"] == "failed" and status["ended"] == "max_run_duration"
     assert _zero(cloud, project)

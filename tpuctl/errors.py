@@ -5,7 +5,8 @@ exit code, and (for bad input) the field at fault. The CLI prints `error: <field
 on the next line, then exits with `exit_code`. Google API exceptions are mapped by *type* in
 `from_google`, never by parsing their message text.
 
-Exit codes (documented in the README): 0 ok, 1 failure, 2 bad input, 3 capacity/quota, 130 interrupted.
+Exit codes (documented in the README): 0 ok, 1 failure, 2 bad input, 3 capacity/quota, 4 the TPU's time ran out,
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_CAPACITY = 3
+EXIT_TIME_ENDED = 4
 EXIT_INTERRUPTED = 130
 
 
@@ -92,6 +94,15 @@ class WaitTimeout(TpuctlError):
 
 class JobFailed(TpuctlError):
     """The training job exited non-zero on at least one worker."""
+
+
+class RunDurationEnded(TpuctlError):
+    """Google ended a flex-start TPU at the max run duration the user chose, before the job finished.
+
+    Its own exit code, not 1: nothing failed, and a wrapper can tell "ask for another flex-start window and
+    resume" from "debug the job"."""
+
+    exit_code = EXIT_TIME_ENDED
 
 
 class Interrupted(TpuctlError):
