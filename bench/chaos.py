@@ -4,15 +4,18 @@
 
 Each scenario picks a shape (single/multi-host, on-demand/spot/queued) and one fault schedule (capacity in
 some zones, 429 storms, 503s, operations that never finish, preemption mid-job, worker death, SSH drops,
-SIGINT/SIGTERM/kill -9 of `tpuctl up` or `tpuctl run` at a random phase), then cleans up with `down` or `gc`.
+SIGINT/SIGTERM/kill -9 of `tpuctl up` or `tpuctl run` at a random phase; Google's own shapes: stockouts as
+code 9 and 13, a bare TPU 429 and Compute's 403 quota, host maintenance mid-job, guest attributes empty or
+failing, a teammate's metadata update in flight (409), OS Login projects, a project with no TPU quota),
+then cleans up with `down` or `gc`.
 Afterwards it checks, from the local cloud's own inventory (`/_localcloud/status`):
 
 - leaked: a tpuctl resource of the scenario's run still present after the scenario's cleanup, or (after an
   exit 130) a resource the interrupted command promised to remove before any cleanup ran;
 - lost checkpoints: a checkpoint object seen in the bucket during the job missing at the end, or a resumed
   job restoring a step below the last checkpoint it had written (the step count went backwards);
-- wrong exit codes: the exit code (0 ok/recovered, 3 capacity, 130 interrupted, -9 killed) or the error
-  line does not match the injected fault. A create that never finishes, or a queued resource waiting for
+- wrong exit codes: the exit code (0 ok/recovered, 2 refused by the preflight, 3 capacity or quota, 130
+  interrupted, -9 killed) or the error line does not match the injected fault. A create that never finishes, or a queued resource waiting for
   capacity, is the user pressing Ctrl-C 1-3 s in (exit 130).
 
 The last four lines are `leaked: N`, `lost checkpoints: N`, `wrong exit codes: N`, `scenarios: N`.
@@ -47,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 STANDIN = REPO / "tests" / "job_templates" / "standin"
 PROJECT = "tpuctl-local"
 # Exit codes as the README documents them; -9 is the kill itself.
-EXIT = {"ok": 0, "capacity": 3, "interrupted": 130, "killed": -signal.SIGKILL}
+EXIT = {"ok": 0, "bad-input": 2, "capacity": 3, "interrupted": 130, "killed": -signal.SIGKILL}
 
 # Shapes: (accelerator, zones in failover order, hosts). Zones come from the catalog's offerings.
 SHAPES = (
@@ -61,9 +64,15 @@ FAULTS = ("none", "capacity-first-zone", "capacity-all-zones", "429-storm", "503
           "preempt-mid-job", "kill-worker", "drop-ssh", "sigint", "sigterm", "kill9",
           # Google's own shapes (localcloud/README.md "Faults"): stockouts as code 9 and 13, a bare 429 and
           # Compute's 403 quota, host maintenance mid-job, guest attributes answering nothing or failing.
-          "stockout-9", "stockout-13", "quota-429-bare", "quota-403", "repair-mid-job", "guest-attrs")
+          "stockout-9", "stockout-13", "quota-429-bare", "quota-403", "repair-mid-job", "guest-attrs",
+          # Another writer's metadata update in flight when `tpuctl run` adds its SSH key (409), and projects
+          # with OS Login on: usable (the job logs in as the OS Login user) or with 2FA (refused before `up`).
+          "metadata-409", "oslogin", "oslogin-2fa",
+          # A project whose TPU quota is 0 in every zone: the preflight refuses before creating anything.
+          "tpu-quota")
 # Faults that need a running job (and, for preemption, a spot node).
-JOB_FAULTS = ("none", "preempt-mid-job", "kill-worker", "drop-ssh", "repair-mid-job", "guest-attrs")
+JOB_FAULTS = ("none", "preempt-mid-job", "kill-worker", "drop-ssh", "repair-mid-job", "guest-attrs",
+              "metadata-409", "oslogin")
 STOCKOUT_CODES = {"stockout-9": 9, "stockout-13": 13}
 SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "kill9": signal.SIGKILL}
 
@@ -380,6 +389,10 @@ def expected_exit(s: Scenario) -> tuple[int, ...]:
         return (EXIT["interrupted"], EXIT["ok"])
     if s.fault == "kill9":
         return (EXIT["killed"], EXIT["ok"])
+    if s.fault == "oslogin-2fa":
+        return (EXIT["bad-input"],)  # the preflight refuses before creating anything
+    if s.fault == "tpu-quota":
+        return (EXIT["capacity"],)  # the preflight refuses (quota, exit 3) before creating anything
     return (EXIT["ok"],)
 
 
@@ -396,6 +409,8 @@ _MESSAGES = {
     "stockout-13": re.compile(r"capacity", re.IGNORECASE),
     "quota-429-bare": re.compile(r"quota", re.IGNORECASE),
     "quota-403": re.compile(r"quota", re.IGNORECASE),
+    "oslogin-2fa": re.compile(r"enable-oslogin-2fa"),
+    "tpu-quota": re.compile(r"tpu-quota: .* needs \d+ of quota TPU\w+ForTPUAPI"),
     "sigint": re.compile(r"interrupt", re.IGNORECASE),
     "sigterm": re.compile(r"interrupt", re.IGNORECASE),
 }
@@ -432,18 +447,31 @@ def run_scenario(stack: Stack, s: Scenario) -> Outcome:
     label = f"{s.fault}@{s.command}" if s.fault in SIGNALS else s.fault
     out = Outcome(s.index, s.accelerator, s.provisioning, label, s.cleanup, None, expected_exit(s))
     stack.clear_faults()
+    oslogin = {"oslogin": {"enable-oslogin": "TRUE"},
+               "oslogin-2fa": {"enable-oslogin": "TRUE", "enable-oslogin-2fa": "TRUE"}}.get(s.fault, {})
     try:
+        set_project_metadata(stack, oslogin)
+        if s.fault == "tpu-quota":
+            from tpuctl.localcloud import quotas
+
+            stack.admin("POST", f"projects/{PROJECT}", {"tpu_quotas": {q: 0 for q in quotas.known_ids()}})
         if s.uses_run:
             _arm_request_faults(stack, s)
             out.exit_code, out.message, _, out.lost = _tpuctl_run_with_fault(stack, s)
             if out.exit_code == EXIT["interrupted"]:
                 # `tpuctl run` tears its TPU down even on Ctrl-C/SIGTERM; the bucket stays (it holds checkpoints).
                 out.leaked += [f"after interrupted run: {k}" for k in _settle(stack, s.run) if not k.startswith("buckets/")]
+        elif s.fault in ("oslogin-2fa", "tpu-quota"):
+            result = up(stack, s.run, s.accelerator, s.zones, s.provisioning)
+            out.exit_code, out.message = result.exit_code, result.message
+            # Refused by the preflight: nothing may exist before any cleanup ran.
+            out.leaked += [f"after refusal: {k}" for k in stack.live(s.run)]
         elif s.fault in SIGNALS or s.waits_forever:
             _arm_request_faults(stack, s)
             out.exit_code, out.message = _signalled_up(stack, s)
-            if out.exit_code == EXIT["interrupted"]:
-                # Exit 130 promises that what this invocation created was removed (before any down/gc).
+            if out.exit_code == EXIT["interrupted"] and "resources are kept" not in out.message:
+                # Exit 130 promises that what this invocation created was removed (before any down/gc),
+                # unless it says the run was READY and is kept (Ctrl-C while `up` recorded and printed).
                 out.leaked += [f"after rollback: {k}" for k in _settle(stack, s.run)]
         else:
             _arm_request_faults(stack, s)
@@ -455,6 +483,10 @@ def run_scenario(stack: Stack, s: Scenario) -> Outcome:
             out.message_ok = bool(pattern.search(out.message))
     finally:
         stack.clear_faults()
+        if oslogin:
+            set_project_metadata(stack, {})
+        if s.fault == "tpu-quota":
+            stack.admin("POST", f"projects/{PROJECT}", {})  # fully set up again
         try:
             cleanup(stack, s.run, s.cleanup)
         except TpuctlError as exc:
@@ -462,6 +494,65 @@ def run_scenario(stack: Stack, s: Scenario) -> Outcome:
         out.leaked += _settle(stack, s.run)
         out.seconds = time.monotonic() - t0
     return out
+
+
+def set_project_metadata(stack: Stack, items: dict[str, str]) -> None:
+    """Replace the project's common instance metadata (where `enable-oslogin` lives), as gcloud's
+    `compute project-info add-metadata` does: read the fingerprint, then set."""
+    from google.cloud import compute_v1
+
+    projects = stack.clients.compute_projects
+    current = projects.get(project=PROJECT).common_instance_metadata
+    if {i.key: i.value for i in current.items} == items:
+        return
+    projects.set_common_instance_metadata(project=PROJECT, metadata_resource=compute_v1.Metadata(
+        fingerprint=current.fingerprint, items=[compute_v1.Items(key=k, value=v) for k, v in items.items()])
+    ).result(timeout=30)
+
+
+class MetadataRace:
+    """Another writer (a teammate's `gcloud ... tpu-vm ssh`) updates the node's metadata as soon as the node is
+    READY, and its update stays in flight 1-5 s (localcloud's update takes 5 simulated seconds; Google's own
+    is not documented): `tpuctl run`'s key update meets Google's 409 meanwhile and must keep both keys."""
+
+    KEY = "teammate:ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIChaosTeammateKey teammate@box"
+
+    def __init__(self, stack: Stack, s: Scenario):
+        self.stack, self.s = stack, s
+        self.op: str | None = None
+        self.node: str | None = None
+        self.metadata: dict[str, str] = {}
+        self.release_at = 0.0
+
+    def step(self) -> None:
+        """Called from the scenario's poll loop: start the update once READY, finish it when its time is up."""
+        if self.op is None:
+            nodes = [n for n in self.stack.status()["resources"]["nodes"]
+                     if (n.get("labels") or {}).get("tpuctl-run") == self.s.run and n["state"] == "READY"]
+            if nodes:
+                self._start(nodes[0]["name"])
+        elif self.release_at and time.monotonic() >= self.release_at:
+            self.release()
+
+    def _start(self, name: str) -> None:
+        from google.cloud import tpu_v2
+        from google.protobuf import field_mask_pb2
+
+        tpu = self.stack.clients.tpu
+        node = tpu.get_node(name=name)
+        keys = [k for k in node.metadata.get("ssh-keys", "").splitlines() if k.strip()]
+        self.metadata = {**dict(node.metadata), "ssh-keys": "\n".join([*keys, self.KEY])}
+        self.stack.fault("stuck", service="tpu", method="nodes.patch", count=1)
+        op = tpu.update_node(node=tpu_v2.Node(name=name, metadata=self.metadata),
+                             update_mask=field_mask_pb2.FieldMask(paths=["metadata"]))
+        self.node, self.op = name, op.operation.name
+        self.release_at = time.monotonic() + 1 + 4 * self.s.phase
+
+    def release(self) -> None:
+        """The other update completes, as localcloud's own scheduled transition would have without the fault."""
+        if self.op is not None and self.release_at:
+            self.release_at = 0.0
+            self.stack.cloud.world.later(0, "tpu.update_done", node=self.node, op=self.op, changes={"metadata": self.metadata})
 
 
 def _arm_request_faults(stack: Stack, s: Scenario) -> None:
@@ -523,8 +614,11 @@ def _tpuctl_run_with_fault(stack: Stack, s: Scenario) -> tuple[int, str, JobReco
     end = time.monotonic() + 240
     struck = s.fault == "none"
     first_seen: float | None = None
+    race = MetadataRace(stack, s) if s.fault == "metadata-409" else None
     while proc.poll() is None and time.monotonic() < end:
         observe()
+        if race is not None:
+            race.step()
         if s.fault in SIGNALS:
             # A whole run takes ~6-10 s here: 0-6 s after its first resource appears spans up, upload,
             # training and teardown.
@@ -550,6 +644,8 @@ def _tpuctl_run_with_fault(stack: Stack, s: Scenario) -> tuple[int, str, JobReco
     if proc.poll() is None and not struck:
         proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
+    if race is not None:
+        race.release()
     code = proc.returncode
     if s.fault in ("sigint", "sigterm") and code == -SIGNALS[s.fault] and re.search(rf"run {s.run}: \w+", err):
         code = EXIT["ok"]  # it had finished and printed its summary: the signal met interpreter exit (see below)

@@ -163,7 +163,8 @@ class LocalCloud:
         """Set up `project` otherwise than fully (see `projects.SHAPE_OPTIONS`): `disabled_services`,
         `default_network=False`, `networks`, `subnetworks` ("REGION/NAME/NETWORK"), `compute_sa=False`,
         `service_accounts` (the only others that exist), `metadata` (project-wide, e.g. enable-oslogin),
-        `denied_permissions`, `external_ips_denied` (org policy constraints/compute.vmExternalIpAccess). Returns the project's shape. ValueError on unknown options."""
+        `denied_permissions`, `external_ips_denied` (org policy constraints/compute.vmExternalIpAccess), `tpu_quotas`
+        ({quota id: limit in every zone, or {zone: limit}}). Returns the project's shape. ValueError on unknown options."""
         return self.projects.shape(project, **options)
 
     def repair(self, node: str, state: str = "REPAIRING", seconds: float | None = None) -> None:
@@ -201,11 +202,17 @@ class LocalCloud:
 
         def tpu_create(p, q, body):
             pr.check_tpu_node(p["projectsId"], p["locationsId"], body, q.get("nodeId") or "")
+            pr.check_tpu_quota(p["projectsId"], p["locationsId"], body, t.in_use(p["projectsId"], p["locationsId"]))
             return t.nodes_create(p, q, body)
 
         def queued_create(p, q, body):
+            spot = "spot" in (body or {})  # as tpu.queued_create reads it
             for spec in ((body or {}).get("tpu") or {}).get("nodeSpec") or []:
-                pr.check_tpu_node(p["projectsId"], p["locationsId"], spec.get("node") or {}, spec.get("nodeId") or "")
+                node = spec.get("node") or {}
+                pr.check_tpu_node(p["projectsId"], p["locationsId"], node, spec.get("nodeId") or "")
+                pr.check_tpu_quota(p["projectsId"], p["locationsId"],
+                                   {**node, "schedulingConfig": {"spot": True}} if spot else node,
+                                   t.in_use(p["projectsId"], p["locationsId"]))
             return t.queued_create(p, q, body)
 
         def vm_insert(p, q, body):
@@ -243,6 +250,7 @@ class LocalCloud:
             "oslogin.users.getLoginProfile": pr.get_login_profile,
             "oslogin.users.importSshPublicKey": pr.import_ssh_public_key,
             "orgpolicy.projects.policies.getEffectivePolicy": pr.effective_policy,
+            "cloudquotas.projects.locations.services.quotaInfos.get": pr.quota_info_get,
             "cloudbilling.services.list": a.services_list, "cloudbilling.services.skus.list": a.skus_list,
         }
 

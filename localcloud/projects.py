@@ -1,6 +1,6 @@
 """What a project is set up with, and the APIs that read it: Service Usage, Compute `projects`, `networks`,
-`subnetworks` and `globalOperations`, IAM `serviceAccounts.get`, Resource Manager `testIamPermissions`, and
-the OS Login API (login profiles and imported SSH keys).
+`subnetworks` and `globalOperations`, IAM `serviceAccounts.get`, Resource Manager `testIamPermissions`, the
+OS Login API (login profiles and imported SSH keys), and Cloud Quotas `quotaInfos.get` of TPU quota (quotas.py).
 
 A project localcloud was never told about is fully set up: every API enabled, an auto-mode `default` network
 with a `default` subnetwork in every region, the default compute service account, every permission held, OS
@@ -22,7 +22,7 @@ import uuid
 from typing import Callable
 from urllib.parse import unquote
 
-from . import facts
+from . import facts, quotas
 from .core import ApiError, World, now_rfc3339
 
 ROOT = "https://compute.googleapis.com/compute/v1/"
@@ -36,13 +36,15 @@ SERVICES = {
     "cloudresourcemanager.googleapis.com": "Cloud Resource Manager API",
     "serviceusage.googleapis.com": "Service Usage API",
     "orgpolicy.googleapis.com": "Organization Policy API",
+    "cloudquotas.googleapis.com": "Cloud Quotas API",
 }
 # localcloud's route services -> the API that must be enabled for them.
 _SERVICE_OF_ROUTE = {"tpu": "tpu.googleapis.com", "compute": "compute.googleapis.com",
                      "iam": "iam.googleapis.com", "oslogin": "oslogin.googleapis.com",
-                     "orgpolicy": "orgpolicy.googleapis.com"}
+                     "orgpolicy": "orgpolicy.googleapis.com", "cloudquotas": "cloudquotas.googleapis.com"}
 SHAPE_OPTIONS = ("disabled_services", "default_network", "networks", "subnetworks", "compute_sa",
-                 "service_accounts", "metadata", "denied_permissions", "external_ips_denied")
+                 "service_accounts", "metadata", "denied_permissions", "external_ips_denied",
+                 "tpu_quotas")
 EXTERNAL_IP_CONSTRAINT = "compute.vmExternalIpAccess"
 # Public image families a VM may boot from (debian-cloud's as listed in googleapis/google-cloud-go#10484).
 PUBLIC_IMAGE_FAMILIES = {"debian-cloud": ("debian-11", "debian-12", "debian-11-arm64", "debian-12-arm64"),
@@ -134,7 +136,9 @@ class ProjectsService:
                  "compute_sa": bool(options.get("compute_sa", True)),
                  "service_accounts": None if options.get("service_accounts") is None else sorted(options["service_accounts"]),
                  "denied_permissions": sorted(options.get("denied_permissions") or ()),
-                 "external_ips_denied": bool(options.get("external_ips_denied", False))}
+                 "external_ips_denied": bool(options.get("external_ips_denied", False)),
+                 # quota id -> limit in every zone, or {zone: limit}; absent = generous (quotas.py)
+                 "tpu_quotas": dict(options.get("tpu_quotas") or {})}
         with self.w.lock:
             self.shapes[project] = shape
             if options.get("metadata") is not None:
@@ -151,7 +155,7 @@ class ProjectsService:
     def _shape(self, project: str) -> dict:
         return self.shapes.get(project) or {"disabled_services": [], "default_network": True, "networks": [],
                                             "subnetworks": [], "compute_sa": True, "service_accounts": None,
-                                            "denied_permissions": [], "external_ips_denied": False}
+                                            "denied_permissions": [], "external_ips_denied": False, "tpu_quotas": {}}
 
     def enabled(self, project: str, service: str) -> bool:
         return service not in self._shape(project)["disabled_services"]
@@ -237,6 +241,28 @@ class ProjectsService:
             self._check_sa(project, (node.get("serviceAccount") or {}).get("email"), "node.serviceAccount.email")
             if net.get("enableExternalIps") and self._shape(project)["external_ips_denied"]:
                 raise self._external_ip_error(project, zone, node_id)
+
+    def check_tpu_quota(self, project: str, zone: str, node: dict, in_use: list[tuple[str, bool]]) -> None:
+        """A TPU create past the project's TPU quota in `zone` (`in_use`: the accelerator type and spot-ness of
+        every node the project has there): 429 naming the quota."""
+        sched = node.get("schedulingConfig") or {}
+        spot = bool(sched.get("spot") or sched.get("preemptible"))
+        quota = quotas.quota_id(node.get("acceleratorType") or "", spot)
+        if quota is None:
+            return
+        with self.w.lock:
+            cap = quotas.limit(self._shape(project), quota, zone)
+        used = sum(quotas.units(t) for t, s in in_use if quotas.quota_id(t, s) == quota)
+        if used + quotas.units(node["acceleratorType"]) > cap:
+            raise quotas.exceeded(quota, zone, cap)
+
+    def quota_info_get(self, p: dict, q: dict, body: None) -> dict:
+        """Cloud Quotas `quotaInfos.get` of a Cloud TPU API quota, from the project's shape."""
+        if p["servicesId"] != quotas.SERVICE or p["locationsId"] != "global":
+            raise ApiError("NOT_FOUND", f"QuotaInfo {p['quotaInfosId']} of service {p['servicesId']} in "
+                           f"{p['locationsId']} was not found (localcloud serves {quotas.SERVICE} in global).")
+        with self.w.lock:
+            return quotas.quota_info(p["projectsId"], p["quotaInfosId"], self._shape(p["projectsId"]))
 
     def check_instance(self, project: str, zone: str, body: dict) -> None:
         """A VM insert naming a network, subnetwork, image or service account the project lacks (400, an

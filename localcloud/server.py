@@ -32,10 +32,11 @@ _APIS = (
     ("iam.v1", "iam.", "google", None),
     ("oslogin.v1", "oslogin.", "google", "google.cloud.oslogin_v1.types"),
     ("orgpolicy.v2", "orgpolicy.", "google", None),
+    ("cloudquotas.v1", "cloudquotas.projects.locations.", "google", None),
 )
 SERVICE_OF_DOC = {"tpu.v2": "tpu", "tpu.v2alpha1": "tpu", "compute.v1": "compute", "cloudresourcemanager.v3": "cloudresourcemanager",
                   "cloudbilling.v1": "cloudbilling", "serviceusage.v1": "serviceusage", "iam.v1": "iam",
-                  "oslogin.v1": "oslogin", "orgpolicy.v2": "orgpolicy"}
+                  "oslogin.v1": "oslogin", "orgpolicy.v2": "orgpolicy", "cloudquotas.v1": "cloudquotas"}
 # Methods served from these documents, by method id prefix (the rest of the document is not served).
 _ONLY = {"tpu.v2alpha1": ("tpu.projects.locations.queuedResources.", "tpu.projects.locations.operations.get")}
 # Versions whose resources may have been made through another version: answers leave out what only that one has.
@@ -187,7 +188,8 @@ class Api:
             if not isinstance(body, dict):
                 return 400, {"error": "the admin API takes a JSON object"}
             return self.admin(verb, path[len("/_localcloud/"):].strip("/"), query, body)
-        if re.match(r"^/v1(alpha1)?/projects/[^/]+/locations/", path):
+        # (Cloud Quotas' v1 paths, .../locations/global/services/..., are not the TPU API's.)
+        if re.match(r"^/v1(alpha1)?/projects/[^/]+/locations/(?![^/]+/services/)", path):
             err = ApiError("FAILED_PRECONDITION", "TPU Nodes and the Cloud TPU v1 API were retired on 2025-04-15: "
                            "create TPU VMs with the v2 API (tpu_v2.TpuClient).", http=400)
             return err.http, err.body("google")

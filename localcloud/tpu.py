@@ -121,6 +121,12 @@ class TpuService:
             raise ApiError("NOT_FOUND", f"Resource '{name}' was not found")
         return rec
 
+    def in_use(self, project: str, zone: str) -> list[tuple[str, bool]]:
+        """(accelerator type, spot) of every node `project` holds in `zone`, for the quota check."""
+        with self.w.lock:
+            return [(rec["type"], rec["spot"]) for rec in self.nodes.values()
+                    if rec["project"] == project and rec["zone"] == zone]
+
     def view(self, rec: dict) -> dict:
         """The Node body a GET returns."""
         node = copy.deepcopy(rec["node"])
@@ -498,7 +504,9 @@ class TpuService:
             if state == "DELETING":
                 raise ApiError("FAILED_PRECONDITION", f"Node {name} is being deleted.")
             if state in ("PREEMPTED", "STOPPED", "STOPPING"):
-                raise ApiError("FAILED_PRECONDITION", f"Node {name} cannot be updated in state {state}.")
+                # Google's words and code (3) as SkyPilot's GCP failover handler quotes them (README "Faults").
+                raise ApiError("INVALID_ARGUMENT", "Cloud TPU received a bad request. update is not supported while "
+                               f"in state {state}")
             if "metadata" in mask and rec.get("metadata_op") in self.ops and not self.ops[rec["metadata_op"]]["done"]:
                 raise ApiError("ABORTED", f"Node {name} has a metadata update in progress "
                                f"({rec['metadata_op'].rsplit('/', 1)[-1]}); retry after it finishes.")

@@ -13,7 +13,13 @@ Checks (their primary sources are cited in localcloud/README.md, which answers t
 - permissions: Resource Manager `projects.testIamPermissions` for what `up` and `down` do;
 - external-ips: Org Policy `getEffectivePolicy` of constraints/compute.vmExternalIpAccess, unless the workers
   get internal IPs only (`--internal-ips`);
-- os-login: Compute `projects.get`; with `enable-oslogin` TRUE tpuctl must know the caller's account.
+- os-login: Compute `projects.get`; with `enable-oslogin` TRUE tpuctl must know the caller's account;
+- tpu-quota: Cloud Quotas `quotaInfos.get` of the TPU API quota the slice draws on, in each zone of the plan.
+  A slice larger than the zone's limit can never be created there, so `up` stops (exit 3) when no zone of
+  the plan has room, naming the quota and where to raise it. QuotaInfo carries limits, not usage (usage
+  lives in Cloud Monitoring), so a slice that fits the limit but not what is left of it still meets
+  Google's 429 at create. A quota that cannot be read (Cloud Quotas disabled, no permission, an id Google
+  does not know) is "unknown" and stops nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from dataclasses import asdict, dataclass
 
 from google.api_core import exceptions as gexc
 
-from tpuctl.errors import EXIT_BAD_INPUT, TpuctlError
+from tpuctl.catalog import AcceleratorType, Catalog, region_of
+from tpuctl.errors import EXIT_BAD_INPUT, QUOTAS_PAGE, QuotaError, TpuctlError
 from tpuctl.provision import bucket, oslogin, waits
 from tpuctl.provision.clients import Clients
 
@@ -44,11 +51,56 @@ VM_PERMISSIONS = ("compute.instances.create", "compute.instances.delete", "compu
 NEEDS = {"network": "compute.googleapis.com", "subnetwork": "compute.googleapis.com",
          "os-login": "compute.googleapis.com", "service-account": "iam.googleapis.com"}
 
+QUOTA_SERVICE = "tpu.googleapis.com"
+# The Cloud TPU API's quota ids, as Google's 429s and `gcloud quotas info list --service=tpu.googleapis.com`
+# name them (sources in localcloud/README.md, "TPU quota"): TPU{GEN}[Preemptible][Pod]PerProjectPerZoneForTPUAPI.
+# Spot and preemptible slices draw on the Preemptible quota (cloud.google.com/tpu/docs/quota); v2/v3 single
+# devices and pods have separate quotas; v5e slices of 1, 4 or 8 chips draw on the Serving quota.
+_QUOTA_GEN = {"v2": "V2s", "v3": "V3s", "v4": "V4s", "v5e": "V5sLitepod", "v5p": "V5P", "v6e": "V6E"}
+_SERVING_V5E = {"v5litepod-1", "v5litepod-4", "v5litepod-8"}
+
 
 class PreflightFailed(TpuctlError):
     """The project is not ready; nothing was created. The message lists each problem, the hint each fix."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+def tpu_quota_id(accelerator: AcceleratorType, spot: bool) -> str | None:
+    """The Cloud TPU API quota a slice of `accelerator` draws on; None for types
+    provisioned through Compute Engine (TPU7x: their quota is Compute's)."""
+    gen = _QUOTA_GEN.get(accelerator.generation)
+    if gen is None or accelerator.api != "tpu-v2":
+        return None
+    pre = "Preemptible" if spot else ""
+    if accelerator.generation == "v5e":
+        kind = f"Serving{pre}" if accelerator.name in _SERVING_V5E else pre
+    elif accelerator.generation in ("v2", "v3", "v4"):
+        # v2/v3 single devices (-8) have their own quota; every v4 slice is a pod slice.
+        pod = accelerator.generation == "v4" or accelerator.cores > 8
+        kind = pre + ("Pod" if pod else "")
+    else:
+        kind = pre
+    return f"TPU{gen}{kind}PerProjectPerZoneForTPUAPI"
+
+
+def quota_units(accelerator: AcceleratorType) -> int:
+    """The least the slice can count against its quota. Google counts v2/v3 in TensorCores and v5e/v6e in
+    chips (one core each); v4/v5p quota "can be specified in terms of chips or TensorCores", so the chips:
+    a slice refused on this count is refused in either unit."""
+    return accelerator.cores if accelerator.generation in ("v2", "v3") else accelerator.chips
+
+
+def zone_limit(info: dict, zone: str) -> int | None:
+    """The limit a QuotaInfo (REST JSON) sets in `zone`; None when unlimited or no entry applies.
+    `dimensionsInfos` run from most to least specific; an entry applies when each of its dimensions matches."""
+    region = region_of(zone)
+    for entry in info.get("dimensionsInfos") or []:
+        dims = entry.get("dimensions") or {}
+        if dims.get("zone", zone) == zone and dims.get("region", region) == region:
+            value = int((entry.get("details") or {}).get("value", -1))
+            return None if value < 0 else value
+    return None
 
 
 @dataclass(frozen=True)
@@ -62,12 +114,26 @@ class Target:
     queued: bool = False
     vms: bool = False
     internal_ips: bool = False
+    accelerator: AcceleratorType | None = None  # None: the TPU quota is not checked
+    zones: tuple[str, ...] = ()
+    spot: bool = False
 
     @classmethod
     def of_plan(cls, plan) -> Target:
         return cls(region=plan.region, network=plan.network, subnet=plan.subnet,
                    service_account=plan.service_account, queued=plan.provisioning == "queued", vms=bool(plan.vms),
-                   internal_ips=plan.internal_ips)
+                   internal_ips=plan.internal_ips, accelerator=plan.accelerator, zones=tuple(plan.zones),
+                   spot=plan.spot)
+
+    @classmethod
+    def of_spec(cls, spec, catalog: Catalog) -> Target:
+        """What `tpuctl doctor` checks for a spec that was not planned (no accelerator: no quota check)."""
+        known = spec.accelerator in {t.name for t in catalog.accelerators()}
+        return cls(region=region_of(spec.zones[0]) if spec.zones else None, network=spec.network,
+                   subnet=spec.subnet, service_account=spec.service_account, queued=spec.provisioning == "queued",
+                   vms=bool(spec.vms), internal_ips=spec.internal_ips,
+                   accelerator=catalog.accelerator(spec.accelerator) if known else None, zones=tuple(spec.zones),
+                   spot=spec.provisioning in ("spot", "preemptible"))
 
 
 @dataclass(frozen=True)
@@ -186,11 +252,39 @@ def _os_login(clients: Clients, target: Target) -> Check:
     return Check("os-login", "ok", "off: keys go into the TPU's ssh-keys metadata")
 
 
+def _tpu_quota(clients: Clients, target: Target) -> Check:
+    acc = target.accelerator
+    quota = tpu_quota_id(acc, target.spot)
+    if quota is None:
+        return Check("tpu-quota", "unknown", f"not checked: {acc.name} draws on a Compute Engine quota")
+    try:
+        info = waits.call(lambda: clients.get_json(
+            "cloudquotas", f"v1/projects/{clients.project}/locations/global/services/{QUOTA_SERVICE}/quotaInfos/{quota}"),
+            what=f"read the quota {quota}")
+    except TpuctlError as exc:
+        # Reading quota is optional: the create itself reports a quota it meets (exit 3).
+        return Check("tpu-quota", "unknown", f"not checked: {exc.message}",
+                     f"to have it checked before create: gcloud services enable cloudquotas.googleapis.com --project "
+                     f"{clients.project}, and roles/cloudquotas.viewer")
+    need = quota_units(acc)
+    limits = {z: zone_limit(info, z) for z in target.zones}
+    short = {z: n for z, n in limits.items() if n is not None and n < need}
+    shown = ", ".join(f"{z} {'unlimited' if n is None else n}" for z, n in limits.items())
+    if limits and len(short) == len(limits):
+        return Check("tpu-quota", "problem", f"{acc.name} needs {need} of quota {quota}; its limit is {shown}",
+                     f"raise {quota} in {', '.join(short)} on the Quotas page, {QUOTAS_PAGE}?project={clients.project} "
+                     "(cloud.google.com/tpu/docs/quota), or pick a smaller type or another zone", (quota,))
+    note = f" (not enough in {', '.join(short)})" if short else ""
+    return Check("tpu-quota", "ok", f"{quota}: {shown} for {need} needed{note}")
+
+
 def checks(clients: Clients, target: Target) -> list[Check]:
     """Every check, run concurrently; a check that could not be made at all fails with the reason. Read-only."""
     fns: list[tuple[str, Callable[[Clients, Target], Check]]] = [
         ("apis", _apis), ("network", _network), ("service-account", _service_account),
         ("permissions", _permissions), ("external-ips", _external_ips), ("os-login", _os_login)]
+    if target.accelerator is not None and target.zones:
+        fns.append(("tpu-quota", _tpu_quota))
     if target.region:
         fns.insert(2, ("subnetwork", _subnetwork))
 
@@ -210,11 +304,23 @@ def checks(clients: Clients, target: Target) -> list[Check]:
             if c.status != "ok" and NEEDS.get(c.name) in disabled else c for c in results]
 
 
-def require(clients: Clients, target: Target) -> list[Check]:
-    """`checks`, raising PreflightFailed naming every failed check (and its fix) when any fails."""
-    results = checks(clients, target)
+def failure(project: str, results: list[Check]) -> TpuctlError | None:
+    """The error the failed checks amount to: QuotaError (exit 3) when quota is all that is missing, else
+    PreflightFailed (exit 2) naming every failed check and its fix; None when none failed."""
     failed = [c for c in results if not c.ok]
-    if failed:
-        raise PreflightFailed(f"project {clients.project} is not ready: " + "; ".join(f"{c.name}: {c.detail}" for c in failed),
-                              field="project", hint="; ".join(c.fix for c in failed if c.fix))
+    if not failed:
+        return None
+    message = f"project {project} is not ready: " + "; ".join(f"{c.name}: {c.detail}" for c in failed)
+    hint = "; ".join(c.fix for c in failed if c.fix)
+    if all(c.name == "tpu-quota" for c in failed):
+        return QuotaError(message, field="accelerator", hint=hint)
+    return PreflightFailed(message, field="project", hint=hint)
+
+
+def require(clients: Clients, target: Target) -> list[Check]:
+    """`checks`, raising `failure`'s error when any check fails. Read-only."""
+    results = checks(clients, target)
+    error = failure(clients.project, results)
+    if error is not None:
+        raise error
     return results

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -31,8 +32,9 @@ SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 _STOCKOUTS = {gexc.ResourceExhausted: 8, gexc.FailedPrecondition: 9, gexc.InternalServerError: 13}
 # Host keys are a convenience (the first connection records the key otherwise): never wait long for them.
 HOST_KEYS_DEADLINE_S = 10.0
-# A metadata update that met another one in flight (409) is re-read and re-applied this many times.
-METADATA_ATTEMPTS = 5
+# A metadata update that met another one in flight (409) is re-read and re-applied until this many seconds
+# passed: the other update holds the node for as long as its operation runs (seconds; localcloud takes 5).
+METADATA_CONFLICT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -363,11 +365,13 @@ def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: s
                 deadline_s: float = 300.0, cancel: threading.Event | None = None) -> bool:
     """Add `USER:KEY` to the node's `ssh-keys` metadata; False when it was already there (idempotent).
 
-    A 409 (another metadata update in flight) re-reads the metadata and tries again, so neither update is
-    lost. A PREEMPTED or STOPPED node refuses updates: that raises CapacityError saying so."""
+    A 409 (another metadata update in flight) re-reads the metadata and tries again, with backoff for up to
+    METADATA_CONFLICT_S, so neither update is lost. A PREEMPTED or STOPPED node refuses updates: that raises CapacityError saying so."""
     what = f"add an SSH key to TPU node {name} in {zone}"
     line = f"{user}:{public_key.strip()}"
-    for attempt in range(1, METADATA_ATTEMPTS + 1):
+    start = time.monotonic()
+    next_delay = waits.RETRY_BACKOFF.delays()
+    while True:
         node = get_node(clients, zone, name)
         if node is None:
             raise from_google(gexc.NotFound(f"node {name}"), what=what)
@@ -385,13 +389,13 @@ def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: s
                 node=tpu_v2.Node(name=node.name, metadata=metadata),
                 update_mask=field_mask_pb2.FieldMask(paths=["metadata"])), what=what, cancel=cancel)
         except TpuctlError as exc:
-            if isinstance(exc.__cause__, gexc.Conflict) and attempt < METADATA_ATTEMPTS:
-                waits.pause(0.2 * attempt, cancel)
+            elapsed = time.monotonic() - start
+            if isinstance(exc.__cause__, gexc.Conflict) and elapsed < min(METADATA_CONFLICT_S, deadline_s):
+                waits.pause(next_delay(elapsed), cancel)
                 continue
             raise
         wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=None, state=State.READY)
         return True
-    raise AssertionError("unreachable")
 
 
 def request_of(node: tpu_v2.Node) -> NodeRequest:

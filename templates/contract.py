@@ -2,7 +2,7 @@
 
 A template is a Python package directory. Its `template.json` declares every part the laptop side uses:
 
-    entry_module   the program the workers run: `python -m ENTRY --config CONFIG.json`
+    entry_module   the program the workers run: `python -m ENTRY --config CONFIG.json`, a module of this package
     presets        named shapes {"NAME": {"description", "task": {...}, "trainer": {...}}}
     config         the config schema: `validate` ("PKG.config:build", raises on a bad config), `default_preset`,
                    and optionally `parameters` ("PKG.config:parameter_count", preset -> weights, for listings)
@@ -193,6 +193,7 @@ def load(root: Path, *, builtin: bool = False) -> Template:
     missing = [p for p in REQUIRED_PARTS if p not in meta]
     if missing:
         raise _bad(root, f"{MANIFEST} does not declare {missing[0]!r}: {REQUIRED_PARTS[missing[0]]}")
+    _check_entry(root, meta["entry_module"])
     presets = {name: Preset(name=name, description=p.get("description", ""), task=p.get("task", {}),
                             trainer=p.get("trainer", {})) for name, p in meta["presets"].items()}
     config = meta["config"] or {}
@@ -226,6 +227,20 @@ def load(root: Path, *, builtin: bool = False) -> Template:
         parameter_count=(_hook(root, builtin, config["parameters"], "config.parameters")
                          if "parameters" in config else None),
         data=data, outputs=dict(meta["outputs"] or {}), uses=tuple(uses))
+
+
+def _check_entry(root: Path, entry: Any) -> None:
+    """The workers run `python -m ENTRY` from the bundle, which holds this package: ENTRY must be one of its
+    modules, there now, not a name that fails on a TPU after it was paid for."""
+    first, _, rest = str(entry).partition(".")
+    module = root.joinpath(*rest.split(".")) if rest else root / "__main__"
+    if not isinstance(entry, str) or first != root.name:
+        raise _bad(root, f"entry_module {entry!r} is not a module of the package {root.name}",
+                   f"name the program {root.name}.MODULE (run as `python -m {root.name}.MODULE --config CONFIG.json`)")
+    if not module.with_suffix(".py").is_file() and not (module / "__main__.py").is_file():
+        where = module.relative_to(root.parent)
+        raise _bad(root, f"entry_module {entry!r} has no {where}.py (nor {where}/__main__.py)",
+                   "add that module or name the one the workers should run")
 
 
 def builtin_root() -> Path:

@@ -188,9 +188,11 @@ def test_a_preempted_node_refuses_updates_and_tpuctl_says_why(pc, cloud):
     prov.apply(pc, make_plan(pc, provisioning="spot"), deadline_s=FAST_DEADLINE)
     cloud.preempt(node_name(pc))
     wait_for(lambda: pc.tpu.get_node(name=node_name(pc)).state == tpu_v2.Node.State.PREEMPTED)
-    with pytest.raises(gexc.BadRequest):  # FAILED_PRECONDITION
+    with pytest.raises(gexc.BadRequest) as refused:  # code 3 INVALID_ARGUMENT, in Google's words
         pc.tpu.update_node(node=tpu_v2.Node(name=node_name(pc), metadata={"a": "b"}),
                            update_mask=field_mask_pb2.FieldMask(paths=["metadata"]))
+    assert "update is not supported while in state PREEMPTED" in refused.value.message
+    assert refused.value.response.json()["error"]["status"] == "INVALID_ARGUMENT"
     with pytest.raises(CapacityError) as e:
         prov.add_ssh_key(pc, "europe-west4-a", "run1", "me", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE me@laptop")
     assert "preempted" in e.value.message and "recreate" in e.value.hint
@@ -211,7 +213,7 @@ def test_a_concurrent_metadata_update_gets_409_and_tpuctl_retries_keeping_both(p
     adder = threading.Thread(target=lambda: result.append(prov.add_ssh_key(
         pc, "europe-west4-a", "run1", "me", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE me@laptop")))
     adder.start()
-    time.sleep(0.3)
+    time.sleep(3)  # the other update holds the node for seconds (localcloud: 5 simulated s), not a blink
     # The other update completes as localcloud's own scheduled transition would have done without the fault.
     cloud.world.later(0, "tpu.update_done", node=name, op=other_op.operation.name, changes={"metadata": other})
     adder.join(timeout=30)

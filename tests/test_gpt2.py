@@ -148,11 +148,61 @@ def test_training_lowers_the_loss_and_resumes_from_the_checkpoint(prepared, tmp_
     assert {"model.keras", "vocab.json", "merges.txt", "tokenizer.json", "metrics.json"} <= {p.name for p in export.iterdir()}
 
 
+def _worker_run(data: Path, model_dir: Path, framework: str, max_steps: int) -> list[str]:
+    """One `python -m gpt2.train --replicas 2` from the templates directory, as a worker starts it (Keras fixes
+    its backend at import, so each backend needs its own process)."""
+    import subprocess
+    import sys
+
+    from test_bert_train import _worker_env
+
+    cfg = model_dir.parent / f"{framework}-{max_steps}.json"
+    cfg.write_text(json.dumps({
+        "preset": "gpt2-tiny", "task": {"seq_len": 32, "hidden_size": 64},
+        "trainer": {"max_steps": max_steps, "per_replica_batch_size": 8, "steps_per_execution": 10, "log_every": 10,
+                    "checkpoint_every": 20, "warmup_steps": 5, "learning_rate": 3e-3, "base_batch_size": 16,
+                    "shuffle_buffer": 256},
+        "runtime": {"data_dir": str(data), "model_dir": str(model_dir), "framework": framework, "seed": 1}}))
+    proc = subprocess.run([sys.executable, "-m", "gpt2.train", "--config", str(cfg), "--replicas", "2"],
+                          cwd=model_dir.parent, env=_worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.slow
+@pytest.mark.tf
+@pytest.mark.timeout(600)
+def test_on_jax_it_trains_checkpoints_and_resumes_across_backends(prepared, tmp_path):
+    pytest.importorskip("jax")
+    data, _ = prepared
+    model_dir = tmp_path / "model"
+    first = _worker_run(data, model_dir, "jax", 40)
+    assert first[0].startswith("start backend=jax strategy=cpu processes=1 hosts=1 devices=2 per_replica_batch=8 "
+                               "global_batch=16 step=0 max_steps=40 "), first[0]
+    losses = {int(m[1]): float(m[2]) for m in map(STEP.match, first) if m}
+    assert sorted(losses) == [10, 20, 30, 40] and losses[40] < losses[10] - 0.3, losses
+    assert "checkpoint step=20 " in "\n".join(first)
+    assert re.match(r"done step=40 loss=\S+ accuracy=\S+ export_dir=", first[-1]), first[-1]
+    # The same checkpoints resume on the other backend: weights and optimizer state, not a fresh model.
+    second = _worker_run(data, model_dir, "tensorflow", 50)
+    assert second[0].startswith("start backend=tensorflow ") and " step=40 max_steps=50 " in second[0], second[0]
+    resumed = {int(m[1]): float(m[2]) for m in map(STEP.match, second) if m}
+    assert list(resumed) == [50] and resumed[50] < losses[10] - 0.3, (losses, resumed)
+    metrics = json.loads((model_dir / "export" / "metrics.json").read_text())
+    assert metrics["final_step"] == 50 and metrics["backend"] == "tensorflow" and "accuracy" in metrics
+    assert {"ckpt-40.npz", "ckpt-50.npz", "checkpoint"} <= {p.name for p in (model_dir / "checkpoints").iterdir()}
+
+
 # --------------------------------------------------------------------------------------- local cloud
 
 @pytest.mark.slow
 @pytest.mark.tf
-def test_gpt2_tiny_runs_end_to_end_on_the_local_cloud(cloud, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", [
+    {},  # the example as written: TensorFlow on a v3-8
+    # JAX on a v6e (no TensorFlow runtime there): the JAX base image, jax[tpu] from requirements-jax.txt
+    {"accelerator": "v6e-4", "zone": "us-east5-a", "framework": "jax"},
+], ids=["tensorflow-v3", "jax-v6e"])
+def test_gpt2_tiny_runs_end_to_end_on_the_local_cloud(cloud, tmp_path, monkeypatch, where):
     from conftest import new_project
     from google.auth.credentials import AnonymousCredentials
 
@@ -167,8 +217,15 @@ def test_gpt2_tiny_runs_end_to_end_on_the_local_cloud(cloud, tmp_path, monkeypat
     raw = yaml.safe_load((REPO / "examples" / "gpt2-tiny.yaml").read_text())
     raw["job"]["data"] = {"corpus": [str(REPO / "examples" / "data" / "*.txt")], "vocab_size": 2000}
     raw["job"]["config"] = {"trainer": {"max_steps": 20, "checkpoint_every": 10}}
+    raw.update({k: v for k, v in where.items() if k != "framework"})
+    if "framework" in where:
+        raw["job"]["framework"] = where["framework"]
     spec = spec_mod.from_mapping(raw)
-    o = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0)).run()
+    p = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0))
+    o = p.run()
     assert o.state == "succeeded" and o.step == 20
+    metrics = json.loads(clients.storage.bucket(o.bucket).blob(f"runs/{p.plan.run}/model/export/metrics.json")
+                         .download_as_text())
+    assert p.plan.framework == metrics["backend"] == where.get("framework", "tensorflow"), metrics
     assert any(a.startswith("checkpoints/ckpt-20") for a in o.artifacts), o.artifacts
     assert {"export/model.keras", "export/vocab.json", "export/merges.txt", "export/metrics.json"} <= set(o.artifacts)

@@ -231,7 +231,7 @@ def test_preflight_passes_on_a_set_up_project(cloud):
     pc = pclients(cloud, new_project())
     checks = preflight.require(pc, preflight.Target.of_plan(make_plan(pc.project)))
     assert [c.name for c in checks] == ["apis", "network", "subnetwork", "service-account", "permissions",
-                                        "external-ips", "os-login"]
+                                        "external-ips", "os-login", "tpu-quota"]
 
 
 @pytest.mark.parametrize("shape,account,failed", [

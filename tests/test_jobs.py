@@ -130,6 +130,8 @@ def test_a_local_template_copy_checks_its_config_with_its_own_schema(tmp_path):
 
     local = tmp_path / "mybert"
     shutil.copytree(bundles.resolve_template("bert"), local, ignore=shutil.ignore_patterns("__pycache__"))
+    meta = local / "template.json"  # the copy's program is its own package's (the bundle ships it as mybert/)
+    meta.write_text(meta.read_text().replace('"entry_module": "bert.train"', '"entry_module": "mybert.train"'))
     bundles.check_config(local, {"preset": "bert-tiny", "trainer": {"max_steps": 20}})
     with pytest.raises(BadInput) as e:
         bundles.check_config(local, {"preset": "bert-tiny", "runtime": {"replica": 2}})

@@ -238,3 +238,31 @@ def test_without_a_terminal_or_yes_every_creating_or_deleting_command_refuses(en
         assert p.stderr.splitlines()[0] == f"error: --yes: no terminal to confirm on; pass --yes to {to}", p.stderr
     assert everything(pc) == []
     assert tpuctl(env, "run", str(spec), "--dry-run").returncode == 0  # a dry run needs no --yes
+
+
+def test_ctrl_c_once_the_run_is_ready_keeps_it_and_says_so(env, pc, monkeypatch):
+    """A Ctrl-C that lands after every resource is READY (while `up` records and prints) rolls nothing back:
+    exit 130 must then say the run is kept, never the bare "interrupted" that promises a rollback."""
+    from click.testing import CliRunner
+
+    from tpuctl import console, ledger
+    from tpuctl.cli import cli
+
+    for key in [k for k in os.environ if k.startswith("TPUCTL_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+    def ctrl_c(resources):
+        raise KeyboardInterrupt
+
+    said: list[str] = []
+    monkeypatch.setattr(ledger, "remember", ctrl_c)
+    monkeypatch.setattr(console, "error", lambda exc: said.append(f"{exc} | {exc.hint}"))
+    r = CliRunner().invoke(cli, list(UP))
+    assert r.exit_code == 130, (r.output, said)
+    assert said and "interrupted after run r1 was ready: its resources are kept" in said[0], said
+    assert "tpuctl down r1" in said[0]
+    assert len(everything(pc)) == 2  # TPU and bucket, READY
+    d = tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
+    assert d.returncode == 0 and everything(pc) == [], d.stderr

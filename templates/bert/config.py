@@ -97,8 +97,11 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
-class BertConfig:
-    task: TaskConfig = field(default_factory=TaskConfig)
+class SectionedConfig:
+    """The file's shape, shared by the language-model templates: each one's own task, then this trainer and
+    runtime. A template's config subclasses it with its `task` dataclass (BertConfig, gpt2's Gpt2Config)."""
+
+    task: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     preset: str = ""
@@ -107,16 +110,21 @@ class BertConfig:
         return dataclasses.asdict(self)
 
 
-# Presets live in template.json (the jobs side reads the same file); "description" is for people.
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    name: {k: v for k, v in preset.items() if k != "description"}
-    for name, preset in json.loads((Path(__file__).parent / "template.json").read_text(encoding="utf-8"))[
-        "presets"].items()
-}
+@dataclass(frozen=True)
+class BertConfig(SectionedConfig):
+    task: TaskConfig = field(default_factory=TaskConfig)
+
+
+def read_presets(template_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """A template's presets from its template.json (the jobs side reads the same file), less the descriptions
+    that are for people."""
+    meta = json.loads((template_dir / "template.json").read_text(encoding="utf-8"))
+    return {name: {k: v for k, v in preset.items() if k != "description"} for name, preset in meta["presets"].items()}
+
+
+PRESETS = read_presets(Path(__file__).parent)
 
 FRAMEWORKS = ("tensorflow", "jax")  # Keras backends the template runs on
-
-_SECTIONS = {"task": TaskConfig, "trainer": TrainerConfig, "runtime": RuntimeConfig}
 
 
 def build(data: dict[str, Any]) -> BertConfig:
@@ -124,25 +132,40 @@ def build(data: dict[str, Any]) -> BertConfig:
 
     This is the config's one schema: the worker runs it on the file it is given, and tpuctl runs it (named
     by `config.validate` in template.json) on the same config before it creates anything."""
+    return build_sections(BertConfig, data, PRESETS, validate)
+
+
+def build_sections(cls, data: dict[str, Any], presets: dict, check) -> SectionedConfig:
+    """`cls` (a SectionedConfig) from its defaults, then `data["preset"]` out of `presets`, then the sections
+    of `data`; `check(cfg)` validates it. Raises ConfigError naming the field (unknown keys included)."""
     if not isinstance(data, dict):
         raise ConfigError("", "expected a JSON object")
+    sections = _sections(cls)
     for key in data:
-        if key not in ("preset", *_SECTIONS):
-            raise ConfigError(str(key), _unknown("key", str(key), ("preset", *_SECTIONS)))
+        if key not in ("preset", *sections):
+            raise ConfigError(str(key), _unknown("key", str(key), ("preset", *sections)))
     preset = data.get("preset") or ""
     if not isinstance(preset, str):
         raise ConfigError("preset", f"expected str, got {preset!r}")
-    if preset and preset not in PRESETS:
-        raise ConfigError("preset", _unknown(f"preset {preset!r}", preset, PRESETS))
-    sections = {}
-    for name, cls in _SECTIONS.items():
+    if preset and preset not in presets:
+        raise ConfigError("preset", _unknown(f"preset {preset!r}", preset, presets))
+    values = {}
+    for name in sections:
         given = data.get(name) or {}
         if not isinstance(given, dict):
             raise ConfigError(name, "expected an object")
-        values = {**PRESETS.get(preset, {}).get(name, {}), **given}
-        sections[name] = _section(cls, name, values)
-    cfg = BertConfig(preset=preset, **sections)
-    validate(cfg)
+        values[name] = {**presets.get(preset, {}).get(name, {}), **given}
+    return _typed(cls, preset, values, check)
+
+
+def _sections(cls) -> dict[str, type]:
+    """Section name -> its dataclass, from the config class's own defaults."""
+    return {f.name: type(f.default_factory()) for f in dataclasses.fields(cls) if f.name != "preset"}
+
+
+def _typed(cls, preset: str, values: dict[str, dict[str, Any]], check) -> SectionedConfig:
+    cfg = cls(preset=preset, **{name: _section(c, name, values[name]) for name, c in _sections(cls).items()})
+    check(cfg)
     return cfg
 
 
@@ -160,13 +183,15 @@ def load(path: str | Path) -> BertConfig:
 
 def with_overrides(cfg: BertConfig, **sections: dict[str, Any]) -> BertConfig:
     """A copy with some fields of some sections replaced, validated (tests and the CLI use this)."""
+    return override(cfg, sections, validate)
+
+
+def override(cfg: SectionedConfig, sections: dict[str, dict[str, Any]], check) -> SectionedConfig:
+    """A copy of `cfg` with some fields of some sections replaced; `check(copy)` validates it."""
     data = cfg.to_dict()
     for name, values in sections.items():
         data[name] = {**data[name], **values}
-    data.pop("preset")
-    out = BertConfig(preset=cfg.preset, **{n: _section(c, n, data[n]) for n, c in _SECTIONS.items()})
-    validate(out)
-    return out
+    return _typed(type(cfg), cfg.preset, data, check)
 
 
 def _unknown(what: str, name: str, known) -> str:
@@ -200,12 +225,7 @@ def validate(cfg: BertConfig) -> None:
     of_spe = f"must be a positive multiple of trainer.steps_per_execution ({tr.steps_per_execution})"
     checks = [
         (t.seq_len in (128, 256, 512), "task.seq_len", "must be 128, 256 or 512"),
-        (t.vocab_size >= 0, "task.vocab_size", "must be >= 0 (0 takes it from the data manifest)"),
-        (t.num_heads > 0 and t.hidden_size > 0 and t.hidden_size % t.num_heads == 0,
-         "task.hidden_size", "must be a positive multiple of task.num_heads (> 0)"),
-        (t.num_layers > 0, "task.num_layers", "must be > 0"),
-        (t.intermediate_size > 0, "task.intermediate_size", "must be > 0"),
-        (0.0 <= t.dropout < 1.0, "task.dropout", "must be in [0, 1)"),
+        *transformer_checks(t),
         (0.0 < t.mask_rate < 1.0, "task.mask_rate", "must be in (0, 1)"),
         (tr.per_replica_batch_size > 0 and tr.per_replica_batch_size % 8 == 0,
          "trainer.per_replica_batch_size", "must be a positive multiple of 8"),
@@ -231,6 +251,18 @@ def validate(cfg: BertConfig) -> None:
     for ok, name, rule in checks:
         if not ok:
             raise ConfigError(name, rule)
+
+
+def transformer_checks(t) -> list[tuple[bool, str, str]]:
+    """(ok, field, rule) for the transformer shape fields every language-model template's task has."""
+    return [
+        (t.vocab_size >= 0, "task.vocab_size", "must be >= 0 (0 takes it from the data manifest)"),
+        (t.num_heads > 0 and t.hidden_size > 0 and t.hidden_size % t.num_heads == 0,
+         "task.hidden_size", "must be a positive multiple of task.num_heads (> 0)"),
+        (t.num_layers > 0, "task.num_layers", "must be > 0"),
+        (t.intermediate_size > 0, "task.intermediate_size", "must be > 0"),
+        (0.0 <= t.dropout < 1.0, "task.dropout", "must be in [0, 1)"),
+    ]
 
 
 def parameter_count(preset: str, vocab_size: int = 30522) -> int:

@@ -16,7 +16,7 @@ import posixpath
 import tensorflow as tf
 
 from .errors import DataError
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import FORMAT, MANIFEST_NAME, Manifest
 
 MASK_FRACTION = 0.8  # of the selected tokens: replaced by [MASK]
 RANDOM_FRACTION = 0.1  # replaced by a random token; the remaining 10% stay unchanged
@@ -27,14 +27,15 @@ def join(base: str, name: str) -> str:
     return posixpath.join(base, name)
 
 
-def read_manifest(data_dir: str) -> Manifest:
-    """The manifest of a prepared data directory (local or gs://). Raises DataError if absent or unreadable."""
+def read_manifest(data_dir: str, *, expect: str = FORMAT, prepare_hint: str = "") -> Manifest:
+    """The manifest of a prepared data directory (local or gs://) of format `expect`. Raises DataError if
+    absent, unreadable or another template's; `prepare_hint` (`--template NAME `) completes the fix it names."""
     path = join(data_dir, MANIFEST_NAME)
     if not tf.io.gfile.exists(path):
-        raise DataError(f"{path}: no manifest; prepare the data first (`tpuctl data prepare CORPUS --out DIR`)",
-                        path=path)
+        raise DataError(f"{path}: no manifest; prepare the data first "
+                        f"(`tpuctl data prepare CORPUS {prepare_hint}--out DIR`)", path=path)
     with tf.io.gfile.GFile(path, "r") as f:
-        return Manifest.from_json(f.read(), where=path)
+        return Manifest.from_json(f.read(), where=path, expect=expect)
 
 
 def mask_tokens(ids: tf.Tensor, *, vocab_size: int, special_ids: list[int], mask_id: int,
@@ -64,6 +65,24 @@ def mask_tokens(ids: tf.Tensor, *, vocab_size: int, special_ids: list[int], mask
 def make_dataset(data_dir: str, manifest: Manifest, batch_size: int, *, mask_rate: float, shuffle_buffer: int,
                  input_context: tf.distribute.InputContext | None = None, seed: int | None = None) -> tf.data.Dataset:
     """An infinite dataset of masked batches of `batch_size` (per replica when `input_context` is given)."""
+    special = sorted(set(manifest.special_ids.values()))
+    pad, mask_id = manifest.special_ids["[PAD]"], manifest.special_ids["[MASK]"]
+
+    def example(ids):
+        masked, labels, weights = mask_tokens(ids, vocab_size=manifest.vocab_size, special_ids=special,
+                                              mask_id=mask_id, rate=mask_rate)
+        features = {"input_ids": masked, "input_mask": tf.cast(tf.not_equal(ids, pad), tf.int32)}
+        return features, labels, weights
+
+    return batches(data_dir, manifest, batch_size, example, shuffle_buffer=shuffle_buffer,
+                   input_context=input_context, seed=seed)
+
+
+def batches(data_dir: str, manifest: Manifest, batch_size: int, example, *, shuffle_buffer: int,
+            input_context: tf.distribute.InputContext | None = None, seed: int | None = None) -> tf.data.Dataset:
+    """An infinite dataset of `example(ids)` over batches of the prepared sequences: ids int32[batch_size,
+    seq_len], split per input pipeline, shuffled, decoded and prefetched as the module says. Shared by the
+    templates whose data is packed token ids (GPT-2's causal LM too); `example` returns the model's element."""
     files = [join(data_dir, s.path) for s in manifest.shards]
     pipelines = input_context.num_input_pipelines if input_context else 1
     pipeline = input_context.input_pipeline_id if input_context else 0
@@ -77,15 +96,9 @@ def make_dataset(data_dir: str, manifest: Manifest, batch_size: int, *, mask_rat
         ds = ds.shard(pipelines, pipeline)
     ds = ds.shuffle(shuffle_buffer, seed=seed).batch(batch_size, drop_remainder=True)
     seq_len, id_dtype = manifest.seq_len, tf.dtypes.as_dtype(manifest.id_dtype)
-    special = sorted(set(manifest.special_ids.values()))
-    pad, mask_id = manifest.special_ids["[PAD]"], manifest.special_ids["[MASK]"]
 
     def parse(records):
-        ids = tf.reshape(tf.cast(tf.io.decode_raw(records, id_dtype), tf.int32), [batch_size, seq_len])
-        masked, labels, weights = mask_tokens(ids, vocab_size=manifest.vocab_size, special_ids=special,
-                                              mask_id=mask_id, rate=mask_rate)
-        features = {"input_ids": masked, "input_mask": tf.cast(tf.not_equal(ids, pad), tf.int32)}
-        return features, labels, weights
+        return example(tf.reshape(tf.cast(tf.io.decode_raw(records, id_dtype), tf.int32), [batch_size, seq_len]))
 
     ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
     options = tf.data.Options()

@@ -308,14 +308,22 @@ def build_tokenizer(sources: list[Source], opts: PrepareOptions, *, storage_clie
     trainer = trainers.WordPieceTrainer(
         vocab_size=opts.vocab_size, min_frequency=opts.min_frequency, limit_alphabet=opts.limit_alphabet,
         special_tokens=list(SPECIAL_TOKENS), continuing_subword_prefix="##", show_progress=False)
-    seen = {"bytes": 0, "text": False}
-    budget = min(opts.tokenizer_sample_bytes, sum(s.size for s in sources))
+    train_on_sample(tok, trainer, sources, opts.tokenizer_sample_bytes, storage_client=storage_client,
+                    progress=progress)
+    return tok
+
+
+def train_on_sample(tok, trainer, sources: list[Source], sample_bytes: int, *, storage_client=None,
+                    progress: Progress | None = None) -> None:
+    """Train `tok` with `trainer` on at most `sample_bytes` of the corpus (`sample_lines`), in batches of 1000
+    non-blank lines. Blocks. Raises DataError when the corpus has no text."""
+    seen = {"bytes": 0}
+    budget = min(sample_bytes, sum(s.size for s in sources))
 
     def batches() -> Iterator[list[str]]:
         batch: list[str] = []
-        for line in sample_lines(sources, opts.tokenizer_sample_bytes, storage_client=storage_client):
+        for line in sample_lines(sources, sample_bytes, storage_client=storage_client):
             if line.strip():
-                seen["text"] = True
                 batch.append(line)
                 seen["bytes"] += len(line.encode("utf-8")) + 1
             if len(batch) >= 1000:
@@ -327,9 +335,8 @@ def build_tokenizer(sources: list[Source], opts: PrepareOptions, *, storage_clie
             yield batch
 
     tok.train_from_iterator(batches(), trainer=trainer)
-    if not seen["text"]:
+    if not seen["bytes"]:
         raise DataError(f"corpus is empty: {_names(sources)} has no text", path=sources[0].url if sources else None)
-    return tok
 
 
 def _names(sources: list[Source]) -> str:
@@ -396,6 +403,19 @@ class _ShardWriter:
         return str(self.out / f".train-{len(self.shards):05d}.tfrecord.partial")
 
 
+def stream_ids(carry, encodings: list, ends: list[bool], separator: int):
+    """(`carry` followed by each encoding's ids, `separator` after each that ends its document, as int64 numpy;
+    how many documents ended): the token stream the packers cut into sequences."""
+    import numpy as np
+
+    flat: list[int] = []
+    for encoding, end in zip(encodings, ends, strict=True):
+        flat.extend(encoding.ids)
+        if end:
+            flat.append(separator)
+    return np.concatenate((carry, np.asarray(flat, dtype=np.int64))), sum(ends)
+
+
 class _Packer:
     """Packs token-id pieces into [CLS]-prefixed fixed-length sequences (see the module docstring)."""
 
@@ -411,14 +431,8 @@ class _Packer:
     def add(self, encodings: list, ends: list[bool]) -> None:
         """Append a batch of `tokenizers.Encoding`s; `.ids` is read here, not in the thread that encodes,
         so the encoder's next batch runs on all cores while this one is converted and written."""
-        np = self.np
-        flat: list[int] = []
-        for encoding, end in zip(encodings, ends, strict=True):
-            flat.extend(encoding.ids)
-            if end:
-                flat.append(self.sep)
-                self.documents += 1
-        buf = np.concatenate((self.carry, np.asarray(flat, dtype=np.int64)))
+        buf, ended = stream_ids(self.carry, encodings, ends, self.sep)
+        self.documents += ended
         body = self.seq_len - 1
         n = len(buf) // body
         self._emit(buf[: n * body].reshape(n, body))
@@ -516,6 +530,14 @@ def prepare(corpus: Iterable[str], out_dir: str | Path, opts: PrepareOptions = P
     are removed (and `out_dir` itself if this call created it) and no manifest is written. Blocks until
     done. Raises DataError naming the file at fault.
     """
+    return prepare_with(_prepare, corpus, out_dir, opts, storage_client=storage_client, progress=progress)
+
+
+def prepare_with(write, corpus: Iterable[str], out_dir: str | Path, opts, *, storage_client=None,
+                 progress: Progress | None = None):
+    """The contract of `prepare` for any template's `write(sources, out, opts, storage_client, progress) ->
+    manifest`: options validated, the corpus expanded and sniffed before anything is written, `out_dir`
+    created, and removed again if this call created it and `write` fails."""
     opts.validate()
     out = Path(out_dir)
     corpus = list(corpus)
@@ -526,7 +548,7 @@ def prepare(corpus: Iterable[str], out_dir: str | Path, opts: PrepareOptions = P
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        return _prepare(sources, out, opts, storage_client, progress)
+        return write(sources, out, opts, storage_client, progress)
     except BaseException:
         if created:
             shutil.rmtree(out, ignore_errors=True)
@@ -544,25 +566,11 @@ def _prepare(sources: list[Source], out: Path, opts: PrepareOptions, storage_cli
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     writer = _ShardWriter(out, opts.shard_sequences)
     packer = _Packer(writer, opts.seq_len, dtype, special)
-    total = sum(s.size for s in sources)
-
-    def encode(batches):
-        for texts, ends, done in batches:
-            yield tok.encode_batch_fast(texts, add_special_tokens=False), ends, done
-
-    try:
-        for encodings, ends, done in _background(encode(_background(
-                _text_batches(sources, opts, storage_client), depth=4)), depth=2):
-            packer.add(encodings, ends)
-            if progress:
-                progress("encode", done, total)
-        packer.finish()
-    except BaseException:
-        writer.discard()
-        raise
+    encode_into(packer, writer, lambda texts, ends: tok.encode_batch_fast(texts, add_special_tokens=False),
+                sources, opts, storage_client, progress)
     if packer.sequences == 0:
         raise DataError(f"corpus is empty: {_names(sources)} has no text", path=sources[0].url)
-    manifest = Manifest(
+    return write_manifest(out, Manifest(
         seq_len=opts.seq_len, vocab_size=vocab_size,
         vocab_sha256=hashlib.sha256((out / VOCAB_NAME).read_bytes()).hexdigest(),
         record_format=f"raw-{dtype}-le", special_ids=special,
@@ -571,7 +579,39 @@ def _prepare(sources: list[Source], out: Path, opts: PrepareOptions, storage_cli
                    "limit_alphabet": opts.limit_alphabet, "min_frequency": opts.min_frequency,
                    "sample_bytes": opts.tokenizer_sample_bytes},
         doc_format=opts.doc_format, documents=packer.documents, sequences=packer.sequences,
-        tokens=packer.tokens, unk_tokens=packer.unk_tokens, raw_bytes=total, shards=tuple(writer.shards))
+        tokens=packer.tokens, unk_tokens=packer.unk_tokens, raw_bytes=total_bytes(sources),
+        shards=tuple(writer.shards)))
+
+
+def encode_into(packer, writer: _ShardWriter, encode, sources: list[Source], opts, storage_client,
+                progress: Progress | None = None):
+    """Stream the corpus through `encode(texts, ends) -> encodings` into `packer.add(encodings, ends)`, reading
+    and encoding in background threads (the module's pipeline), and return `packer.finish()`. On any failure the
+    shards `writer` wrote are removed. Blocks."""
+    total = total_bytes(sources)
+
+    def encoded(batches):
+        for texts, ends, done in batches:
+            yield encode(texts, ends), ends, done
+
+    try:
+        for encodings, ends, done in _background(encoded(_background(
+                _text_batches(sources, opts, storage_client), depth=4)), depth=2):
+            packer.add(encodings, ends)
+            if progress:
+                progress("encode", done, total)
+        return packer.finish()
+    except BaseException:
+        writer.discard()
+        raise
+
+
+def total_bytes(sources: list[Source]) -> int:
+    return sum(s.size for s in sources)
+
+
+def write_manifest(out: Path, manifest: Manifest) -> Manifest:
+    """Write `manifest` into `out`, last and atomically (a directory with one is complete); returns it."""
     tmp = out / (MANIFEST_NAME + ".partial")
     tmp.write_text(manifest.to_json(), encoding="utf-8")
     os.replace(tmp, out / MANIFEST_NAME)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -46,26 +47,63 @@ from .errors import ConfigError, TemplateError
 RUN_STATE = "run.json"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bert.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="JSON config file (see bert/config.py)")
+class Objective:
+    """What a language-model template trains. run() does the rest (strategy on either backend, resume,
+    checkpoints, progress lines, TensorBoard, export) for every template whose objective this is: BERT's masked
+    LM is this class; GPT-2's causal LM (gpt2/train.py) subclasses it. The template's `data` and `model` modules
+    are imported when first used: Keras may be imported only once run() has set its backend."""
+
+    package = __package__  # the template's package, as imported here: "bert" on a worker
+    name = "bert"  # `python -m NAME.train`
+    accuracy = "mlm_accuracy"  # the compiled accuracy metric, as the progress lines and metrics.json name it
+    no_weight_decay = ("bias", "gamma", "beta")  # variables AdamW leaves undecayed (biases, LayerNorm)
+    config = config_mod  # load() and with_overrides() of the template's config
+
+    def module(self, name: str):
+        return importlib.import_module(f"{self.package}.{name}")
+
+    def read_manifest(self, data_dir: str):
+        return self.module("data").read_manifest(data_dir)
+
+    def build_model(self, task, vocab_size: int):
+        return self.module("model").build_model(task, vocab_size=vocab_size)
+
+    def dataset(self, cfg, manifest, batch_size: int, input_context):
+        return self.module("data").make_dataset(
+            cfg.runtime.data_dir, manifest, batch_size, mask_rate=cfg.task.mask_rate,
+            shuffle_buffer=cfg.trainer.shuffle_buffer, input_context=input_context, seed=cfg.runtime.seed or None)
+
+    def data_files(self) -> tuple[str, ...]:
+        """The prepared data's files the export carries (tokenizer, manifest)."""
+        from .manifest import MANIFEST_NAME, TOKENIZER_NAME, VOCAB_NAME
+
+        return VOCAB_NAME, TOKENIZER_NAME, MANIFEST_NAME
+
+
+MASKED_LM = Objective()
+
+
+def main(argv: list[str] | None = None, objective: Objective = MASKED_LM, description: str = "") -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {objective.name}.train",
+                                     description=description or __doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help=f"JSON config file (see {objective.name}/config.py)")
     parser.add_argument("--replicas", type=int, default=None,
                         help="rehearse an N-core TPU on the CPU with N logical devices")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep stdout/stderr parseable; before TF is imported
     try:
-        cfg = config_mod.load(args.config)
+        cfg = objective.config.load(args.config)
         if args.replicas is not None:
-            cfg = config_mod.with_overrides(cfg, runtime={"replicas": args.replicas})
-        run(cfg)
+            cfg = objective.config.with_overrides(cfg, runtime={"replicas": args.replicas})
+        run(cfg, objective=objective)
     except TemplateError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     return 0
 
 
-def run(cfg: BertConfig, *, log=None) -> dict:
-    """Train per `cfg` to max_steps (resuming if checkpoints exist) and export. Returns the final metrics.
+def run(cfg: BertConfig, *, log=None, objective: Objective = MASKED_LM) -> dict:
+    """Train `objective` per `cfg` to max_steps (resuming if checkpoints exist) and export. Returns the final metrics.
 
     Blocks for the whole training. `log(line)` receives the progress lines (default: print to stdout).
     On workers 1..N-1 of a multi-host TPU slice it returns {} at once (worker 0 drives the slice).
@@ -96,12 +134,12 @@ def run(cfg: BertConfig, *, log=None) -> dict:
                           f"the {keras.backend.backend()} backend in this process; run the trainer in a fresh one")
     from . import checkpoints
     from .callbacks import Monitor
-    from .data import join, make_dataset, read_manifest
-    from .model import WarmupLinearDecay, build_model
+    from .data import join
+    from .model import WarmupLinearDecay
 
-    manifest = read_manifest(rt.data_dir)
+    manifest = objective.read_manifest(rt.data_dir)
     writer = resolved.process == 0  # JAX: every host trains, only process 0 writes
-    cfg = _bind_model_dir(tf, cfg, manifest, write=writer)
+    cfg = _bind_model_dir(tf, cfg, manifest, objective, write=writer)
 
     tr = cfg.trainer
     global_batch = tr.per_replica_batch_size * resolved.replicas
@@ -114,9 +152,9 @@ def run(cfg: BertConfig, *, log=None) -> dict:
 
     strategy = resolved.strategy
     with strategy.scope():
-        model = build_model(cfg.task, vocab_size=manifest.vocab_size)
+        model = objective.build_model(cfg.task, manifest.vocab_size)
         # JAX always compiles the step (eager JAX is op by op); TF compiles on TPU by itself.
-        optimizer = _compile(keras, model, tr, schedule,
+        optimizer = _compile(keras, model, tr, schedule, objective,
                              jit_compile=jax_backend or (rt.jit_compile and resolved.kind != "tpu"))
         ckpt_dir = join(rt.model_dir, "checkpoints")
         checkpoints.restore(checkpoints.latest(ckpt_dir), model, optimizer, processes=resolved.processes)
@@ -125,7 +163,7 @@ def run(cfg: BertConfig, *, log=None) -> dict:
     metrics_path = join(export_dir, "metrics.json")
     if checkpoints.process0(start >= tr.max_steps and tf.io.gfile.exists(metrics_path), resolved.processes):
         metrics = json.loads(_read(tf, metrics_path))  # finished and exported before: nothing to do
-        _done(emit, metrics, export_dir)
+        _done(emit, metrics, export_dir, objective.accuracy)
         return metrics
     emit(f"start backend={resolved.backend} strategy={resolved.kind} processes={resolved.processes} "
          f"hosts={resolved.hosts} devices={resolved.replicas} per_replica_batch={tr.per_replica_batch_size} "
@@ -136,12 +174,10 @@ def run(cfg: BertConfig, *, log=None) -> dict:
         if writer else None
     monitor = Monitor(save, schedule, global_batch, tr.log_every, tr.checkpoint_every,
                       tf.summary.create_file_writer(join(rt.model_dir, "tensorboard")) if writer else None,
-                      emit, start)
+                      emit, start, accuracy=objective.accuracy)
     if start < tr.max_steps:
         def dataset_for(ctx):
-            return make_dataset(rt.data_dir, manifest, ctx.get_per_replica_batch_size(global_batch),
-                                mask_rate=cfg.task.mask_rate, shuffle_buffer=tr.shuffle_buffer,
-                                input_context=ctx, seed=rt.seed or None)
+            return objective.dataset(cfg, manifest, ctx.get_per_replica_batch_size(global_batch), ctx)
 
         if jax_backend:  # this process's share: its hosts' files, its local devices' part of the global batch
             dataset = dataset_for(tf.distribute.InputContext(resolved.processes, resolved.process,
@@ -153,14 +189,14 @@ def run(cfg: BertConfig, *, log=None) -> dict:
     if monitor.saved_step != tr.max_steps and start < tr.max_steps:
         monitor.save(tr.max_steps)
     # loss/accuracy are None only when a previous process trained to the end but died before exporting.
-    metrics = {"final_step": int(checkpoints.host_value(optimizer.iterations)), "loss": None, "mlm_accuracy": None,
-               **monitor.last, "global_batch": global_batch, "replicas": resolved.replicas,
-               "strategy": resolved.kind, "backend": resolved.backend}
+    metrics = {"final_step": int(checkpoints.host_value(optimizer.iterations)), "loss": None,
+               objective.accuracy: None, **monitor.last, "global_batch": global_batch,
+               "replicas": resolved.replicas, "strategy": resolved.kind, "backend": resolved.backend}
     if writer:
         if resolved.processes > 1:  # Keras saves via numpy, which cannot read arrays spanning other hosts
-            model = _local_copy(keras, model, cfg, manifest.vocab_size)
-        _export(tf, model, cfg, rt.data_dir, export_dir, metrics)
-    _done(emit, metrics, export_dir)
+            model = _local_copy(keras, model, cfg, manifest.vocab_size, objective)
+        _export(tf, model, cfg, rt.data_dir, export_dir, metrics, objective.data_files())
+    _done(emit, metrics, export_dir, objective.accuracy)
     return metrics
 
 
@@ -172,7 +208,7 @@ def _peak_learning_rate(tr, global_batch: int) -> float:
     return tr.learning_rate * (ratio if tr.lr_scaling == "linear" else 1.0)
 
 
-def _bind_model_dir(tf, cfg: BertConfig, manifest, *, write: bool = True) -> BertConfig:
+def _bind_model_dir(tf, cfg: BertConfig, manifest, objective: Objective, *, write: bool = True) -> BertConfig:
     """Check the data against the config and against what model_dir was trained with; record that on first use.
 
     Returns `cfg` with the manifest's vocab_size. Raises DataError / ConfigError before anything is written.
@@ -184,7 +220,7 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest, *, write: bool = True) -> Ber
     previous = json.loads(_read(tf, state_path)) if tf.io.gfile.exists(state_path) else None
     manifest.check_compatible(seq_len=cfg.task.seq_len, vocab_size=cfg.task.vocab_size,
                               vocab_sha256=previous["vocab_sha256"] if previous else None, where=rt.data_dir)
-    cfg = config_mod.with_overrides(cfg, task={"vocab_size": manifest.vocab_size})
+    cfg = objective.config.with_overrides(cfg, task={"vocab_size": manifest.vocab_size})
     task = dataclasses.asdict(cfg.task)
     if previous and previous["task"] != task:
         changed = sorted(k for k in task if previous["task"].get(k) != task[k])
@@ -198,36 +234,36 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest, *, write: bool = True) -> Ber
     return cfg
 
 
-def _compile(keras, model, tr, schedule, *, jit_compile: bool):
-    """AdamW (no decay on biases and LayerNorm), loss and accuracy weighted by the mask; slots built. In scope."""
+def _compile(keras, model, tr, schedule, objective: Objective, *, jit_compile: bool):
+    """AdamW (no decay on biases and LayerNorm), loss and accuracy weighted by the examples' weights (BERT: the
+    mask; GPT-2: all but each block's last position); slots built. In scope."""
     optimizer = keras.optimizers.AdamW(
         learning_rate=schedule, weight_decay=tr.weight_decay, beta_1=tr.adam_beta_1, beta_2=tr.adam_beta_2,
         epsilon=tr.adam_epsilon, global_clipnorm=tr.clipnorm)
-    optimizer.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
+    optimizer.exclude_from_weight_decay(var_names=list(objective.no_weight_decay))
     model.compile(
         optimizer=optimizer,
-        # Per-token loss x mask weight, summed, / sum of weights: the mean over masked tokens only.
+        # Per-token loss x weight, summed, / sum of weights: the mean over the predicted tokens only.
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
-        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="mlm_accuracy")],
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name=objective.accuracy)],
         steps_per_execution=tr.steps_per_execution, jit_compile=jit_compile)
     optimizer.build(model.trainable_variables)  # slots exist before restore: restored, not deferred
     return optimizer
 
 
-def _local_copy(keras, model, cfg: BertConfig, vocab_size: int):
+def _local_copy(keras, model, cfg: BertConfig, vocab_size: int, objective: Objective):
     """The model with this host's copy of its (replicated) weights, outside the slice-wide distribution."""
     from .checkpoints import host_value
-    from .model import build_model
 
     keras.distribution.set_distribution(None)  # training is over: variables on this host's default device
-    local = build_model(cfg.task, vocab_size=vocab_size)
+    local = objective.build_model(cfg.task, vocab_size)
     local.set_weights([host_value(v) for v in model.weights])
     return local
 
 
-def _done(emit, metrics: dict, export_dir: str) -> None:
+def _done(emit, metrics: dict, export_dir: str, accuracy: str) -> None:
     emit(f"done step={metrics['final_step']} loss={_fmt(metrics['loss'])} "
-         f"mlm_accuracy={_fmt(metrics['mlm_accuracy'])} export_dir={export_dir}")
+         f"{accuracy}={_fmt(metrics[accuracy])} export_dir={export_dir}")
 
 
 def _fmt(value: float | None) -> str:
@@ -244,13 +280,13 @@ def _write(tf, path: str, text: str) -> None:
         f.write(text)
 
 
-def _export(tf, model, cfg: BertConfig, data_dir: str, export_dir: str, metrics: dict) -> None:
+def _export(tf, model, cfg: BertConfig, data_dir: str, export_dir: str, metrics: dict,
+            data_files: tuple[str, ...]) -> None:
     from .data import join
-    from .manifest import MANIFEST_NAME, TOKENIZER_NAME, VOCAB_NAME
 
     tf.io.gfile.makedirs(export_dir)
     model.save(join(export_dir, "model.keras"))
-    for name in (VOCAB_NAME, TOKENIZER_NAME, MANIFEST_NAME):
+    for name in data_files:
         tf.io.gfile.copy(join(data_dir, name), join(export_dir, name), overwrite=True)
     _write(tf, join(export_dir, "config.json"), json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     _write(tf, join(export_dir, "metrics.json"), json.dumps(metrics, indent=2, sort_keys=True))

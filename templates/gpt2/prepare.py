@@ -18,8 +18,7 @@ no mask needed). Lines inside a document are joined by a newline. Records are ra
 from __future__ import annotations
 
 import hashlib
-import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,26 +70,8 @@ def build_tokenizer(sources, opts: PrepareOptions, *, storage_client=None, progr
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=opts.vocab_size, min_frequency=opts.min_frequency, special_tokens=[EOT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    seen = {"bytes": 0}
-    budget = min(opts.tokenizer_sample_bytes, sum(s.size for s in sources))
-
-    def batches() -> Iterator[list[str]]:
-        batch: list[str] = []
-        for line in _bert.sample_lines(sources, opts.tokenizer_sample_bytes, storage_client=storage_client):
-            if line.strip():
-                batch.append(line)
-                seen["bytes"] += len(line.encode("utf-8")) + 1
-            if len(batch) >= 1000:
-                yield batch
-                batch = []
-                if progress:
-                    progress("tokenizer", seen["bytes"], budget)
-        if batch:
-            yield batch
-
-    tok.train_from_iterator(batches(), trainer=trainer)
-    if not seen["bytes"]:
-        raise DataError(f"corpus is empty: {_bert._names(sources)} has no text", path=sources[0].url)
+    _bert.train_on_sample(tok, trainer, sources, opts.tokenizer_sample_bytes, storage_client=storage_client,
+                          progress=progress)
     return tok
 
 
@@ -101,20 +82,14 @@ class Packer:
     def __init__(self, writer, seq_len: int, dtype: str, eot: int):
         import numpy as np
 
-        self.np, self.writer, self.seq_len, self.eot = np, writer, seq_len, eot
+        self.writer, self.seq_len, self.eot = writer, seq_len, eot
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.carry = np.empty(0, dtype=np.int64)
         self.sequences = self.tokens = self.documents = 0
 
     def add(self, encodings: list, ends: list[bool]) -> None:
-        np = self.np
-        flat: list[int] = []
-        for encoding, end in zip(encodings, ends, strict=True):
-            flat.extend(encoding.ids)
-            if end:
-                flat.append(self.eot)
-                self.documents += 1
-        buf = np.concatenate((self.carry, np.asarray(flat, dtype=np.int64)))
+        buf, ended = _bert.stream_ids(self.carry, encodings, ends, self.eot)
+        self.documents += ended
         n = len(buf) // self.seq_len
         for row in buf[: n * self.seq_len].reshape(n, self.seq_len).astype(self.dtype):
             self.writer.write(row.tobytes())
@@ -133,23 +108,7 @@ def prepare(corpus: Iterable[str], out_dir: str | Path, opts: PrepareOptions = P
     """Tokenizer files + shards + manifest in `out_dir` (created if needed); same contract as bert.prepare:
     idempotent for unchanged inputs, cleans up after a failure, no manifest unless complete. Blocks.
     Raises DataError naming the file at fault."""
-    import shutil
-
-    opts.validate()
-    out = Path(out_dir)
-    corpus = list(corpus)
-    if storage_client is None and any(c.startswith("gs://") for c in corpus):
-        storage_client = _bert._storage(None)
-    sources = _bert.expand(corpus, storage_client=storage_client)
-    _bert.sniff(sources, storage_client=storage_client)
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        return _prepare(sources, out, opts, storage_client, progress)
-    except BaseException:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    return _bert.prepare_with(_prepare, corpus, out_dir, opts, storage_client=storage_client, progress=progress)
 
 
 def _prepare(sources, out: Path, opts: PrepareOptions, storage_client, progress) -> Manifest:
@@ -162,28 +121,17 @@ def _prepare(sources, out: Path, opts: PrepareOptions, storage_client, progress)
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     writer = _bert._ShardWriter(out, opts.shard_sequences)
     packer = Packer(writer, opts.seq_len, dtype, eot)
-    total = sum(s.size for s in sources)
 
-    def encode(batches):
-        for texts, ends, done in batches:
-            # A line that does not end its document keeps its line break: byte-level BPE encodes it.
-            texts = [t if end else t + "\n" for t, end in zip(texts, ends)]
-            yield tok.encode_batch_fast(texts, add_special_tokens=False), ends, done
+    def encode(texts, ends):
+        # A line that does not end its document keeps its line break: byte-level BPE encodes it.
+        texts = [t if end else t + "\n" for t, end in zip(texts, ends)]
+        return tok.encode_batch_fast(texts, add_special_tokens=False)
 
-    try:
-        for encodings, ends, done in _bert._background(encode(_bert._background(
-                _bert._text_batches(sources, opts, storage_client), depth=4)), depth=2):
-            packer.add(encodings, ends)
-            if progress:
-                progress("encode", done, total)
-        dropped = packer.finish()
-    except BaseException:
-        writer.discard()
-        raise
+    dropped = _bert.encode_into(packer, writer, encode, sources, opts, storage_client, progress)
     if packer.sequences == 0:
         raise DataError(f"corpus too small: {_bert._names(sources)} holds {dropped} tokens, fewer than one "
                         f"{opts.seq_len}-token block", path=sources[0].url)
-    manifest = Manifest(
+    return _bert.write_manifest(out, Manifest(
         seq_len=opts.seq_len, vocab_size=vocab_size,
         vocab_sha256=hashlib.sha256((out / VOCAB_NAME).read_bytes() + (out / MERGES_NAME).read_bytes()).hexdigest(),
         record_format=f"raw-{dtype}-le", special_ids={EOT: eot},
@@ -191,11 +139,8 @@ def _prepare(sources, out: Path, opts: PrepareOptions, storage_client, progress)
                    "min_frequency": opts.min_frequency, "sample_bytes": opts.tokenizer_sample_bytes,
                    "dropped_tail_tokens": dropped},
         doc_format=opts.doc_format, documents=packer.documents, sequences=packer.sequences,
-        tokens=packer.tokens, unk_tokens=0, raw_bytes=total, shards=tuple(writer.shards), format=FORMAT)
-    tmp = out / (MANIFEST_NAME + ".partial")
-    tmp.write_text(manifest.to_json(), encoding="utf-8")
-    os.replace(tmp, out / MANIFEST_NAME)
-    return manifest
+        tokens=packer.tokens, unk_tokens=0, raw_bytes=_bert.total_bytes(sources), shards=tuple(writer.shards),
+        format=FORMAT))
 
 
 def upload(local_dir: str | Path, url: str, *, storage_client=None, workers: int = 8, progress=None) -> tuple[int, int]:

@@ -1,5 +1,8 @@
-"""The BERT template's pieces GPT-2 shares rather than copies: trainer/runtime config schema, errors, manifest,
-strategy (TPU/GPU/CPU and the TPU VM guest), the progress/checkpoint callback and the learning-rate schedule.
+"""The BERT template's pieces GPT-2 shares rather than copies: the training program (bert/train.py's loop, for
+which gpt2/train.py is an Objective), the config file's builder with its trainer/runtime schema, errors, the
+manifest, the shard reader, the prepare pipeline (reading, sampling, streaming, shard writing, upload), the
+strategy (TPU/GPU/CPU, TensorFlow or JAX, and the TPU VM guest), checkpoints, the progress callback and the
+learning-rate schedule.
 
 Installed, they are `tpuctl.templates.bert`; in a job bundle `bert` ships beside `gpt2` (template.json `uses`),
 so the same code is imported by either name.

@@ -16,7 +16,7 @@ import click
 from tpuctl import catalog as catalog_mod
 from tpuctl import api, config, console, cost, ledger
 from tpuctl import spec as spec_mod
-from tpuctl.errors import BadInput
+from tpuctl.errors import BadInput, Interrupted
 
 if TYPE_CHECKING:
     from tpuctl import provision as prov
@@ -96,7 +96,6 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, fram
        service_account, ttl, allow_cross_region, internal_ips, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
     """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
     from tpuctl import provision as prov
-    from tpuctl.provision import inventory
 
     if spot and provisioning not in (None, "spot"):
         raise BadInput(f"--spot and --provisioning {provisioning} ask for different capacity", field="provisioning",
@@ -123,10 +122,26 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, fram
     console.confirm(f"create run {plan.run} at about {_money(plan.price_per_hour)}/hour?", yes=yes,
                     to=f"create run {plan.run}")
     started = time.monotonic()
-    with console.Board(f"tpuctl up {plan.run}") as board:
-        on_event = console.tee(board, lines)
-        clients = prov.connect(config.ensure_endpoint(settings, on_event=on_event))
-        result = api.apply_plan(clients, plan, on_event=on_event, keep_on_failure=keep_on_failure)
+    result = None
+    try:
+        with console.Board(f"tpuctl up {plan.run}") as board:
+            on_event = console.tee(board, lines)
+            clients = prov.connect(config.ensure_endpoint(settings, on_event=on_event))
+            result = api.apply_plan(clients, plan, on_event=on_event, keep_on_failure=keep_on_failure)
+        _report_up(plan, settings, result, started, lines)
+    except KeyboardInterrupt:
+        if result is None:  # apply rolled back what it created and said so
+            raise
+        # Ctrl-C once everything was READY: nothing is rolled back, and the error must not pretend it was.
+        raise Interrupted(f"interrupted after run {plan.run} was ready: its resources are kept",
+                          hint=f"remove them with `tpuctl down {plan.run}`") from None
+
+
+def _report_up(plan: prov.Plan, settings: config.Settings, result, started: float,
+               lines: console.JsonLines | None) -> None:
+    from tpuctl import provision as prov
+    from tpuctl.provision import inventory
+
     tpu_r = result.get(prov.Kind.TPU)
     if lines is not None:
         lines.summary({"plan": plan.to_json(), "target": settings.target, "zone": result.zone,

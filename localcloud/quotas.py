@@ -1,0 +1,88 @@
+"""TPU quota: the Cloud TPU API's per-zone quotas, served through the Cloud Quotas API (`quotaInfos.get`) and
+enforced at create, from the project's shape (`tpu_quotas`). localcloud's own table, from Google's sources
+(localcloud/README.md, "TPU quota"):
+
+- quota ids are TPU{GEN}[Serving][Preemptible][Pod]PerProjectPerZoneForTPUAPI, GEN V2s/V3s/V4s/V5sLitepod/
+  V5P/V6E: spot and preemptible nodes draw on the Preemptible quota, v2/v3 single devices (-8) and pods have
+  separate quotas, every v4 slice is a pod slice, v5e slices of 1, 4 or 8 chips draw on the Serving quota;
+- a node counts TensorCores for v2 and v3 (the number in its type's name), chips for v4 and v5p (half that
+  number) and for v5e and v6e (the number: one TensorCore each);
+- an unshaped project is fully set up, as everywhere in localcloud: every quota is GENEROUS (Google's own
+  defaults are 16 on-demand and 48 preemptible TensorCores of v2-8/v3-8 and 0 of everything else).
+"""
+
+from __future__ import annotations
+
+from . import facts
+from .core import ApiError
+
+SERVICE = "tpu.googleapis.com"
+GENEROUS = 100_000
+_GEN = {"v2": "V2s", "v3": "V3s", "v4": "V4s", "v5litepod": "V5sLitepod", "v5p": "V5P", "v6e": "V6E"}
+_SERVING = {"v5litepod-1", "v5litepod-4", "v5litepod-8"}
+
+
+def quota_id(accelerator_type: str, spot: bool) -> str | None:
+    """The quota a node of `accelerator_type` draws on; None for types outside the table."""
+    prefix, _, size = accelerator_type.partition("-")
+    gen = _GEN.get(prefix)
+    if gen is None or not size.isdigit():
+        return None
+    pre = "Preemptible" if spot else ""
+    if prefix == "v5litepod":
+        kind = ("Serving" if accelerator_type in _SERVING else "") + pre
+    elif prefix in ("v2", "v3", "v4"):
+        kind = pre + ("Pod" if prefix == "v4" or int(size) > 8 else "")
+    else:
+        kind = pre
+    return f"TPU{gen}{kind}PerProjectPerZoneForTPUAPI"
+
+
+def known_ids() -> set[str]:
+    types = {f"{p}-{n}" for p in _GEN for n in (1, 4, 8, 16)}
+    return {quota_id(t, spot) for t in types for spot in (False, True)} - {None}
+
+
+def units(accelerator_type: str) -> int:
+    """What a node counts against its quota: v2/v3 TensorCores (the number in the name), v4 and v5p chips (the
+    name counts TensorCores, two per chip), v5e/v6e chips (the number in the name)."""
+    prefix, _, size = accelerator_type.partition("-")
+    return int(size) // 2 if prefix in ("v4", "v5p") else int(size)
+
+
+def limit(shape: dict, quota: str, zone: str) -> int:
+    """The project's limit of `quota` in `zone`: an int in the shape applies to every zone, a dict per zone."""
+    value = (shape.get("tpu_quotas") or {}).get(quota, GENEROUS)
+    if isinstance(value, dict):
+        value = value.get(zone, GENEROUS)
+    return int(value)
+
+
+def quota_info(project: str, quota: str, shape: dict) -> dict:
+    """The QuotaInfo of `quota`: per-zone entries first (most specific), then the one for every other zone."""
+    if quota not in known_ids():
+        raise ApiError("NOT_FOUND", f"QuotaInfo {quota} of service {SERVICE} was not found.")
+    value = (shape.get("tpu_quotas") or {}).get(quota, GENEROUS)
+    per_zone = value if isinstance(value, dict) else {}
+    everywhere = GENEROUS if isinstance(value, dict) else int(value)
+    infos = [{"dimensions": {"region": facts.region_of(z), "zone": z}, "details": {"value": str(int(n))},
+              "applicableLocations": [z]} for z, n in sorted(per_zone.items())]
+    infos.append({"dimensions": {}, "details": {"value": str(everywhere)},
+                  "applicableLocations": sorted(set(facts.all_zones()) - set(per_zone))})
+    return {"name": f"projects/{facts.project_number(project)}/locations/global/services/{SERVICE}/quotaInfos/{quota}",
+            "quotaId": quota, "metric": f"{SERVICE}/{quota}", "service": SERVICE, "isPrecise": True,
+            "containerType": "PROJECT", "dimensions": ["region", "zone"], "quotaDisplayName": quota,
+            "metricUnit": "1", "quotaIncreaseEligibility": {"isEligible": True}, "isFixed": False,
+            "dimensionsInfos": infos, "isConcurrent": False}
+
+
+def exceeded(quota: str, zone: str, limit_value: int) -> ApiError:
+    """Google's refusal of a create past the quota: HTTP 429 RESOURCE_EXHAUSTED with a QuotaFailure naming
+    it. A quota never granted reads as gcloud shows it ("Quota limit '...' has been exceeded. Limit: 0 in
+    zone Z"); one used up as SkyPilot quotes it ("Quota '...' exhausted. Limit N in zone Z")."""
+    message = (f"Quota limit '{quota}' has been exceeded. Limit: 0 in zone {zone}." if limit_value == 0
+               else f"Quota '{quota}' exhausted. Limit {limit_value} in zone {zone}")
+    return ApiError("RESOURCE_EXHAUSTED", message, http=429, reason="rateLimitExceeded", details=[
+        {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": [{"subject": quota, "description": message}]},
+        {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "RATE_LIMIT_EXCEEDED", "domain": "googleapis.com",
+         "metadata": {"quota_metric": quota, "service": SERVICE}}])
