@@ -253,7 +253,7 @@ def test_ctrl_c_once_the_run_is_ready_keeps_it_and_says_so(env, pc, monkeypatch)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
 
-    def ctrl_c(resources):
+    def ctrl_c(resources, **_):
         raise KeyboardInterrupt
 
     said: list[str] = []

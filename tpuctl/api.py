@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from tpuctl import config, ledger
 from tpuctl import spec as spec_mod
-from tpuctl.errors import BadInput, TpuctlError
+from tpuctl.errors import BadInput, Interrupted, TpuctlError
 from tpuctl.events import EventSink, ignore, resource_progress
 
 if TYPE_CHECKING:
@@ -81,13 +81,24 @@ def connect(project: str | None = None, cloud: str | None = None, *, on_event: E
 def apply_plan(clients: Clients, plan: Plan, *, on_event: EventSink = ignore, keep_on_failure: bool = False,
                cancel: threading.Event | None = None) -> ApplyResult:
     """Create what `plan` needs and record it in the cost ledger. Blocks until every resource is READY;
-    idempotent (adopts what exists); on failure or `cancel` removes what it created (see provision.apply)."""
+    idempotent (adopts what exists); on failure or `cancel` removes what it created (see provision.apply).
+    A Ctrl-C once all is READY rolls nothing back: it raises `kept_after_ready(plan.run)`."""
     from tpuctl import provision
 
     result = provision.apply(clients, plan, progress=resource_progress(on_event), keep_on_failure=keep_on_failure,
                              cancel=cancel, on_gone=lambda entries: ledger.remember_gone(entries, on_event=on_event))
-    ledger.remember(result.resources, on_event=on_event)
+    try:
+        ledger.remember(result.resources, on_event=on_event)
+    except KeyboardInterrupt:
+        raise kept_after_ready(plan.run) from None
     return result
+
+
+def kept_after_ready(run: str) -> Interrupted:
+    """The interrupt of an `up` whose resources were all READY: nothing was rolled back, and the error must
+    not pretend it was."""
+    return Interrupted(f"interrupted after run {run} was ready: its resources are kept",
+                       hint=f"remove them with `tpuctl down {run}`")
 
 
 def delete_run(clients: Clients, run: str, *, delete_bucket: bool = False,

@@ -16,7 +16,7 @@ import click
 from tpuctl import catalog as catalog_mod
 from tpuctl import api, config, console, cost, ledger
 from tpuctl import spec as spec_mod
-from tpuctl.errors import BadInput, Interrupted
+from tpuctl.errors import BadInput
 
 if TYPE_CHECKING:
     from tpuctl import provision as prov
@@ -132,9 +132,7 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, fram
     except KeyboardInterrupt:
         if result is None:  # apply rolled back what it created and said so
             raise
-        # Ctrl-C once everything was READY: nothing is rolled back, and the error must not pretend it was.
-        raise Interrupted(f"interrupted after run {plan.run} was ready: its resources are kept",
-                          hint=f"remove them with `tpuctl down {plan.run}`") from None
+        raise api.kept_after_ready(plan.run) from None  # while the result printed
 
 
 def _report_up(plan: prov.Plan, settings: config.Settings, result, started: float,
