@@ -38,6 +38,8 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
         "train_bench": ("train: bert-tiny steps/s and examples/s fed from memory", [PY, "bench/train_bench.py"]),
         "backends": ("bert-tiny on TensorFlow vs JAX on this CPU, same data and seed: steps/s ratio, loss within 2 %",
                      [PY, "bench/backends.py"]),
+        "peers": ("peers: tpuctl vs keras-hub training steps/s; GPT-2 data prepare vs run_clm's recipe and the "
+                  "tokenizers floor (wall, disk, peak memory)", [PY, "bench/peers.py"]),
         "run_bench": ("run latency: last training step to TPU delete request (target <= 5 s)",
                       [PY, "bench/run_bench.py"]),
         "cost_accuracy": ("cost accuracy: tpuctl's accrued cost vs the local cloud's meter (tolerance 1 %)",
@@ -157,6 +159,7 @@ HEADLINE_LINES = {
     "localcloud_soak": re.compile(r"^growth after warm-up.*"),
     "chaos": re.compile(r"^(leaked|lost checkpoints|wrong exit codes|scenarios): \d+$"),
     "runtime_matrix": re.compile(r"^tpu-vm-tf-\S+ tf=.*"),
+    "peers": re.compile(r"^(train \S+ \S+:|prepare /|recipe /).*"),
 }
 HEADLINE_KEYS = {
     "train_bench": ("steps_per_sec", "examples_per_sec"),

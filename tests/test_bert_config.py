@@ -26,6 +26,13 @@ def test_presets_have_the_published_shapes():
     assert (large.task.num_layers, large.task.hidden_size, large.task.num_heads) == (24, 1024, 16)
 
 
+def test_masked_predictions_per_sequence_default_to_google_research_berts_values():
+    assert config.build({"preset": "bert-tiny"}).task.predictions_per_seq == 20
+    assert config.build({"task": {"seq_len": 512}}).task.predictions_per_seq == 80
+    assert config.build({"task": {"seq_len": 256, "mask_rate": 0.2}}).task.predictions_per_seq == 52
+    assert config.build({"task": {"max_predictions_per_seq": 7}}).task.predictions_per_seq == 7
+
+
 def test_file_sections_override_the_preset(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"preset": "bert-tiny", "trainer": {"max_steps": 50, "learning_rate": 1},
@@ -50,6 +57,8 @@ def test_file_sections_override_the_preset(tmp_path):
     ({"preset": "bert-tiny", "trainer": {"log_every": 15}},
      r"config.trainer.log_every: must be a positive multiple of trainer.steps_per_execution \(10\)"),
     ({"runtime": {"mixed_precision": "float16"}}, "config.runtime.mixed_precision"),
+    ({"task": {"max_predictions_per_seq": 129}},
+     r"config.task.max_predictions_per_seq: must be in \[1, task.seq_len \(128\)\], or 0 to derive it"),
 ])
 def test_bad_configs_name_the_field(data, message):
     with pytest.raises(ConfigError, match=message):

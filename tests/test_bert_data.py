@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
@@ -35,17 +36,27 @@ def _batch(rows=1024, seq_len=128, seed=0):
     return ids
 
 
+def _mask(ids, max_predictions=20):
+    return mask_tokens(ids, vocab_size=VOCAB, special_ids=SPECIAL, mask_id=MASK, rate=0.15,
+                       max_predictions=max_predictions)
+
+
 def test_masking_selects_15_percent_of_real_tokens_split_80_10_10():
     ids = _batch()
-    masked, labels, weights = mask_tokens(ids, vocab_size=VOCAB, special_ids=SPECIAL, mask_id=MASK, rate=0.15)
-    ids, masked, labels, weights = ids.numpy(), masked.numpy(), labels.numpy(), weights.numpy()
+    masked, positions, labels, weights = _mask(ids)
+    ids, masked, positions, labels, weights = (t.numpy() for t in (ids, masked, positions, labels, weights))
+    assert positions.shape == labels.shape == weights.shape == (1024, 20)
+    assert weights.dtype == "float32" and masked.dtype == labels.dtype == positions.dtype == "int32"
     maskable = ids >= 5
-    selected = weights == 1.0
-    assert weights.dtype == "float32" and masked.dtype == labels.dtype == "int32"
+    rows = np.arange(len(ids))[:, None]
+    selected = np.zeros_like(maskable)
+    selected[np.broadcast_to(rows, positions.shape)[weights == 1], positions[weights == 1]] = True
+    # 111 maskable tokens a row: round(111 x 0.15) = 17 real slots, then 3 weight-0 slots at position 0.
+    assert (weights.sum(axis=1) == 17).all() and (weights[:, :17] == 1).all() and (positions[:, 17:] == 0).all()
+    assert (selected.sum(axis=1) == 17).all(), "no position is drawn twice"
     assert not selected[~maskable].any(), "specials and padding are never selected"
     assert (masked[~maskable] == ids[~maskable]).all()
-    assert abs(selected.sum() / maskable.sum() - 0.15) < 0.005
-    assert (labels == ids).all()
+    assert (labels == np.take_along_axis(ids, positions, axis=1)).all()
     n = selected.sum()
     as_mask = (masked[selected] == MASK).sum() / n
     unchanged = (masked[selected] == ids[selected]).sum() / n
@@ -58,24 +69,42 @@ def test_masking_selects_15_percent_of_real_tokens_split_80_10_10():
 
 def test_masks_are_drawn_afresh_each_time():
     ids = _batch(rows=64)
-    a = mask_tokens(ids, vocab_size=VOCAB, special_ids=SPECIAL, mask_id=MASK, rate=0.15)[2]
-    b = mask_tokens(ids, vocab_size=VOCAB, special_ids=SPECIAL, mask_id=MASK, rate=0.15)[2]
+    a, b = _mask(ids)[1], _mask(ids)[1]
     assert not bool(tf.reduce_all(a == b))
+
+
+def test_a_short_row_pads_its_prediction_slots_and_a_long_one_is_capped():
+    ids = _batch(rows=2).numpy()
+    ids[0, 10:] = PAD  # 9 maskable tokens: round(1.35) = 1 slot
+    _, positions, _, weights = _mask(tf.constant(ids), max_predictions=8)
+    assert weights.numpy().sum(axis=1).tolist() == [1, 8], "at least one, at most max_predictions"
+    assert 1 <= positions.numpy()[0, 0] < 10 and (positions.numpy()[0, 1:] == 0).all()
 
 
 def test_pipeline_yields_static_int32_batches_with_padding_mask(data_dir):
     manifest = read_manifest(data_dir)
-    ds = make_dataset(data_dir, manifest, 16, mask_rate=0.15, shuffle_buffer=64)
+    ds = make_dataset(data_dir, manifest, 16, mask_rate=0.15, max_predictions=20, shuffle_buffer=64)
     features, labels, weights = ds.element_spec
-    assert features["input_ids"].shape == features["input_mask"].shape == labels.shape == (16, 128)
-    assert features["input_ids"].dtype == tf.int32 and weights.dtype == tf.float32
+    assert features["input_ids"].shape == features["input_mask"].shape == (16, 128)
+    assert features["masked_positions"].shape == labels.shape == weights.shape == (16, 20)
+    assert features["input_ids"].dtype == features["masked_positions"].dtype == tf.int32
+    assert weights.dtype == tf.float32
     batches = list(ds.take(manifest.sequences // 16 + 2))  # more than one pass: the dataset repeats
-    for x, y, _ in batches:
-        assert (x["input_mask"].numpy() == (y.numpy() != PAD)).all()
-        assert (y.numpy()[:, 0] == CLS).all()
-    total_w = sum(float(tf.reduce_sum(w)) for _, _, w in batches)
-    real = sum(float(tf.reduce_sum(tf.cast((y >= 5), tf.float32))) for _, y, _ in batches)
+    total_w = real = 0.0
+    for x, y, w in batches:
+        ids = _unmasked(x, y)
+        assert (x["input_mask"].numpy() == (ids != PAD)).all()
+        assert (ids[:, 0] == CLS).all()
+        real += float((ids >= 5).sum())
+        total_w += float(tf.reduce_sum(w))
     assert 0.12 < total_w / real < 0.18
+
+
+def _unmasked(features, labels):
+    """The batch's original ids: the masked ids with each prediction slot's label put back at its position."""
+    ids = features["input_ids"].numpy().copy()
+    np.put_along_axis(ids, features["masked_positions"].numpy(), labels.numpy(), axis=1)
+    return ids
 
 
 def test_each_worker_reads_its_own_shards(data_dir):
@@ -84,8 +113,9 @@ def test_each_worker_reads_its_own_shards(data_dir):
     seen = []
     for worker in range(2):
         ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=worker, num_replicas_in_sync=2)
-        ds = make_dataset(data_dir, manifest, 8, mask_rate=0.15, shuffle_buffer=8, input_context=ctx)
-        seen.append({tuple(r) for _, y, _ in ds.take(manifest.sequences // 8) for r in y.numpy()})
+        ds = make_dataset(data_dir, manifest, 8, mask_rate=0.15, max_predictions=20, shuffle_buffer=8,
+                          input_context=ctx)
+        seen.append({tuple(r) for x, y, _ in ds.take(manifest.sequences // 8) for r in _unmasked(x, y)})
     assert seen[0] and seen[1] and not seen[0] & seen[1]
 
 

@@ -82,8 +82,10 @@ def test_export_has_model_vocab_config_and_metrics(first_run, data_dir):
     model = keras.saving.load_model(export / "model.keras")
     assert np.abs(model.get_layer("token_embedding").output_bias.numpy()).max() > 0, "trained bias, not the init"
     ids = np.full((2, 128), 5, dtype="int32")
-    logits = model.predict({"input_ids": ids, "input_mask": np.ones_like(ids)}, verbose=0)
-    assert logits.shape == (2, 128, vocab_size)
+    positions = np.tile(np.arange(20, dtype="int32"), (2, 1))
+    logits = model.predict({"input_ids": ids, "input_mask": np.ones_like(ids), "masked_positions": positions},
+                           verbose=0)
+    assert logits.shape == (2, 20, vocab_size), "the vocabulary projection runs at the 20 masked slots only"
 
 
 def test_resume_continues_step_count_and_loss_curve(first_run, data_dir):

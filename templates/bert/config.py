@@ -12,6 +12,8 @@ which the jobs side reads too), then the file's sections.
 
 - `task` is *what* is learned: the encoder's shape, the sequence length and the masking rate. `vocab_size`
   left at 0 is taken from the prepared data's manifest; set explicitly it must match the manifest.
+  `max_predictions_per_seq` left at 0 is seq_len x mask_rate rounded up to a multiple of 4 (20 at seq 128,
+  80 at seq 512: google-research/bert's values).
 - `trainer` is *how*: batch, steps, optimiser schedule, checkpoint and logging cadence.
 - `runtime` is *where*: data/model/export locations, accelerator choice and numeric policy.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,16 @@ class TaskConfig:
     intermediate_size: int = 3072
     dropout: float = 0.1
     mask_rate: float = 0.15  # of maskable tokens; of those 80% [MASK], 10% random, 10% unchanged
+    # The vocabulary projection runs only at this many (gathered) positions per sequence, the masked ones plus
+    # weight-0 padding, as google-research/bert's run_pretraining.py; 0: derived (see `predictions_per_seq`).
+    max_predictions_per_seq: int = 0
+
+    @property
+    def predictions_per_seq(self) -> int:
+        """Masked positions per sequence (static): the set value, else seq_len x mask_rate up to a multiple of 4."""
+        if self.max_predictions_per_seq:
+            return self.max_predictions_per_seq
+        return min(self.seq_len, 4 * math.ceil(self.seq_len * self.mask_rate / 4))
 
 
 @dataclass(frozen=True)
@@ -227,6 +240,8 @@ def validate(cfg: BertConfig) -> None:
         (t.seq_len in (128, 256, 512), "task.seq_len", "must be 128, 256 or 512"),
         *transformer_checks(t),
         (0.0 < t.mask_rate < 1.0, "task.mask_rate", "must be in (0, 1)"),
+        (0 <= t.max_predictions_per_seq <= t.seq_len, "task.max_predictions_per_seq",
+         f"must be in [1, task.seq_len ({t.seq_len})], or 0 to derive it from seq_len x mask_rate"),
         (tr.per_replica_batch_size > 0 and tr.per_replica_batch_size % 8 == 0,
          "trainer.per_replica_batch_size", "must be a positive multiple of 8"),
         (tr.max_steps > 0 and tr.max_steps % tr.steps_per_execution == 0,

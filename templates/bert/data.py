@@ -5,8 +5,10 @@ there are at least as many shards as pipelines, else by record), shuffled and re
 non-deterministic interleave, shuffled, batched with `drop_remainder` (static shapes for XLA), decoded from
 raw uint16/uint32 bytes and masked *in TF ops after batching* (vectorised), so every epoch sees new masks.
 
-Each element: ({"input_ids": int32[B, L], "input_mask": int32[B, L]}, labels int32[B, L], weights float32[B, L]).
-`weights` is 1.0 exactly at the selected positions: the loss and accuracy multiply by it (no boolean gather).
+Each element: ({"input_ids": int32[B, L], "input_mask": int32[B, L], "masked_positions": int32[B, P]},
+labels int32[B, P], weights float32[B, P]), P = `max_predictions` (static): the model projects to the
+vocabulary only at those positions. `weights` is 1.0 at the selected positions and 0.0 in the padding slots:
+the loss and accuracy multiply by it (no boolean gather, no dynamic shape).
 """
 
 from __future__ import annotations
@@ -38,20 +40,34 @@ def read_manifest(data_dir: str, *, expect: str = FORMAT, prepare_hint: str = ""
         return Manifest.from_json(f.read(), where=path, expect=expect)
 
 
-def mask_tokens(ids: tf.Tensor, *, vocab_size: int, special_ids: list[int], mask_id: int,
-                rate: float) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-    """Dynamic BERT masking of int32 ids [B, L]: returns (masked ids, labels, float32 weights).
+def mask_tokens(ids: tf.Tensor, *, vocab_size: int, special_ids: list[int], mask_id: int, rate: float,
+                max_predictions: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    """Dynamic BERT masking of int32 ids [B, L]: returns (masked ids [B, L], positions int32 [B, P],
+    labels int32 [B, P], float32 weights [B, P]) with P = `max_predictions`.
 
-    Each non-special token is selected with probability `rate`; a selected token becomes [MASK] (80%), a
-    random non-special token (10%; a draw that hits a special id keeps the original) or stays (10%).
+    Per row, min(P, max(1, round(n x `rate`))) of its n non-special tokens are drawn uniformly without
+    replacement (google-research/bert's create_pretraining_data.py); their positions fill the first slots,
+    the other slots point at position 0 with weight 0. A selected token becomes [MASK] (80%), a random
+    non-special token (10%; a draw that hits a special id keeps the original) or stays (10%).
     """
     shape = tf.shape(ids)
+    seq_len = ids.shape[1]
     specials = tf.constant(special_ids, dtype=tf.int32)
 
     def is_special(t):
         return tf.reduce_any(tf.equal(t[..., None], specials), axis=-1)
 
-    selected = tf.logical_and(tf.random.uniform(shape) < rate, tf.logical_not(is_special(ids)))
+    maskable = tf.logical_not(is_special(ids))
+    count = tf.reduce_sum(tf.cast(maskable, tf.float32), axis=1)
+    wanted = tf.minimum(tf.minimum(float(max_predictions), tf.maximum(1.0, tf.round(count * rate))), count)
+    # Random scores, -1 where not maskable: the top P are a uniform draw of maskable positions first.
+    scores = tf.where(maskable, tf.random.uniform(shape), -1.0)
+    drawn = tf.math.top_k(scores, k=max_predictions, sorted=True).indices
+    weights = tf.cast(tf.range(max_predictions, dtype=tf.float32)[None, :] < wanted[:, None], tf.float32)
+    positions = tf.where(weights > 0, drawn, 0)
+    labels = tf.gather(ids, positions, batch_dims=1)
+    selected = tf.reduce_max(tf.one_hot(positions, seq_len) * weights[..., None], axis=1) > 0  # [B, L]
+
     choice = tf.random.uniform(shape)
     random_ids = tf.random.uniform(shape, maxval=vocab_size, dtype=tf.int32)
     random_ids = tf.where(is_special(random_ids), ids, random_ids)
@@ -59,19 +75,22 @@ def mask_tokens(ids: tf.Tensor, *, vocab_size: int, special_ids: list[int], mask
     to_random = tf.logical_and(selected, tf.logical_and(choice >= MASK_FRACTION,
                                                         choice < MASK_FRACTION + RANDOM_FRACTION))
     masked = tf.where(to_random, random_ids, masked)
-    return masked, ids, tf.cast(selected, tf.float32)
+    return masked, positions, labels, weights
 
 
-def make_dataset(data_dir: str, manifest: Manifest, batch_size: int, *, mask_rate: float, shuffle_buffer: int,
-                 input_context: tf.distribute.InputContext | None = None, seed: int | None = None) -> tf.data.Dataset:
+def make_dataset(data_dir: str, manifest: Manifest, batch_size: int, *, mask_rate: float, max_predictions: int,
+                 shuffle_buffer: int, input_context: tf.distribute.InputContext | None = None,
+                 seed: int | None = None) -> tf.data.Dataset:
     """An infinite dataset of masked batches of `batch_size` (per replica when `input_context` is given)."""
     special = sorted(set(manifest.special_ids.values()))
     pad, mask_id = manifest.special_ids["[PAD]"], manifest.special_ids["[MASK]"]
 
     def example(ids):
-        masked, labels, weights = mask_tokens(ids, vocab_size=manifest.vocab_size, special_ids=special,
-                                              mask_id=mask_id, rate=mask_rate)
-        features = {"input_ids": masked, "input_mask": tf.cast(tf.not_equal(ids, pad), tf.int32)}
+        masked, positions, labels, weights = mask_tokens(ids, vocab_size=manifest.vocab_size, special_ids=special,
+                                                         mask_id=mask_id, rate=mask_rate,
+                                                         max_predictions=max_predictions)
+        features = {"input_ids": masked, "input_mask": tf.cast(tf.not_equal(ids, pad), tf.int32),
+                    "masked_positions": positions}
         return features, labels, weights
 
     return batches(data_dir, manifest, batch_size, example, shuffle_buffer=shuffle_buffer,

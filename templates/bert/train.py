@@ -71,7 +71,7 @@ class Objective:
     def dataset(self, cfg, manifest, batch_size: int, input_context):
         return self.module("data").make_dataset(
             cfg.runtime.data_dir, manifest, batch_size, mask_rate=cfg.task.mask_rate,
-            shuffle_buffer=cfg.trainer.shuffle_buffer, input_context=input_context, seed=cfg.runtime.seed or None)
+            max_predictions=cfg.task.predictions_per_seq, shuffle_buffer=cfg.trainer.shuffle_buffer, input_context=input_context, seed=cfg.runtime.seed or None)
 
     def data_files(self) -> tuple[str, ...]:
         """The prepared data's files the export carries (tokenizer, manifest)."""
@@ -222,8 +222,9 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest, objective: Objective, *, writ
                               vocab_sha256=previous["vocab_sha256"] if previous else None, where=rt.data_dir)
     cfg = objective.config.with_overrides(cfg, task={"vocab_size": manifest.vocab_size})
     task = dataclasses.asdict(cfg.task)
-    if previous and previous["task"] != task:
-        changed = sorted(k for k in task if previous["task"].get(k) != task[k])
+    # A field newer than the model_dir's record (e.g. max_predictions_per_seq) changes no weight: not a change.
+    changed = sorted(k for k in task if previous and previous["task"].get(k, task[k]) != task[k])
+    if changed:
         raise ConfigError("task", f"{changed} differ from the checkpoints in {rt.model_dir}; "
                                   "use a new model_dir or the original task settings")
     if not write:

@@ -1,0 +1,373 @@
+"""tpuctl against its peers on this machine, in one run: training steps/s vs keras-hub, data prep vs run_clm.
+
+    .venv/bin/python bench/peers.py [--mb 100] [--steps 40] [--only train|prepare]
+
+(a) Training steps/s, fed one repeated in-memory batch (the input side is not measured): tpuctl's bert-tiny
+    and gpt2-tiny models vs keras-hub's `BertMaskedLM` and `GPT2CausalLM` built from `BertBackbone` /
+    `GPT2Backbone` at the same sizes (layers, heads, hidden, intermediate, dropout, vocab 8000, seq 128), random
+    init, the preset's batch, the same optimizer (AdamW), loss (sparse cross-entropy weighted by the mask) and
+    steps_per_execution, on the TensorFlow backend, without and with XLA (`jit_compile`). Both masked LMs project
+    to the vocabulary at 20 gathered positions per sequence (keras-hub's `mask_positions`). Each model trains
+    in its own fresh process; the figure is the median of 3 timed windows after one warm-up window.
+(b) Data preparation of one generated corpus (`--mb`, English + Korean words, blank-line documents) for a
+    GPT-2 causal LM with blocks of 1024 tokens and GPT-2's vocabulary size (50257):
+    - tpuctl: `tpuctl data prepare CORPUS --template gpt2` end to end (byte-level BPE training included);
+    - recipe: Hugging Face's `run_clm` preprocessing: `datasets.load_dataset("text")`, `map(tokenize_function,
+      batched=True, num_proc=cores)` with a fast GPT-2 tokenizer (`PreTrainedTokenizerFast`) of the vocabulary
+      tpuctl trained, then `map(group_texts, batched=True, num_proc=cores)` into 1024-token blocks with labels;
+    - floor: `tokenizers` `encode_batch` alone over the same text, in memory, same vocabulary.
+    Per method: wall time, disk bytes of what it leaves (tpuctl's output directory; the recipe's datasets
+    cache) vs the raw text, and peak memory of the whole process tree (sum over the tree of PSS, which counts a
+    page shared by forked workers once, and of RSS, sampled every 0.1 s from /proc).
+
+The peers (keras-hub, datasets, transformers) live in their own virtualenv, `$TPUCTL_BENCH_PEERS` or
+~/.cache/tpuctl-bench/peers, created here with pip on first use; it sees this interpreter's site-packages (a
+.pth file), so TensorFlow, Keras and tokenizers are the very same builds on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import venv
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+PEERS = Path(os.environ.get("TPUCTL_BENCH_PEERS", Path.home() / ".cache" / "tpuctl-bench" / "peers"))
+# keras-hub without its dependencies: it requires tensorflow-text (and with it the full `tensorflow` wheel) for
+# its tokenizer layers, which these from-scratch models never use; the rest of its dependencies follow.
+PEER_NO_DEPS = ["keras-hub==0.32.0"]
+PEER_REQUIREMENTS = ["absl-py", "regex", "rich", "kagglehub", "kagglesdk==0.1.28", "datasets==5.2.0",
+                     "transformers==5.23.0"]
+VOCAB, SEQ, PREDICTIONS, STEPS_PER_EXECUTION = 8000, 128, 20, 10
+GPT2_VOCAB, GPT2_BLOCK = 50257, 1024
+
+
+# ---------------------------------------------------------------------------------------------- peers' venv
+
+def peers_python() -> Path:
+    """The peers' interpreter, creating and filling its virtualenv if it is not there yet (idempotent)."""
+    python = PEERS / "bin" / "python"
+    stamp = PEERS / "tpuctl-bench-requirements.json"
+    wanted = json.dumps([PEER_NO_DEPS, PEER_REQUIREMENTS])
+    if python.exists() and stamp.exists() and stamp.read_text() == wanted:
+        return python
+    venv.create(PEERS, with_pip=True, clear=True)
+    site = next((PEERS / "lib").glob("python3*/site-packages"))
+    ours = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    (site / "_tpuctl_bench_base.pth").write_text("\n".join(ours) + "\n")
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--no-deps", *PEER_NO_DEPS], check=True)
+    subprocess.run([*pip, *PEER_REQUIREMENTS], check=True)
+    stamp.write_text(wanted)
+    return python
+
+
+# ------------------------------------------------------------------------------------------ process trees
+
+class TreeSampler:
+    """Peak PSS and RSS summed over a process and its descendants, sampled from /proc every `interval` s."""
+
+    def __init__(self, pid: int, interval: float = 0.1):
+        self.pid, self.interval = pid, interval
+        self.peak_pss = self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree(self) -> list[int]:
+        children: dict[int, list[int]] = {}
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry.name}/stat").read_text()
+                except OSError:
+                    continue
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+        tree, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo += children.get(pid, [])
+        return tree
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pss = rss = 0
+            for pid in self._tree():
+                try:
+                    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                        if line.startswith("Pss:"):
+                            pss += int(line.split()[1]) << 10
+                        elif line.startswith("Rss:"):
+                            rss += int(line.split()[1]) << 10
+                except OSError:
+                    continue
+            self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_measured(cmd: list[str], *, env: dict | None = None, timeout: float = 3600) -> dict:
+    """Run `cmd` to completion: wall seconds, peak tree PSS/RSS, and its stdout's last line parsed as JSON if
+    it is JSON. Raises RuntimeError with its stderr tail if it fails."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    sampler = TreeSampler(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        sampler.stop()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])}... exit {proc.returncode}: {err.strip()[-2000:]}")
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    try:
+        reported = json.loads(last)
+    except ValueError:
+        reported = {}
+    return {"wall_s": wall, "peak_pss": sampler.peak_pss, "peak_rss": sampler.peak_rss, "reported": reported}
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+def train_worker(model: str, jit: bool, steps: int) -> dict:
+    """In a fresh process: build `model`, train `steps` x 3 timed steps on one repeated batch, return rates."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.path.insert(0, str(REPO / "templates"))
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    family = "bert" if model.endswith("bert") else "gpt2"
+    if family == "bert":
+        from bert import config
+
+        cfg = config.build({"preset": "bert-tiny"})
+    else:
+        from gpt2 import config
+
+        cfg = config.build({"preset": "gpt2-tiny"})
+    task, batch = cfg.task, cfg.trainer.per_replica_batch_size
+    assert task.seq_len == SEQ
+    ids = rng.integers(5, VOCAB, size=(batch, SEQ)).astype("int32")
+    if family == "bert":
+        positions = np.sort(rng.permuted(np.tile(np.arange(1, SEQ, dtype="int32"), (batch, 1)), axis=1)
+                            [:, :PREDICTIONS], axis=1)
+        labels, weights = np.take_along_axis(ids, positions, axis=1), np.ones((batch, PREDICTIONS), "float32")
+    else:
+        labels, weights = np.roll(ids, -1, axis=1), np.ones((batch, SEQ), "float32")
+    sizes = dict(num_layers=task.num_layers, num_heads=task.num_heads, hidden_dim=task.hidden_size,
+                 intermediate_dim=task.intermediate_size, dropout=task.dropout, max_sequence_length=SEQ)
+    if model == "tpuctl-bert":
+        from bert.model import build_model
+
+        assert task.predictions_per_seq == PREDICTIONS
+        net = build_model(task, vocab_size=VOCAB)
+        x = {"input_ids": ids, "input_mask": np.ones_like(ids), "masked_positions": positions}
+    elif model == "tpuctl-gpt2":
+        from gpt2.model import build_model
+
+        net = build_model(task, vocab_size=VOCAB)
+        x = {"input_ids": ids}
+    elif model == "keras-hub-bert":
+        import keras_hub
+
+        net = keras_hub.models.BertMaskedLM(keras_hub.models.BertBackbone(vocabulary_size=VOCAB, **sizes),
+                                            preprocessor=None)
+        x = {"token_ids": ids, "padding_mask": np.ones_like(ids), "segment_ids": np.zeros_like(ids),
+             "mask_positions": positions}
+    elif model == "keras-hub-gpt2":
+        import keras_hub
+
+        net = keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(vocabulary_size=VOCAB, **sizes),
+                                            preprocessor=None)
+        x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    else:
+        raise ValueError(model)
+    net.compile(optimizer=keras.optimizers.AdamW(1e-4),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
+                weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()],
+                steps_per_execution=STEPS_PER_EXECUTION, jit_compile=jit)
+    ds = tf.data.Dataset.from_tensors((x, labels, weights)).repeat().prefetch(2)
+    net.fit(ds, steps_per_epoch=STEPS_PER_EXECUTION, epochs=1, verbose=0)  # trace + compile
+    rates = []
+    for _ in range(3):
+        start = time.perf_counter()
+        net.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0)
+        rates.append(steps / (time.perf_counter() - start))
+    return {"model": model, "jit": jit, "batch": batch, "params": net.count_params(),
+            "steps_per_sec": statistics.median(rates), "rates": rates}
+
+
+def bench_training(steps: int) -> dict:
+    peers = str(peers_python())
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    results = {}
+    for jit in (False, True):
+        for family in ("bert", "gpt2"):
+            for who, python in (("tpuctl", sys.executable), ("keras-hub", peers)):
+                model = f"{who}-{family}"
+                r = run_measured([python, str(Path(__file__)), "--worker", model, "--jit", str(int(jit)),
+                                  "--steps", str(steps)], env=env)["reported"]
+                results[(model, jit)] = r
+                print(f"  {model:15} {'xla' if jit else 'eager':5} batch {r['batch']:3} params {r['params']:>9,}: "
+                      f"{r['steps_per_sec']:6.2f} steps/s (windows {', '.join(f'{v:.2f}' for v in r['rates'])})",
+                      flush=True)
+    summary = []
+    for family, preset in (("bert", "bert-tiny"), ("gpt2", "gpt2-tiny")):
+        for jit in (False, True):
+            ours, theirs = (results[(f"{who}-{family}", jit)]["steps_per_sec"] for who in ("tpuctl", "keras-hub"))
+            summary.append(f"train {preset} {'xla' if jit else 'no-xla'}: tpuctl {ours:.2f} / keras-hub "
+                           f"{theirs:.2f} steps/s = {ours / theirs:.2f}x (goal >= 1.3)")
+    return summary
+
+
+# ------------------------------------------------------------------------------------------ data preparation
+
+RECIPE = r"""
+import json, os, sys, time
+from itertools import chain
+from datasets import load_dataset
+from transformers import PreTrainedTokenizerFast
+
+corpus, tokenizer_file, cache, block_size, num_proc = sys.argv[1:6]
+block_size, num_proc = int(block_size), int(num_proc)
+tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_file, eos_token="<|endoftext|>")
+start = time.perf_counter()
+# run_clm.py: load_dataset("text", keep_linebreaks=True), tokenize_function, group_texts
+raw = load_dataset("text", data_files={"train": corpus}, cache_dir=cache, keep_linebreaks=True)
+
+
+def tokenize_function(examples):
+    return tokenizer(examples["text"])
+
+
+tokenized = raw.map(tokenize_function, batched=True, num_proc=num_proc, remove_columns=["text"])
+
+
+def group_texts(examples):
+    concatenated = {k: list(chain(*examples[k])) for k in examples.keys()}
+    total_length = len(concatenated[list(examples.keys())[0]])
+    total_length = (total_length // block_size) * block_size
+    result = {k: [t[i: i + block_size] for i in range(0, total_length, block_size)]
+              for k, t in concatenated.items()}
+    result["labels"] = result["input_ids"].copy()
+    return result
+
+
+lm = tokenized.map(group_texts, batched=True, num_proc=num_proc)
+print(json.dumps({"seconds": time.perf_counter() - start, "blocks": len(lm["train"])}))
+"""
+
+FLOOR = r"""
+import json, sys, time
+from tokenizers import Tokenizer
+
+corpus, tokenizer_file = sys.argv[1:3]
+tok = Tokenizer.from_file(tokenizer_file)
+batches, batch, size = [], [], 0
+with open(corpus, encoding="utf-8") as f:
+    for line in f:
+        if line.strip():
+            batch.append(line)
+            size += len(line)
+            if size >= 1 << 20:
+                batches.append(batch)
+                batch, size = [], 0
+batches.append(batch)
+start = time.perf_counter()
+tokens = sum(len(e.ids) for b in batches for e in tok.encode_batch(b, add_special_tokens=False))
+print(json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}))
+"""
+
+
+def bench_prepare(mb: float) -> dict:
+    sys.path.insert(0, str(BENCH))
+    from data_bench import generate
+
+    peers = str(peers_python())
+    cores = len(os.sched_getaffinity(0))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+           "TPUCTL_HOME": os.environ.get("TPUCTL_HOME", tempfile.mkdtemp(prefix="peers-home-"))}
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        tmp = Path(tmp)
+        corpus = generate(tmp / "corpus.txt", mb, seed=5)
+        raw = corpus.stat().st_size
+        print(f"corpus: {raw / 1e6:.1f} MB, {cores} cores, load {load()}", flush=True)
+        tpuctl = run_measured([sys.executable, "-m", "tpuctl", "data", "prepare", str(corpus), "--out",
+                               str(tmp / "tpuctl"), "--template", "gpt2", "--vocab-size", str(GPT2_VOCAB),
+                               "--seq-len", str(GPT2_BLOCK), "--json"], env=env)
+        tpuctl["disk"] = disk_bytes(tmp / "tpuctl")
+        tokenizer = str(tmp / "tpuctl" / "tokenizer.json")
+        floor = run_measured([sys.executable, "-c", FLOOR, str(corpus), tokenizer], env=env)
+        floor["wall_s"] = floor["reported"]["seconds"]  # encode_batch alone: reading the text is not counted
+        floor["disk"] = 0
+        recipe = run_measured([peers, "-c", RECIPE, str(corpus), tokenizer, str(tmp / "hf-cache"), str(GPT2_BLOCK),
+                               str(cores)], env=env)
+        recipe["disk"] = disk_bytes(tmp / "hf-cache")
+        print(f"load after: {load()}")
+    rows = (("tpuctl data prepare (tokenizer training included)", tpuctl), ("run_clm recipe (datasets map, "
+            f"num_proc={cores})", recipe), ("floor: tokenizers encode_batch alone", floor))
+    summary = []
+    for label, r in rows:
+        disk = f"{r['disk'] / raw:5.2f}x raw" if r["disk"] else "    (none)"
+        summary.append(f"  {label:52} {r['wall_s']:6.1f} s  disk {disk}  peak PSS {r['peak_pss'] / 1e6:5.0f} MB "
+                       f"(RSS {r['peak_rss'] / 1e6:5.0f} MB)")
+    summary += [
+        f"prepare / floor wall time: {tpuctl['wall_s'] / floor['wall_s']:.2f}x (goal <= 1.4)",
+        f"recipe / prepare wall time: {recipe['wall_s'] / tpuctl['wall_s']:.2f}x (goal >= 1.5)",
+        f"prepare / recipe disk: {tpuctl['disk'] / recipe['disk']:.3f} (goal <= 0.1)",
+        f"prepare / recipe peak memory (PSS of the process tree): {tpuctl['peak_pss'] / recipe['peak_pss']:.2f} "
+        f"(goal <= 0.33)"]
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=float, default=100.0, help="corpus size for the data preparation comparison")
+    p.add_argument("--steps", type=int, default=40, help="training steps per timed window")
+    p.add_argument("--only", choices=["train", "prepare"])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--jit", type=int, default=0, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        print(json.dumps(train_worker(a.worker, bool(a.jit), a.steps)))
+        return
+    started = load()
+    print(f"load at start: {started} ({len(os.sched_getaffinity(0))} cores, shared)", flush=True)
+    summary = []
+    if a.only in (None, "train"):
+        summary += bench_training(a.steps)
+    if a.only in (None, "prepare"):
+        summary += bench_prepare(a.mb)
+    # The summary last, in at most 12 lines: bench/report.py records a benchmark's last 12 lines.
+    print(f"summary: load average at start {started}, at end {load()} ({len(os.sched_getaffinity(0))} cores shared "
+          f"with other work); prepare: {a.mb:g} MB of text for GPT-2, vocab {GPT2_VOCAB}, blocks of {GPT2_BLOCK}")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()

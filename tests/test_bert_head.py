@@ -1,0 +1,79 @@
+"""The masked-LM head projects to the vocabulary only at the gathered masked positions, on both Keras backends,
+with the same loss and accuracy as projecting every position and weighting by the mask."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+pytestmark = [pytest.mark.tf, pytest.mark.timeout(180)]
+
+VOCAB, BATCH, PREDICTIONS = 300, 8, 20
+
+
+def check_gathered_head_matches_full_sequence() -> str:
+    """Builds bert-tiny (random weights), masks one batch, and compares the model's gathered [B, P, V] head with
+    the same weights applied at all L positions; raises AssertionError on a mismatch. Returns the backend."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tpuctl.templates.bert import config
+    from tpuctl.templates.bert.data import mask_tokens
+    from tpuctl.templates.bert.model import build_model
+
+    keras.utils.set_random_seed(3)
+    task = config.build({"preset": "bert-tiny"}).task
+    assert task.predictions_per_seq == PREDICTIONS
+    model = build_model(task, vocab_size=VOCAB)
+    ids = np.random.default_rng(0).integers(5, VOCAB, size=(BATCH, task.seq_len)).astype("int32")
+    ids[:, 0], ids[:, 100], ids[:, 101:] = 2, 3, 0  # [CLS] ... [SEP] [PAD]...
+    masked, positions, labels, weights = (np.asarray(t) for t in mask_tokens(
+        tf.constant(ids), vocab_size=VOCAB, special_ids=[0, 1, 2, 3, 4], mask_id=4, rate=0.15,
+        max_predictions=PREDICTIONS))
+    inputs = {"input_ids": masked, "input_mask": (ids != 0).astype("int32"), "masked_positions": positions}
+
+    logits = np.asarray(model(inputs))
+    assert logits.shape == (BATCH, PREDICTIONS, VOCAB), logits.shape
+
+    gather = model.get_layer("masked_positions_gather")
+    hidden = keras.Model(model.inputs, gather.input[0])(inputs)  # [B, L, H]: the encoder's output
+    head = model.get_layer("mlm_norm")(model.get_layer("mlm_transform")(hidden))
+    full_logits = np.asarray(model.get_layer("token_embedding")(head, reverse=True))
+    assert full_logits.shape == (BATCH, task.seq_len, VOCAB)
+    full_weights = np.zeros(ids.shape, "float32")
+    np.put_along_axis(full_weights, positions, weights, axis=1)  # weight-0 slots add nothing
+    assert full_weights.sum() == weights.sum() > 0
+
+    def loss_and_accuracy(y, p, w):
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+        accuracy.update_state(y, p, sample_weight=w)
+        return float(loss(y, p, sample_weight=w)), float(accuracy.result())
+
+    gathered = loss_and_accuracy(labels, logits, weights)
+    full = loss_and_accuracy(ids, full_logits, full_weights)
+    np.testing.assert_allclose(gathered, full, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(logits[weights == 1],
+                               np.take_along_axis(full_logits, positions[..., None], axis=1)[weights == 1],
+                               rtol=1e-4, atol=1e-5)
+    return keras.backend.backend()
+
+
+def test_gathered_head_matches_the_full_sequence_head_on_tensorflow():
+    assert check_gathered_head_matches_full_sequence() == "tensorflow"
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
+def test_gathered_head_matches_the_full_sequence_head_on_jax():
+    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    code = "import test_bert_head as t; print(t.check_gathered_head_matches_full_sequence())"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "jax"
