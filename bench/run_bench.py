@@ -41,7 +41,7 @@ def one(index: int, *, poll_s: float, accelerator: str, home: Path) -> dict:
             "name": f"bench-{index}", "zone": "us-central1-a", "accelerator": accelerator, "provisioning": "spot",
             "job": {"template": str(REPO / "tests" / "job_templates" / "standin"),
                     "config": {"trainer": {"max_steps": 30, "checkpoint_every": 10, "step_seconds": 0.05}}}})
-        p = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=poll_s), echo_logs=False)
+        p = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=poll_s))
         o = p.run()
         log = next(Path(cloud.state_dir).rglob(f"runs/bench-{index}/w0/job.log"))
         return {"state": o.state, "worker_s": round(p.delete_requested_at - log.stat().st_mtime, 2),

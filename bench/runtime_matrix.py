@@ -67,7 +67,7 @@ def one(runtime: str, *, steps: int, cache: Path, work: Path) -> dict:
                     "config": {"trainer": {"max_steps": steps, "checkpoint_every": every, "log_every": every,
                                            "steps_per_execution": every, "warmup_steps": every}},
                     "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
-        p = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+        p = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0))
         done = threading.Event()
 
         def kill_halfway() -> None:

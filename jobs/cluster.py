@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
-from tpuctl import console
 from tpuctl import provision
+from tpuctl.events import EventSink, Warn, ignore
 from tpuctl.errors import NotFound, from_google
 from tpuctl.provision import Kind, Resource, State
 
@@ -123,9 +123,9 @@ def read_status(clients: Clients, bucket: str, run: str) -> dict | None:
     return read_json(clients, bucket, f"runs/{run}/status.json")
 
 
-def update_status(clients: Clients, bucket: str, run: str, **fields) -> dict:
+def update_status(clients: Clients, bucket: str, run: str, *, on_event: EventSink = ignore, **fields) -> dict:
     """Merge `fields` into status.json (the laptop's view: recovering, final state). Best effort: a status
-    write must never stop a teardown, so failures are a warning."""
+    write must never stop a teardown, so failures are a Warn event."""
     try:
         doc = read_status(clients, bucket, run) or {}
         doc.update(fields)
@@ -133,5 +133,5 @@ def update_status(clients: Clients, bucket: str, run: str, **fields) -> dict:
         write_json(clients, bucket, f"runs/{run}/status.json", doc)
         return doc
     except Exception as exc:  # noqa: BLE001 - see docstring
-        console.warn(f"could not update gs://{bucket}/runs/{run}/status.json: {exc}")
+        on_event(Warn(f"could not update gs://{bucket}/runs/{run}/status.json: {exc}"))
         return {}

@@ -24,24 +24,27 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpuctl import catalog, console, cost, ledger, provision
-from tpuctl.errors import BadInput, CapacityError, JobFailed, NotFound, RunDurationEnded, TpuctlError
+from tpuctl import catalog, cost, ledger, provision
+from tpuctl import events as ev
+from tpuctl.errors import BadInput, CapacityError, Interrupted, JobFailed, NotFound, RunDurationEnded, TpuctlError
 from tpuctl.provision import Kind, State
 from tpuctl.templates import contract
 
 if TYPE_CHECKING:
-    from tpuctl.provision import Clients
+    from tpuctl.provision import Clients, Plan
 
 from . import bundle as bundles
 from . import cluster, launch as launching, logs
 from .ssh import Fleet, Target
 
 STEP_LINE = re.compile(r"\bstep=(\d+)(?:.*?\bloss=(\S+))?(?:.*?\bexamples_per_sec=(\S+))?")
+MAX_STEPS = re.compile(r"\bmax_steps=(\d+)")  # the templates' start line names the target (an ETA's other half)
 TAIL_LINES = 20
 UNREACHABLE_POLLS = 3  # consecutive polls a READY node's worker may not answer before it counts as lost
 
@@ -58,6 +61,7 @@ class RunOptions:
     dry_run: bool = False
     poll_s: float = 2.0
     python: str = "python3"  # the runtime's interpreter on TPU VMs (the venv python on the local cloud)
+    cancel: threading.Event | None = None  # set it (from any thread) to stop the run; it still tears down
     export: tuple[str, ...] = ()  # formats (template `exporters`) written to model/FORMAT/ when the job succeeds
 
 
@@ -93,19 +97,28 @@ class Outcome:
         return d
 
 
-class _Phases:
-    def __init__(self, outcome: Outcome):
-        self.outcome = outcome
+class _Serialized:
+    """The caller's event sink, called by one thread at a time: provisioning and log streams report from
+    several, and a notebook's callback should not have to lock.
 
-    @contextmanager
-    def __call__(self, name: str, detail: str = "", *, quiet: bool = False):
-        if not quiet:
-            console.info(f"==> {name}{': ' + detail if detail else ''}")
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            self.outcome.phases[name] = round(self.outcome.phases.get(name, 0.0) + time.monotonic() - start, 2)
+    A sink that raises is not called again and its exception is kept in `failure`: raised where it happened
+    (a log stream, a provisioning thread) it would be lost or taken for a cloud failure; the pipeline raises
+    it at its next check instead, and still tears down."""
+
+    def __init__(self, sink: ev.EventSink):
+        self._sink = sink
+        # Re-entrant: teardown's signal handler reports from the main thread, which may be inside a report.
+        self._lock = threading.RLock()
+        self.failure: Exception | None = None
+
+    def __call__(self, event: ev.Event) -> None:
+        with self._lock:
+            if self.failure is not None:
+                return
+            try:
+                self._sink(event)
+            except Exception as exc:  # noqa: BLE001 - see the class docstring
+                self.failure = exc
 
 
 def _number(text: str | None, previous: float | None) -> float | None:
@@ -119,28 +132,38 @@ def _number(text: str | None, previous: float | None) -> float | None:
 
 
 class _Stream:
-    """Log sink: prints worker-prefixed lines, remembers each worker's last lines and worker 0's metrics."""
+    """Log sink: turns worker lines into WorkerLog and Metrics events, remembers each worker's last lines
+    and worker 0's metrics (the outcome's)."""
 
-    def __init__(self, outcome: Outcome, echo: bool = True):
+    def __init__(self, outcome: Outcome, emit: ev.EventSink = ev.ignore):
         self.outcome = outcome
-        self.echo = echo
+        self.emit = emit
         self.tails: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
         self.last_step_at: float | None = None
+        self.max_steps: int | None = None
         self.lock = threading.Lock()
 
     def __call__(self, worker: int, line: str) -> None:
+        metrics = None
         with self.lock:
             self.tails[worker].append(line)
+            if worker == 0 and (target := MAX_STEPS.search(line)):
+                self.max_steps = int(target.group(1))
             m = STEP_LINE.search(line)
-            if m and worker == 0 and line.startswith(("step=", "done ")):
-                self.outcome.step = int(m.group(1))
-                self.outcome.loss = _number(m.group(2), self.outcome.loss)
-                self.outcome.examples_per_sec = _number(m.group(3), self.outcome.examples_per_sec)
-                self.last_step_at = time.time()
+            if m and line.startswith(("step=", "done ")):
+                metrics = ev.Metrics(worker, int(m.group(1)), loss=_number(m.group(2), None),
+                                     examples_per_s=_number(m.group(3), None), max_steps=self.max_steps)
+                if worker == 0:
+                    self.outcome.step = metrics.step
+                    self.outcome.loss = _number(m.group(2), self.outcome.loss)
+                    self.outcome.examples_per_sec = _number(m.group(3), self.outcome.examples_per_sec)
+                    self.last_step_at = time.time()
         # Every worker trains the same steps: worker 0's progress lines stand for all, so a 64-host slice
-        # does not print each step 64 times. Anything else (warnings, tracebacks) shows from every worker.
-        if self.echo and (worker == 0 or not line.startswith("step=")):
-            console.info(f"[w{worker}] {line}")
+        # does not log each step 64 times. Anything else (warnings, tracebacks) shows from every worker.
+        if worker == 0 or not line.startswith("step="):
+            self.emit(ev.WorkerLog(worker, line))
+        if metrics is not None:
+            self.emit(metrics)
 
 
 def check_runtime_tensorflow(template: contract.Template, runtime: str, default: str) -> None:
@@ -165,14 +188,14 @@ def _corpus_path(pattern: str, spec_dir: Path) -> str:
 
 
 @contextmanager
-def _shielded():
+def _shielded(emit: ev.EventSink) -> Iterator[None]:
     """Teardown must finish: while it runs, Ctrl-C and SIGTERM only say so (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def note(signum, frame):
-        console.warn("tearing down the TPU and VMs; interrupting now would leave them billing")
+        emit(ev.Warn("tearing down the TPU and VMs; interrupting now would leave them billing"))
 
     old = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -185,10 +208,16 @@ def _shielded():
 # --- the pipeline ------------------------------------------------------------------------------------
 
 class Pipeline:
-    """One `tpuctl run`. Construct, then `run()` (blocks to the end) or `attach()`."""
+    """One `tpuctl run`. Construct, then `run()` (blocks to the end) or `attach()`.
+
+    Silent: it reports through `on_event` (see tpuctl.events) and never asks. Unless `options.yes`, the
+    caller's `confirm(plan)` decides after validation whether anything is created; without either the run is
+    refused before it creates anything.
+    """
 
     def __init__(self, clients: Clients | None, spec=None, *, project: str | None = None, spec_dir: Path | None = None,
-                 options: RunOptions = RunOptions(), echo_logs: bool = True):
+                 options: RunOptions = RunOptions(), on_event: ev.EventSink | None = None,
+                 confirm: Callable[[Plan], bool] | None = None):
         # `clients` may be None for a dry run, which only validates and plans.
         self.clients = clients
         self.project = project or clients.project
@@ -198,8 +227,10 @@ class Pipeline:
         self.plan = None
         self.run_name = options.attach or options.name or (spec.name if spec is not None else None)
         self.outcome = Outcome(run=self.run_name or "")
-        self.phase = _Phases(self.outcome)
-        self.stream = _Stream(self.outcome, echo=echo_logs)
+        self.emit = _Serialized(on_event or ev.ignore)
+        self.confirm = confirm
+        self.cancel = options.cancel or threading.Event()
+        self.stream = _Stream(self.outcome, self.emit)
         self.cursor = logs.Cursor()
         self.zone = ""
         self.node = ""
@@ -215,6 +246,39 @@ class Pipeline:
         self.delete_requested_at: float | None = None
 
     # -- phases
+    @contextmanager
+    def phase(self, name: str, detail: str = "", *, quiet: bool = False, cancellable: bool = True) -> Iterator[None]:
+        """Time a phase into the outcome and report it (`quiet`: time only). A cancelled run stops at the
+        next phase it starts, except tear down: that is what cancelling asks for."""
+        if cancellable:
+            self._check_cancel()
+        if not quiet:
+            self.emit(ev.PhaseStarted(name, detail))
+        start, ok = time.monotonic(), False
+        try:
+            yield
+            ok = True
+        finally:
+            seconds = time.monotonic() - start
+            self.outcome.phases[name] = round(self.outcome.phases.get(name, 0.0) + seconds, 2)
+            if not quiet:
+                self.emit(ev.PhaseEnded(name, round(seconds, 2), ok))
+                self._report_cost()
+
+    def _check_cancel(self) -> None:
+        if self.cancel.is_set():
+            raise Interrupted(f"run {self.run_name}: cancelled")
+        if self.emit.failure is not None:
+            raise TpuctlError(f"run {self.run_name}: the on_event callback failed: {self.emit.failure!r}",
+                              hint="fix the callback; the run was torn down") from self.emit.failure
+
+    def _report_cost(self) -> None:
+        """An estimate while resources are up (the plan's price x time since up); teardown reports the
+        ledger's figure, and after it nothing bills."""
+        if self._up_started is not None and self.delete_requested_at is None and self.outcome.price_per_hour is not None:
+            usd = self.outcome.price_per_hour * (time.time() - self._up_started) / 3600
+            self.emit(ev.CostAccrued(round(usd, 4), self.outcome.price_per_hour))
+
     def validate(self):
         with self.phase("validate", quiet=True):  # bad input: one error line, nothing before it
             if self.spec is None or self.spec.job is None:
@@ -235,11 +299,10 @@ class Pipeline:
             for fmt in self.opts.export:  # a format the template cannot write is bad input, before anything exists
                 self.template.exporter(fmt)
             for note in self.plan.notes:
-                console.note(note)
-            framework = f", {self.plan.framework} on {self.plan.runtime_version}" if self.plan.framework else ""
-            console.info(f"run {self.plan.run}: {self.plan.accelerator.name} in {', '.join(self.plan.zones)} "
-                         f"({self.plan.provisioning}{framework}), bucket gs://{self.plan.bucket}, "
-                         f"~${self.plan.price_per_hour:.2f}/h")
+                self.emit(ev.Note(note))
+            self.emit(ev.RunPlanned(self.plan.run, self.plan.accelerator.name, tuple(self.plan.zones), self.plan.bucket,
+                                    self.plan.price_per_hour, framework=self.plan.framework,
+                                    runtime_version=self.plan.runtime_version, provisioning=self.plan.provisioning))
 
     def _check_data(self) -> None:
         """Corpus files and options are checked before anything is created: bad input costs nothing."""
@@ -292,10 +355,11 @@ class Pipeline:
         # submodule once anything imports it (the package loads it lazily), and a module is not callable.
         from tpuctl.provision.apply import apply as apply_plan
 
-        with self.phase("up"), console.ProgressBoard(f"up {self.plan.run}") as board:
+        with self.phase("up"):
             self._up_started = self._up_started or time.time()
-            result = apply_plan(self.clients, self.plan, progress=board.update, on_gone=ledger.remember_gone)
-        ledger.remember(result.resources)
+            result = apply_plan(self.clients, self.plan, progress=ev.resource_progress(self.emit), cancel=self.cancel,
+                                on_gone=lambda entries: ledger.remember_gone(entries, on_event=self.emit))
+        ledger.remember(result.resources, on_event=self.emit)
         bucket = result.get(Kind.BUCKET)
         self._created_bucket = bucket is not None and bucket.key in result.created
         tpu = result.get(Kind.TPU)
@@ -315,7 +379,7 @@ class Pipeline:
         with self.phase("prepare data"):
             blob = self.clients.storage.bucket(self.plan.bucket).blob(f"runs/{self.plan.run}/data/{prep.manifest}")
             if blob.exists():
-                console.note(f"prepared data already in {url}")
+                self.emit(ev.Note(f"prepared data already in {url}"))
                 self._holds_data = True
                 return url
             corpus = [_corpus_path(c, self.spec_dir) for c in data.corpus]
@@ -328,7 +392,8 @@ class Pipeline:
             except prep.error as exc:
                 raise BadInput(str(exc), field="job.data",
                                hint="corpus files must be UTF-8 text, one sentence or paragraph per line") from exc
-            console.info(f"data: {manifest.sequences} sequences of {manifest.seq_len} tokens, vocab {manifest.vocab_size}")
+            self.emit(ev.Note(f"data: {manifest.sequences} sequences of {manifest.seq_len} tokens, "
+                              f"vocab {manifest.vocab_size}"))
         return url
 
     def ship(self, data_url: str | None) -> bundles.Bundle:
@@ -344,7 +409,7 @@ class Pipeline:
 
             b = bundles.build(self.template.root, description, paths.home() / "bundles", packages=self.template.uses)
             sent = bundles.upload(self.clients.storage, self.plan.bucket, b)
-            console.info(f"bundle {b.sha256[:16]} {'uploaded' if sent else 'unchanged, not uploaded'}")
+            self.emit(ev.Note(f"bundle {b.sha256[:16]} {'uploaded' if sent else 'unchanged, not uploaded'}"))
         self.record = cluster.LaunchRecord(
             run=self.plan.run, zone=self.zone, node=self.node, bucket=self.plan.bucket, bundle_object=b.object_name,
             bundle_sha=b.sha256, python=self.opts.python, workers=self.num_workers,
@@ -359,7 +424,8 @@ class Pipeline:
             bundle = bundles.Bundle(path=Path(), sha256=rec.bundle_sha, run=rec.run)
 
             async def go():
-                async with Fleet(targets, key, on_retry=lambda t, why: console.note(f"worker {t.index}: waiting for ssh ({why})")) as fleet:
+                async with Fleet(targets, key, on_retry=lambda t, why: self.emit(ev.Note(f"worker {t.index}: waiting for ssh ({why})")),
+                                 on_event=self.emit) as fleet:
                     await launching.launch(fleet, run=rec.run, project=self.project, bucket=rec.bucket,
                                            bundle=bundle, python=rec.python)
 
@@ -379,14 +445,16 @@ class Pipeline:
             except TpuctlError:  # the node went away mid-stream; the poll loop decides what that means
                 pass
 
-        async with Fleet(targets, key, deadline_s=max(10.0, self.opts.poll_s * 5)) as fleet:
+        async with Fleet(targets, key, deadline_s=max(10.0, self.opts.poll_s * 5), on_event=self.emit) as fleet:
             follower = asyncio.create_task(stream(fleet))
             unreachable = 0
             try:
                 while True:
+                    if self.cancel.is_set() or self.emit.failure is not None:
+                        return "stopped", None
                     node = await asyncio.to_thread(cluster.node_state, self.clients, rec.zone, rec.node)
                     if node is None or node.state is not State.READY:
-                        console.warn(f"TPU node {rec.node} is {'gone' if node is None else node.state.value}")
+                        self.emit(ev.Warn(f"TPU node {rec.node} is {'gone' if node is None else node.state.value}"))
                         return "repairing" if node is not None and node.state is State.REPAIRING else "lost", None
                     states = await launching.poll(fleet, rec.run)
                     failed = [s for s in states if s.done and s.exit_code != 0]
@@ -415,12 +483,13 @@ class Pipeline:
                 try:
                     key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
                 except CapacityError as exc:  # preempted (or stopped) before our key could be added
-                    console.warn(exc.message)
+                    self.emit(ev.Warn(exc.message))
                     verdict, failed = "lost", None
                 else:
                     verdict, failed = asyncio.run(self._watch(targets, key))
             if verdict == "done":
                 return
+            self._check_cancel()
             if verdict == "failed":
                 self._fail(targets, key, failed)
             self._recover(maintenance=verdict == "repairing")
@@ -429,16 +498,16 @@ class Pipeline:
         rec = self.record
         with self.phase("stop workers"):
             async def stop():
-                async with Fleet(targets, key, deadline_s=30) as fleet:
+                async with Fleet(targets, key, deadline_s=30, on_event=self.emit) as fleet:
                     await launching.cancel(fleet, rec.run)
             try:
                 asyncio.run(stop())
             except TpuctlError as exc:
-                console.warn(f"could not stop every worker: {exc}")
+                self.emit(ev.Warn(f"could not stop every worker: {exc}"))
         self.outcome.failing_worker = failed.index
         self.outcome.tail = list(self.stream.tails.get(failed.index, []))
         cluster.update_status(self.clients, rec.bucket, rec.run, state="failed", exit_code=failed.exit_code,
-                              recovering=False)
+                              recovering=False, on_event=self.emit)
         lines = "\n".join(f"  [w{failed.index}] {line}" for line in self.outcome.tail[-10:])
         raise JobFailed(f"the job failed on worker {failed.index} with exit code {failed.exit_code}",
                         hint=f"last lines of worker {failed.index}:\n{lines}\n  full logs: "
@@ -449,11 +518,11 @@ class Pipeline:
         budget, and a new request would wait in the flex-start queue again with no end in sight: stop, say
         where the checkpoint is and how to resume, and exit with the code that says "time ran out"."""
         run, bucket = self.run_name, self.outcome.bucket
-        ledger.remember([self._tpu], deleted=True)  # Google deleted it: it bills no more
+        ledger.remember([self._tpu], deleted=True, on_event=self.emit)  # Google deleted it: it bills no more
         if self.record is not None:
             # A final state gc and `job status` know ("failed": the job did not finish), and why.
             cluster.update_status(self.clients, self.record.bucket, self.record.run, state="failed",
-                                  recovering=False, ended="max_run_duration")
+                                  recovering=False, ended="max_run_duration", on_event=self.emit)
         return RunDurationEnded(
             f"the flex-start TPU {self.node} reached its max run duration ({self.spec.max_run_duration}) at "
             f"{self._tpu.detail['ends']} and Google ended it before the job finished (step "
@@ -471,7 +540,18 @@ class Pipeline:
             raise JobFailed(f"the TPU node was lost {self.outcome.recoveries + 1} time(s); max recoveries is "
                             f"{rec.max_recoveries}", hint="raise --max-recoveries, or use on-demand provisioning")
         self.outcome.recoveries += 1
-        cluster.update_status(self.clients, rec.bucket, rec.run, state="running", recovering=True)
+        attempt = self.outcome.recoveries
+        self.emit(ev.RecoveryStarted(attempt, rec.max_recoveries, "maintenance" if maintenance else "node lost"))
+        ok = False
+        try:
+            self._bring_back(maintenance=maintenance)
+            ok = True
+        finally:
+            self.emit(ev.RecoveryEnded(attempt, ok))
+
+    def _bring_back(self, *, maintenance: bool) -> None:
+        rec = self.record
+        cluster.update_status(self.clients, rec.bucket, rec.run, state="running", recovering=True, on_event=self.emit)
         with self.phase("recover", f"attempt {self.outcome.recoveries} of {rec.max_recoveries}"):
             try:
                 # A lost node bills no more; its successor (same name) is a new ledger entry.
@@ -480,19 +560,19 @@ class Pipeline:
                 if not lost and self._tpu is not None:
                     lost = [self._tpu]  # Google deleted it (a Spot VM's termination action DELETE)
                 if maintenance:
-                    console.warn(f"TPU node {rec.node} is under maintenance: waiting for it to come back")
+                    self.emit(ev.Warn(f"TPU node {rec.node} is under maintenance: waiting for it to come back"))
                 else:
-                    ledger.remember(lost, deleted=True)
+                    ledger.remember(lost, deleted=True, on_event=self.emit)
                 node = provision.recreate_node(self.clients, rec.zone, rec.node, force=not maintenance)
                 if maintenance and any(r.created != node.created for r in lost):
-                    ledger.remember(lost, deleted=True)  # it never came back and was recreated
-                ledger.remember([node])
+                    ledger.remember(lost, deleted=True, on_event=self.emit)  # it never came back and was recreated
+                ledger.remember([node], on_event=self.emit)
                 self._tpu = node
             except (NotFound, CapacityError) as exc:
                 if self.plan is None:
                     raise JobFailed(f"cannot recreate TPU node {rec.node}: {exc}",
                                     hint=f"run `tpuctl run SPEC --name {rec.run}` again to resume from the checkpoint") from exc
-                console.warn(f"recreating {rec.node} in {rec.zone} failed ({exc}); trying the plan's zones")
+                self.emit(ev.Warn(f"recreating {rec.node} in {rec.zone} failed ({exc}); trying the plan's zones"))
                 provision.delete_node(self.clients, rec.zone, rec.node)
                 self.up()
                 node = None
@@ -526,17 +606,18 @@ class Pipeline:
         run = self.run_name
         if not run:
             return
-        with self.phase("tear down"), _shielded():
+        with self.phase("tear down", cancellable=False), _shielded(self.emit):
             self.delete_requested_at = time.time()
             if self.stream.last_step_at is not None:
                 self.outcome.last_step_to_delete_s = round(self.delete_requested_at - self.stream.last_step_at, 2)
             delete_bucket = self.opts.delete_bucket or (
                 self._created_bucket and not self._launched and not self._holds_data)
-            with console.ProgressBoard(f"down {run}") as board:
-                gone = provision.down(self.clients, run, delete_bucket=delete_bucket, progress=board.update)
-            ledger.remember(gone.deleted, deleted=True)
+            gone = provision.down(self.clients, run, delete_bucket=delete_bucket, progress=ev.resource_progress(self.emit))
+            ledger.remember(gone.deleted, deleted=True, on_event=self.emit)
         if self._up_started is not None:
             self.outcome.cost_usd = round(self._cost_since(self._up_started), 4)
+            self.emit(ev.CostAccrued(self.outcome.cost_usd, self.outcome.price_per_hour or 0.0, final=True))
+
 
     def _cost_since(self, since: float) -> float:
         """What this invocation's resources cost: each one's own price over its own lifetime, recreated
@@ -552,11 +633,8 @@ class Pipeline:
         self.validate()
         if self.opts.dry_run:
             return self.outcome
-        # The one confirmation rule (console.can_confirm): a terminal is asked, --yes answers, and without
-        # either nothing is created.
-        console.confirm(f"create {self.plan.accelerator.name} for run {self.plan.run} at "
-                        f"~${self.plan.price_per_hour:.2f}/h (torn down when the job ends)?",
-                        yes=self.opts.yes, to=f"create run {self.plan.run}")
+        if not self.opts.yes and not (self.confirm is not None and self.confirm(self.plan)):
+            raise BadInput(f"run {self.plan.run} was not confirmed; nothing was created", field="confirm")
         return self._drive(fresh=True)
 
     def attach(self) -> Outcome:
@@ -591,26 +669,23 @@ class Pipeline:
             self.teardown()
             if not self.opts.delete_bucket:
                 cluster.update_status(self.clients, self.record.bucket, self.record.run, state="succeeded",
-                                      exit_code=0, recovering=False, step=self.outcome.step)
+                                      exit_code=0, recovering=False, step=self.outcome.step, on_event=self.emit)
                 self.collect()
             return self.outcome
-        except KeyboardInterrupt:
-            self.outcome.state = "interrupted"
-            if self.record is not None:
-                cluster.update_status(self.clients, self.record.bucket, self.record.run, state="failed",
-                                      recovering=False, interrupted=True)
-            raise
-        except TpuctlError as exc:
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) or self.cancel.is_set():
+                self.outcome.state = "interrupted"
+                if self.record is not None:
+                    cluster.update_status(self.clients, self.record.bucket, self.record.run, state="failed",
+                                          recovering=False, interrupted=True, on_event=self.emit)
+                raise
             self.outcome.state = "failed"
-            if not isinstance(exc, RunDurationEnded) and self._tpu is not None and provision.run_ended(self._tpu):
+            if (isinstance(exc, TpuctlError) and not isinstance(exc, RunDurationEnded) and self._tpu is not None
+                    and provision.run_ended(self._tpu)):
                 # Whatever broke when the TPU went (a launch, an SSH session), its end is the reason.
                 ended = self._run_ended()
                 self.outcome.error = str(ended)
                 raise ended from exc
-            self.outcome.error = str(exc)
-            raise
-        except BaseException as exc:
-            self.outcome.state = "failed"
             self.outcome.error = str(exc)
             raise
         finally:

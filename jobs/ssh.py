@@ -2,7 +2,7 @@
 
 Host keys: a worker whose key the node publishes (guest attributes, carried in `Target.host_key`) must
 present exactly that key. A worker with no published key is trusted on first use: its key is recorded in
-tpuctl's own known_hosts file (one warning line says so) and verified on every later connection.
+tpuctl's own known_hosts file (one Warn event says so) and verified on every later connection.
 
 Connecting retries with backoff until a deadline, because a freshly added `ssh-keys` entry takes a while
 to reach the guest (PermissionDenied) and a booting worker refuses connections.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import asyncssh
 
-from tpuctl import console, paths
+from tpuctl import paths
+from tpuctl.events import EventSink, Warn, ignore
 from tpuctl.errors import CloudError, TpuctlError, WaitTimeout
 
 from .keys import KeyPair
@@ -90,6 +91,7 @@ async def connect(
     *,
     deadline_s: float = 180.0,
     on_retry: Callable[[Target, str], None] | None = None,
+    on_event: EventSink = ignore,
 ) -> asyncssh.SSHClientConnection:
     """An authenticated connection to one worker. Blocks (retrying with backoff) until `deadline_s`.
 
@@ -139,10 +141,10 @@ async def connect(
             server_key = conn.get_server_host_key()
             if server_key is not None:
                 _record_key(target, server_key)
-                console.warn(
+                on_event(Warn(
                     f"worker {target.index} ({target.known_hosts_name}) publishes no host key; trusting it on first use "
                     f"and recording it in {_known_hosts_file()}"
-                )
+                ))
         return conn
 
 
@@ -153,11 +155,12 @@ class Fleet:
     """
 
     def __init__(self, targets: Sequence[Target], key: KeyPair, *, deadline_s: float = 180.0,
-                 on_retry: Callable[[Target, str], None] | None = None):
+                 on_retry: Callable[[Target, str], None] | None = None, on_event: EventSink = ignore):
         self.targets = list(targets)
         self.key = key
         self.deadline_s = deadline_s
         self.on_retry = on_retry
+        self.on_event = on_event
         self._conns: dict[int, asyncssh.SSHClientConnection] = {}
         self._locks: dict[int, asyncio.Lock] = {}
 
@@ -175,7 +178,8 @@ class Fleet:
                 conn.close()
                 conn = None
             if conn is None:
-                conn = await connect(self.target(index), self.key, deadline_s=self.deadline_s, on_retry=self.on_retry)
+                conn = await connect(self.target(index), self.key, deadline_s=self.deadline_s, on_retry=self.on_retry,
+                                     on_event=self.on_event)
                 self._conns[index] = conn
             return conn
 

@@ -24,7 +24,7 @@ from tpuctl.provision.plan import Plan
 from tpuctl.provision.resources import Kind, Resource, State
 from tpuctl.provision.waits import DEFAULT_DEADLINE_S, Cancelled
 
-# key, state, detail: the shape of console.ProgressBoard.update.
+# key, state, detail: callers turn these into tpuctl.events.ResourceChanged (events.resource_progress).
 ProgressFn = Callable[[str, str, str], None]
 
 

@@ -266,7 +266,7 @@ def create_slice(clients: Clients, req: TpuVmRequest, *, hosts: int, topology: s
 
     waits.until(poll, what=f"TPU slice {req.name} to run", deadline_s=deadline_s, cancel=cancel,
                 backoff=waits.Backoff(maximum=MIG_WAIT_S),
-                on_poll=(lambda n, t: progress(State.CREATING, f"{n}/{hosts} hosts, {t:.0f}s")) if progress else None)
+                on_poll=(lambda n, t: progress(State.CREATING, f"{n}/{hosts} hosts")) if progress else None)
     mig_path = f"projects/{project}/zones/{zone}/instanceGroupManagers/{req.name}"
     members = [i for i in vm.list_all(clients, req.labels.get(L.RUN)) if created_by(i) == mig_path]
     return slice_to_resource(mig_path, members, project=project, catalog=catalog)

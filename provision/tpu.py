@@ -179,7 +179,7 @@ def wait_operation(op, *, what: str, deadline_s: float, cancel: threading.Event 
         return done, None
 
     waits.until(poll, what=what, deadline_s=deadline_s, cancel=cancel,
-                on_poll=(lambda _v, t: progress(state, f"{t:.0f}s")) if progress else None)
+                on_poll=(lambda _v, t: progress(state, "")) if progress else None)
     exc = op.exception()
     if exc is not None:
         code = _STOCKOUTS.get(type(exc))
@@ -233,7 +233,7 @@ def wait_ready(clients: Clients, zone: str, name: str, *, deadline_s: float, can
         return r.state is State.READY, r
 
     return waits.until(poll, what=f"TPU node {name} in {zone} to become ready", deadline_s=deadline_s,
-                       cancel=cancel, on_poll=(lambda r, t: progress(r.state, f"{t:.0f}s")) if progress else None)
+                       cancel=cancel, on_poll=(lambda r, t: progress(r.state, "")) if progress else None)
 
 
 def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel: threading.Event | None = None,
@@ -283,7 +283,7 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
         return r.state is State.READY, r
 
     waits.until(poll, what=f"queued resource {req.name} in {req.zone} to become active", deadline_s=deadline_s,
-                cancel=cancel, on_poll=(lambda r, t: progress(r.state, f"{t:.0f}s")) if progress else None)
+                cancel=cancel, on_poll=(lambda r, t: progress(r.state, "")) if progress else None)
     return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
 
 

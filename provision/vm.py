@@ -111,7 +111,7 @@ def wait_zone_op(clients: Clients, zone: str, op: compute_v1.Operation, *, what:
 
     done = op if states.compute_op_done(op.status) else waits.until(
         poll, what=what, deadline_s=deadline_s, cancel=cancel,
-        on_poll=(lambda _o, t: progress(state, f"{t:.0f}s")) if progress else None)
+        on_poll=(lambda _o, t: progress(state, "")) if progress else None)
     raise_errors(list(done.error.errors) if done.error else [], what=what)
 
 
@@ -174,7 +174,7 @@ def ensure_instance(clients: Clients, zone: str, name: str, labels: Mapping[str,
         return r.state is State.READY, r
 
     return waits.until(poll, what=f"instance {name} to run", deadline_s=deadline_s, cancel=cancel,
-                       on_poll=(lambda r, t: progress(r.state, f"{t:.0f}s")) if progress else None)
+                       on_poll=(lambda r, t: progress(r.state, "")) if progress else None)
 
 
 def delete(clients: Clients, zone: str, name: str, *, deadline_s: float = 600.0,

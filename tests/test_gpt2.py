@@ -221,7 +221,7 @@ def test_gpt2_tiny_runs_end_to_end_on_the_local_cloud(cloud, tmp_path, monkeypat
     if "framework" in where:
         raw["job"]["framework"] = where["framework"]
     spec = spec_mod.from_mapping(raw)
-    p = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0, export=("hf",)), echo_logs=False)
+    p = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0, export=("hf",)))
     o = p.run()
     assert o.state == "succeeded" and o.step == 20
     metrics = json.loads(clients.storage.bucket(o.bucket).blob(f"runs/{p.plan.run}/model/export/metrics.json")

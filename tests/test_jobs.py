@@ -250,17 +250,20 @@ def test_logs_follow_resumes_at_offset_after_ssh_drop(tmp_path, slice4, storage)
         assert steps == [f"step={n} loss={10.0 / n:.3f} examples_per_sec=100.0" for n in range(1, 41)]
 
 
-def test_unpublished_host_key_is_trusted_on_first_use_then_verified(tmp_path, tpuctl_home, storage, monkeypatch):
-    from tpuctl import console
+def test_unpublished_host_key_is_trusted_on_first_use_then_verified(tmp_path, tpuctl_home, storage):
+    from tpuctl import events
 
     warnings: list[str] = []
-    monkeypatch.setattr(console, "warn", warnings.append)
     s = make_slice(tmp_path, storage, 1)
     try:
         from tpuctl.jobs.ssh import HostKeyMismatch, Target
 
+        def heard(event: events.Event) -> None:
+            if isinstance(event, events.Warn):
+                warnings.append(event.message)
+
         async def hello(target):
-            async with Fleet([target], ensure_keypair(), deadline_s=5) as fleet:
+            async with Fleet([target], ensure_keypair(), deadline_s=5, on_event=heard) as fleet:
                 return (await fleet.run(0, "echo hi")).stdout
 
         t = s.targets(publish_host_keys=False)[0]

@@ -80,7 +80,7 @@ def _text(clients, bucket: str, name: str) -> str:
 
 def test_run_trains_on_every_worker_and_tears_down(tpc, cloud, project, tmp_path):
     spec = spec_mod.from_mapping(_spec("ok-run", args=HOSTILE))
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5, download=tmp_path / "out"), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5, download=tmp_path / "out"))
     o = p.run()
     assert o.state == "succeeded" and o.step == 15 and o.recoveries == 0
     assert _zero(cloud, project)
@@ -102,7 +102,7 @@ def test_run_trains_on_every_worker_and_tears_down(tpc, cloud, project, tmp_path
 
 def test_run_job_failure_stops_all_tears_down_and_shows_the_log(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("bad-run", trainer={"max_steps": 500, "fail_at_step": 4, "fail_worker": 2}))
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
     with pytest.raises(JobFailed) as e:
         p.run()
     assert "worker 2" in str(e.value) and "exit code 3" in str(e.value)
@@ -120,15 +120,15 @@ def test_failure_before_launch_removes_the_bucket_it_created_and_keeps_an_adopte
     os.chmod(ensure_keypair().private_path, 0o644)  # refused at launch, after up and upload
     spec = spec_mod.from_mapping(_spec("early-fail"))
     with pytest.raises(BadInput, match="readable by other users"):
-        Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False).run()
+        Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5)).run()
     assert _zero(cloud, project) and _buckets(cloud, project) == [], "nothing of the failed run is left"
 
     # A bucket that existed before (it may hold an earlier run's checkpoints) is never deleted that way.
-    kept = Pipeline(tpc, spec, options=RunOptions(poll_s=0.5), echo_logs=False)
+    kept = Pipeline(tpc, spec, options=RunOptions(poll_s=0.5))
     kept.validate()
     tpc.storage.create_bucket(kept.plan.bucket, location=kept.plan.region)
     with pytest.raises(BadInput, match="readable by other users"):
-        Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False).run()
+        Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5)).run()
     assert _zero(cloud, project) and _buckets(cloud, project) == [kept.plan.bucket]
     tpc.storage.bucket(kept.plan.bucket).delete(force=True)
 
@@ -138,7 +138,7 @@ def test_failure_before_launch_removes_the_bucket_it_created_and_keeps_an_adopte
     with_data = spec_mod.from_mapping({**_spec("early-fail"), "job": {
         **_spec("early-fail")["job"], "data": {"corpus": [str(corpus)], "vocab_size": 400, "seq_len": 128}}})
     with pytest.raises(BadInput, match="readable by other users"):
-        Pipeline(tpc, with_data, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False).run()
+        Pipeline(tpc, with_data, options=RunOptions(yes=True, poll_s=0.5)).run()
     assert _zero(cloud, project) and _buckets(cloud, project) == [kept.plan.bucket]
     assert tpc.storage.bucket(kept.plan.bucket).blob("runs/early-fail/data/manifest.json").exists()
 
@@ -146,7 +146,8 @@ def test_failure_before_launch_removes_the_bucket_it_created_and_keeps_an_adopte
 def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("pre-run", trainer={"max_steps": 40, "checkpoint_every": 5,
                                                            "step_seconds": 0.1}))
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    seen: list = []
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), on_event=seen.append)
     preempted = threading.Event()
 
     def preempt_at_step_12():
@@ -164,6 +165,11 @@ def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
         preempted.set()
     assert o.state == "succeeded" and o.recoveries == 1 and o.step == 40
     assert _zero(cloud, project)
+    from tpuctl import events
+
+    recovery = [(e.type, e.attempt) for e in seen if isinstance(e, (events.RecoveryStarted, events.RecoveryEnded))]
+    assert recovery == [("recovery_started", 1), ("recovery_ended", 1)]
+    assert [e for e in seen if isinstance(e, events.RecoveryEnded)][0].ok
     log = _text(tpc, o.bucket, "runs/pre-run/logs/worker-0.log")
     restored = [int(line.split("=")[1]) for line in log.splitlines() if line.startswith("restored step=")]
     assert restored and restored[0] >= 10, log[:500]
@@ -182,7 +188,7 @@ def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
 
 def test_max_recoveries_zero_fails_on_preemption_and_tears_down(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("pre-zero", trainer={"max_steps": 200, "step_seconds": 0.05}, max_recoveries=0))
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
     threading.Thread(target=lambda: (time.sleep(0.1), [time.sleep(0.05) for _ in iter(lambda: (p.outcome.step or 0) >= 3, True)],
                                      cloud.preempt(_node_path(p))), daemon=True).start()
     with pytest.raises(JobFailed) as e:
@@ -257,7 +263,7 @@ def test_killed_launcher_leaves_the_job_running_and_attach_finishes_it(tpc, clou
     attach = _start(cloud, tmp_path, project, "run", "--attach", "det-run", "--json", "--poll", "0.5")
     out, err = attach.communicate(timeout=120)
     assert attach.returncode == 0, err
-    summary = json.loads(out)
+    summary = json.loads(out.splitlines()[-1])  # after the events
     assert summary["state"] == "succeeded" and summary["step"] == 40
     assert _zero(cloud, project)
     assert "step=40 " in _text(tpc, summary["bucket"], "runs/det-run/logs/worker-3.log")
@@ -301,7 +307,7 @@ def test_real_bert_tiny_run_ends_with_a_checkpoint_in_the_bucket_and_nothing_liv
                 "config": {"trainer": {"max_steps": 20, "checkpoint_every": 10, "log_every": 10,
                                        "steps_per_execution": 10, "warmup_steps": 5}},
                 "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     o = p.run()
     assert o.state == "succeeded" and o.step == 20
     assert _zero(cloud, project)
@@ -321,7 +327,7 @@ def test_real_bert_on_a_4_worker_slice_is_driven_by_worker_0_found_from_metadata
                 "config": {"trainer": {"max_steps": 10, "checkpoint_every": 10, "log_every": 5,
                                        "steps_per_execution": 5, "warmup_steps": 2}},
                 "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     o = p.run()
     assert o.state == "succeeded" and o.step == 10
     logs = [_text(tpc, o.bucket, f"runs/bert-pod/logs/worker-{w}.log") for w in range(4)]
@@ -336,7 +342,7 @@ def test_real_bert_on_a_4_worker_slice_is_driven_by_worker_0_found_from_metadata
 
 def test_lost_worker_is_detected_and_the_run_recovers(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("kw-run", trainer={"max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.1}))
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
     fired = threading.Event()
 
     def kill_worker_1():
@@ -474,7 +480,7 @@ def test_hostile_run_name_is_refused_and_creates_nothing(cloud, project, tmp_pat
 
 def test_delete_bucket_leaves_nothing_at_all(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("gone-run", accelerator="v3-8", trainer={"max_steps": 3}))
-    o = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5, delete_bucket=True), echo_logs=False).run()
+    o = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5, delete_bucket=True)).run()
     assert o.state == "succeeded" and o.step == 3
     assert _zero(cloud, project) and _buckets(cloud, project) == []
 
@@ -482,7 +488,7 @@ def test_delete_bucket_leaves_nothing_at_all(tpc, cloud, project):
 def test_run_json_gives_loss_and_rate_as_numbers():
     from tpuctl.jobs.pipeline import Outcome, _Stream
 
-    stream = _Stream(Outcome(run="nums"), echo=False)
+    stream = _Stream(Outcome(run="nums"))
     stream(0, "step=10 loss=2.500 examples_per_sec=93.5")
     stream(0, "step=20 loss=nan examples_per_sec=94.0")  # no NaN in JSON: the last finite loss stands
     doc = json.loads(json.dumps(stream.outcome.as_dict()))
@@ -501,7 +507,7 @@ def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
                          env={**env, "TPUCTL_HOME": str(tmp_path / "home"), "HOME": str(tmp_path), "NO_COLOR": "1"},
                          capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0, dry.stderr
-    assert json.loads(dry.stdout)["state"] == "planned"
+    assert json.loads(dry.stdout.splitlines()[-1])["state"] == "planned"  # the summary, after the events
     monkeypatch.chdir(elsewhere)  # a relative path means the spec's directory even where the cwd has a match
     assert _corpus_path("data/*.txt", example.parent) == str(example.parent / "data" / "*.txt")
 
@@ -509,7 +515,7 @@ def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
 def test_an_on_demand_node_under_maintenance_is_waited_for_not_recreated(tpc, cloud, project):
     spec = spec_mod.from_mapping({**_spec("mx-run", accelerator="v3-8", trainer={
         "max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.1}), "provisioning": "on-demand"})
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.3), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.3))
     fired = threading.Event()
     ids: list[str] = []
 

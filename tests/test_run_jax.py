@@ -34,7 +34,7 @@ def test_jax_on_a_2_host_v5e_slice_trains_on_both_hosts_and_resumes_after_preemp
                                        "steps_per_execution": 10, "warmup_steps": 5, "per_replica_batch_size": 8,
                                        "shuffle_buffer": 256}},
                 "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     assert (p.spec.job.framework, p.spec.runtime_version) == ("jax", None)
     preempted = threading.Event()
 
@@ -78,7 +78,7 @@ def test_jax_on_a_tpu7x_compute_engine_vm_trains_checkpoints_and_leaves_nothing(
                                        "steps_per_execution": 10, "warmup_steps": 2, "per_replica_batch_size": 8,
                                        "shuffle_buffer": 64}},
                 "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     o = p.run()
     assert (p.plan.accelerator.api, p.plan.framework) == ("compute", "jax")
     assert o.state == "succeeded" and o.step == 10, o
@@ -114,7 +114,7 @@ def test_spot_tpu7x_preempted_by_compute_is_recreated_and_resumes_from_the_check
     from tpuctl.ledger import Ledger
 
     spec = spec_mod.from_mapping(_tpu7x_spec("spot-7x", max_steps=30, provisioning="spot"))
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
     preempted = threading.Event()
 
     def preempt_after_a_checkpoint():
@@ -153,7 +153,7 @@ def test_flex_start_tpu7x_ended_at_its_max_run_duration_stops_the_run_without_as
 
     spec = spec_mod.from_mapping(_tpu7x_spec("flex-7x", max_steps=100000, provisioning="flex-start",
                                              max_run_duration="12h"))
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), echo_logs=False)
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
     with pytest.raises(RunDurationEnded) as e:
         p.run()
     assert e.value.exit_code == 4 and "max run duration (12h)" in e.value.message, e.value.message

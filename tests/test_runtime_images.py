@@ -265,7 +265,7 @@ def test_the_default_runtimes_own_tensorflow_runs_the_bert_template(runtime_cach
                     "config": {"trainer": {"max_steps": 10, "checkpoint_every": 10, "log_every": 10,
                                            "steps_per_execution": 10, "warmup_steps": 5}},
                     "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
-        o = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0), echo_logs=False).run()
+        o = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=1.0)).run()
         agent_log = next((tmp_path / "cloud").rglob("runs/bert-image/w0/agent.log")).read_text()
     assert o.state == "succeeded" and o.step == 10
     tested = __import__("json").loads((REPO / "templates/bert/template.json").read_text())["keras_by_tensorflow"]

@@ -85,7 +85,10 @@ def test_up_status_list_down(env, pc):
     assert "r1" in text.stdout and "europe-west4-a" in text.stdout
 
     again = tpuctl(env, *UP, "--spot", "--json")  # idempotent: adopts everything
-    assert again.returncode == 0 and json.loads(again.stdout)["created"] == []
+    records = [json.loads(line) for line in again.stdout.splitlines()]  # the events, then the result
+    assert again.returncode == 0 and records[-1]["type"] == "summary" and records[-1]["created"] == []
+    assert {r["key"] for r in records if r["type"] == "resource" and r["state"] == "ready"} >= {
+        "tpu/europe-west4-a/r1"}
 
     no = tpuctl(env, "down", "r1")  # no TTY and no --yes: refuses, deletes nothing
     assert no.returncode == 2 and len(everything(pc)) == 2
@@ -250,7 +253,7 @@ def test_ctrl_c_once_the_run_is_ready_keeps_it_and_says_so(env, pc, monkeypatch)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
 
-    def ctrl_c(resources):
+    def ctrl_c(resources, **_):
         raise KeyboardInterrupt
 
     said: list[str] = []

@@ -21,6 +21,7 @@ import yaml
 
 from tpuctl import paths
 from tpuctl.errors import BadInput
+from tpuctl.events import EventSink, Note, ignore
 
 LOCAL_PROJECT = "tpuctl-local"
 TARGETS = ("local", "gcp")
@@ -150,10 +151,10 @@ def layered(flags: Mapping[str, Any], spec: Mapping[str, Any] | None = None, *,
 
 def settings(*, project: str | None = None, cloud: str | None = None, env: Mapping[str, str] | None = None,
              config_path: Path | None = None, sources: Mapping[str, str] | None = None,
-             start_local: bool = True) -> Settings:
+             start_local: bool = True, on_event: EventSink = ignore) -> Settings:
     """Pick the target and project. `project` is the already-merged value (flags/env/spec/config), if any.
 
-    Blocks only to auto-start the embedded local cloud (`start_local`), which prints one stderr line; with
+    Blocks only to auto-start the embedded local cloud (`start_local`), which `on_event` hears as a Note; with
     `start_local=False` a local target without a running cloud comes back with no endpoint.
     """
     env = os.environ if env is None else env
@@ -179,17 +180,17 @@ def settings(*, project: str | None = None, cloud: str | None = None, env: Mappi
         # A dry run names the target without starting anything.
         return Settings(target="local", project=project, sources=sources, account=caller_account(env, local=True))
     if endpoint is None or storage_host is None:
-        endpoint, storage_host = _local_endpoints(endpoint, storage_host)
+        endpoint, storage_host = _local_endpoints(endpoint, storage_host, on_event)
     return Settings(target="local", project=project, endpoint=endpoint.rstrip("/"),
                     storage_host=storage_host.rstrip("/"), sources=sources, account=caller_account(env, local=True))
 
 
-def ensure_endpoint(settings: Settings) -> Settings:
+def ensure_endpoint(settings: Settings, *, on_event: EventSink = ignore) -> Settings:
     """A local target resolved without starting anything gets its endpoints now (auto-starting the embedded
-    cloud, one stderr line). GCP targets and local ones with endpoints pass through."""
+    cloud, which `on_event` hears as a Note). GCP targets and local ones with endpoints pass through."""
     if not settings.local or settings.endpoint is not None:
         return settings
-    endpoint, storage_host = _local_endpoints(None, None)
+    endpoint, storage_host = _local_endpoints(None, None, on_event)
     return Settings(target="local", project=settings.project, endpoint=endpoint.rstrip("/"),
                     storage_host=storage_host.rstrip("/"), sources=settings.sources, account=settings.account)
 
@@ -211,16 +212,16 @@ def reachable(settings: Settings) -> Settings | None:
                     storage_host=info["storage_host"].rstrip("/"), sources=settings.sources)
 
 
-def _local_endpoints(endpoint: str | None, storage_host: str | None) -> tuple[str, str]:
+def _local_endpoints(endpoint: str | None, storage_host: str | None,
+                     on_event: EventSink) -> tuple[str, str]:
     """The running local cloud's endpoints: the one named by the environment, else the embedded daemon."""
     if endpoint is not None:
         return endpoint, storage_host or _storage_host_of(endpoint)
-    from tpuctl import console
     from tpuctl.localcloud import daemon
 
     info = daemon.ensure_running(paths.localcloud_dir(), idle_stop_s=local_idle_stop_s())
-    console.note(f"no Google Cloud project/credentials: using the embedded local cloud at {info['endpoint']} "
-                 "(--cloud gcp to change)")
+    on_event(Note(f"no Google Cloud project/credentials: using the embedded local cloud at {info['endpoint']} "
+                  "(--cloud gcp to change)"))
     return info["endpoint"], storage_host or info["storage_host"]
 
 

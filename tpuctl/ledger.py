@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from tpuctl.events import EventSink, Warn, ignore
+
 from tpuctl import paths
 from tpuctl.catalog import write_json_atomic
 
@@ -84,12 +86,11 @@ def key_of(r: Any) -> str:
     return f"{r.project}/{r.kind.value}/{r.location}/{r.name}"
 
 
-def remember(resources: Iterable[Any], *, deleted: bool = False) -> None:
+def remember(resources: Iterable[Any], *, deleted: bool = False, on_event: EventSink = ignore) -> None:
     """Best effort: record `tpuctl.provision` resources as alive (or mark them deleted) in the default ledger.
 
-    IAM bindings cost nothing and are skipped. A ledger that cannot be written warns on stderr and never fails
+    IAM bindings cost nothing and are skipped. A ledger that cannot be written is a Warn event and never fails
     the command: labels, not the ledger, decide what exists."""
-    from tpuctl import console
     from tpuctl.provision.resources import Kind  # loaded already: callers hold provision resources
 
     rows = [r for r in resources if r.kind is not Kind.IAM]
@@ -100,18 +101,16 @@ def remember(resources: Iterable[Any], *, deleted: bool = False) -> None:
         else:
             book.record([entry_of(r) for r in rows])
     except OSError as exc:
-        console.warn(f"could not update the local cost ledger: {exc}")
+        on_event(Warn(f"could not update the local cost ledger: {exc}"))
 
 
-def remember_gone(entries: Iterable[Entry]) -> None:
+def remember_gone(entries: Iterable[Entry], *, on_event: EventSink = ignore) -> None:
     """Best effort, like `remember`: record resources that existed and are already gone (an `up` rolled
     them back), so `tpuctl cost` still counts what they billed."""
-    from tpuctl import console
-
     try:
         Ledger().record(entries)
     except OSError as exc:
-        console.warn(f"could not update the local cost ledger: {exc}")
+        on_event(Warn(f"could not update the local cost ledger: {exc}"))
 
 
 class Ledger:

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tpuctl.errors import BadInput
+from tpuctl.events import EventSink, Note, ignore
 
 TPU_NODE_RETIRED = "2025-04-15"
 PROVISIONING = ("on-demand", "spot", "preemptible", "queued", "flex-start")
@@ -260,9 +261,9 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def from_mapping(raw: Mapping[str, Any], *, migrate: bool = False) -> RunSpec:
+def from_mapping(raw: Mapping[str, Any], *, migrate: bool = False, on_event: EventSink = ignore) -> RunSpec:
     """Validate a mapping into a RunSpec; any problem is one BadInput naming the field."""
-    raw = migrate_legacy(raw, migrate=migrate)
+    raw = migrate_legacy(raw, migrate=migrate, on_event=on_event)
     try:
         return RunSpec.model_validate(raw)
     except ValidationError as exc:
@@ -285,7 +286,7 @@ _HINTS = {
 }
 
 
-def migrate_legacy(raw: Mapping[str, Any], *, migrate: bool) -> dict[str, Any]:
+def migrate_legacy(raw: Mapping[str, Any], *, migrate: bool, on_event: EventSink = ignore) -> dict[str, Any]:
     """Refuse (or, with `migrate`, translate) a legacy TPU Node request."""
     raw = dict(raw)
     legacy = [k for k in _LEGACY_KEYS if k in raw and not (k == "api_version" and str(raw[k]) == "v2")]
@@ -312,9 +313,7 @@ def migrate_legacy(raw: Mapping[str, Any], *, migrate: bool) -> dict[str, Any]:
         if chosen:
             raw["runtime_version"] = chosen
             note += f": TensorFlow {version} -> runtime {chosen}"
-    from tpuctl import console
-
-    console.note(note)
+    on_event(Note(note))
     return raw
 
 

@@ -90,7 +90,7 @@ def catalog_show(accelerator: str, as_json: bool) -> None:
 def _clients(project: str | None, cloud: str | None):
     from tpuctl.provision.clients import connect
 
-    return connect(settings(project=project, cloud=cloud))
+    return connect(settings(project=project, cloud=cloud, on_event=console.report))
 
 
 _project = click.option("--project", help="Google Cloud project (default: spec, env, config, gcloud)")

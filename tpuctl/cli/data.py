@@ -110,7 +110,7 @@ def _storage_client():
     from tpuctl import config
     from tpuctl.provision.clients import connect
 
-    return connect(config.settings()).storage
+    return connect(config.settings(on_event=console.report)).storage
 
 
 @click.group("data")

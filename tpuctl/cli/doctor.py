@@ -39,7 +39,7 @@ def doctor(ctx, spec_file, cloud, project, zone, accelerator, network, subnet, s
              "service_account": service_account, "provisioning": provisioning, "internal_ips": internal_ips}
     spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=False)
     target = preflight.Target.of_spec(spec, catalog.load())
-    clients = prov.connect(config.ensure_endpoint(settings))
+    clients = prov.connect(config.ensure_endpoint(settings, on_event=console.report))
     checks = preflight.checks(clients, target)
     ok = all(c.ok for c in checks)
     if as_json:

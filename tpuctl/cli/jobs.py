@@ -25,7 +25,7 @@ def _cloud_options(f):
 def _clients(project: str | None, cloud: str | None):
     from tpuctl import provision
 
-    return provision.connect(config.settings(project=project, cloud=cloud))
+    return provision.connect(config.settings(project=project, cloud=cloud, on_event=console.report))
 
 
 def _summary(o) -> None:
@@ -64,7 +64,8 @@ def _summary(o) -> None:
 @click.option("--export", "export", multiple=True, metavar="FORMAT",
               help="also write the final model in this format of the template's (hf: Hugging Face) to model/FORMAT/")
 @click.option("--dry-run", is_flag=True, help="validate and show the plan; create nothing")
-@click.option("--json", "as_json", is_flag=True, help="print the summary as JSON on stdout")
+@click.option("--json", "as_json", is_flag=True,
+              help="print each event, then the summary, as one JSON object per line on stdout")
 @_cloud_options
 def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, migrate,
                 framework, export, dry_run, as_json, cloud, project) -> None:
@@ -86,40 +87,53 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
                       export=tuple(export))
     if not attach and not dry_run:
         console.can_confirm(yes=yes, to="create the run's resources")  # before the local cloud even starts
+    lines = console.JsonLines() if as_json else None
+    board = console.Board(f"tpuctl run {attach or spec_file}")
+    on_event = console.tee(board, lines)
+
+    def confirm(plan) -> bool:
+        with board.paused():  # the question needs the terminal the live view is drawing on
+            return console.confirm(f"create {plan.accelerator.name} for run {plan.run} at "
+                                   f"~${plan.price_per_hour:.2f}/h (torn down when the job ends)?",
+                                   yes=yes, to=f"create run {plan.run}")
+
     if attach:
-        pipeline = Pipeline(_clients(project, cloud), options=opts)
-        outcome = pipeline.attach()
+        pipeline = Pipeline(_clients(project, cloud), options=opts, on_event=on_event)
+        go = pipeline.attach
     else:
         from tpuctl import provision
         from tpuctl import spec as spec_mod
 
         # Flags > TPUCTL_* env > spec file > user config > gcloud config > defaults, as for `up`.
         merged, sources = config.layered({"name": name, "project": project}, spec_mod.read_file(spec_file))
-        spec = spec_mod.with_framework(spec_mod.from_mapping(merged, migrate=migrate), framework)
-        settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=not dry_run)
+        spec = spec_mod.with_framework(spec_mod.from_mapping(merged, migrate=migrate, on_event=on_event), framework)
+        settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=not dry_run,
+                                   on_event=on_event)
         clients = None if dry_run else provision.connect(settings)
         pipeline = Pipeline(clients, spec, project=settings.project, spec_dir=Path(spec_file).resolve().parent,
-                            options=opts)
-        try:
-            outcome = pipeline.run()
-        finally:
-            if as_json:
-                console.emit_json(pipeline.outcome.as_dict())
-            elif pipeline.outcome.state != "planned":
-                _summary(pipeline.outcome)
-        if dry_run and not as_json:
-            plan = pipeline.plan
-            console.table(("step", "kind", "name", "where", "$/h"),
-                          [(s.key, s.kind.value, s.name, s.location, f"{s.price_per_hour:.2f}" if s.price_per_hour else "-")
-                           for s in plan.steps], title=f"plan for run {plan.run} ({settings.target})"
-                          + (f": {plan.framework} on {plan.runtime_version}" if plan.framework else ""))
-        elif outcome.state == "detached":
-            console.info(f"detached: follow with `tpuctl logs {outcome.run} -f`; finish with "
-                         f"`tpuctl run --attach {outcome.run}` (or `tpuctl gc` tears it down when it ends)")
-        return
-    if as_json:
-        console.emit_json(outcome.as_dict())
-    else:
+                            options=opts, on_event=on_event, confirm=confirm)
+        go = pipeline.run
+    try:
+        with board:
+            outcome = go()
+    finally:  # after the live view ended, so the summary is the last thing on the terminal
+        _finish(pipeline.outcome, lines)
+    if dry_run and not as_json:
+        plan = pipeline.plan
+        console.table(("step", "kind", "name", "where", "$/h"),
+                      [(s.key, s.kind.value, s.name, s.location, f"{s.price_per_hour:.2f}" if s.price_per_hour else "-")
+                       for s in plan.steps], title=f"plan for run {plan.run} ({settings.target})"
+                      + (f": {plan.framework} on {plan.runtime_version}" if plan.framework else ""))
+    elif outcome.state == "detached":
+        console.info(f"detached: follow with `tpuctl logs {outcome.run} -f`; finish with "
+                     f"`tpuctl run --attach {outcome.run}` (or `tpuctl gc` tears it down when it ends)")
+
+
+def _finish(outcome, lines: console.JsonLines | None) -> None:
+    """The summary, whatever happened: the last JSON line with --json, else a few lines on stderr."""
+    if lines is not None:
+        lines.summary(outcome.as_dict())
+    elif outcome.state != "planned":
         _summary(outcome)
 
 
@@ -165,7 +179,7 @@ def ssh_command(run, worker, command, cloud, project) -> None:
     prefix = len(targets) > 1
 
     async def go():
-        async with Fleet(targets, key) as fleet:
+        async with Fleet(targets, key, on_event=console.report) as fleet:
             return await fleet.run_all(lambda t: line)
 
     results = asyncio.run(go())
@@ -226,7 +240,7 @@ def logs_command(run, follow, worker, cloud, project) -> None:
         return
 
     async def go():
-        async with Fleet(targets, key) as fleet:
+        async with Fleet(targets, key, on_event=console.report) as fleet:
             _require_job(run, await launch.poll(fleet, run))
             await logs.follow(fleet, run, sink, follow=follow)
 
@@ -287,7 +301,7 @@ def job_status(run, as_json, cloud, project) -> None:
         _, key, targets = _fleet_for(clients, run, None)
 
         async def go():
-            async with Fleet(targets, key, deadline_s=30) as fleet:
+            async with Fleet(targets, key, deadline_s=30, on_event=console.report) as fleet:
                 return await launch.poll(fleet, run)
 
         doc["workers"] = [s.__dict__ for s in asyncio.run(go())]
@@ -321,7 +335,7 @@ def job_cancel(run, as_json, cloud, project) -> None:
     where, key, targets = _fleet_for(clients, run, None)
 
     async def go():
-        async with Fleet(targets, key, deadline_s=60) as fleet:
+        async with Fleet(targets, key, deadline_s=60, on_event=console.report) as fleet:
             before = await launch.poll(fleet, run)
             _require_job(run, before)
             live = [s.index for s in before if s.state in ("running", "unreachable")]
@@ -332,7 +346,8 @@ def job_cancel(run, as_json, cloud, project) -> None:
     before, live = asyncio.run(go())
     record = (cluster.read_status(clients, where.bucket, run) if where.bucket else None) or {}
     if live and where.bucket:
-        record = cluster.update_status(clients, where.bucket, run, state="cancelled", recovering=False)
+        record = cluster.update_status(clients, where.bucket, run, state="cancelled", recovering=False,
+                                       on_event=console.report)
     state = "cancelled" if live else record.get("state", "ended")
     if as_json:
         console.emit_json({"run": run, "state": state, "cancelled_workers": live,

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from tpuctl import catalog as catalog_mod
-from tpuctl import config, console, cost, ledger
+from tpuctl import api, config, console, cost, ledger
 from tpuctl import spec as spec_mod
-from tpuctl.errors import BadInput, Interrupted
+from tpuctl.errors import BadInput
 
 if TYPE_CHECKING:
     from tpuctl import provision as prov
@@ -49,7 +49,7 @@ def resolve(spec_path: str | None, flags: Mapping[str, Any], *, cloud: str | Non
     Starts nothing: validation and dry runs must not spin up the embedded cloud (see ensure_endpoint)."""
     raw = spec_mod.read_file(spec_path) if spec_path else {}
     merged, sources = config.layered(flags, raw)
-    spec = spec_mod.from_mapping(merged, migrate=migrate)
+    spec = spec_mod.from_mapping(merged, migrate=migrate, on_event=console.report)
     settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=False)
     return spec, settings
 
@@ -89,7 +89,8 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
 @click.option("--dry-run", is_flag=True, help="print the plan and stop")
 @click.option("--keep-on-failure", is_flag=True, help="leave what was created when up fails")
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
-@click.option("--json", "as_json", is_flag=True, help="print the plan and result as JSON")
+@click.option("--json", "as_json", is_flag=True,
+              help="print the plan (--dry-run), or each event then the result, as one JSON object per line")
 def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, framework, spot, provisioning,
        max_run_duration, bucket,
        service_account, ttl, allow_cross_region, internal_ips, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
@@ -110,8 +111,9 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, fram
         _dry_run_checks(settings, plan, named_bucket=spec.bucket != "auto")
     else:  # a script without --yes hears only this, before the plan
         console.can_confirm(yes=yes, to=f"create run {plan.run}")
-    if as_json and dry_run:
-        console.emit_json({"plan": plan.to_json(), "target": settings.target})
+    lines = console.JsonLines() if as_json else None
+    if lines is not None and dry_run:
+        lines.summary({"plan": plan.to_json(), "target": settings.target})
         return
     if not as_json:
         print_plan(plan, spec, settings)
@@ -119,33 +121,31 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, fram
         return
     console.confirm(f"create run {plan.run} at about {_money(plan.price_per_hour)}/hour?", yes=yes,
                     to=f"create run {plan.run}")
-    clients = prov.connect(config.ensure_endpoint(settings))
     started = time.monotonic()
     result = None
     try:
-        with console.ProgressBoard(f"tpuctl up {plan.run}") as board:
-            result = prov.apply(clients, plan, progress=board.update, keep_on_failure=keep_on_failure,
-                                on_gone=ledger.remember_gone)
-        ledger.remember(result.resources)
-        _report_up(plan, settings, result, started, as_json)
+        with console.Board(f"tpuctl up {plan.run}") as board:
+            on_event = console.tee(board, lines)
+            clients = prov.connect(config.ensure_endpoint(settings, on_event=on_event))
+            result = api.apply_plan(clients, plan, on_event=on_event, keep_on_failure=keep_on_failure)
+        _report_up(plan, settings, result, started, lines)
     except KeyboardInterrupt:
         if result is None:  # apply rolled back what it created and said so
             raise
-        # Ctrl-C once everything was READY: nothing is rolled back, and the error must not pretend it was.
-        raise Interrupted(f"interrupted after run {plan.run} was ready: its resources are kept",
-                          hint=f"remove them with `tpuctl down {plan.run}`") from None
+        raise api.kept_after_ready(plan.run) from None  # while the result printed
 
 
-def _report_up(plan: prov.Plan, settings: config.Settings, result, started: float, as_json: bool) -> None:
+def _report_up(plan: prov.Plan, settings: config.Settings, result, started: float,
+               lines: console.JsonLines | None) -> None:
     from tpuctl import provision as prov
     from tpuctl.provision import inventory
 
     tpu_r = result.get(prov.Kind.TPU)
-    if as_json:
-        console.emit_json({"plan": plan.to_json(), "target": settings.target, "zone": result.zone,
-                           "created": list(result.created), "adopted": list(result.adopted),
-                           "service_account": result.service_account,
-                           "resources": [inventory.resource_json(r) for r in result.resources]})
+    if lines is not None:
+        lines.summary({"plan": plan.to_json(), "target": settings.target, "zone": result.zone,
+                       "created": list(result.created), "adopted": list(result.adopted),
+                       "service_account": result.service_account,
+                       "resources": [inventory.resource_json(r) for r in result.resources]})
         return
     workers = ", ".join(f"{w.ip}:{w.port}" for w in tpu_r.workers) if tpu_r else "-"
     console.info(f"run {plan.run} is ready in {result.zone} after {time.monotonic() - started:.0f}s "
@@ -170,7 +170,8 @@ def _dry_run_checks(settings: config.Settings, plan: prov.Plan, *, named_bucket:
 @_cloud_options
 @click.option("--delete-bucket", is_flag=True, help="also delete the bucket and everything in it")
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
-@click.option("--json", "as_json", is_flag=True, help="print what was deleted as JSON")
+@click.option("--json", "as_json", is_flag=True,
+              help="print each event, then what was deleted, as one JSON object per line")
 def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
     """Delete every resource of RUN in parallel, then verify nothing with its label remains."""
     from tpuctl import provision as prov
@@ -178,15 +179,16 @@ def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
 
     labels.check_name(run, field="run")  # no resource can carry an invalid name: a typo, not an empty run
     console.can_confirm(yes=yes, to=f"delete run {run}")
-    settings = config.settings(project=project, cloud=cloud)
+    lines = console.JsonLines() if as_json else None
+    settings = config.settings(project=project, cloud=cloud, on_event=console.tee(console.report, lines))
     clients = prov.connect(settings)
     found = prov.list_resources(clients, run, include_iam=True)
     if not found:
         # Idempotent (a second `down` is not an error), but a mistyped name must not pass for a clean one.
         runs = sorted({r.run for r in prov.list_resources(clients) if r.run})
         close = difflib.get_close_matches(run, runs, n=1, cutoff=0.5)
-        if as_json:
-            console.emit_json({"run": run, "deleted": [], "kept": [], "closest_run": close[0] if close else None})
+        if lines is not None:
+            lines.summary({"run": run, "deleted": [], "kept": [], "closest_run": close[0] if close else None})
         else:
             console.info(f"run {run}: nothing carries its label in project {settings.project}; nothing to delete"
                          + (f"; did you mean {close[0]} (`tpuctl down {close[0]}`)?" if close else
@@ -203,12 +205,11 @@ def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
                          + (f", e.g. {', '.join(c.sample[:5])}" if c.sample else "") + "; they will be deleted")
     console.confirm(f"delete {len(going)} resource(s) of run {run}?", yes=yes, to=f"delete run {run}",
                     nothing="nothing was deleted")
-    with console.ProgressBoard(f"tpuctl down {run}") as board:
-        result = prov.down(clients, run, delete_bucket=delete_bucket, progress=board.update)
-    ledger.remember(result.deleted, deleted=True)
-    if as_json:
-        console.emit_json({"run": run, "deleted": [inventory.resource_json(r) for r in result.deleted],
-                           "kept": [inventory.resource_json(r) for r in result.kept]})
+    with console.Board(f"tpuctl down {run}") as board:
+        result = api.delete_run(clients, run, delete_bucket=delete_bucket, on_event=console.tee(board, lines))
+    if lines is not None:
+        lines.summary({"run": run, "deleted": [inventory.resource_json(r) for r in result.deleted],
+                       "kept": [inventory.resource_json(r) for r in result.kept]})
         return
     console.info(f"run {run}: deleted {len(result.deleted)} resource(s); verified none remain")
     for b in [r for r in result.kept if r.kind is prov.Kind.BUCKET]:
@@ -237,7 +238,7 @@ def status(run, cloud, project, as_json) -> None:
     from tpuctl import provision as prov
     from tpuctl.provision import inventory
 
-    settings = config.settings(project=project, cloud=cloud)
+    settings = config.settings(project=project, cloud=cloud, on_event=console.report)
     clients = prov.connect(settings)
     runs = prov.status(clients, run, price=_price(catalog_mod.load()))
     if as_json:
@@ -271,7 +272,7 @@ def list_runs(cloud, project, as_json) -> None:
     """Every run in the project, found by its labels."""
     from tpuctl import provision as prov
 
-    settings = config.settings(project=project, cloud=cloud)
+    settings = config.settings(project=project, cloud=cloud, on_event=console.report)
     runs = prov.status(prov.connect(settings), price=_price(catalog_mod.load()))
     if as_json:
         console.emit_json({"runs": [s.to_json() for s in runs]})

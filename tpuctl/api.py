@@ -1,0 +1,232 @@
+"""tpuctl from Python: `up`, `run`, `down`, `status`, `gc` (re-exported as `tpuctl.up`, `tpuctl.run`, ...).
+
+Each function resolves its spec and its target exactly as the CLI does (TPUCTL_* env > spec > user config >
+gcloud config > defaults; the embedded local cloud when no Google project or credentials are set, `cloud`
+forces either), reports through `on_event` (tpuctl.events; nothing is printed) and raises the `TpuctlError`
+hierarchy (tpuctl.errors). Calling a function that creates or deletes is the consent: pass `confirm` to
+decide after seeing the plan.
+
+The Google client libraries load on first use (seconds), not on `import tpuctl`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar, Union
+
+from tpuctl import config, ledger
+from tpuctl import spec as spec_mod
+from tpuctl.errors import BadInput, Interrupted, TpuctlError
+from tpuctl.events import EventSink, ignore, resource_progress
+
+if TYPE_CHECKING:
+    from tpuctl.jobs.pipeline import Outcome
+    from tpuctl.provision import ApplyResult, Clients, DownResult, Plan, RunStatus
+    from tpuctl.provision.gc import Action, GcResult
+
+T = TypeVar("T")
+SpecLike = Union[str, "os.PathLike[str]", Mapping[str, Any], spec_mod.RunSpec]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run whose resources are up (what `up` returns; `down` and `status` take it or its name)."""
+
+    name: str
+    project: str
+    target: str  # "local" or "gcp"
+    zone: str
+    bucket: str
+    workers: tuple[str, ...]  # host:port of each TPU worker's SSH
+    created: tuple[str, ...]  # keys (KIND/LOCATION/NAME) this call created
+    adopted: tuple[str, ...]  # keys that existed already (up is idempotent)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    spec: spec_mod.RunSpec
+    settings: config.Settings
+    spec_dir: Path  # where relative paths in the spec are looked up: its file's directory, else the cwd
+
+
+def resolve(spec: SpecLike, *, cloud: str | None = None, on_event: EventSink = ignore) -> Resolved:
+    """The spec (a YAML path, a mapping or a RunSpec) merged with env and config as the CLI merges it, and
+    the target. Blocks only to start the embedded local cloud when it is the target and not running."""
+    if isinstance(spec, spec_mod.RunSpec):
+        run_spec, sources, spec_dir = spec, {}, Path.cwd()
+    else:
+        is_path = isinstance(spec, (str, os.PathLike))
+        raw = spec_mod.read_file(spec) if is_path else dict(spec)
+        merged, sources = config.layered({}, raw)
+        run_spec = spec_mod.from_mapping(merged, on_event=on_event)
+        spec_dir = Path(spec).resolve().parent if is_path else Path.cwd()
+    settings = config.settings(project=run_spec.project, cloud=cloud, sources=sources, on_event=on_event)
+    return Resolved(run_spec, settings, spec_dir)
+
+
+def connect(project: str | None = None, cloud: str | None = None, *, on_event: EventSink = ignore) -> Clients:
+    """Clients for the target the CLI would pick with `--project`/`--cloud`."""
+    from tpuctl import provision
+
+    return provision.connect(config.settings(project=project, cloud=cloud, on_event=on_event))
+
+
+def apply_plan(clients: Clients, plan: Plan, *, on_event: EventSink = ignore, keep_on_failure: bool = False,
+               cancel: threading.Event | None = None) -> ApplyResult:
+    """Create what `plan` needs and record it in the cost ledger. Blocks until every resource is READY;
+    idempotent (adopts what exists); on failure or `cancel` removes what it created (see provision.apply).
+    A Ctrl-C once all is READY rolls nothing back: it raises `kept_after_ready(plan.run)`."""
+    from tpuctl import provision
+
+    result = provision.apply(clients, plan, progress=resource_progress(on_event), keep_on_failure=keep_on_failure,
+                             cancel=cancel, on_gone=lambda entries: ledger.remember_gone(entries, on_event=on_event))
+    try:
+        ledger.remember(result.resources, on_event=on_event)
+    except KeyboardInterrupt:
+        raise kept_after_ready(plan.run) from None
+    return result
+
+
+def kept_after_ready(run: str) -> Interrupted:
+    """The interrupt of an `up` whose resources were all READY: nothing was rolled back, and the error must
+    not pretend it was."""
+    return Interrupted(f"interrupted after run {run} was ready: its resources are kept",
+                       hint=f"remove them with `tpuctl down {run}`")
+
+
+def delete_run(clients: Clients, run: str, *, delete_bucket: bool = False,
+               on_event: EventSink = ignore) -> DownResult:
+    """Delete a run's resources (its bucket too with `delete_bucket`), verify none remain, record it in the
+    cost ledger. Blocks until done; idempotent (nothing left is not an error)."""
+    from tpuctl import provision
+
+    result = provision.down(clients, run, delete_bucket=delete_bucket, progress=resource_progress(on_event))
+    ledger.remember(result.deleted, deleted=True, on_event=on_event)
+    return result
+
+
+def up(spec: SpecLike, *, on_event: EventSink | None = None, cloud: str | None = None,
+       confirm: Callable[[Plan], bool] | None = None, keep_on_failure: bool = False) -> Run:
+    """Create the spec's TPU, VMs, bucket and bucket IAM; blocks until all are READY. Idempotent.
+
+    `confirm(plan)` returning False stops before anything is created (BadInput)."""
+    from tpuctl import provision
+
+    sink = on_event or ignore
+    r = resolve(spec, cloud=cloud, on_event=sink)
+    plan = provision.plan(r.spec, project=r.settings.project)
+    if confirm is not None and not confirm(plan):
+        raise BadInput(f"run {plan.run} was not confirmed; nothing was created", field="confirm")
+    result = apply_plan(provision.connect(r.settings), plan, on_event=sink, keep_on_failure=keep_on_failure)
+    tpu = result.get(provision.Kind.TPU)
+    return Run(name=plan.run, project=r.settings.project, target=r.settings.target, zone=result.zone,
+               bucket=plan.bucket, workers=tuple(f"{w.ip}:{w.port}" for w in tpu.workers) if tpu else (),
+               created=result.created, adopted=result.adopted)
+
+
+def run(spec: SpecLike, *, on_event: EventSink | None = None, cancel: threading.Event | None = None,
+        confirm: Callable[[Plan], bool] | None = None, cloud: str | None = None,
+        download: str | os.PathLike[str] | None = None, delete_bucket: bool = False,
+        max_recoveries: int | None = None, poll_s: float = 2.0) -> Outcome:
+    """Train the spec's job end to end (up, data, ship, train, collect) and tear the TPU and VMs down,
+    whatever happens. Blocks until the end; returns the Outcome (`state` "succeeded").
+
+    Setting `cancel` (from another thread) stops the run at its next check (within `poll_s` while training),
+    tears down, and raises Interrupted. A failed job raises JobFailed; the Outcome so far is on the
+    exception's `outcome` attribute in both cases. `confirm(plan)` returning False stops before anything is
+    created (BadInput)."""
+    from tpuctl import provision
+    from tpuctl.jobs.pipeline import Pipeline, RunOptions
+
+    r = resolve(spec, cloud=cloud, on_event=on_event or ignore)
+    cancel = cancel or threading.Event()
+    options = RunOptions(yes=confirm is None, download=Path(download) if download else None,
+                         delete_bucket=delete_bucket, max_recoveries=max_recoveries, poll_s=poll_s, cancel=cancel)
+    pipeline = Pipeline(provision.connect(r.settings), r.spec, project=r.settings.project, spec_dir=r.spec_dir,
+                        options=options, on_event=on_event, confirm=confirm)
+    try:
+        return _outside_event_loop(pipeline.run, cancel)
+    except TpuctlError as exc:
+        exc.outcome = pipeline.outcome  # type: ignore[attr-defined]  # the phases, steps and cost so far
+        raise
+
+
+def _outside_event_loop(fn: Callable[[], T], cancel: threading.Event) -> T:
+    """`fn()`, in a thread of its own when this one runs an event loop: Jupyter's kernel does, and the run's
+    SSH fleet needs an `asyncio.run` of its own, which cannot nest. Ctrl-C (interrupt the kernel) then sets
+    `cancel`, and the run tears down before the interrupt is raised."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return fn()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpuctl-run") as pool:
+        future = pool.submit(fn)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            cancel.set()
+            return future.result()
+
+
+def _run_name(run: Run | str) -> str:
+    return run.name if isinstance(run, Run) else run
+
+
+def _clients_for(run: Run | str | None, project: str | None, cloud: str | None, on_event: EventSink) -> Clients:
+    """A Run knows its project and target; a name is looked up where `project`/`cloud` resolve to."""
+    if isinstance(run, Run):
+        return connect(run.project, run.target, on_event=on_event)
+    return connect(project, cloud, on_event=on_event)
+
+
+def down(run: Run | str, *, delete_bucket: bool = False, on_event: EventSink | None = None,
+         project: str | None = None, cloud: str | None = None) -> DownResult:
+    """Delete every resource of `run` (the bucket too with `delete_bucket`) and verify none remain. Blocks;
+    idempotent. A Run carries its project and target; a name uses `project`/`cloud` or the resolved ones."""
+    from tpuctl.provision import labels
+
+    name = _run_name(run)
+    labels.check_name(name, field="run")
+    sink = on_event or ignore
+    clients = _clients_for(run, project, cloud, sink)
+    return delete_run(clients, name, delete_bucket=delete_bucket, on_event=sink)
+
+
+def status(run: Run | str | None = None, *, project: str | None = None,
+           cloud: str | None = None) -> list[RunStatus]:
+    """Every run's state (or one run's), with hourly price and cost so far; reads only."""
+    from tpuctl import catalog, cost, provision
+
+    prices = catalog.load()
+    clients = _clients_for(run, project, cloud, ignore)
+    return provision.status(clients, None if run is None else _run_name(run),
+                            price=lambda r: cost.hourly(ledger.entry_of(r), prices))
+
+
+def gc(*, dry_run: bool = False, idle_s: float | None = 3600.0, budget_usd: float | None = None,
+       budget_per: str = "run", all_owners: bool = False, owner: str | None = None, buckets: bool = False,
+       confirm: Callable[[list[Action]], bool] | None = None, project: str | None = None,
+       cloud: str | None = None) -> GcResult:
+    """One cleanup pass, as `tpuctl gc`: delete runs past their TTL, finished, idle for `idle_s`, preempted
+    and abandoned, or over `budget_usd`; only this owner's unless `all_owners`. Blocks until the deletions end.
+    `confirm(deletions)` returning False stops before anything is deleted (BadInput)."""
+    from tpuctl import catalog, paths
+    from tpuctl.provision import gc as gc_mod
+    from tpuctl.provision import labels
+
+    def ask(going: list[Action]) -> None:  # gc.run's contract: raise to stop
+        if confirm is not None and not confirm(going):
+            raise BadInput("gc was not confirmed; nothing was deleted", field="confirm")
+
+    policy = gc_mod.Policy(now=time.time(), owner=labels.label_value(owner) if owner else labels.owner(),
+                           all_owners=all_owners, idle_s=idle_s, budget_usd=budget_usd, budget_per=budget_per,
+                           buckets=buckets)
+    return gc_mod.run(connect(project, cloud), policy, dry_run=dry_run, catalog=catalog.load(),
+                      ledger=ledger.Ledger(), lock=paths.gc_lock(), confirm=ask)
