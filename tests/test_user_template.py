@@ -43,7 +43,7 @@ def test_a_user_template_trains_checkpoints_to_the_bucket_and_leaves_nothing_run
     spec = _spec(tmp_path, "user-tpl", {"trainer": {"max_steps": 30}})
     r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--json", "--poll", "0.5", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    outcome = json.loads(r.stdout)
+    outcome = json.loads(r.stdout.splitlines()[-1])  # the summary, after the events
     assert outcome["state"] == "succeeded" and outcome["step"] == 30, outcome
     bucket = outcome["bucket"]
     # It trained: the preset ("small", the template's default) and the spec's override reached the program,
