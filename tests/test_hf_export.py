@@ -344,11 +344,10 @@ def test_cli_exports_a_run_from_its_bucket_after_the_tpu_is_gone(trained, export
         assert (tmp_path / "hf" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
+@pytest.mark.parametrize("trained", ["bert"], indirect=True)  # one template is enough here
 def test_a_bucket_without_labels_is_found_in_the_ledger_or_given(trained, cli, pc, tmp_path):
     from tpuctl import ledger
 
-    if trained["name"] != "bert":
-        pytest.skip("finding the bucket does not depend on the template")
     name = _bucket_run(pc, trained, "r5", labelled=False)
     _one_error(cli("export", "r5", "--out", str(tmp_path / "x")), 2, "error: run: run r5 has no bucket")
     for how in (("r5", "--bucket", name), (f"gs://{name}/runs/r5",)):
@@ -363,9 +362,8 @@ def test_a_bucket_without_labels_is_found_in_the_ledger_or_given(trained, cli, p
     _one_error(cli("export", "r5", "--out", str(tmp_path / "x")), 2, f"error: run: run r5's bucket {name} was deleted")
 
 
+@pytest.mark.parametrize("trained", ["bert"], indirect=True)  # one template is enough here
 def test_cli_bad_run_name_no_bucket_and_no_checkpoint_are_one_line_errors(trained, cli, pc, tmp_path):
-    if trained["name"] != "bert":
-        pytest.skip("the errors do not depend on the template")
     out = str(tmp_path / "hf")
     _one_error(cli("export", "Bad_Name", "--out", out), 2, "error: name: invalid run name 'Bad_Name'")
     _one_error(cli("export", "nobody", "--out", out), 2, "error: run: run nobody has no bucket")
@@ -376,11 +374,10 @@ def test_cli_bad_run_name_no_bucket_and_no_checkpoint_are_one_line_errors(traine
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("trained", ["gpt2"], indirect=True)  # one template is enough here
 def test_an_exporter_missing_its_libraries_says_which_to_install(trained, cli, pc, tmp_path, monkeypatch):
     import sys
 
-    if trained["name"] != "gpt2":
-        pytest.skip("one template is enough")
     _bucket_run(pc, trained, "r6")
     monkeypatch.setitem(sys.modules, "safetensors.numpy", None)  # as on a base install without the train extra
     line = _one_error(cli("export", "r6", "--out", str(tmp_path / "hf")), 2, "error: format: the gpt2 template's hf "
@@ -388,14 +385,13 @@ def test_an_exporter_missing_its_libraries_says_which_to_install(trained, cli, p
     assert "Traceback" not in line and not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("trained", ["bert"], indirect=True)  # one template is enough here
 def test_a_user_templates_exporter_comes_from_this_machine_never_from_the_bucket(trained, cli, env, pc, tmp_path):
     """A user's template is not installed: the export loads the bundle this machine built for the run (checked by
     its sha256), or the directory given; a bundle only the bucket holds (the TPU's service account can write
     there) is never run. The template is a copy of bert declaring its exporter under a format the built-in lacks."""
     from test_templates_contract import copy_template
 
-    if trained["name"] != "bert":
-        pytest.skip("a copy of the bert template")
     mine = copy_template(tmp_path / "templates")
     meta = json.loads((mine / "template.json").read_text())
     meta["exporters"] = {"transformers": "export:to_hf"}
