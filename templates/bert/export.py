@@ -142,13 +142,20 @@ def hf_tensors(weights: dict, task: dict) -> dict:
 
 def _keras_shapes(task: dict) -> dict:
     """Every variable model.py creates for `task`, with its shape."""
-    h, v, n, i, L = (task["hidden_size"], task["vocab_size"], task["num_heads"], task["intermediate_size"],
-                     task["seq_len"])
+    h, v, L = task["hidden_size"], task["vocab_size"], task["seq_len"]
+    return {"token_embedding/embeddings": (v, h), "token_embedding/output_bias": (v,),
+            "position_embedding/positions": (L, h), "embedding_norm/gamma": (h,), "embedding_norm/beta": (h,),
+            "mlm_transform/kernel": (h, h), "mlm_transform/bias": (h,), "mlm_norm/gamma": (h,),
+            "mlm_norm/beta": (h,),
+            **layer_shapes(task, norms=("attention_norm", "output_norm"), mlp=("intermediate", "output"))}
+
+
+def layer_shapes(task: dict, *, norms: tuple[str, str], mlp: tuple[str, str]) -> dict:
+    """The transformer layers' variables as model.py names them (`layer{i}_...`), with their shapes: attention,
+    the two layer norms `norms` and the feed-forward pair `mlp` (in, out). GPT-2's layers differ only in names."""
+    h, n, i = task["hidden_size"], task["num_heads"], task["intermediate_size"]
     d = h // n
-    shapes = {"token_embedding/embeddings": (v, h), "token_embedding/output_bias": (v,),
-              "position_embedding/positions": (L, h), "embedding_norm/gamma": (h,), "embedding_norm/beta": (h,),
-              "mlm_transform/kernel": (h, h), "mlm_transform/bias": (h,), "mlm_norm/gamma": (h,),
-              "mlm_norm/beta": (h,)}
+    shapes = {}
     for layer in range(task["num_layers"]):
         p = f"layer{layer}"
         for part in ("query", "key", "value"):
@@ -156,13 +163,13 @@ def _keras_shapes(task: dict) -> dict:
             shapes[f"{p}_attention/{part}/bias"] = (n, d)
         shapes[f"{p}_attention/attention_output/kernel"] = (n, d, h)
         shapes[f"{p}_attention/attention_output/bias"] = (h,)
-        for norm in ("attention_norm", "output_norm"):
+        for norm in norms:
             shapes[f"{p}_{norm}/gamma"] = (h,)
             shapes[f"{p}_{norm}/beta"] = (h,)
-        shapes[f"{p}_intermediate/kernel"] = (h, i)
-        shapes[f"{p}_intermediate/bias"] = (i,)
-        shapes[f"{p}_output/kernel"] = (i, h)
-        shapes[f"{p}_output/bias"] = (h,)
+        shapes[f"{p}_{mlp[0]}/kernel"] = (h, i)
+        shapes[f"{p}_{mlp[0]}/bias"] = (i,)
+        shapes[f"{p}_{mlp[1]}/kernel"] = (i, h)
+        shapes[f"{p}_{mlp[1]}/bias"] = (h,)
     return shapes
 
 

@@ -66,26 +66,10 @@ def hf_tensors(weights: dict, task: dict) -> dict:
 
 def _keras_shapes(task: dict) -> dict:
     """Every variable model.py creates for `task`, with its shape."""
-    h, v, n, i, L = (task["hidden_size"], task["vocab_size"], task["num_heads"], task["intermediate_size"],
-                     task["seq_len"])
-    d = h // n
-    shapes = {"token_embedding/embeddings": (v, h), "position_embedding/positions": (L, h),
-              "final_norm/gamma": (h,), "final_norm/beta": (h,)}
-    for layer in range(task["num_layers"]):
-        p = f"layer{layer}"
-        for part in ("query", "key", "value"):
-            shapes[f"{p}_attention/{part}/kernel"] = (h, n, d)
-            shapes[f"{p}_attention/{part}/bias"] = (n, d)
-        shapes[f"{p}_attention/attention_output/kernel"] = (n, d, h)
-        shapes[f"{p}_attention/attention_output/bias"] = (h,)
-        for norm in ("attention_norm", "mlp_norm"):
-            shapes[f"{p}_{norm}/gamma"] = (h,)
-            shapes[f"{p}_{norm}/beta"] = (h,)
-        shapes[f"{p}_mlp_in/kernel"] = (h, i)
-        shapes[f"{p}_mlp_in/bias"] = (i,)
-        shapes[f"{p}_mlp_out/kernel"] = (i, h)
-        shapes[f"{p}_mlp_out/bias"] = (h,)
-    return shapes
+    h, v, L = task["hidden_size"], task["vocab_size"], task["seq_len"]
+    return {"token_embedding/embeddings": (v, h), "position_embedding/positions": (L, h),
+            "final_norm/gamma": (h,), "final_norm/beta": (h,),
+            **_export.layer_shapes(task, norms=("attention_norm", "mlp_norm"), mlp=("mlp_in", "mlp_out"))}
 
 
 def hf_config(task: dict, manifest: Manifest) -> dict:
