@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -115,6 +116,37 @@ def localcloud():
                 os.environ.pop("STORAGE_EMULATOR_HOST", None)
             else:
                 os.environ["STORAGE_EMULATOR_HOST"] = previous
+
+
+def cli_env(cloud, home: Path, project: str | None = None) -> dict:
+    """The environment of a `tpuctl` subprocess against `cloud`: none of the caller's tpuctl, gcloud or Google
+    settings, `home` as HOME (tpuctl's own under home/home), `project` (a fresh one by default), no colours."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "CLOUDSDK_", "GOOGLE_"))}
+    e.update(TPUCTL_API_ENDPOINT=cloud.endpoint, STORAGE_EMULATOR_HOST=cloud.storage_host,
+             TPUCTL_PROJECT=project or new_project(), TPUCTL_HOME=str(home / "home"), HOME=str(home), NO_COLOR="1",
+             PYTHONUNBUFFERED="1")
+    return e
+
+
+def tpuctl(env: dict, *args: str, timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
+    """`python -m tpuctl ARGS` in `env`, stdin closed (no terminal, so it never asks), output captured."""
+    return subprocess.run([sys.executable, "-m", "tpuctl", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+@pytest.fixture
+def env(cloud, tmp_path) -> dict:
+    """A `tpuctl` subprocess environment (cli_env) in a fresh project."""
+    return cli_env(cloud, tmp_path)
+
+
+@pytest.fixture
+def pc(cloud, env):
+    """tpuctl's own clients (provision.clients.build) for `env`'s project."""
+    from tpuctl.provision.clients import build
+
+    return build(project=env["TPUCTL_PROJECT"], credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
+                 storage_host=cloud.storage_host, local=True)
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,11 @@ import json
 import time
 
 import pytest
-from conftest import new_project
+from conftest import new_project, tpuctl
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
-from test_provision import FAST_DEADLINE, everything, make_plan, pc  # noqa: F401  (pc is a fixture)
-from test_up_down import UP, env, tpuctl  # noqa: F401  (env is a fixture)
+from test_provision import FAST_DEADLINE, everything, make_plan
+from test_up_down import UP
 
 from tpuctl import cost, ledger, spec
 from tpuctl import provision as prov

@@ -16,37 +16,12 @@ import time
 import uuid
 
 import pytest
-from conftest import new_project
-from google.auth.credentials import AnonymousCredentials
+from conftest import tpuctl
 
 from test_jobs_harness import STANDIN
 from test_provision import everything
-from tpuctl.provision.clients import build
 
 UP = ("up", "--accelerator", "v3-8", "--zone", "europe-west4-a", "--name", "r1")
-
-
-def _env(cloud, home, project: str) -> dict:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "CLOUDSDK_", "GOOGLE_"))}
-    e.update(TPUCTL_API_ENDPOINT=cloud.endpoint, STORAGE_EMULATOR_HOST=cloud.storage_host, TPUCTL_PROJECT=project,
-             TPUCTL_HOME=str(home / "tpuctl"), HOME=str(home), NO_COLOR="1", PYTHONUNBUFFERED="1")
-    return e
-
-
-@pytest.fixture
-def env(cloud, tmp_path):
-    return _env(cloud, tmp_path, new_project())
-
-
-@pytest.fixture
-def pc(cloud, env):
-    return build(project=env["TPUCTL_PROJECT"], credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
-                 storage_host=cloud.storage_host, local=True)
-
-
-def tpuctl(env, *args, timeout=120, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tpuctl", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd)
 
 
 def _one_error(p: subprocess.CompletedProcess, code: int, start: str) -> str:

@@ -7,25 +7,16 @@ import time
 from datetime import datetime
 
 import pytest
-from conftest import new_project
 from google.api_core import exceptions as gexc
-from google.auth.credentials import AnonymousCredentials
 
 from tpuctl import catalog as catalog_mod
 from tpuctl import cost, provision as prov, spec
 from tpuctl.errors import BadInput
 from tpuctl.ledger import entry_of
 from tpuctl.provision import gc, tpu
-from tpuctl.provision.clients import build
 from test_provision import everything
 
 ZONE = "us-east5-a"  # where Google sells v6e flex-start
-
-
-@pytest.fixture
-def pc(cloud):
-    return build(project=new_project(), credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
-                 storage_host=cloud.storage_host, local=True)
 
 
 def make_plan(pc, **fields):

@@ -10,9 +10,8 @@ import threading
 import time
 
 import pytest
-from conftest import FAST_POLLING, new_project
+from conftest import FAST_POLLING
 from google.api_core import exceptions as gexc
-from google.auth.credentials import AnonymousCredentials
 from google.cloud import tpu_v2
 from google.protobuf import field_mask_pb2
 
@@ -21,16 +20,9 @@ from tpuctl import spec
 from tpuctl.errors import QUOTAS_PAGE, CapacityError, QuotaError
 from tpuctl.provision import tpu as ptpu
 from tpuctl.provision import waits
-from tpuctl.provision.clients import build
 
 FAST_DEADLINE = 60.0
 TF = "tpu-vm-tf-2.17.0-pjrt"
-
-
-@pytest.fixture
-def pc(cloud):
-    return build(project=new_project(), credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
-                 storage_host=cloud.storage_host, local=True)
 
 
 def make_plan(pc, **fields):

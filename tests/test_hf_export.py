@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_cli_errors import _one_error, env, pc, tpuctl  # noqa: F401  (fixtures)
+from conftest import tpuctl
+from test_cli_errors import _one_error
 from test_data_prepare import write_corpus
 from tpuctl.templates import contract
 
@@ -318,7 +319,7 @@ def _bucket_run(pc, trained, run: str, *, checkpoint: bool = True, template: con
     if labelled:
         bucket.labels = {"tpuctl-run": run}
     pc.storage.create_bucket(bucket, location="europe-west4")
-    model, data = f"gs://{name}/runs/{run}/model", f"gs://{name}/runs/{run}/data"
+    data = f"gs://{name}/runs/{run}/data"
     config = bundle.job_config({}, preset=None, bucket=name, run=run, data_url=data)
     job = bundle.JobDescription(run=run, project=pc.project, bucket=name, module=template.entry_module, config=config)
     b = bundle.build(template.root, job, bundles or Path(trained["model_dir"]).parent / "bundles",

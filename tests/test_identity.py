@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 
 import asyncssh
 import pytest
-from conftest import FAST_POLLING, new_project
+from conftest import FAST_POLLING, new_project, tpuctl
 from google.api_core import exceptions as gexc
 from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
@@ -308,19 +305,6 @@ def test_ssh_on_an_oslogin_node_without_a_known_account_fails_at_once(cloud, tmp
         assert "TPUCTL_ACCOUNT" in exc.value.hint and time.monotonic() - started < 5
     finally:
         prov.down(pc, "run1", delete_bucket=True)
-
-
-def tpuctl(env, *args):
-    return subprocess.run([sys.executable, "-m", "tpuctl", *args], env=env, capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL)
-
-
-@pytest.fixture
-def env(cloud, tmp_path):
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "CLOUDSDK_", "GOOGLE_"))}
-    e.update(TPUCTL_API_ENDPOINT=cloud.endpoint, STORAGE_EMULATOR_HOST=cloud.storage_host, TPUCTL_PROJECT=new_project(),
-             TPUCTL_HOME=str(tmp_path / "home"), HOME=str(tmp_path), NO_COLOR="1")
-    return e
 
 
 def test_doctor_prints_one_line_per_check_and_exits_by_the_result(cloud, env):

@@ -7,8 +7,6 @@ import threading
 import time
 
 import pytest
-from conftest import new_project
-from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1, tpu_v2
 
 from tpuctl import spec
@@ -16,15 +14,8 @@ from tpuctl import provision as prov
 from tpuctl.errors import BadInput, CapacityError, Interrupted, NotFound, QuotaError
 from tpuctl.provision import bucket as B
 from tpuctl.provision import labels as L
-from tpuctl.provision.clients import build
 
 FAST_DEADLINE = 60.0
-
-
-@pytest.fixture
-def pc(cloud):
-    return build(project=new_project(), credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
-                 storage_host=cloud.storage_host, local=True)
 
 
 def make_plan(pc, **fields):

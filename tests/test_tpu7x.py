@@ -7,9 +7,8 @@ import time
 from datetime import datetime
 
 import pytest
-from conftest import new_project
+from conftest import tpuctl
 from google.api_core import exceptions as gexc
-from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
 from tpuctl import catalog as catalog_mod
@@ -17,19 +16,11 @@ from tpuctl import cost, provision as prov, spec
 from tpuctl.errors import BadInput, CapacityError, NotFound
 from tpuctl.ledger import entry_of
 from tpuctl.provision import compute_tpu, gc
-from tpuctl.provision.clients import build
 from test_provision import everything
-from test_up_down import env, tpuctl  # noqa: F401  (fixture)
 
 ZONE = "us-central1-c"
 IMAGE = "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2404-amd64-tpu-tpu7x"
 FAST_DEADLINE = 60.0
-
-
-@pytest.fixture
-def pc(cloud):
-    return build(project=new_project(), credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
-                 storage_host=cloud.storage_host, local=True)
 
 
 def make_plan(pc, **fields):

@@ -6,12 +6,9 @@ naming the quota and where to raise it) and never stops a run when the quota can
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import FAST_POLLING, new_project
+from conftest import FAST_POLLING, new_project, tpuctl
 from google.api_core import exceptions as gexc
 from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
@@ -79,19 +76,6 @@ def test_a_create_past_the_quota_gets_googles_429_naming_it(cloud):
 ])
 def test_each_generation_draws_on_the_quota_google_names(accelerator, spot, quota):
     assert preflight.tpu_quota_id(catalog.load().accelerator(accelerator), spot) == quota
-
-
-def tpuctl(env, *args):
-    return subprocess.run([sys.executable, "-m", "tpuctl", *args], env=env, capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL)
-
-
-@pytest.fixture
-def env(cloud, tmp_path):
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "CLOUDSDK_", "GOOGLE_"))}
-    e.update(TPUCTL_API_ENDPOINT=cloud.endpoint, STORAGE_EMULATOR_HOST=cloud.storage_host, TPUCTL_PROJECT=new_project(),
-             TPUCTL_HOME=str(tmp_path / "home"), HOME=str(tmp_path), NO_COLOR="1")
-    return e
 
 
 def test_up_past_the_quota_in_every_zone_exits_3_naming_it_and_creates_nothing(cloud, env):

@@ -13,31 +13,9 @@ import sys
 import time
 
 import pytest
-from conftest import new_project
-from google.auth.credentials import AnonymousCredentials
+from conftest import tpuctl
 
-from tpuctl.provision.clients import build
 from test_provision import everything
-
-
-@pytest.fixture
-def env(cloud, tmp_path):
-    project = new_project()
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "CLOUDSDK_", "GOOGLE_"))}
-    e.update(TPUCTL_API_ENDPOINT=cloud.endpoint, STORAGE_EMULATOR_HOST=cloud.storage_host, TPUCTL_PROJECT=project,
-             TPUCTL_HOME=str(tmp_path / "home"), HOME=str(tmp_path), NO_COLOR="1", PYTHONUNBUFFERED="1")
-    return e
-
-
-@pytest.fixture
-def pc(cloud, env):
-    return build(project=env["TPUCTL_PROJECT"], credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
-                 storage_host=cloud.storage_host, local=True)
-
-
-def tpuctl(env, *args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "tpuctl", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 UP = ("up", "--accelerator", "v3-8", "--zone", "europe-west4-a", "--name", "r1", "--ttl", "2h", "--yes")
