@@ -143,26 +143,31 @@ def test_failure_before_launch_removes_the_bucket_it_created_and_keeps_an_adopte
     assert tpc.storage.bucket(kept.plan.bucket).blob("runs/early-fail/data/manifest.json").exists()
 
 
+def run_preempted_at(p: Pipeline, cloud, step: int, path=None):
+    """p.run() while the cloud preempts the node once, when the job has reached `step` (`path(p)`: the node's
+    resource path, the TPU API node's by default); returns the outcome."""
+    preempted = threading.Event()
+
+    def preempt():
+        while not preempted.is_set():
+            if (p.outcome.step or 0) >= step and p.node:
+                cloud.preempt((path or _node_path)(p))
+                preempted.set()
+            time.sleep(0.05)
+
+    threading.Thread(target=preempt, daemon=True).start()
+    try:
+        return p.run()
+    finally:
+        preempted.set()
+
+
 def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("pre-run", trainer={"max_steps": 40, "checkpoint_every": 5,
                                                            "step_seconds": 0.1}))
     seen: list = []
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), on_event=seen.append)
-    preempted = threading.Event()
-
-    def preempt_at_step_12():
-        while not preempted.is_set():
-            if (p.outcome.step or 0) >= 12 and p.node:
-                cloud.preempt(_node_path(p))
-                preempted.set()
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=preempt_at_step_12, daemon=True)
-    killer.start()
-    try:
-        o = p.run()
-    finally:
-        preempted.set()
+    o = run_preempted_at(p, cloud, 12)
     assert o.state == "succeeded" and o.recoveries == 1 and o.step == 40
     assert _zero(cloud, project)
     from tpuctl import events

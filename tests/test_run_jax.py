@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 
 import pytest
 
-from test_run import REPO, _node_path, _text, _zero, project, tpc  # noqa: F401 (fixtures)
+from test_run import REPO, _text, _zero, project, run_preempted_at, tpc  # noqa: F401 (fixtures)
 from tpuctl import spec as spec_mod
 from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
@@ -36,20 +34,7 @@ def test_jax_on_a_2_host_v5e_slice_trains_on_both_hosts_and_resumes_after_preemp
                 "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     assert (p.spec.job.framework, p.spec.runtime_version) == ("jax", None)
-    preempted = threading.Event()
-
-    def preempt_after_the_first_checkpoint():
-        while not preempted.is_set():
-            if (p.outcome.step or 0) >= 20 and p.node:
-                cloud.preempt(_node_path(p))
-                preempted.set()
-            time.sleep(0.05)
-
-    threading.Thread(target=preempt_after_the_first_checkpoint, daemon=True).start()
-    try:
-        o = p.run()
-    finally:
-        preempted.set()
+    o = run_preempted_at(p, cloud, 20)  # after the first checkpoint
     assert p.plan.runtime_version == "v2-alpha-tpuv5-lite" and p.plan.framework == "jax"
     assert o.state == "succeeded" and o.recoveries == 1 and o.step == 30, o
     logs = [_text(tpc, o.bucket, f"runs/bert-jax/logs/worker-{w}.log") for w in range(2)]
@@ -115,20 +100,7 @@ def test_spot_tpu7x_preempted_by_compute_is_recreated_and_resumes_from_the_check
 
     spec = spec_mod.from_mapping(_tpu7x_spec("spot-7x", max_steps=30, provisioning="spot"))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
-    preempted = threading.Event()
-
-    def preempt_after_a_checkpoint():
-        while not preempted.is_set():
-            if (p.outcome.step or 0) >= 10 and p.node:
-                cloud.preempt(_instance_path(p))
-                preempted.set()
-            time.sleep(0.05)
-
-    threading.Thread(target=preempt_after_a_checkpoint, daemon=True).start()
-    try:
-        o = p.run()
-    finally:
-        preempted.set()
+    o = run_preempted_at(p, cloud, 10, path=_instance_path)  # after a checkpoint
     assert o.state == "succeeded" and o.recoveries == 1 and o.step == 30, o
     log = _text(tpc, o.bucket, "runs/spot-7x/logs/worker-0.log")  # the second incarnation's log
     start = next(line for line in log.splitlines() if line.startswith("start "))
