@@ -134,11 +134,16 @@ def get_node(clients: Clients, zone: str, name: str) -> Resource:
 
     node = _tpu.get_node(clients, zone, name)
     if node is None:
-        found = _compute_tpu.get(clients, zone, name, catalog=_catalog.load())
-        if found is None:
-            raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
-        return found
+        return _compute_tpu_or_not_found(_compute_tpu.get, clients, zone, name)
     return _tpu.to_resource(node, local=clients.local)
+
+
+def _compute_tpu_or_not_found(lookup, clients: Clients, zone: str, name: str):
+    """`lookup` (compute_tpu.get or .workers) of a TPU the TPU API does not have; NotFound when Compute has none."""
+    found = lookup(clients, zone, name, catalog=_catalog.load())
+    if found is None:
+        raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
+    return found
 
 
 def workers(clients: Clients, zone: str, name: str) -> tuple[Worker, ...]:
@@ -147,10 +152,7 @@ def workers(clients: Clients, zone: str, name: str) -> tuple[Worker, ...]:
 
     node = _tpu.get_node(clients, zone, name)
     if node is None:
-        found = _compute_tpu.workers(clients, zone, name, catalog=_catalog.load())
-        if found is None:
-            raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
-        return found
+        return _compute_tpu_or_not_found(_compute_tpu.workers, clients, zone, name)
     keys = _tpu.host_keys(clients, zone, name)
     return tuple(Worker(index=w.index, ip=w.ip, port=w.port, host_key=keys[w.index] if w.index < len(keys) else None)
                  for w in _tpu.to_resource(node, local=clients.local).workers)
