@@ -12,7 +12,7 @@ a decoder tied to the word embeddings with its own bias. Differences, and why th
 - our encoder has no token type embeddings; Hugging Face always adds `token_type_embeddings[token_type_ids]`, so
   they are exported as zeros (type_vocab_size 2, the usual BERT shape): adding zeros is exact, and fine-tuning
   on sentence pairs learns them from there.
-- Keras' MultiHeadAttention keeps Q/K/V kernels as [hidden, heads, head_dim] and the output kernel as
+- layers.SelfAttention keeps Keras MultiHeadAttention's Q/K/V kernels as [hidden, heads, head_dim] and the output kernel as
   [heads, head_dim, hidden]; Hugging Face's Linear weights are [out, in]: reshaped to [hidden, hidden] (heads
   outermost in both) and transposed.
 - positions: ours has exactly `seq_len` rows, so `max_position_embeddings` is `seq_len`.

@@ -3,8 +3,9 @@
 Pre-LayerNorm decoder blocks (LN -> causal self-attention -> residual, LN -> MLP with GPT-2's tanh GELU ->
 residual), learned positions, final LayerNorm, and logits from the token embedding itself (tied input/output
 embeddings, no output bias), as in the original GPT-2: the gpt2-small preset has exactly its 124,439,808 weights.
-Causal attention uses Keras' fixed lower-triangular mask (`use_causal_mask`): static shapes, no padding mask
-(the prepared blocks are full). Logits are float32 under mixed_bfloat16 so the softmax cross-entropy is exact.
+Causal attention applies a fixed lower-triangular mask (bert/layers.py's SelfAttention, which also gives
+dropout its random bytes): static shapes, no padding mask (the prepared blocks are full). Logits are float32
+under mixed_bfloat16 so the softmax cross-entropy is exact.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import keras
 from keras import layers, ops
 
 from .config import TaskConfig
+from .shared import bert
+
+_layers = bert("layers")
+Dropout, SelfAttention = _layers.Dropout, _layers.SelfAttention
 
 STDDEV = 0.02
 
@@ -68,21 +73,20 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
     """The causal LM for `task` (dtype policy: whatever is global when called). Creates variables: call in scope.
     Input {"input_ids": int32[B, L]}; output float32 logits [B, L, vocab]: position t predicts token t + 1."""
     h, L, eps = task.hidden_size, task.seq_len, task.layer_norm_epsilon
-    residual = _init(STDDEV / math.sqrt(2 * task.num_layers))  # GPT-2's scaled init of residual projections
     ids = keras.Input((L,), dtype="int32", name="input_ids")
     embedding = TiedEmbedding(vocab_size, h, embeddings_initializer=_init(), name="token_embedding")
     x = PositionEmbedding(L, name="position_embedding")(embedding(ids))
-    x = layers.Dropout(task.dropout)(x)
+    x = Dropout(task.dropout)(x)
     for i in range(task.num_layers):
         a = layers.LayerNormalization(epsilon=eps, name=f"layer{i}_attention_norm")(x)
-        a = layers.MultiHeadAttention(task.num_heads, h // task.num_heads, dropout=task.dropout,
-                                      kernel_initializer=_init(), name=f"layer{i}_attention")(
-            a, a, use_causal_mask=True)
-        x = x + layers.Dropout(task.dropout)(a)
+        a = SelfAttention(task.num_heads, h // task.num_heads, dropout=task.dropout, causal=True,
+                          kernel_initializer=_init(), name=f"layer{i}_attention")(a)
+        x = x + Dropout(task.dropout)(a)
         f = layers.LayerNormalization(epsilon=eps, name=f"layer{i}_mlp_norm")(x)
         f = layers.Dense(task.intermediate_size, activation=gelu_tanh, kernel_initializer=_init(),
                          name=f"layer{i}_mlp_in")(f)
+        residual = _init(STDDEV / math.sqrt(2 * task.num_layers))  # GPT-2's scaled init of residual projections
         f = layers.Dense(h, kernel_initializer=residual, name=f"layer{i}_mlp_out")(f)
-        x = x + layers.Dropout(task.dropout)(f)
+        x = x + Dropout(task.dropout)(f)
     x = layers.LayerNormalization(epsilon=eps, name="final_norm")(x)
     return keras.Model({"input_ids": ids}, embedding(x, reverse=True), name="gpt2_clm")

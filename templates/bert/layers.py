@@ -1,0 +1,140 @@
+"""The two layers BERT and GPT-2 share where Keras' own are slower: dropout on random bytes, fused self-attention.
+
+Measured on the reference CPU (bench/peers.py, bert-tiny, TensorFlow + XLA), Keras' dropout was ~20% of a
+training step: `keras.random.dropout` draws one 32-bit Philox (TensorFlow) or Threefry (JAX) number per element,
+and a transformer drops out every hidden state and every attention probability. Both layers here keep the
+published models' maths; what changes is how much random-number and projection work a step does.
+
+- `Dropout` decides with 8 random bits per element: four elements share one 32-bit draw (a quarter of the
+  generator's work). The rate is therefore rounded to a multiple of 1/256 (0.1 -> 26/256 = 0.1016) and kept
+  values are scaled by 256 / (256 - 26), so the layer's expectation is exactly the identity, as inverted
+  dropout's is. TensorFlow and JAX backends only (the templates' two); another backend gets Keras' dropout.
+- `SelfAttention` is Keras `MultiHeadAttention` for the self-attention case with the very same variables
+  (`query`/`key`/`value` kernels [hidden, heads, head_dim] and biases [heads, head_dim], `attention_output`
+  [heads, head_dim, hidden] and [hidden], under the same names, so checkpoints and the Hugging Face exports read
+  them unchanged), computed as one [hidden, 3 x hidden] projection instead of three, with the softmax in float32
+  and its probabilities dropped out by `dropout` above.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+from keras import layers, ops
+
+_BYTE = 256
+
+
+def quantized_rate(rate: float) -> float:
+    """The drop probability `dropout` really applies: `rate` rounded to the nearest multiple of 1/256."""
+    return round(rate * _BYTE) / _BYTE
+
+
+def _random_bytes(n: int, seed):
+    """`n` uniform uint8 values from ceil(n / 4) 32-bit draws, flat."""
+    words = -(-n // 4)
+    if keras.backend.backend() == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        bits = jax.random.bits(seed, (words,), dtype=jnp.uint32)  # Keras' JAX seeds are raw uint32[2] keys
+        return jax.lax.bitcast_convert_type(bits, jnp.uint8).reshape(-1)[:n]
+    import tensorflow as tf
+
+    # int32 seeds, as Keras' own TensorFlow random ops use (XLA needs them): the state is an int64 variable.
+    seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
+    bits = tf.random.stateless_uniform([words], seed=seed, minval=None, maxval=None, dtype=tf.uint32)
+    return tf.reshape(tf.bitcast(bits, tf.uint8), [-1])[:n]
+
+
+def dropout(x, rate: float, seed_generator: keras.random.SeedGenerator):
+    """Inverted dropout of `x` at `quantized_rate(rate)`; the identity when that rounds to 0."""
+    dropped = round(rate * _BYTE)
+    if dropped == 0:
+        return x
+    if keras.backend.backend() not in ("tensorflow", "jax"):
+        return keras.random.dropout(x, rate, seed=seed_generator)
+    keep = ops.reshape(_random_bytes(math.prod(x.shape), seed_generator.next()), x.shape) >= dropped
+    return ops.where(keep, x * ops.cast(_BYTE / (_BYTE - dropped), x.dtype), ops.zeros_like(x))
+
+
+@keras.saving.register_keras_serializable(package="tpuctl")
+class Dropout(layers.Layer):
+    """`keras.layers.Dropout` on random bytes (module docstring): active only when training."""
+
+    def __init__(self, rate: float, seed: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.rate, self.seed = rate, seed
+        self.seed_generator = keras.random.SeedGenerator(seed)
+        self.supports_masking = True
+
+    def call(self, x, training=False):
+        return dropout(x, self.rate, self.seed_generator) if training else x
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "rate": self.rate, "seed": self.seed}
+
+
+@keras.saving.register_keras_serializable(package="tpuctl")
+class SelfAttention(layers.Layer):
+    """Multi-head self-attention of x [B, L, hidden], optionally causal or with `key_mask` [B, L]
+    (1: attend to that key).
+
+    Keras MultiHeadAttention's variables and maths (module docstring): queries scaled by 1/sqrt(head_dim),
+    masked scores pushed to a large negative number before the softmax, dropout on the probabilities."""
+
+    def __init__(self, num_heads: int, head_dim: int, *, dropout: float = 0.0, causal: bool = False,
+                 kernel_initializer="glorot_uniform", seed: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.num_heads, self.head_dim, self.rate, self.causal, self.seed = num_heads, head_dim, dropout, causal, seed
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.seed_generator = keras.random.SeedGenerator(seed)
+
+    def build(self, x_shape, key_mask_shape=None):
+        hidden, n, d = x_shape[-1], self.num_heads, self.head_dim
+
+        def projection(name, equation, output_shape, bias_axes, input_shape):
+            # A fresh initializer per kernel, as MultiHeadAttention does: a seeded one would repeat its values.
+            initializer = type(self.kernel_initializer).from_config(self.kernel_initializer.get_config())
+            dense = layers.EinsumDense(equation, output_shape=output_shape, bias_axes=bias_axes, name=name,
+                                       kernel_initializer=initializer, dtype=self.dtype_policy)
+            dense.build(input_shape)
+            return dense
+
+        self.query, self.key, self.value = (projection(name, "abc,cde->abde", (None, n, d), "de", x_shape)
+                                            for name in ("query", "key", "value"))
+        self.attention_output = projection("attention_output", "abcd,cde->abe", (None, hidden), "e",
+                                           (*x_shape[:-1], n, d))
+
+    def call(self, x, key_mask=None, training=False):
+        dt, (length, hidden), (n, d) = self.compute_dtype, x.shape[1:], (self.num_heads, self.head_dim)
+        parts = (self.query, self.key, self.value)
+        # One [hidden, 3 hidden] matmul, split on its last axis: as fast as a 5-d einsum under XLA and ~15%
+        # faster without it (TensorFlow's graph mode on CPU/GPU), where the einsum's strided slices are copies.
+        kernel = ops.concatenate([ops.reshape(ops.cast(p.kernel, dt), (hidden, n * d)) for p in parts], axis=1)
+        bias = ops.concatenate([ops.reshape(ops.cast(p.bias, dt), (n * d,)) for p in parts], axis=0)
+        q, k, v = (ops.reshape(t, (-1, length, n, d)) for t in ops.split(ops.matmul(x, kernel) + bias, 3, axis=-1))
+        scores = ops.einsum("bqnd,bknd->bnqk", q * ops.cast(1.0 / math.sqrt(self.head_dim), dt), k)
+        scores = ops.cast(scores, "float32")
+        if self.causal:
+            scores = ops.where(ops.tril(ops.ones((length, length), "bool"))[None, None], scores, -1e9)
+        if key_mask is not None:
+            scores = ops.where(ops.cast(key_mask, "bool")[:, None, None, :], scores, -1e9)
+        probs = ops.cast(ops.softmax(scores, axis=-1), dt)
+        if training:
+            probs = dropout(probs, self.rate, self.seed_generator)
+        out = ops.einsum("bnqk,bknd->bqnd", probs, v)
+        return (ops.einsum("bqnd,ndh->bqh", out, ops.cast(self.attention_output.kernel, dt))
+                + ops.cast(self.attention_output.bias, dt))
+
+    def compute_output_shape(self, x_shape, key_mask_shape=None):
+        return x_shape
+
+    def get_config(self):
+        return {**super().get_config(), "num_heads": self.num_heads, "head_dim": self.head_dim, "dropout": self.rate,
+                "causal": self.causal, "seed": self.seed,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer)}
