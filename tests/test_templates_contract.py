@@ -113,3 +113,20 @@ def test_data_prepare_refuses_a_flag_the_template_does_not_take(tmp_path, consol
     err = console_err.getvalue()
     assert result.exit_code == 2 and "--lowercase" in err and "has no option lowercase" in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("template, seq_len, sample_mib, shard_sequences",
+                         [("bert", 128, 64, 65536), ("gpt2", 16, 32, 16384)])
+def test_data_prepare_flags_left_out_keep_the_templates_own_defaults(tmp_path, template, seq_len, sample_mib,
+                                                                    shard_sequences):
+    """A flag not given must not override the template's default (the CLI once forced 64 MiB and 65536 on gpt2)."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n\n" * 400)
+    out = tmp_path / "o"
+    result = CliRunner().invoke(cli, ["data", "prepare", str(corpus), "--out", str(out), "--template", template,
+                                      "--vocab-size", "300", "--seq-len", str(seq_len)])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tokenizer"]["sample_bytes"] == sample_mib << 20
+    options = contract.find(template).data.options()
+    assert options.tokenizer_sample_bytes == sample_mib << 20 and options.shard_sequences == shard_sequences

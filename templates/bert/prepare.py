@@ -37,9 +37,11 @@ import codecs
 import fnmatch
 import glob
 import hashlib
+import itertools
 import os
 import queue
 import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -315,28 +317,29 @@ def build_tokenizer(sources: list[Source], opts: PrepareOptions, *, storage_clie
 
 def train_on_sample(tok, trainer, sources: list[Source], sample_bytes: int, *, storage_client=None,
                     progress: Progress | None = None) -> None:
-    """Train `tok` with `trainer` on at most `sample_bytes` of the corpus (`sample_lines`), in batches of 1000
-    non-blank lines. Blocks. Raises DataError when the corpus has no text."""
-    seen = {"bytes": 0}
+    """Train `tok` with `trainer` on at most `sample_bytes` of the corpus (`sample_lines`, non-blank lines).
+    Blocks. Raises DataError when the corpus has no text.
+
+    The sample is written to a temporary file and trained with `Tokenizer.train(files)`: the Rust side then
+    reads and counts words on every core, where `train_from_iterator` is fed one Python batch at a time (about
+    1.4 s of 5 on 32 MiB with two cores, bench/peers.py)."""
     budget = min(sample_bytes, sum(s.size for s in sources))
-
-    def batches() -> Iterator[list[str]]:
-        batch: list[str] = []
-        for line in sample_lines(sources, sample_bytes, storage_client=storage_client):
-            if line.strip():
-                batch.append(line)
-                seen["bytes"] += len(line.encode("utf-8")) + 1
-            if len(batch) >= 1000:
-                yield batch
-                batch = []
-                if progress:
-                    progress("tokenizer", seen["bytes"], budget)
-        if batch:
-            yield batch
-
-    tok.train_from_iterator(batches(), trainer=trainer)
-    if not seen["bytes"]:
-        raise DataError(f"corpus is empty: {_names(sources)} has no text", path=sources[0].url if sources else None)
+    written = 0
+    with tempfile.TemporaryDirectory(prefix="tpuctl-tokenizer-") as tmp:
+        path = Path(tmp) / "sample.txt"
+        with path.open("wb") as f:
+            for line in sample_lines(sources, sample_bytes, storage_client=storage_client):
+                if line.strip():
+                    data = (line + "\n").encode("utf-8")  # train(files) keeps the line break, as encoding does
+                    f.write(data)
+                    if progress and (written + len(data)) >> 22 != written >> 22:  # every 4 MiB
+                        progress("tokenizer", written + len(data), budget)
+                    written += len(data)
+        if not written:
+            raise DataError(f"corpus is empty: {_names(sources)} has no text", path=sources[0].url if sources else None)
+        tok.train([str(path)], trainer=trainer)
+    if progress:
+        progress("tokenizer", budget, budget)
 
 
 def _names(sources: list[Source]) -> str:
@@ -408,12 +411,14 @@ def stream_ids(carry, encodings: list, ends: list[bool], separator: int):
     how many documents ended): the token stream the packers cut into sequences."""
     import numpy as np
 
-    flat: list[int] = []
-    for encoding, end in zip(encodings, ends, strict=True):
-        flat.extend(encoding.ids)
-        if end:
-            flat.append(separator)
-    return np.concatenate((carry, np.asarray(flat, dtype=np.int64))), sum(ends)
+    if len(encodings) != len(ends):
+        raise ValueError(f"{len(encodings)} encodings for {len(ends)} document ends")
+    sep = (separator,)
+    # One pass from the encodings' id lists into numpy (no intermediate Python list): this runs on the main
+    # thread beside the encoder's, and costs ~40% less than extend + asarray.
+    pieces = ((e.ids, sep) if end else (e.ids,) for e, end in zip(encodings, ends))
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(pieces)), dtype=np.int64)
+    return np.concatenate((carry, flat)), sum(ends)
 
 
 class _Packer:

@@ -145,10 +145,11 @@ _FLAG_FIELDS = {"vocab_size": "vocab_size", "seq_len": "seq_len", "vocab_file": 
               help="how often a pair of pieces must occur to be merged into the vocabulary")
 @click.option("--doc-format", type=click.Choice(["blank", "line"]), default="blank", show_default=True,
               help="blank: a blank line ends a document; line: each line is a document")
-@click.option("--sample-mb", type=click.IntRange(1), default=64, show_default=True,
-              help="text the tokenizer trains on, sampled evenly across the corpus (bounds its memory)")
-@click.option("--shard-sequences", type=click.IntRange(1), default=65536, show_default=True,
-              help="sequences per TFRecord shard")
+@click.option("--sample-mb", type=click.IntRange(1), default=None,
+              help="MiB of text the tokenizer trains on, sampled evenly across the corpus (bounds its time and "
+                   "memory) [default: the template's: bert 64, gpt2 32]")
+@click.option("--shard-sequences", type=click.IntRange(1), default=None,
+              help="sequences per TFRecord shard [default: the template's: bert 65536, gpt2 16384]")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest summary as JSON")
 @click.pass_context
 def prepare_command(ctx: click.Context, corpus: tuple[str, ...], out: str, template: str, as_json: bool,
