@@ -1,14 +1,18 @@
 """tpuctl against its peers on this machine, in one run: training steps/s vs keras-hub, data prep vs run_clm.
 
-    .venv/bin/python bench/peers.py [--mb 100] [--steps 40] [--only train|prepare]
+    .venv/bin/python bench/peers.py [--mb 100] [--steps 60] [--rounds 5] [--only train|prepare]
 
 (a) Training steps/s, fed one repeated in-memory batch (the input side is not measured): tpuctl's bert-tiny
     and gpt2-tiny models vs keras-hub's `BertMaskedLM` and `GPT2CausalLM` built from `BertBackbone` /
     `GPT2Backbone` at the same sizes (layers, heads, hidden, intermediate, dropout, vocab 8000, seq 128), random
     init, the preset's batch, the same optimizer (AdamW), loss (sparse cross-entropy weighted by the mask) and
     steps_per_execution, on the TensorFlow backend, without and with XLA (`jit_compile`). Both masked LMs project
-    to the vocabulary at 20 gathered positions per sequence (keras-hub's `mask_positions`). Each model trains
-    in its own fresh process; the figure is the median of 3 timed windows after one warm-up window.
+    to the vocabulary at 20 gathered positions per sequence (keras-hub's `mask_positions`). Per family and XLA
+    setting, one fresh process (the peers' interpreter) builds both models and trains them in alternating
+    windows (`--rounds` each, after a warm-up window each); a window's steady-state rate is timed between its
+    first and last executions (`train_worker` says why), and the figure is the median window. A third model,
+    tpuctl's without its transformer layers (embeddings, head, loss and optimizer only), bounds what any layer
+    implementation could gain at this size.
 (b) Data preparation of one generated corpus (`--mb`, English + Korean words, blank-line documents) for a
     GPT-2 causal LM with blocks of 1024 tokens and GPT-2's vocabulary size (50257):
     - tpuctl: `tpuctl data prepare CORPUS --template gpt2` end to end (byte-level BPE training included);
@@ -151,27 +155,15 @@ def load() -> str:
 
 # ------------------------------------------------------------------------------------------------ training
 
-def train_worker(model: str, jit: bool, steps: int) -> dict:
-    """In a fresh process: build `model`, train `steps` x 3 timed steps on one repeated batch, return rates."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.path.insert(0, str(REPO / "templates"))
-    import keras
+def _build(model: str, family: str, cfg, rng, *, layers: int | None = None):
+    """(model, inputs, labels, weights) of `model` at `cfg`'s sizes (`layers` transformer layers if given), on
+    one random batch."""
+    import dataclasses
+
     import numpy as np
-    import tensorflow as tf
 
-    keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    family = "bert" if model.endswith("bert") else "gpt2"
-    if family == "bert":
-        from bert import config
-
-        cfg = config.build({"preset": "bert-tiny"})
-    else:
-        from gpt2 import config
-
-        cfg = config.build({"preset": "gpt2-tiny"})
     task, batch = cfg.task, cfg.trainer.per_replica_batch_size
-    assert task.seq_len == SEQ
+    task = task if layers is None else dataclasses.replace(task, num_layers=layers)
     ids = rng.integers(5, VOCAB, size=(batch, SEQ)).astype("int32")
     if family == "bert":
         positions = np.sort(rng.permuted(np.tile(np.arange(1, SEQ, dtype="int32"), (batch, 1)), axis=1)
@@ -185,63 +177,97 @@ def train_worker(model: str, jit: bool, steps: int) -> dict:
         from bert.model import build_model
 
         assert task.predictions_per_seq == PREDICTIONS
-        net = build_model(task, vocab_size=VOCAB)
-        x = {"input_ids": ids, "input_mask": np.ones_like(ids), "masked_positions": positions}
-    elif model == "tpuctl-gpt2":
+        return (build_model(task, vocab_size=VOCAB),
+                {"input_ids": ids, "input_mask": np.ones_like(ids), "masked_positions": positions}, labels, weights)
+    if model == "tpuctl-gpt2":
         from gpt2.model import build_model
 
-        net = build_model(task, vocab_size=VOCAB)
-        x = {"input_ids": ids}
-    elif model == "keras-hub-bert":
-        import keras_hub
+        return build_model(task, vocab_size=VOCAB), {"input_ids": ids}, labels, weights
+    import keras_hub
 
+    if model == "keras-hub-bert":
         net = keras_hub.models.BertMaskedLM(keras_hub.models.BertBackbone(vocabulary_size=VOCAB, **sizes),
                                             preprocessor=None)
-        x = {"token_ids": ids, "padding_mask": np.ones_like(ids), "segment_ids": np.zeros_like(ids),
-             "mask_positions": positions}
-    elif model == "keras-hub-gpt2":
-        import keras_hub
+        return net, {"token_ids": ids, "padding_mask": np.ones_like(ids), "segment_ids": np.zeros_like(ids),
+                     "mask_positions": positions}, labels, weights
+    net = keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(vocabulary_size=VOCAB, **sizes),
+                                        preprocessor=None)
+    return net, {"token_ids": ids, "padding_mask": np.ones_like(ids)}, labels, weights
 
-        net = keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(vocabulary_size=VOCAB, **sizes),
-                                            preprocessor=None)
-        x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+
+def train_worker(family: str, jit: bool, steps: int, rounds: int) -> dict:
+    """In one fresh process: tpuctl's and keras-hub's `family` model (and tpuctl's without layers), trained in
+    alternating windows of `steps` steps, `rounds` windows each after one warm-up window each; returns each
+    one's steady-state steps/s.
+
+    A window's rate is taken between the ends of its first and last executions (a Keras callback), so `fit`'s
+    own set-up and tear-down (a new iterator, callbacks; ~0.5-2 s on this machine whatever the model) are not
+    counted; alternating the models in one process makes them share whatever else the machine is doing."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.path.insert(0, str(REPO / "templates"))
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    if family == "bert":
+        from bert import config
+
+        cfg = config.build({"preset": "bert-tiny"})
     else:
-        raise ValueError(model)
-    net.compile(optimizer=keras.optimizers.AdamW(1e-4),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
-                weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()],
-                steps_per_execution=STEPS_PER_EXECUTION, jit_compile=jit)
-    ds = tf.data.Dataset.from_tensors((x, labels, weights)).repeat().prefetch(2)
-    net.fit(ds, steps_per_epoch=STEPS_PER_EXECUTION, epochs=1, verbose=0)  # trace + compile
-    rates = []
-    for _ in range(3):
-        start = time.perf_counter()
-        net.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0)
-        rates.append(steps / (time.perf_counter() - start))
-    return {"model": model, "jit": jit, "batch": batch, "params": net.count_params(),
-            "steps_per_sec": statistics.median(rates), "rates": rates}
+        from gpt2 import config
+
+        cfg = config.build({"preset": "gpt2-tiny"})
+    assert cfg.task.seq_len == SEQ
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+        def on_train_begin(self, logs=None):
+            self.ends = []
+
+    runs = {}
+    # "no-layers": tpuctl's model without its transformer layers (embeddings, head, loss, optimizer): how fast any
+    # model of this size could train at best, whatever its layers did.
+    for who in ("tpuctl", "keras-hub", "no-layers"):
+        keras.utils.set_random_seed(0)
+        net, x, labels, weights = _build(f"{'keras-hub' if who == 'keras-hub' else 'tpuctl'}-{family}", family, cfg,
+                                         np.random.default_rng(0), layers=0 if who == "no-layers" else None)
+        net.compile(optimizer=keras.optimizers.AdamW(1e-4),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                     reduction="mean_with_sample_weight"),
+                    weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()],
+                    steps_per_execution=STEPS_PER_EXECUTION, jit_compile=jit)
+        ds = tf.data.Dataset.from_tensors((x, labels, weights)).repeat().prefetch(2)
+        net.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0)  # trace, compile, warm up
+        runs[who] = {"net": net, "ds": ds, "rates": [], "params": net.count_params()}
+    clock = Clock()
+    for _ in range(rounds):
+        for run in runs.values():
+            run["net"].fit(run["ds"], steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[clock])
+            run["rates"].append((len(clock.ends) - 1) * STEPS_PER_EXECUTION / (clock.ends[-1] - clock.ends[0]))
+    return {"family": family, "jit": jit, "batch": cfg.trainer.per_replica_batch_size,
+            **{who: {"params": r["params"], "rates": r["rates"], "steps_per_sec": statistics.median(r["rates"])}
+               for who, r in runs.items()}}
 
 
-def bench_training(steps: int) -> dict:
+def bench_training(steps: int, rounds: int) -> list[str]:
     peers = str(peers_python())
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    results = {}
-    for jit in (False, True):
-        for family in ("bert", "gpt2"):
-            for who, python in (("tpuctl", sys.executable), ("keras-hub", peers)):
-                model = f"{who}-{family}"
-                r = run_measured([python, str(Path(__file__)), "--worker", model, "--jit", str(int(jit)),
-                                  "--steps", str(steps)], env=env)["reported"]
-                results[(model, jit)] = r
-                print(f"  {model:15} {'xla' if jit else 'eager':5} batch {r['batch']:3} params {r['params']:>9,}: "
-                      f"{r['steps_per_sec']:6.2f} steps/s (windows {', '.join(f'{v:.2f}' for v in r['rates'])})",
-                      flush=True)
     summary = []
     for family, preset in (("bert", "bert-tiny"), ("gpt2", "gpt2-tiny")):
         for jit in (False, True):
-            ours, theirs = (results[(f"{who}-{family}", jit)]["steps_per_sec"] for who in ("tpuctl", "keras-hub"))
+            r = run_measured([peers, str(Path(__file__)), "--worker", family, "--jit", str(int(jit)),
+                              "--steps", str(steps), "--rounds", str(rounds)], env=env)["reported"]
+            for who in ("tpuctl", "keras-hub", "no-layers"):
+                mine = r[who]
+                print(f"  {who:9} {preset:9} {'xla' if jit else 'no-xla':6} batch {r['batch']:3} params "
+                      f"{mine['params']:>9,}: {mine['steps_per_sec']:6.2f} steps/s (windows "
+                      f"{', '.join(f'{v:.2f}' for v in mine['rates'])})", flush=True)
+            ours, theirs = r["tpuctl"]["steps_per_sec"], r["keras-hub"]["steps_per_sec"]
             summary.append(f"train {preset} {'xla' if jit else 'no-xla'}: tpuctl {ours:.2f} / keras-hub "
-                           f"{theirs:.2f} steps/s = {ours / theirs:.2f}x (goal >= 1.3)")
+                           f"{theirs:.2f} steps/s = {ours / theirs:.2f}x (goal >= 1.3; tpuctl's model without its "
+                           f"layers: {r['no-layers']['steps_per_sec'] / theirs:.2f}x)")
     return summary
 
 
@@ -348,19 +374,20 @@ def bench_prepare(mb: float) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=100.0, help="corpus size for the data preparation comparison")
-    p.add_argument("--steps", type=int, default=40, help="training steps per timed window")
+    p.add_argument("--steps", type=int, default=60, help="training steps per timed window")
+    p.add_argument("--rounds", type=int, default=5, help="timed windows per model, alternating")
     p.add_argument("--only", choices=["train", "prepare"])
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--jit", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        print(json.dumps(train_worker(a.worker, bool(a.jit), a.steps)))
+        print(json.dumps(train_worker(a.worker, bool(a.jit), a.steps, a.rounds)))
         return
     started = load()
     print(f"load at start: {started} ({len(os.sched_getaffinity(0))} cores, shared)", flush=True)
     summary = []
     if a.only in (None, "train"):
-        summary += bench_training(a.steps)
+        summary += bench_training(a.steps, a.rounds)
     if a.only in (None, "prepare"):
         summary += bench_prepare(a.mb)
     # The summary last, in at most 12 lines: bench/report.py records a benchmark's last 12 lines.
