@@ -174,10 +174,14 @@ HEADLINE_KEYS = {
 
 
 def headline(name: str, section: str) -> tuple[str, str]:
-    """(when it ran, its headline figures) from a rendered section."""
-    when = re.search(r"^- run: (.*)$", section, re.MULTILINE)
-    body = re.search(r"```\n(.*?)\n```", section, re.DOTALL)
-    text = body.group(1) if body else ""
+    """(when it ran, its headline figures) from a rendered section: its latest run, the last `- run:` line and
+    the last output block (a section may record several runs, oldest first)."""
+    runs = re.findall(r"^- run: (.*)$", section, re.MULTILINE)
+    bodies = re.findall(r"```\n(.*?)\n```", section, re.DOTALL)
+    text = bodies[-1] if bodies else ""
+    when = runs[-1] if runs else "?"
+    if "(" in when:  # a note after the run; the table keeps it only when it closes on this line
+        when = when[:when.index(")") + 1] if ")" in when else when[:when.index("(")].rstrip()
     if name in HEADLINE_KEYS:
         try:
             doc = json.loads(text)
@@ -187,7 +191,7 @@ def headline(name: str, section: str) -> tuple[str, str]:
     else:
         pattern = HEADLINE_LINES.get(name)
         figures = "; ".join(l.strip() for l in text.splitlines() if pattern and pattern.match(l.strip()))
-    return (when.group(1) if when else "?"), (figures or "see below")
+    return when, (figures or "see below")
 
 
 def _short(v) -> str:
