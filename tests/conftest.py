@@ -68,6 +68,18 @@ class OfficialClients:
                 raise TimeoutError(f"operation {op.name} not done after {timeout} s")
 
 
+def on_jax(module: str, check: str, timeout: float = 150) -> str:
+    """Run `module.check()` (a test module's function that raises on failure and returns the backend it ran on)
+    in a fresh interpreter with KERAS_BACKEND=jax: Keras fixes its backend at import, once per process. Returns
+    what it returned; fails the test with its stderr."""
+    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run([sys.executable, "-c", f"import {module} as t; print(t.{check}())"],
+                          cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()[-1]
+
+
 def official_clients(cloud: LocalCloud, project: str) -> OfficialClients:
     from google.cloud import billing_v1, compute_v1, resourcemanager_v3, storage, tpu_v2
 

@@ -3,11 +3,9 @@ with the same loss and accuracy as projecting every position and weighting by th
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from conftest import on_jax
 
 pytest.importorskip("tensorflow")
 
@@ -71,9 +69,4 @@ def test_gathered_head_matches_the_full_sequence_head_on_tensorflow():
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 def test_gathered_head_matches_the_full_sequence_head_on_jax():
-    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    code = "import test_bert_head as t; print(t.check_gathered_head_matches_full_sequence())"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
-                          capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "jax"
+    assert on_jax("test_bert_head", "check_gathered_head_matches_full_sequence") == "jax"

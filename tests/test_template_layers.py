@@ -4,11 +4,9 @@ rate, keeps the expectation, draws a new mask per call and is the identity outsi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from conftest import on_jax
 
 pytest.importorskip("tensorflow")
 
@@ -64,9 +62,4 @@ def test_layers_match_keras_on_tensorflow():
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 def test_layers_match_keras_on_jax():
-    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    code = "import test_template_layers as t; print(t.check_layers())"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
-                          capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "jax"
+    assert on_jax("test_template_layers", "check_layers") == "jax"
