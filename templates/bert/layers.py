@@ -90,7 +90,8 @@ class SelfAttention(layers.Layer):
     def __init__(self, num_heads: int, head_dim: int, *, dropout: float = 0.0, causal: bool = False,
                  kernel_initializer="glorot_uniform", seed: int | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.num_heads, self.head_dim, self.rate, self.causal, self.seed = num_heads, head_dim, dropout, causal, seed
+        self.num_heads, self.head_dim, self.rate = num_heads, head_dim, dropout
+        self.causal, self.seed = causal, seed
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.seed_generator = keras.random.SeedGenerator(seed)
 
@@ -135,6 +136,6 @@ class SelfAttention(layers.Layer):
         return x_shape
 
     def get_config(self):
-        return {**super().get_config(), "num_heads": self.num_heads, "head_dim": self.head_dim, "dropout": self.rate,
-                "causal": self.causal, "seed": self.seed,
+        return {**super().get_config(), "num_heads": self.num_heads, "head_dim": self.head_dim,
+                "dropout": self.rate, "causal": self.causal, "seed": self.seed,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer)}
