@@ -177,7 +177,8 @@ def headline(name: str, section: str) -> tuple[str, str]:
     """(when it ran, its headline figures) from a rendered section: its latest run, the last `- run:` line and
     the last output block (a section may record several runs, oldest first)."""
     runs = re.findall(r"^- run: (.*)$", section, re.MULTILINE)
-    bodies = re.findall(r"```\n(.*?)\n```", section, re.DOTALL)
+    # Output blocks only: a failed run's "stderr tail:" block follows its output and holds no figures.
+    bodies = re.findall(r"(?<!stderr tail:\n\n)```\n(.*?)\n```", section, re.DOTALL)
     text = bodies[-1] if bodies else ""
     when = runs[-1] if runs else "?"
     if "(" in when:  # a note after the run; the table keeps it only when it closes on this line
