@@ -321,8 +321,8 @@ def train_on_sample(tok, trainer, sources: list[Source], sample_bytes: int, *, s
     Blocks. Raises DataError when the corpus has no text.
 
     The sample is written to a temporary file and trained with `Tokenizer.train(files)`: the Rust side then
-    reads and counts words on every core, where `train_from_iterator` is fed one Python batch at a time (about
-    1.4 s of 5 on 32 MiB with two cores, bench/peers.py)."""
+    reads and counts words on every core, where `train_from_iterator` is fed one Python batch at a time
+    (measured on 32 MiB of the peers corpus, 2 cores: 3.8 s instead of 5.2 s)."""
     budget = min(sample_bytes, sum(s.size for s in sources))
     written = 0
     with tempfile.TemporaryDirectory(prefix="tpuctl-tokenizer-") as tmp:
@@ -411,12 +411,10 @@ def stream_ids(carry, encodings: list, ends: list[bool], separator: int):
     how many documents ended): the token stream the packers cut into sequences."""
     import numpy as np
 
-    if len(encodings) != len(ends):
-        raise ValueError(f"{len(encodings)} encodings for {len(ends)} document ends")
     sep = (separator,)
     # One pass from the encodings' id lists into numpy (no intermediate Python list): this runs on the main
     # thread beside the encoder's, and costs ~40% less than extend + asarray.
-    pieces = ((e.ids, sep) if end else (e.ids,) for e, end in zip(encodings, ends))
+    pieces = ((e.ids, sep) if end else (e.ids,) for e, end in zip(encodings, ends, strict=True))
     flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(pieces)), dtype=np.int64)
     return np.concatenate((carry, flat)), sum(ends)
 
