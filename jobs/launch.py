@@ -31,8 +31,9 @@ class WorkerState:
 
 
 def targets_from_workers(workers: Sequence, *, default_port: int = 22) -> list[Target]:
-    """SSH targets from provisioning's `Worker`s (index, ip, port, host_key)."""
-    return [Target(index=w.index, host=w.ip, port=w.port or default_port, host_key=w.host_key) for w in workers]
+    """SSH targets from provisioning's `Worker`s (index, ip, port, host key and its alias)."""
+    return [Target(index=w.index, host=w.ip, port=w.port or default_port, host_key=w.host_key,
+                   host_key_alias=w.host_key_alias) for w in workers]
 
 
 async def launch(fleet: Fleet, *, run: str, project: str, bucket: str, bundle: Bundle, python: str,

@@ -2,7 +2,9 @@
 
 Host keys: a worker whose key the node publishes (guest attributes, carried in `Target.host_key`) must
 present exactly that key. A worker with no published key is trusted on first use: its key is recorded in
-tpuctl's own known_hosts file (one Warn event says so) and verified on every later connection.
+tpuctl's own known_hosts file (one Warn event says so) and verified on every later connection to the same
+machine. The record is keyed by the machine's identity, as gcloud's HostKeyAlias is (`tpu.<node id>-<worker>`,
+`compute.<instance id>`), not by its address: a recreated node may reuse an address with a new key.
 
 Connecting retries with backoff until a deadline, because a freshly added `ssh-keys` entry takes a while
 to reach the guest (PermissionDenied) and a booting worker refuses connections.
@@ -29,16 +31,22 @@ CONNECT_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class Target:
-    """One worker: its index in the slice, address, and the host key the node published (or None)."""
+    """One worker: its index in the slice, address, the host key the node published (or None), and the
+    machine identity a first-use key is recorded under (None: the address, for a machine with no id)."""
 
     index: int
     host: str
     port: int = 22
     host_key: str | None = None  # "ssh-ed25519 AAAA..." (type + base64) from guest attributes
+    host_key_alias: str | None = None
+
+    @property
+    def address(self) -> str:
+        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
 
     @property
     def known_hosts_name(self) -> str:
-        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+        return self.host_key_alias or self.address
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,8 @@ def _record_key(target: Target, key: asyncssh.SSHKey) -> None:
 
 
 def _forget(target: Target) -> None:
-    """A recreated node reuses addresses with new host keys; a published key supersedes the recorded one."""
+    """A key published later (guest attributes were unreadable at first) supersedes the one recorded for
+    the machine on first use."""
     f = _known_hosts_file()
     if f.exists():
         keep = [l for l in f.read_text().splitlines(keepends=True) if l.split()[:1] != [target.known_hosts_name]]
@@ -122,12 +131,12 @@ async def connect(
                 timeout=min(CONNECT_TIMEOUT_S, max(0.5, end - time.monotonic())),
             )
         except asyncssh.HostKeyNotVerifiable as exc:
-            raise HostKeyMismatch(f"worker {target.index} ({target.known_hosts_name}) presented an unexpected host key: {exc}") from exc
+            raise HostKeyMismatch(f"worker {target.index} ({target.address}) presented an unexpected host key: {exc}") from exc
         except (OSError, asyncio.TimeoutError, asyncssh.Error) as exc:
             last = f"{type(exc).__name__}: {exc}"
             if time.monotonic() + delay > end:
                 raise WaitTimeout(
-                    f"worker {target.index} ({target.known_hosts_name}) did not accept SSH within {deadline_s:.0f}s ({last})",
+                    f"worker {target.index} ({target.address}) did not accept SSH within {deadline_s:.0f}s ({last})",
                     hint="the ssh-keys metadata may not have propagated yet; retry `tpuctl ssh` in a minute",
                 ) from exc
             if on_retry:
@@ -142,7 +151,7 @@ async def connect(
             if server_key is not None:
                 _record_key(target, server_key)
                 on_event(Warn(
-                    f"worker {target.index} ({target.known_hosts_name}) publishes no host key; trusting it on first use "
+                    f"worker {target.index} ({target.address}) publishes no host key; trusting it on first use "
                     f"and recording it in {_known_hosts_file()}"
                 ))
         return conn

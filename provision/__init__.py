@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 
 from tpuctl import catalog as _catalog
@@ -154,7 +155,7 @@ def workers(clients: Clients, zone: str, name: str) -> tuple[Worker, ...]:
     if node is None:
         return _compute_tpu_or_not_found(_compute_tpu.workers, clients, zone, name)
     keys = _tpu.host_keys(clients, zone, name)
-    return tuple(Worker(index=w.index, ip=w.ip, port=w.port, host_key=keys[w.index] if w.index < len(keys) else None)
+    return tuple(replace(w, host_key=keys[w.index] if w.index < len(keys) else None)
                  for w in _tpu.to_resource(node, local=clients.local).workers)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from google.api_core import exceptions as gexc
@@ -118,7 +118,8 @@ def to_resource(inst: compute_v1.Instance, *, project: str, catalog: Catalog) ->
     if ends is not None:
         detail["ends"] = ends.isoformat()
     workers = tuple(
-        Worker(index=0, ip=(nic.access_configs[0].nat_i_p if nic.access_configs else "") or nic.network_i_p, port=22)
+        Worker(index=0, ip=(nic.access_configs[0].nat_i_p if nic.access_configs else "") or nic.network_i_p, port=22,
+               host_key_alias=f"compute.{inst.id}" if inst.id else None)
         for nic in inst.network_interfaces[:1])
     return Resource(kind=Kind.TPU, name=base.name, project=project, location=base.location, state=base.state,
                     labels=base.labels, created=base.created, run=base.run,
@@ -183,7 +184,8 @@ def slice_to_resource(mig: str, members: list[compute_v1.Instance], *, project: 
     hosts = [to_resource(i, project=project, catalog=catalog) for i in sorted(members, key=lambda i: i.name)]
     first = hosts[0]
     t = catalog.for_machine_type(first.machine_type or "", hosts=len(hosts))
-    workers = tuple(Worker(index=n, ip=h.workers[0].ip if h.workers else "", port=22) for n, h in enumerate(hosts))
+    workers = tuple(replace(h.workers[0], index=n) if h.workers else Worker(index=n, ip="", port=22)
+                    for n, h in enumerate(hosts))
     created = min((h.created for h in hosts if h.created is not None), default=None)
     return Resource(kind=Kind.TPU, name=mig.rsplit("/", 1)[-1], project=project, location=first.location,
                     state=worst(h.state for h in hosts), labels=first.labels, created=created, run=first.run,
@@ -364,8 +366,8 @@ def workers(clients: Clients, zone: str, name: str, *, catalog: Catalog) -> tupl
     for index, inst in enumerate(found[0]):
         host = to_resource(inst, project=clients.project, catalog=catalog).workers
         key, port = _guest(clients, zone, inst)
-        out.append(Worker(index=index, ip=host[0].ip if host else "",
-                          port=port if clients.local and port else 22, host_key=key))
+        out.append(Worker(index=index, ip=host[0].ip if host else "", port=port if clients.local and port else 22,
+                          host_key=key, host_key_alias=host[0].host_key_alias if host else None))
     return tuple(out)
 
 

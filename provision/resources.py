@@ -41,6 +41,10 @@ class Worker:
     ip: str
     port: int
     host_key: str | None = None  # "ssh-ed25519 AAAA..." from guest attributes, when published
+    # The machine's identity, which a key trusted on first use is recorded under (gcloud's HostKeyAlias:
+    # `tpu.<node id>-<worker>` for a TPU VM, `compute.<instance id>` for an instance). Addresses are reused
+    # by later machines; ids are not, so a new machine is never checked against an old one's key.
+    host_key_alias: str | None = None
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def to_resource(node: tpu_v2.Node, *, local: bool) -> Resource:
     workers = tuple(
         # On GCP `port` is the TPU runtime's (8470); SSH is 22. The local cloud puts each worker's SSH port there.
         Worker(index=i, ip=(ep.access_config.external_ip or ep.ip_address) if not local else ep.ip_address,
-               port=ep.port if local else 22)
+               port=ep.port if local else 22, host_key_alias=f"tpu.{node.id}-{i}" if node.id else None)
         for i, ep in enumerate(node.network_endpoints))
     sched = node.scheduling_config
     return Resource(kind=Kind.TPU, name=name, project=project, location=zone, state=states.node_state(node.state),

@@ -163,6 +163,9 @@ def test_guest_attributes_returning_nothing_leaves_host_keys_to_first_use(pc, cl
     cloud.faults.add("no-guest-attributes", service="tpu", count=1)
     workers = prov.workers(pc, "europe-west4-a", "run1")
     assert workers and all(w.host_key is None for w in workers)
+    # A key trusted on first use is recorded under the node's id, as gcloud's HostKeyAlias is, not the address.
+    node = pc.tpu.get_node(name=node_name(pc))
+    assert [w.host_key_alias for w in workers] == [f"tpu.{node.id}-{w.index}" for w in workers]
     prov.down(pc, "run1", delete_bucket=True)
 
 

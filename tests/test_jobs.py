@@ -6,9 +6,11 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -256,7 +258,7 @@ def test_unpublished_host_key_is_trusted_on_first_use_then_verified(tmp_path, tp
     warnings: list[str] = []
     s = make_slice(tmp_path, storage, 1)
     try:
-        from tpuctl.jobs.ssh import HostKeyMismatch, Target
+        from tpuctl.jobs.ssh import HostKeyMismatch
 
         def heard(event: events.Event) -> None:
             if isinstance(event, events.Warn):
@@ -266,13 +268,57 @@ def test_unpublished_host_key_is_trusted_on_first_use_then_verified(tmp_path, tp
             async with Fleet([target], ensure_keypair(), deadline_s=5, on_event=heard) as fleet:
                 return (await fleet.run(0, "echo hi")).stdout
 
-        t = s.targets(publish_host_keys=False)[0]
+        t = replace(s.targets(publish_host_keys=False)[0], host_key_alias="tpu.1001-0")
         assert asyncio.run(hello(t)) == "hi\n"
         assert asyncio.run(hello(t)) == "hi\n"
         assert len(warnings) == 1 and "trusting it on first use" in warnings[0]
         other = ensure_keypair().load_private().export_public_key().decode().strip()
         with pytest.raises(HostKeyMismatch):
-            asyncio.run(hello(Target(0, t.host, t.port, host_key=other)))
+            asyncio.run(hello(replace(t, host_key=other)))
+
+        # The node is deleted and a new one gets the same address and port (GCP reuses internal IPs) with a
+        # new key: it is a new machine (a new node id), trusted on its own first use, not refused for the old
+        # one's key, while the old machine's identity still refuses the new key.
+        s.recreate(0)
+        with pytest.raises(HostKeyMismatch):
+            asyncio.run(hello(t))
+        assert asyncio.run(hello(replace(t, host_key_alias="tpu.1002-0"))) == "hi\n"
+        assert len(warnings) == 2
+    finally:
+        s.close()
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="needs the OpenSSH client")
+def test_interactive_ssh_verifies_the_key_recorded_under_the_machine_identity(tmp_path, tpuctl_home, storage,
+                                                                              monkeypatch):
+    """`tpuctl ssh RUN` hands over to OpenSSH; it must find the key tpuctl trusted on first use (recorded under
+    the machine's id, on a port other than 22) and refuse a new machine's key at the same address."""
+    from tpuctl.cli.jobs import _interactive
+
+    s = make_slice(tmp_path, storage, 1)
+    try:
+        key = ensure_keypair()
+        t = replace(s.targets(publish_host_keys=False)[0], host_key_alias="tpu.2001-0")
+
+        async def hello():
+            async with Fleet([t], key, deadline_s=5) as fleet:
+                return (await fleet.run(0, "echo hi")).stdout
+
+        assert asyncio.run(hello()) == "hi\n"  # recorded on first use
+
+        def openssh(target) -> subprocess.CompletedProcess:
+            argv: list[str] = []
+            monkeypatch.setattr(os, "execv", lambda _exe, a: argv.extend(a))
+            _interactive(key, target)
+            # Non-interactive for the test: no prompt, no terminal; the same host-key options.
+            return subprocess.run([*argv[:-1], "-o", "BatchMode=yes", argv[-1], "echo", "shell"],
+                                  capture_output=True, text=True, timeout=60)
+
+        done = openssh(t)
+        assert (done.returncode, done.stdout) == (0, "shell\n"), done.stderr
+        s.recreate(0)
+        refused = openssh(t)
+        assert refused.returncode == 255 and "HOST IDENTIFICATION HAS CHANGED" in refused.stderr
     finally:
         s.close()
 

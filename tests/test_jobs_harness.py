@@ -112,6 +112,16 @@ class FakeSlice:
             Server, "127.0.0.1", self.ports[i], server_host_keys=[self.host_keys[i]],
             authorized_client_keys=self.authorized, process_factory=handle, encoding=None)
 
+    def recreate(self, i: int) -> None:
+        """Worker i comes back as a new machine at the same address and port, with a new host key."""
+        async def restart():
+            self.servers[i].close()
+            await self.servers[i].wait_closed()
+            self.host_keys[i] = asyncssh.generate_private_key("ssh-ed25519")
+            self.servers[i] = await self._start(i)
+
+        self._call(restart())
+
     def targets(self, publish_host_keys: bool = True) -> list[Target]:
         return [Target(index=i, host="127.0.0.1", port=self.ports[i],
                        host_key=self.host_keys[i].export_public_key().decode().strip() if publish_host_keys else None)

@@ -229,7 +229,9 @@ def test_multi_host_slice_is_a_mig_with_a_workload_policy_and_one_resource(pc, c
     workers = prov.workers(pc, ZONE, "x1")
     assert [w.index for w in workers] == [0, 1] and len({w.port for w in workers}) == 2
     assert all(w.port != 22 and (w.host_key or "").startswith("ssh-ed25519 ") for w in workers)
-    members = sorted(i.name for i in pc.instances.list(project=pc.project, zone=ZONE))
+    instances = sorted(pc.instances.list(project=pc.project, zone=ZONE), key=lambda i: i.name)
+    assert [w.host_key_alias for w in workers] == [f"compute.{i.id}" for i in instances]  # gcloud's HostKeyAlias
+    members = [i.name for i in instances]
     trees = [cloud.compute.guest_metadata(f"projects/{pc.project}/zones/{ZONE}/instances/{m}") for m in members]
     attrs = [t["instance"]["attributes"] for t in trees]
     assert [a["agent-worker-number"] for a in attrs] == ["0", "1"]

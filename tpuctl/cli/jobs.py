@@ -211,9 +211,13 @@ def _interactive(key, target) -> None:
         # The key the node publishes now, not whatever an earlier node at this address had.
         known = paths.ssh_dir() / "published_known_hosts"
         known.write_text(f"{target.known_hosts_name} {target.host_key}\n")
+    # HostKeyAlias makes OpenSSH look the key up (and record it) under the machine's identity alone, port or
+    # not, as jobs/ssh.py does; unhashed, so tpuctl's own connections can read what the user accepted here.
+    alias = ["-o", f"HostKeyAlias={target.host_key_alias}"] if target.host_key_alias else []
     argv = [exe, "-i", str(key.private_path), "-p", str(target.port), "-o", f"UserKnownHostsFile={known}",
-            "-o", "StrictHostKeyChecking=yes" if known.exists() else "StrictHostKeyChecking=ask",
-            "-o", "IdentitiesOnly=yes", f"{key.user}@{target.host}"]
+            # Unpublished: a key recorded for this machine is enforced; an unknown one is the user's to accept.
+            "-o", "StrictHostKeyChecking=yes" if target.host_key else "StrictHostKeyChecking=ask",
+            "-o", "HashKnownHosts=no", *alias, "-o", "IdentitiesOnly=yes", f"{key.user}@{target.host}"]
     os.execv(exe, argv)
 
 
