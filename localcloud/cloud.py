@@ -185,7 +185,7 @@ class LocalCloud:
             objs = b.get("objects")
             row["objects"] = len(objs) if isinstance(objs, (list, dict)) else objs
             buckets.append(row)
-        return {**self.tpu.inventory(), **self.compute.inventory(), "buckets": buckets}
+        return {**self.tpu.inventory(), **self.compute.inventory(), **self.groups.inventory(), "buckets": buckets}
 
     def status(self) -> dict:
         return {"endpoint": self.endpoint, "storage_host": self.storage_host, "speed": self.speed,

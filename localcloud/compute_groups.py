@@ -52,6 +52,22 @@ class ComputeGroupsService:
         self.templates = data.get("templates", {})
         self.migs = data.get("migs", {})
 
+    def inventory(self) -> dict:
+        """Live MIGs (with their instances' names), instance templates and resource policies: none of them is
+        billed, but each is something a create left behind until a delete removes it."""
+        def where(key: str) -> dict:
+            parts = key.split("/")  # projects/P/{zones|regions}/L/collection/N
+            return {"name": parts[5], "project": parts[1], "location": parts[3]}
+
+        with self.w.lock:
+            return {
+                "instance_group_managers": [
+                    {**where(k), "target_size": int(r["mig"].get("targetSize") or 0),
+                     "instances": sorted(m.rsplit("/", 1)[-1] for m in r["members"])}
+                    for k, r in self.migs.items()],
+                "instance_templates": [where(k) for k in self.templates],
+                "resource_policies": [where(k) for k in self.policies]}
+
     # ---------------------------------------------------------------------------------- operations
     def _region_op(self, project: str, region: str, op_type: str, target: str, target_id: str) -> dict:
         base = f"projects/{project}/regions/{region}"

@@ -52,11 +52,13 @@ def _live(cloud, project: str) -> dict:
     inv = cloud.inventory()
     return {"nodes": [n["name"] for n in inv["nodes"] if n["project"] == project],
             "instances": [i["name"] for i in inv["instances"] if i["project"] == project],
-            "queued": [q["name"] for q in inv["queued_resources"] if f"projects/{project}/" in q["name"]]}
+            "queued": [q["name"] for q in inv["queued_resources"] if f"projects/{project}/" in q["name"]],
+            **{kind: [r["name"] for r in inv[kind] if r["project"] == project]
+               for kind in ("instance_group_managers", "instance_templates", "resource_policies")}}
 
 
 def _zero(cloud, project: str) -> bool:
-    return _live(cloud, project) == {"nodes": [], "instances": [], "queued": []}
+    return not any(_live(cloud, project).values())
 
 
 def _buckets(cloud, project: str) -> list[str]:

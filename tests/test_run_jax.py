@@ -76,6 +76,35 @@ def test_jax_on_a_tpu7x_compute_engine_vm_trains_checkpoints_and_leaves_nothing(
     assert _zero(cloud, project)
 
 
+@pytest.mark.slow
+@pytest.mark.tf
+@pytest.mark.timeout(900)
+def test_jax_on_a_2_host_tpu7x_mig_slice_trains_on_both_hosts_and_leaves_nothing(tpc, cloud, project):
+    """tpu7x-16 is two Compute Engine VMs in a MIG with a workload policy: the pipeline reaches both as workers 0
+    and 1 of one slice, their guests meet through `jax.distributed` (process ids from `agent-worker-number`,
+    the coordinator from `worker-network-endpoints`), and down deletes the MIG, its template and its policy."""
+    spec = spec_mod.from_mapping({
+        "name": "bert-7x16", "zone": "us-central1-c", "accelerator": "tpu7x-16",
+        "job": {"template": "bert", "preset": "bert-tiny",
+                "config": {"trainer": {"max_steps": 10, "checkpoint_every": 10, "log_every": 10,
+                                       "steps_per_execution": 10, "warmup_steps": 2, "per_replica_batch_size": 8,
+                                       "shuffle_buffer": 64}},
+                "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
+    o = p.run()
+    assert (p.plan.accelerator.api, p.plan.accelerator.hosts, p.plan.framework) == ("compute", 2, "jax")
+    assert o.state == "succeeded" and o.step == 10, o
+    logs = [_text(tpc, o.bucket, f"runs/bert-7x16/logs/worker-{w}.log") for w in range(2)]
+    for w, log in enumerate(logs):
+        start = next(line for line in log.splitlines() if line.startswith("start "))
+        assert start.startswith("start backend=jax strategy=cpu processes=2 hosts=2 devices=16 per_replica_batch=8 "
+                                "global_batch=128 step=0"), (w, log[-2000:])
+        assert "done step=10 " in log, (w, log[-2000:])
+    assert "checkpoint step=10 " in logs[0] and "checkpoint step=" not in logs[1]  # process 0 alone writes
+    assert {"checkpoints/ckpt-10.npz", "checkpoints/checkpoint"} <= set(o.artifacts)
+    assert _zero(cloud, project)
+
+
 def _tpu7x_spec(name: str, *, max_steps: int, **fields) -> dict:
     """bert-tiny on one TPU7x VM (Compute Engine), checkpointing every 5 steps."""
     return {"name": name, "zone": "us-central1-c", "accelerator": "tpu7x-8", **fields,

@@ -244,8 +244,18 @@ def test_multi_host_slice_is_a_mig_with_a_workload_policy_and_one_resource(pc, c
     [run] = prov.status(pc, "x1", price=lambda r: cost.hourly(entry_of(r), cat))
     assert [x.kind for x in run.resources].count(prov.Kind.TPU) == 1 and run.workers == 2
     assert run.price_per_hour == pytest.approx(cat.tpu_price_per_hour("tpu7x-16", ZONE, spot=False))
+    # The local cloud's own inventory (`tpuctl local status`) shows the slice's parts too, not just its VMs.
+    def parts() -> list[tuple[str, str]]:
+        inv = cloud.inventory()
+        return sorted((kind, r["name"]) for kind in ("instance_group_managers", "instance_templates",
+                                                     "resource_policies") for r in inv[kind] if r["project"] == pc.project)
+
+    assert parts() == [("instance_group_managers", "x1"), ("instance_templates", "x1-tpl"),
+                       ("resource_policies", "x1-wp")]
+    mig_row = next(m for m in cloud.inventory()["instance_group_managers"] if m["project"] == pc.project)
+    assert mig_row["instances"] == members and mig_row["target_size"] == 2
     prov.down(pc, "x1", delete_bucket=True)
-    assert everything(pc) == [] and slice_parts(pc) == []
+    assert everything(pc) == [] and slice_parts(pc) == [] and parts() == []
 
 
 def test_a_slice_without_capacity_is_rolled_back_whole(pc, cloud):

@@ -125,6 +125,10 @@ def status_command(as_json: bool, state_dir: Path | None) -> None:
     for i in res["instances"]:
         ports = ",".join(str(w["port"]) for w in i["workers"])
         rows.append(("vm", i["name"], i["zone"], i["status"], i["machine_type"], ports))
+    for m in res.get("instance_group_managers", []):
+        rows.append(("instance-group", m["name"], m["location"], "", f"{len(m['instances'])}/{m['target_size']} vms", ""))
+    for kind, key in (("instance-template", "instance_templates"), ("resource-policy", "resource_policies")):
+        rows.extend((kind, r["name"], r["location"], "", "", "") for r in res.get(key, []))
     for b in res["buckets"]:
         rows.append(("bucket", b["name"], b.get("location", ""), "", f"{b.get('bytes', 0)} bytes", ""))
     console.info(f"local cloud at {status['endpoint']} (storage {status['storage_host']}, speed {status['speed']:g}x, "
