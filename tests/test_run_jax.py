@@ -50,19 +50,23 @@ def test_jax_on_a_2_host_v5e_slice_trains_on_both_hosts_and_resumes_after_preemp
     assert _zero(cloud, project)
 
 
+def _tpu7x_spec(name: str, *, max_steps: int, **fields) -> dict:
+    """bert-tiny on TPU7x (one VM unless `fields` names another accelerator), checkpointing every 5 steps."""
+    return {"name": name, "zone": "us-central1-c", "accelerator": "tpu7x-8", **fields,
+            "job": {"template": "bert", "preset": "bert-tiny",
+                    "config": {"trainer": {"max_steps": max_steps, "checkpoint_every": 5, "log_every": 5,
+                                           "steps_per_execution": 5, "warmup_steps": 2,
+                                           "per_replica_batch_size": 8, "shuffle_buffer": 64}},
+                    "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}}
+
+
 @pytest.mark.slow
 @pytest.mark.tf
 @pytest.mark.timeout(600)
 def test_jax_on_a_tpu7x_compute_engine_vm_trains_checkpoints_and_leaves_nothing(tpc, cloud, project):
     """TPU7x is a Compute Engine instance, not a TPU API node: the same pipeline reaches its one SSH worker,
     whose guest learns the slice from its metadata server (accelerator-type tpu7x-8: 8 JAX devices)."""
-    spec = spec_mod.from_mapping({
-        "name": "bert-7x", "zone": "us-central1-c", "accelerator": "tpu7x-8",
-        "job": {"template": "bert", "preset": "bert-tiny",
-                "config": {"trainer": {"max_steps": 10, "checkpoint_every": 10, "log_every": 10,
-                                       "steps_per_execution": 10, "warmup_steps": 2, "per_replica_batch_size": 8,
-                                       "shuffle_buffer": 64}},
-                "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
+    spec = spec_mod.from_mapping(_tpu7x_spec("bert-7x", max_steps=10))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     o = p.run()
     assert (p.plan.accelerator.api, p.plan.framework) == ("compute", "jax")
@@ -83,13 +87,7 @@ def test_jax_on_a_2_host_tpu7x_mig_slice_trains_on_both_hosts_and_leaves_nothing
     """tpu7x-16 is two Compute Engine VMs in a MIG with a workload policy: the pipeline reaches both as workers 0
     and 1 of one slice, their guests meet through `jax.distributed` (process ids from `agent-worker-number`,
     the coordinator from `worker-network-endpoints`), and down deletes the MIG, its template and its policy."""
-    spec = spec_mod.from_mapping({
-        "name": "bert-7x16", "zone": "us-central1-c", "accelerator": "tpu7x-16",
-        "job": {"template": "bert", "preset": "bert-tiny",
-                "config": {"trainer": {"max_steps": 10, "checkpoint_every": 10, "log_every": 10,
-                                       "steps_per_execution": 10, "warmup_steps": 2, "per_replica_batch_size": 8,
-                                       "shuffle_buffer": 64}},
-                "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
+    spec = spec_mod.from_mapping(_tpu7x_spec("bert-7x16", max_steps=10, accelerator="tpu7x-16"))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     o = p.run()
     assert (p.plan.accelerator.api, p.plan.accelerator.hosts, p.plan.framework) == ("compute", 2, "jax")
@@ -103,16 +101,6 @@ def test_jax_on_a_2_host_tpu7x_mig_slice_trains_on_both_hosts_and_leaves_nothing
     assert "checkpoint step=10 " in logs[0] and "checkpoint step=" not in logs[1]  # process 0 alone writes
     assert {"checkpoints/ckpt-10.npz", "checkpoints/checkpoint"} <= set(o.artifacts)
     assert _zero(cloud, project)
-
-
-def _tpu7x_spec(name: str, *, max_steps: int, **fields) -> dict:
-    """bert-tiny on one TPU7x VM (Compute Engine), checkpointing every 5 steps."""
-    return {"name": name, "zone": "us-central1-c", "accelerator": "tpu7x-8", **fields,
-            "job": {"template": "bert", "preset": "bert-tiny",
-                    "config": {"trainer": {"max_steps": max_steps, "checkpoint_every": 5, "log_every": 5,
-                                           "steps_per_execution": 5, "warmup_steps": 2,
-                                           "per_replica_batch_size": 8, "shuffle_buffer": 64}},
-                    "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}}
 
 
 def _instance_path(p: Pipeline) -> str:
