@@ -1,6 +1,8 @@
 """bert/layers.py on both Keras backends: SelfAttention is Keras MultiHeadAttention (same variables under the same
 names, same outputs for a padding mask and for the causal mask), and Dropout on random bytes drops the rounded
-rate, keeps the expectation, draws a new mask per call and is the identity outside training."""
+rate, keeps the expectation, draws a new mask per call and is the identity outside training, with either
+generator (the hash under XLA, TensorFlow's Philox without); the hash's bytes are uniform and independent
+between neighbours and between seeds."""
 
 from __future__ import annotations
 
@@ -46,13 +48,47 @@ def check_layers() -> str:
     layer = Dropout(0.1)
     ones = np.ones((64, 1001), "float32")  # 64064 elements: not a whole number of 32-bit draws per row
     assert np.array_equal(np.asarray(layer(ones)), ones)  # inference: the identity
-    first, second = (np.asarray(layer(ones, training=True)) for _ in range(2))
-    dropped = (first == 0).mean()
-    assert abs(dropped - quantized_rate(0.1)) < 0.006, dropped  # 5 sigma at n = 64064
-    np.testing.assert_allclose(first[first != 0], 256 / 230, rtol=1e-6)
-    assert abs(first.mean() - 1) < 0.01
-    assert (first != second).mean() > 0.1  # a fresh mask every call
+    calls = [lambda x: layer(x, training=True)]  # eager: JAX hashes, TensorFlow draws Philox bytes
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        calls.append(tf.function(calls[0], jit_compile=True))  # TensorFlow under XLA hashes
+    for call in calls:
+        first, second = (np.asarray(call(ones)) for _ in range(2))
+        dropped = (first == 0).mean()
+        assert abs(dropped - quantized_rate(0.1)) < 0.006, dropped  # 5 sigma at n = 64064
+        np.testing.assert_allclose(first[first != 0], 256 / 230, rtol=1e-6)
+        assert abs(first.mean() - 1) < 0.01
+        assert (first != second).mean() > 0.1  # a fresh mask every call
     assert np.array_equal(np.asarray(Dropout(0.001)(ones, training=True)), ones)  # rounds to no dropout
+    return keras.backend.backend()
+
+
+def check_hashed_bytes() -> str:
+    """The hash's bytes: uniform over 0-255 (chi-square), neighbours independent, and two seeds' streams
+    unrelated at every offset up to 64 (a hash keyed by adding the seed to the index would make them shifted
+    copies of each other)."""
+    import keras
+    import numpy as np
+
+    from tpuctl.templates.bert.layers import _hashed_bytes
+
+    n, rate = 1 << 16, 26 / 256
+    seeds = [np.array(s, "uint32" if keras.backend.backend() == "jax" else "int64") for s in ((1, 2), (1, 3), (2, 2))]
+    streams = [np.asarray(_hashed_bytes((n,), s)).astype(np.int64) for s in seeds]
+    for b in streams:
+        assert b.min() >= 0 and b.max() <= 255
+        counts = np.bincount(b, minlength=256)
+        chi2 = ((counts - n / 256) ** 2 / (n / 256)).sum()
+        assert chi2 < 255 + 6 * (2 * 255) ** 0.5, chi2  # 255 degrees of freedom, 6 sigma
+        drop = b < 26
+        assert abs(drop.mean() - rate) < 0.006
+        assert abs((drop[1:] & drop[:-1]).mean() - rate**2) < 0.003  # neighbours: rate^2, not rate
+    a, *others = [b < 26 for b in streams]
+    for other in others:
+        for shift in range(-64, 65):
+            both = (a[max(shift, 0):n + min(shift, 0)] & other[max(-shift, 0):n - max(shift, 0)]).mean()
+            assert abs(both - rate**2) < 0.004, (shift, both)
     return keras.backend.backend()
 
 
@@ -63,3 +99,12 @@ def test_layers_match_keras_on_tensorflow():
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 def test_layers_match_keras_on_jax():
     assert on_jax("test_template_layers", "check_layers") == "jax"
+
+
+def test_hashed_bytes_are_uniform_and_independent_on_tensorflow():
+    assert check_hashed_bytes() == "tensorflow"
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
+def test_hashed_bytes_are_uniform_and_independent_on_jax():
+    assert on_jax("test_template_layers", "check_hashed_bytes") == "jax"

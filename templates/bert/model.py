@@ -6,8 +6,8 @@ tensorflow-cpu), and on the reference laptop a hand-written encoder trained fast
 examples/s, ../shared/api-notes.md) and saves with its optimizer state intact. This one is the published
 architecture: learned positions, post-LayerNorm blocks, GELU, tied input/output embeddings with an output bias.
 Attention and dropout are layers.py's (MultiHeadAttention's variables and maths with one fused Q/K/V projection;
-dropout on random bytes, its rate rounded to 1/256): together ~15% faster steps than Keras' own at bert-tiny's
-size on the reference CPU (bench/peers.py).
+dropout on random bytes, its rate rounded to 1/256, hashed in place under XLA): bench/peers.py measures them
+against keras-hub's BERT on the reference CPU (bench/RESULTS.md).
 
 Inputs are int32 `input_ids` and `input_mask` [B, L] (no bool inputs: Keras averages inputs across
 replicas and AddN has no bool kernel) and int32 `masked_positions` [B, P]. The MLM head (transform, norm,
