@@ -38,6 +38,13 @@ _FMIX = (0x85EBCA6B, 0xC2B2AE35)  # MurmurHash3's 32-bit finaliser, fmix32: a bi
 _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio; odd, so i -> i * _GOLDEN is a bijection that spreads counters
 
 
+def _tf_seed(seed):
+    """int32 seeds, as Keras' own TensorFlow random ops use (XLA needs them): the state is an int64 variable."""
+    import tensorflow as tf
+
+    return tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
+
+
 def _hashed_bytes(shape, seed):
     """A uniform byte (as uint32 0-255) per element of `shape`: the top 8 bits of a keyed hash of the element's
     index, fmix32(fmix32(index * golden ^ k0) ^ k1). Like Philox or Threefry it is counter-based, but it is a
@@ -54,8 +61,7 @@ def _hashed_bytes(shape, seed):
 
         u32, xor, shr = tf.uint32, tf.bitwise.bitwise_xor, tf.bitwise.right_shift
         index = tf.bitcast(tf.range(n, dtype=tf.int32), u32)
-        # int32 seeds, as Keras' own TensorFlow random ops use: the state is an int64 variable.
-        key = tf.bitcast(tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32), u32)
+        key = tf.bitcast(_tf_seed(seed), u32)
 
     def const(value):
         return ops.convert_to_tensor(value, u32)
@@ -74,8 +80,7 @@ def _philox_bytes(shape, seed):
     import tensorflow as tf
 
     n = math.prod(shape)
-    seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
-    bits = tf.random.stateless_uniform([-(-n // 4)], seed=seed, minval=None, maxval=None, dtype=tf.uint32)
+    bits = tf.random.stateless_uniform([-(-n // 4)], seed=_tf_seed(seed), minval=None, maxval=None, dtype=tf.uint32)
     return tf.reshape(tf.reshape(tf.bitcast(bits, tf.uint8), [-1])[:n], shape)
 
 
