@@ -230,7 +230,11 @@ def test_failing_worker_is_reported_and_others_can_be_cancelled(tmp_path, slice4
 
 def test_logs_follow_resumes_at_offset_after_ssh_drop(tmp_path, slice4, storage):
     run = "drops"
-    b = _ship(tmp_path, storage, _job(run, storage, trainer={"max_steps": 40, "step_seconds": 0.05}))
+    # No checkpoint before the end: worker 0's agent uploads the model dir every heartbeat and each agent
+    # downloads it when it stages, so a stand-in that starts late would restore worker 0's step-8 checkpoint
+    # and log from step 9 (seen once in a full run on 2 cores; real workers start together and then sync).
+    b = _ship(tmp_path, storage, _job(run, storage, trainer={"max_steps": 40, "step_seconds": 0.05,
+                                                               "checkpoint_every": 1000}))
     lines: list[tuple[int, str]] = []
 
     async def go():
