@@ -366,8 +366,8 @@ def workers(clients: Clients, zone: str, name: str, *, catalog: Catalog) -> tupl
     for index, inst in enumerate(found[0]):
         host = to_resource(inst, project=clients.project, catalog=catalog).workers
         key, port = _guest(clients, zone, inst)
-        out.append(Worker(index=index, ip=host[0].ip if host else "", port=port if clients.local and port else 22,
-                          host_key=key, host_key_alias=host[0].host_key_alias if host else None))
+        out.append(replace(host[0] if host else Worker(index=index, ip="", port=22), index=index,
+                           port=port if clients.local and port else 22, host_key=key))
     return tuple(out)
 
 
