@@ -143,6 +143,8 @@ class TpuService:
         return node
 
     def _new_op(self, parent: str, target: str, verb: str) -> dict:
+        """A new pending operation, stored. A handler answers with a copy: the clock thread may finish the stored
+        one while the server still encodes the answer (Google answers with the operation as it was then)."""
         op_id = f"operation-{int(time.time() * 1000)}-{uuid.uuid4().hex[:13]}-{uuid.uuid4().hex[:8]}"
         op = {
             "name": f"{parent}/operations/{op_id}",
@@ -322,7 +324,7 @@ class TpuService:
             rec["create_op"] = op["name"]
             self._start_create(rec, "nodes.create")
             self.w.changed()
-            return op
+            return copy.deepcopy(op)
 
     def _create_done(self, node: str) -> None:
         with self.w.lock:
@@ -393,7 +395,7 @@ class TpuService:
                 # finishes it, as a retry does on Google's side; a second completion is a no-op.
                 self.w.later(DELETE_S, "tpu.delete_done", node=name)
             self.w.changed()
-            return op
+            return copy.deepcopy(op)
 
     def _begin_delete(self, rec: dict, method: str) -> None:
         name = rec["node"]["name"]
@@ -439,7 +441,7 @@ class TpuService:
             if not self.w.faults.take("stuck", "tpu", "nodes.stop", rec["zone"]):
                 self.w.later(STOP_S, "tpu.stop_done", node=name, op=op["name"])
             self.w.changed()
-            return op
+            return copy.deepcopy(op)
 
     def _stop_done(self, node: str, op: str) -> None:
         with self.w.lock:
@@ -466,7 +468,7 @@ class TpuService:
             if not self.w.faults.take("stuck", "tpu", "nodes.start", rec["zone"]):
                 self.w.later(START_S, "tpu.start_done", node=name, op=op["name"])
             self.w.changed()
-            return op
+            return copy.deepcopy(op)
 
     def _start_done(self, node: str, op: str) -> None:
         with self.w.lock:
@@ -517,7 +519,7 @@ class TpuService:
             if not self.w.faults.take("stuck", "tpu", "nodes.patch", rec["zone"]):
                 self.w.later(UPDATE_S, "tpu.update_done", node=name, op=op["name"], changes=changes)
             self.w.changed()
-            return op
+            return copy.deepcopy(op)
 
     def _update_done(self, node: str, op: str, changes: dict) -> None:
         with self.w.lock:
@@ -745,7 +747,7 @@ class TpuService:
             if not self.w.faults.take("stuck", "tpu", "queuedResources.create", zone):
                 self.w.later(QR_ACCEPT_S, "tpu.qr_accept", qr=name, op=op["name"])
             self.w.changed()
-            return op
+            return copy.deepcopy(op)
 
     @staticmethod
     def _check_flex_start(body: dict, t: facts.TpuType, zone: str) -> None:
@@ -859,7 +861,7 @@ class TpuService:
             if not self.w.faults.take("stuck", "tpu", "queuedResources.delete", rec["zone"]):
                 self.w.later(DELETE_S if live else QR_DELETE_S, "tpu.qr_delete_done", qr=name, op=op["name"])
             self.w.changed()
-            return op
+            return copy.deepcopy(op)
 
     def _qr_delete_done(self, qr: str, op: str) -> None:
         with self.w.lock:

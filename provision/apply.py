@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from tpuctl.errors import CapacityError, CloudError, Interrupted, TpuctlError, capacity_hint
+from tpuctl.errors import CapacityError, CloudError, Interrupted, NameTaken, TpuctlError, capacity_hint
 from tpuctl import catalog as catalog_mod
 from tpuctl.ledger import Entry
 from tpuctl.provision import bucket, compute_tpu, preflight, tpu, vm
@@ -77,6 +77,12 @@ class _Created:
             if undo not in self._items:
                 self._items.append(undo)
                 self._issued.setdefault(undo, time.time())
+
+    def forget(self, undo: Undo) -> None:
+        """`undo`'s create was refused (NameTaken): nothing to roll back, nothing billed."""
+        with self._lock:
+            if undo in self._items:
+                self._items.remove(undo)
 
     def retire(self, undo: Undo, *, ended: float) -> None:
         """`undo` is gone (deleted by this invocation, or never became a resource that lasts): drop it from
@@ -322,6 +328,9 @@ def _failover(clients: Clients, plan: Plan, kind: Kind, api: str, created: _Crea
                 delete(clients, undo, cancel=cancel)
                 created.retire(undo, ended=failed_at)
             continue
+        except NameTaken:
+            created.forget(undo)  # the name is another's: a rollback must not delete it
+            raise
         if not issued.is_set():
             adopted.append(undo.key)
         say(undo.key, State.READY.value, ready(r))

@@ -212,15 +212,46 @@ def _ensure(get, insert, wait, on_issued: Callable[[], None], *, what: str,
     wait(op, f"create {what}")
 
 
+def _policy_description(run: str | None) -> str:
+    """A resource policy has no labels (compute.v1 ResourcePolicy): its description says whose it is."""
+    return f"{L.RUN}={run}" if run else ""
+
+
+def _policy_labels(policy: compute_v1.ResourcePolicy) -> dict[str, str]:
+    key, sep, value = policy.description.partition("=")
+    return {key: value} if sep and key == L.RUN else {}
+
+
+def _check_slice_ours(clients: Clients, zone: str, name: str, run: str | None, *,
+                      cancel: threading.Event | None) -> None:
+    """NameTaken when a slice part of `name` exists and is not `run`'s. The instance template carries the run's
+    labels; a workload policy names the run in its description; a MIG has neither, so one is the run's only when
+    it uses the run's template."""
+    project, region = clients.project, _region_of(zone)
+    policy = waits.get_or_none(lambda: clients.resource_policies.get(project=project, region=region,
+                                                                      resource_policy=policy_name(name)),
+                               what=f"read workload policy {policy_name(name)}", cancel=cancel)
+    L.check_owned(None if policy is None else _policy_labels(policy), run, what=f"workload policy {policy_name(name)}")
+    tpl = waits.get_or_none(lambda: clients.instance_templates.get(project=project, region=region,
+                                                                   instance_template=template_name(name)),
+                            what=f"read instance template {template_name(name)}", cancel=cancel)
+    L.check_owned(None if tpl is None else tpl.properties.labels, run, what=f"instance template {template_name(name)}")
+    mig = get_slice(clients, zone, name)
+    if mig is not None and not mig.instance_template.endswith(f"/instanceTemplates/{template_name(name)}"):
+        L.check_owned({}, run, what=f"managed instance group {name} in {zone}")  # no labels, another's template
+
+
 def create_slice(clients: Clients, req: TpuVmRequest, *, hosts: int, topology: str, catalog: Catalog,
                  deadline_s: float, cancel: threading.Event | None = None, progress=None,
                  on_issued: Callable[[], None] | None = None) -> Resource:
     """Create (or adopt) the workload policy, instance template and MIG of a `hosts`-VM slice; block until every
     instance runs. A MIG whose last attempt failed for capacity raises CapacityError (the caller fails over).
-    `on_issued` runs once, before the first create request."""
+    `on_issued` runs once, before the first create request. Parts of another run's slice raise NameTaken, before
+    anything is created and again once every part exists (a create answered 409 adopts what it found)."""
     project, zone, region = clients.project, req.zone, _region_of(req.zone)
     base = f"projects/{project}/regions/{region}"
     issued = threading.Event()
+    _check_slice_ours(clients, zone, req.name, req.labels.get(L.RUN), cancel=cancel)
 
     def once() -> None:
         if not issued.is_set() and on_issued is not None:
@@ -231,8 +262,9 @@ def create_slice(clients: Clients, req: TpuVmRequest, *, hosts: int, topology: s
         vm.wait_zone_op(clients, zone, op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
                         state=State.CREATING, region=region if regional else None)
 
-    policy = compute_v1.ResourcePolicy(name=policy_name(req.name), workload_policy=compute_v1.ResourcePolicyWorkloadPolicy(
-        type_="HIGH_THROUGHPUT", accelerator_topology=topology))
+    policy = compute_v1.ResourcePolicy(
+        name=policy_name(req.name), description=_policy_description(req.labels.get(L.RUN)),
+        workload_policy=compute_v1.ResourcePolicyWorkloadPolicy(type_="HIGH_THROUGHPUT", accelerator_topology=topology))
     _ensure(lambda: clients.resource_policies.get(project=project, region=region, resource_policy=policy.name),
             lambda: clients.resource_policies.insert_unary(project=project, region=region,
                                                            resource_policy_resource=policy),
@@ -256,6 +288,7 @@ def create_slice(clients: Clients, req: TpuVmRequest, *, hosts: int, topology: s
                                                          instance_group_manager_resource=mig),
             lambda op, what: wait(op, what, regional=False), once, what=f"managed instance group {req.name}",
             cancel=cancel)
+    _check_slice_ours(clients, zone, req.name, req.labels.get(L.RUN), cancel=cancel)
 
     def poll() -> tuple[bool, int]:
         managed = waits.call(lambda: list(clients.instance_groups.list_managed_instances(

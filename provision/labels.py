@@ -13,7 +13,7 @@ import re
 import time
 from collections.abc import Mapping
 
-from tpuctl.errors import BadInput
+from tpuctl.errors import BadInput, NameTaken
 
 RUN = "tpuctl-run"
 OWNER = "tpuctl-owner"
@@ -125,3 +125,11 @@ def matches(labels: Mapping[str, str] | None, run: str | None = None) -> bool:
     if not labels or RUN not in labels:
         return False
     return run is None or labels[RUN] == run
+
+
+def check_owned(found: Mapping[str, str] | None, run: str | None, *, what: str, field: str = "name") -> None:
+    """NameTaken unless `found` (the labels of an existing resource named like the run's, None when there is
+    none) says it is `run`'s: what tpuctl did not create, it neither adopts nor deletes."""
+    if found is not None and found.get(RUN) != run:
+        raise NameTaken(f"{what} already exists and does not belong to run {run!r}", field=field,
+                        hint="pick another run name with --name")

@@ -17,7 +17,7 @@ from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 from google.protobuf import duration_pb2, field_mask_pb2, json_format
 
-from tpuctl.errors import BadInput, CapacityError, TpuctlError, from_google
+from tpuctl.errors import CapacityError, TpuctlError, from_google
 from tpuctl.provision import labels as L
 from tpuctl.provision import states, waits
 from tpuctl.provision.clients import Clients
@@ -201,7 +201,7 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
     what = f"create TPU node {req.name} in {req.zone}"
     node = get_node(clients, req.zone, req.name)
     if node is not None:
-        _check_ours(node.labels, req, what=f"TPU node {req.name} in {req.zone}")
+        L.check_owned(node.labels, req.labels.get(L.RUN), what=f"TPU node {req.name} in {req.zone}")
         state = states.node_state(node.state)
         if state in states.SETTLED_BAD:
             delete_node(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
@@ -211,11 +211,13 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
             on_issued()
         if progress:
             progress(State.CREATING, "requested")
-        op = waits.call(lambda: clients.tpu.create_node(parent=parent(clients.project, req.zone), node_id=req.name,
-                                                        node=_node_proto(req)),
-                        what=what, cancel=cancel)
-        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.CREATING,
-                       create=True)
+        op = _create_or_adopt(lambda: clients.tpu.create_node(parent=parent(clients.project, req.zone),
+                                                              node_id=req.name, node=_node_proto(req)),
+                              lambda: _labels(get_node(clients, req.zone, req.name)), req, what=what,
+                              thing=f"TPU node {req.name} in {req.zone}", cancel=cancel)
+        if op is not None:
+            wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
+                           state=State.CREATING, create=True)
     return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
 
 
@@ -245,8 +247,7 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
     what = f"create queued resource {req.name} in {req.zone}"
     qr = get_queued(clients, req.zone, req.name)
     if qr is not None:
-        spec = qr.tpu.node_spec[0].node if qr.tpu.node_spec else tpu_v2.Node()
-        _check_ours(spec.labels, req, what=f"queued resource {req.name} in {req.zone}")
+        L.check_owned(_labels(qr), req.labels.get(L.RUN), what=f"queued resource {req.name} in {req.zone}")
         if states.queued_state(qr.state.state) in states.SETTLED_BAD:
             delete_queued(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
             qr = None
@@ -267,11 +268,13 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
             on_issued()
         if progress:
             progress(State.PENDING, "queued")
-        op = waits.call(lambda: clients.tpu.create_queued_resource(
+        op = _create_or_adopt(lambda: clients.tpu.create_queued_resource(
             parent=parent(clients.project, req.zone), queued_resource_id=req.name, queued_resource=body),
-            what=what, cancel=cancel)
-        wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress, state=State.PENDING,
-                       create=True)
+            lambda: _labels(get_queued(clients, req.zone, req.name)), req, what=what,
+            thing=f"queued resource {req.name} in {req.zone}", cancel=cancel)
+        if op is not None:
+            wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
+                           state=State.PENDING, create=True)
 
     def poll() -> tuple[bool, Resource]:
         q = get_queued(clients, req.zone, req.name)
@@ -332,10 +335,29 @@ def flex_start_detail(clients: Clients, zone: str, name: str) -> dict[str, str]:
     return {"provisioning": "flex-start", **({"ends": ends} if ends else {})}
 
 
-def _check_ours(labels: Mapping[str, str], req: NodeRequest, *, what: str) -> None:
-    if labels.get(L.RUN) != req.labels.get(L.RUN):
-        raise BadInput(f"{what} already exists and does not belong to run {req.labels.get(L.RUN)!r}",
-                       field="name", hint="pick another run name with --name")
+def _labels(found: tpu_v2.Node | tpu_v2.QueuedResource | None) -> Mapping[str, str] | None:
+    """A node's labels, or those of a queued resource's node; None when it does not exist."""
+    if isinstance(found, tpu_v2.QueuedResource):
+        return found.tpu.node_spec[0].node.labels if found.tpu.node_spec else {}
+    return None if found is None else found.labels
+
+
+def _create_or_adopt(create: Callable[[], object], labels: Callable[[], Mapping[str, str] | None],
+                     req: NodeRequest, *, what: str, thing: str, cancel: threading.Event | None):
+    """Send a create, retried on 5xx like any call; returns its operation. A 409 means a retry whose first attempt
+    Google had already committed (the generated client retries no create; tpuctl does, so the answer is
+    ALREADY_EXISTS): the resource exists and None is returned, once `labels()` shows it is this run's. Anyone
+    else's raises NameTaken, as an existing one found before the create does."""
+    try:
+        return waits.call(create, what=what, cancel=cancel)
+    except TpuctlError as exc:
+        if not isinstance(exc.__cause__, gexc.Conflict):
+            raise
+        existing = labels()
+        if existing is None:  # gone again meanwhile: nothing to adopt, the conflict stands
+            raise
+    L.check_owned(existing, req.labels.get(L.RUN), what=thing)
+    return None
 
 
 def delete_node(clients: Clients, zone: str, name: str, *, deadline_s: float = 900.0,

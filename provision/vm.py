@@ -13,7 +13,7 @@ from datetime import datetime
 from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
 
-from tpuctl.errors import BadInput, CapacityError, CloudError, QuotaError, TpuctlError
+from tpuctl.errors import CapacityError, CloudError, QuotaError, TpuctlError
 from tpuctl.provision import labels as L
 from tpuctl.provision import states, waits
 from tpuctl.provision.resources import Kind, Resource, State
@@ -144,11 +144,14 @@ def ensure_instance(clients: Clients, zone: str, name: str, labels: Mapping[str,
                     progress: Progress | None = None, on_issued: Callable[[], None] | None = None) -> Resource:
     """Insert the instance `build()` makes (or adopt one of the same name with the run label) and block until
     `convert` says it is READY. Shared by plain VMs and Compute Engine TPU VMs."""
+    thing = f"{what} in {zone}"
+
+    def check_ours(inst: compute_v1.Instance | None) -> None:
+        L.check_owned(None if inst is None else inst.labels, labels.get(L.RUN), what=thing, field=field)
+
     inst = get(clients, zone, name)
-    if inst is not None and inst.labels.get(L.RUN) != labels.get(L.RUN):
-        raise BadInput(f"{what} in {zone} exists and does not belong to run {labels.get(L.RUN)!r}",
-                       field=field, hint="pick another run name with --name")
-    what = f"create {what} in {zone}"
+    check_ours(inst)
+    what = f"create {thing}"
     if inst is None:
         if on_issued is not None:
             on_issued()
@@ -159,9 +162,10 @@ def ensure_instance(clients: Clients, zone: str, name: str, labels: Mapping[str,
                 project=clients.project, zone=zone, instance_resource=build()),
                 what=what, cancel=cancel)
         except TpuctlError as exc:
-            # A retried insert whose first attempt got through: adopt below.
+            # A retried insert whose first attempt got through: adopt below, if it is this run's.
             if not isinstance(exc.__cause__, gexc.Conflict):
                 raise
+            check_ours(get(clients, zone, name))
         else:
             wait_zone_op(clients, zone, op, what=what, deadline_s=deadline_s, cancel=cancel,
                          progress=progress, state=State.CREATING)

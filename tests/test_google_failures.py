@@ -17,8 +17,9 @@ from google.protobuf import field_mask_pb2
 
 from tpuctl import provision as prov
 from tpuctl import spec
-from tpuctl.errors import QUOTAS_PAGE, CapacityError, QuotaError
+from tpuctl.errors import QUOTAS_PAGE, CapacityError, NameTaken, QuotaError
 from tpuctl.provision import tpu as ptpu
+from tpuctl.provision import vm as pvm
 from tpuctl.provision import waits
 
 FAST_DEADLINE = 60.0
@@ -265,3 +266,84 @@ def test_queued_resource_valid_until_duration_is_stored_as_a_time_and_delete_fol
              == tpu_v2.QueuedResourceState.State.SUSPENDED)
     pc.tpu.delete_queued_resource(name=qr.name).result(polling=FAST_POLLING)  # SUSPENDED: no force needed
     assert live(pc) == []
+
+
+# -- a create retried after Google committed it -------------------------------------------------------------
+
+
+def test_a_create_answers_with_its_operation_as_it_was_then(pc, cloud):
+    """The clock thread may finish an operation while the server still encodes the create's answer (at speed
+    1000 a queued resource is accepted 2 ms later): the answer is a snapshot, never the stored operation."""
+    parent = f"projects/{pc.project}/locations/europe-west4-a"
+    live(pc)  # the project exists for the local cloud
+    body = {"tpu": {"nodeSpec": [{"parent": parent, "nodeId": "snap",
+                                  "node": {"acceleratorType": "v3-8", "runtimeVersion": TF}}]}}
+    params = {"projectsId": pc.project, "locationsId": "europe-west4-a"}
+    answer = cloud.tpu.queued_create(params, {"queuedResourceId": "snap"}, body)
+    cloud.tpu._qr_accept(f"{parent}/queuedResources/snap", answer["name"])
+    assert answer["done"] is False and "response" not in answer
+    assert pc.tpu.get_queued_resource(name=f"{parent}/queuedResources/snap").state.state != \
+        tpu_v2.QueuedResourceState.State.CREATING  # the stored one moved on
+    ptpu.delete_queued(pc, "europe-west4-a", "snap", deadline_s=FAST_DEADLINE)
+
+
+@pytest.mark.parametrize("provisioning, method", [("on-demand", "create_node"), ("queued", "create_queued_resource")])
+def test_a_create_whose_answer_was_lost_after_google_committed_it_is_adopted(pc, cloud, monkeypatch, provisioning,
+                                                                             method):
+    """Google commits the create, then the answer is a 5xx (or never arrives): tpuctl retries, Google answers
+    409 ALREADY_EXISTS, and the run's own resource is adopted instead of failing the run (and rolling it back)."""
+    real = getattr(pc.tpu, method)
+    calls = []
+
+    def committed_then_500(*args, **kwargs):
+        calls.append(method)
+        if len(calls) == 1:
+            real(*args, **kwargs)
+            raise gexc.InternalServerError("the answer was lost after the create was committed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pc.tpu, method, committed_then_500)
+    result = prov.apply(pc, make_plan(pc, provisioning=provisioning), deadline_s=FAST_DEADLINE)
+    assert len(calls) == 2 and result.get(prov.Kind.TPU).state is prov.State.READY
+    prov.down(pc, "run1", delete_bucket=True)
+    assert live(pc) == []
+
+
+def test_a_409_for_someone_elses_node_is_not_adopted(pc, cloud, monkeypatch):
+    """The same 409 when the name was taken by a node of another run between tpuctl's read and its create."""
+    real = pc.tpu.create_node
+
+    def someone_else_first(*args, **kwargs):
+        real(parent=kwargs["parent"], node_id=kwargs["node_id"],
+             node=tpu_v2.Node(accelerator_type="v3-8", runtime_version=TF, labels={"tpuctl-run": "other"}))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pc.tpu, "create_node", someone_else_first)
+    with pytest.raises(NameTaken, match="does not belong to run 'run1'"):
+        prov.apply(pc, make_plan(pc), deadline_s=FAST_DEADLINE)
+    assert pc.tpu.get_node(name=node_name(pc)).labels["tpuctl-run"] == "other"  # the rollback left it alone
+    ptpu.delete_node(pc, "europe-west4-a", "run1", deadline_s=FAST_DEADLINE)
+
+
+def test_a_409_for_someone_elses_vm_is_not_adopted(pc, cloud, monkeypatch):
+    """The VM path: an insert refused with 409 for an instance of another run is neither adopted nor rolled back."""
+    plan = make_plan(pc, vms=[{"name": "driver"}])
+    vm_name = plan.vm_name(plan.vms[0])
+    real = pc.instances.insert_unary
+
+    def someone_else_first(*args, **kwargs):
+        theirs = type(kwargs["instance_resource"])(kwargs["instance_resource"])
+        if theirs.name == vm_name:
+            theirs.labels["tpuctl-run"] = "other"
+            real(project=kwargs["project"], zone=kwargs["zone"], instance_resource=theirs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pc.instances, "insert_unary", someone_else_first)
+    with pytest.raises(NameTaken, match="does not belong to run 'run1'"):
+        prov.apply(pc, plan, deadline_s=FAST_DEADLINE)
+    zone = plan.zones[0]
+    assert pc.instances.get(project=pc.project, zone=zone, instance=vm_name).labels["tpuctl-run"] == "other"
+    monkeypatch.undo()
+    prov.down(pc, "run1", delete_bucket=True)
+    assert live(pc) == []
+    pvm.delete(pc, zone, vm_name, deadline_s=FAST_DEADLINE)

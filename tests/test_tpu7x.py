@@ -13,7 +13,7 @@ from google.cloud import compute_v1
 
 from tpuctl import catalog as catalog_mod
 from tpuctl import cost, provision as prov, spec
-from tpuctl.errors import BadInput, CapacityError, NotFound
+from tpuctl.errors import BadInput, CapacityError, NameTaken, NotFound
 from tpuctl.ledger import entry_of
 from tpuctl.provision import compute_tpu, gc
 from test_provision import everything
@@ -307,3 +307,46 @@ def test_the_jobs_layers_node_calls_answer_for_a_tpu7x_vm(pc, cloud):
         prov.get_node(pc, ZONE, "x1")
     prov.down(pc, "x1", delete_bucket=True)
     assert everything(pc) == []
+
+
+def test_a_workload_policy_named_like_the_slices_but_not_the_runs_is_refused_and_left_alone(pc, cloud):
+    """A resource policy has no labels: the run's names the run in its description. Another's policy of the
+    slice's name (here with another topology, which a MIG would have taken) is NameTaken; nothing is created."""
+    region = "us-central1"
+    theirs = compute_v1.ResourcePolicy(name="x1-wp", description="someone else's", workload_policy=(
+        compute_v1.ResourcePolicyWorkloadPolicy(type_="HIGH_THROUGHPUT", accelerator_topology="4x4x4")))
+    pc.resource_policies.insert_unary(project=pc.project, region=region, resource_policy_resource=theirs)
+    before = slice_parts(pc)
+    with pytest.raises(NameTaken, match="workload policy x1-wp already exists and does not belong to run 'x1'"):
+        prov.apply(pc, make_plan(pc, accelerator="tpu7x-16"), deadline_s=FAST_DEADLINE)
+    assert slice_parts(pc) == before
+    assert pc.resource_policies.get(project=pc.project, region=region, resource_policy="x1-wp").description == \
+        "someone else's"
+    pc.resource_policies.delete_unary(project=pc.project, region=region, resource_policy="x1-wp")
+    prov.down(pc, "x1", delete_bucket=True)
+
+
+@pytest.mark.parametrize("taken", ["template", "mig"])
+def test_a_slice_named_like_another_runs_parts_is_refused_and_theirs_left_alone(pc, cloud, taken):
+    """A MIG has no labels: it is the run's only when it uses the run's instance template, whose labels say so.
+    Another run's template or MIG of the slice's name is NameTaken; nothing of theirs is adopted or rolled back."""
+    region, base = "us-central1", f"projects/{pc.project}/regions/us-central1"
+    tpl_name = "x1-tpl" if taken == "template" else "theirs-tpl"
+    tpl = compute_v1.InstanceTemplate(name=tpl_name, properties=compute_v1.InstanceProperties(
+        machine_type="n2-standard-2", labels={"tpuctl-run": "theirs"},
+        disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
+            source_image="projects/debian-cloud/global/images/family/debian-12", disk_size_gb=10))],
+        network_interfaces=[compute_v1.NetworkInterface(network="global/networks/default")]))
+    pc.instance_templates.insert_unary(project=pc.project, region=region, instance_template_resource=tpl)
+    if taken == "mig":
+        mig = compute_v1.InstanceGroupManager(name="x1", base_instance_name="x1", target_size=1,
+                                              instance_template=f"{base}/instanceTemplates/{tpl_name}")
+        pc.instance_groups.insert_unary(project=pc.project, zone=ZONE, instance_group_manager_resource=mig)
+    before = slice_parts(pc)
+    with pytest.raises(NameTaken, match="does not belong to run 'x1'"):
+        prov.apply(pc, make_plan(pc, accelerator="tpu7x-16"), deadline_s=FAST_DEADLINE)
+    assert slice_parts(pc) == before
+    if taken == "mig":
+        compute_tpu.delete_slice(pc, ZONE, "x1", deadline_s=FAST_DEADLINE)  # its template is theirs-tpl: left
+    pc.instance_templates.delete_unary(project=pc.project, region=region, instance_template=tpl_name)
+    prov.down(pc, "x1", delete_bucket=True)

@@ -41,6 +41,11 @@ class BadInput(TpuctlError):
     exit_code = EXIT_BAD_INPUT
 
 
+class NameTaken(BadInput):
+    """A resource of the run's name exists and is not the run's (its `tpuctl-run` label says so): nothing was
+    created, and nothing of the other one's may be touched, not even by a rollback."""
+
+
 class NotFound(TpuctlError):
     """A named run, resource or file does not exist."""
 
