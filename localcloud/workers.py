@@ -226,7 +226,7 @@ class _Worker:
         with open(self.dir / "startup-script.log", "ab") as log:
             proc = await asyncio.create_subprocess_exec(
                 "bash", str(path), stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                cwd=self.dir, env=self.env, start_new_session=True,
+                cwd=self.dir, env=self.env, start_new_session=True, preexec_fn=_session_signals,
             )
         reaper = asyncio.ensure_future(proc.wait())
         self.reapers.add(reaper)
@@ -265,7 +265,7 @@ async def _run_on_pipes(process: asyncssh.SSHServerProcess, argv: list[str], cwd
                         env: dict[str, str]) -> None:
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        cwd=cwd, env=env, start_new_session=True,
+        cwd=cwd, env=env, start_new_session=True, preexec_fn=_session_signals,
     )
 
     async def write(data: bytes) -> None:
@@ -287,8 +287,25 @@ async def _run_on_pipes(process: asyncssh.SSHServerProcess, argv: list[str], cwd
     _exit(process, returncode)
 
 
+# What sshd's per-connection child sets back to the default before any session starts (OpenSSH sshd.c: "We
+# will not restart on SIGHUP", then SIG_DFL for ALRM, HUP, TERM, QUIT, CHLD, INT), plus SIGPIPE, which
+# session.c's do_child restores for the user's command. A guest command's signals are the VM's, never
+# whatever the host process ignores (a `nohup tpuctl`, a test runner under nohup): an ignored SIGHUP would
+# keep a hung-up command alive, an ignored SIGINT would make ^C do nothing.
+_SESSION_DEFAULT_SIGNALS = (signal.SIGALRM, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT, signal.SIGCHLD,
+                            signal.SIGINT, signal.SIGPIPE)
+
+
+def _session_signals() -> None:
+    """In the child, before exec: the signal dispositions an sshd session starts with."""
+    for sig in _SESSION_DEFAULT_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _adopt_terminal() -> None:
-    """In the child, after setsid: make stdin (the pty) the controlling terminal of the new session."""
+    """In the child, after setsid: sshd's signal defaults, then stdin (the pty) becomes the controlling
+    terminal of the new session."""
+    _session_signals()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -230,6 +231,28 @@ def test_kill_worker_stops_one_worker_and_start_node_revives_it(pool, alice_key)
     revived = pool.start_node("p/z/kill", 2, {}, keys, None)
     assert revived == eps  # same port (it was free again) and the same persisted host key
     assert ssh(revived[1], alice_key, "basename $HOME").stdout == b"1\n"
+
+
+def test_guest_commands_start_with_sshds_signal_defaults_whatever_the_host_ignores(pool, alice_key):
+    """A host run under nohup (or anything ignoring SIGHUP/SIGINT/SIGTERM/SIGQUIT) must not pass that on: on a
+    real VM, sshd sets them back to SIG_DFL before a session starts, so a hang-up or ^C reaches the command."""
+    watched = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in watched}
+    try:
+        (ep,) = pool.start_node("p/z/signals", 1, {}, [_key_line("alice", alice_key)], None)
+        show = "awk '/^SigIgn/ {print $2}' /proc/self/status"
+
+        async def on_pty():
+            async with _connect(ep, alice_key) as conn:
+                return await conn.run(show, term_type="xterm")
+
+        masks = [ssh(ep, alice_key, show).stdout.decode(), asyncio.run(on_pty()).stdout]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for mask in masks:
+        ignored = int(mask.strip(), 16)
+        assert not [s.name for s in watched if ignored & (1 << (s - 1))], mask
 
 
 def test_drop_connections_breaks_sessions_and_hangs_up_foreground_commands(pool, alice_key):
