@@ -7,6 +7,7 @@ arguments or a busy port."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -77,11 +78,31 @@ def main(argv: list[str] | None = None) -> int:
                 "idle_stop_s": args.idle_stop, "worker_python": cloud.python.mode}
         _publish(info_path, info)
         print(f"localcloud ready at {cloud.endpoint} (storage {cloud.storage_host}, speed {args.speed:g}x)", flush=True)
-        _serve_until_idle(cloud, stop, args.idle_stop, info_path, info)
+        _serve_until_idle(cloud, stop, args.idle_stop, info_path, info, lambda: _holds(lock, state_dir))
     finally:
         cloud.stop()
-        info_path.unlink(missing_ok=True)
+        _withdraw(info_path, os.getpid())
     return 0
+
+
+def _holds(lock, state_dir: Path) -> bool:
+    """Whether `state_dir` is still the one this daemon locked: removed (say, `rm -rf ~/.tpuctl`) and perhaps
+    recreated by another daemon, its lock file is another file or none."""
+    try:
+        here, ours = os.stat(state_dir / "localcloud.lock"), os.fstat(lock.fileno())
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def _withdraw(info_path: Path, pid: int) -> None:
+    """Remove the info file if it is this daemon's: another daemon's must stay, or tpuctl could not find it."""
+    try:
+        if json.loads(info_path.read_text()).get("pid") != pid:
+            return
+    except (OSError, ValueError):
+        return
+    info_path.unlink(missing_ok=True)
 
 
 def _lock_state_dir(state_dir: Path):
@@ -116,17 +137,26 @@ def _publish(info_path: Path, info: dict) -> None:
 
 
 def _serve_until_idle(cloud: LocalCloud, stop: threading.Event, idle_stop_s: float, info_path: Path,
-                      info: dict) -> None:
+                      info: dict, holds_state_dir) -> None:
     """Block until `stop` is set or, with `idle_stop_s`, until the cloud has been idle that long (checked every
     TRIM_EVERY_S, or a tenth of a shorter period), trimming the heap meanwhile. Before going it withdraws its
     info file and keeps serving for IDLE_GRACE_S: a command that read the file just before still gets its
-    answers (and keeps it running)."""
+    answers (and keeps it running). An info file removed meanwhile is written again (tpuctl finds the daemon by
+    it); a state dir removed or replaced (`holds_state_dir()` false) stops the daemon at once, writing nothing
+    there: its files are gone, or another daemon's."""
     while not stop.wait(min(TRIM_EVERY_S, max(0.05, idle_stop_s / 10)) if idle_stop_s else TRIM_EVERY_S):
         _trim()
+        if not holds_state_dir():
+            cloud.disown_state_dir()
+            print("localcloud: its state dir was removed or replaced: stopping", flush=True)
+            return
+        if not info_path.exists():
+            with contextlib.suppress(OSError):
+                _publish(info_path, info)
         idle = cloud.idle_s()
         if not idle_stop_s or idle < idle_stop_s:
             continue
-        info_path.unlink(missing_ok=True)
+        _withdraw(info_path, info["pid"])
         if stop.wait(IDLE_GRACE_S) or cloud.idle_s() >= idle + IDLE_GRACE_S * 0.9:
             print(f"localcloud: idle for {idle:.0f} s (no requests, nothing billed): stopping", flush=True)
             return

@@ -128,6 +128,14 @@ class LocalCloud:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
+    def disown_state_dir(self) -> None:
+        """Stop writing snapshots: the state dir was removed or replaced under this cloud, and what is there now
+        (another daemon's, perhaps) must not be overwritten by this cloud's last snapshot. Idempotent."""
+        if self.world is not None:
+            with self.world.lock:
+                self.world.state_dir = None
+        self.state_dir = None
+
     def __enter__(self) -> "LocalCloud":
         return self.start()
 

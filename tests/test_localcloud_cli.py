@@ -21,7 +21,7 @@ from google.cloud import tpu_v2
 from conftest import FAST_POLLING
 from tpuctl import config, console
 from tpuctl.cli import cli
-from tpuctl.errors import BadInput
+from tpuctl.errors import BadInput, LocalCloudError
 from tpuctl.localcloud import daemon
 
 TPUCTL = [sys.executable, "-m", "tpuctl"]
@@ -138,6 +138,43 @@ def test_daemon_is_ready_quickly_and_ensure_running_reuses_it(tmp_path):
     assert daemon.status(tmp_path) is None
     with pytest.raises(daemon.NotRunning):
         daemon.stop(tmp_path)
+
+
+def test_a_local_cloud_that_cannot_start_is_an_error_not_a_traceback(home, invoke, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise daemon.StartFailed("the local cloud exited with code 2 while starting: localcloud: another local "
+                                 "cloud serves STATE: stop it first (log: STATE/localcloud.log)")
+
+    monkeypatch.setattr(daemon, "ensure_running", refuse)
+    proc = invoke("status", check=False)  # a DaemonError escaping the CLI would raise here
+    assert proc.returncode == LocalCloudError.exit_code != 0
+    assert "exited with code 2 while starting" in proc.stderr and "tpuctl local stop" in proc.stderr
+
+
+def test_daemon_survives_its_info_file_removed_and_stops_when_its_state_dir_is(tmp_path):
+    """`rm -rf ~/.tpuctl` under a running daemon: the next command starts another in the recreated dir, and the
+    old one must stop at once rather than, at its idle stop, delete the new one's info file (tpuctl then could
+    neither find the new daemon nor start one) and write its stale snapshot over the new state."""
+    import shutil
+
+    state = tmp_path / "localcloud"
+    old = daemon.start(state, 1000)
+    try:
+        (state / daemon.INFO_FILE).unlink()  # removed by hand: the daemon writes it again
+        deadline = time.monotonic() + 10
+        while daemon.status(state) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert daemon.status(state) == old
+        shutil.rmtree(state)
+        new = daemon.ensure_running(state, 1000)
+        assert new["pid"] != old["pid"]
+        assert _gone(old["pid"], 10.0), "a daemon whose state dir was removed kept running"
+        assert daemon.status(state) == new
+    finally:
+        with contextlib.suppress(daemon.NotRunning):
+            daemon.stop(state)
+        if not _gone(old["pid"], 0.1):
+            os.kill(old["pid"], 9)
 
 
 def _readme_row(first_cell_has: str) -> str:

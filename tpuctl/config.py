@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from tpuctl import paths
-from tpuctl.errors import BadInput
+from tpuctl.errors import BadInput, LocalCloudError
 from tpuctl.events import EventSink, Note, ignore
 
 LOCAL_PROJECT = "tpuctl-local"
@@ -219,7 +219,10 @@ def _local_endpoints(endpoint: str | None, storage_host: str | None,
         return endpoint, storage_host or _storage_host_of(endpoint)
     from tpuctl.localcloud import daemon
 
-    info = daemon.ensure_running(paths.localcloud_dir(), idle_stop_s=local_idle_stop_s())
+    try:
+        info = daemon.ensure_running(paths.localcloud_dir(), idle_stop_s=local_idle_stop_s())
+    except daemon.DaemonError as exc:
+        raise LocalCloudError(str(exc)) from None
     on_event(Note(f"no Google Cloud project/credentials: using the embedded local cloud at {info['endpoint']} "
                   "(--cloud gcp to change)"))
     return info["endpoint"], storage_host or info["storage_host"]
