@@ -69,6 +69,30 @@ def test_packing_joins_documents_with_eot_into_full_blocks(prepared, corpus):
     assert manifest.tokenizer["dropped_tail_tokens"] == len(expected) - n * 32
 
 
+def test_runs_of_lines_encode_to_the_ids_of_their_lines_and_of_the_whole_document(prepared):
+    """The encoder gets runs of a document's lines (fewer, longer inputs): every cut, whatever run size, must give
+    the ids of the lines encoded one by one, which are the ids of the document encoded whole."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(prepared[0] / "tokenizer.json"))
+    docs = [["First line.", "'s a contraction", "42 is a number", "한국어 줄", "- a dash", "tab\tinside", "🙂 last"],
+            ["single line"], ["x", "y", "z"]]
+    texts = [line for doc in docs for line in doc]
+    ends = [i == len(doc) - 1 for doc in docs for i in range(len(doc))]
+    per_line = [tok.encode(t if end else t + "\n").ids for t, end in zip(texts, ends)]
+    whole = [tok.encode("\n".join(doc)).ids for doc in docs]
+    def flat(id_lists):
+        return [i for ids in id_lists for i in ids]
+
+    assert flat(per_line) == flat(whole)
+    for run_chars in (1, 12, 40, 1 << 10):
+        runs, run_ends = prep.document_runs(texts, ends, run_chars)
+        assert sum(run_ends) == len(docs) and run_ends[-1]
+        assert "".join(runs) == "".join(t if end else t + "\n" for t, end in zip(texts, ends))
+        assert flat(e.ids for e in tok.encode_batch_fast(runs, add_special_tokens=False)) == flat(per_line)
+    assert len(prep.document_runs(texts, ends, 1 << 10)[0]) == len(docs)  # one run per short document
+
+
 def test_prepared_bytes_are_at_most_half_the_raw_text(tmp_path):
     corpus = REPO / "examples" / "data" / "corpus.txt"
     m = prep.prepare([str(corpus)], tmp_path / "p", prep.PrepareOptions(vocab_size=8000, seq_len=128))

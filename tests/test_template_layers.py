@@ -2,7 +2,7 @@
 names, same outputs for a padding mask and for the causal mask), and Dropout on random bytes drops the rounded
 rate, keeps the expectation, draws a new mask per call and is the identity outside training, with either
 generator (the hash under XLA, TensorFlow's Philox without); the hash's bytes are uniform and independent
-between neighbours and between seeds."""
+between neighbours and between seeds; gelu is the exact GELU with its derivative, with or without XLA."""
 
 from __future__ import annotations
 
@@ -61,7 +61,50 @@ def check_layers() -> str:
         assert abs(first.mean() - 1) < 0.01
         assert (first != second).mean() > 0.1  # a fresh mask every call
     assert np.array_equal(np.asarray(Dropout(0.001)(ones, training=True)), ones)  # rounds to no dropout
+    check_gelu()
     return keras.backend.backend()
+
+
+def check_gelu() -> None:
+    """`gelu` is x Phi(x) with derivative Phi(x) + x phi(x), eagerly and (TensorFlow) under XLA, where it is
+    computed another way (erf, not TensorFlow's erfc kernel)."""
+    import math
+
+    import keras
+    import numpy as np
+
+    from tpuctl.templates.bert.layers import gelu
+
+    x = np.linspace(-9, 9, 721).astype("float32")
+    phi = np.array([0.5 * (1 + math.erf(v / math.sqrt(2))) for v in x.astype("float64")])
+    want, want_grad = x * phi, phi + x * np.exp(-0.5 * x.astype("float64") ** 2) / math.sqrt(2 * math.pi)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        calls = [(lambda v: (gelu(v), jax.grad(lambda u: gelu(u).sum())(v)), True)]
+    else:
+        import tensorflow as tf
+
+        def value_and_grad(v):
+            v = tf.convert_to_tensor(v)
+            with tf.GradientTape() as tape:
+                tape.watch(v)
+                y = gelu(v)
+            return y, tape.gradient(y, v)
+
+        calls = [(value_and_grad, False), (tf.function(value_and_grad, jit_compile=True), True)]
+    for call, compiled in calls:
+        got, grad = (np.asarray(t) for t in call(x))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+        if not compiled:
+            continue  # TensorFlow's own kernel, whatever its bfloat16 rounding (up to ~5% near x = -4)
+        # bfloat16 (TPU training): within its rounding everywhere, negative tail included (-0.004 at x = -3).
+        half = x[np.abs(x) <= 4]
+        got = np.asarray(keras.ops.cast(call(keras.ops.cast(half, "bfloat16"))[0], "float32"))
+        exact = np.asarray(keras.ops.cast(keras.ops.cast(half, "bfloat16"), "float32"), "float64")
+        exact = exact * np.array([0.5 * (1 + math.erf(v / math.sqrt(2))) for v in exact])
+        np.testing.assert_allclose(got, exact, rtol=2**-7, atol=1e-6)
 
 
 def check_hashed_bytes() -> str:
@@ -108,3 +151,32 @@ def test_hashed_bytes_are_uniform_and_independent_on_tensorflow():
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 def test_hashed_bytes_are_uniform_and_independent_on_jax():
     assert on_jax("test_template_layers", "check_hashed_bytes") == "jax"
+
+
+def test_tpu_replicated_steps_take_the_xla_paths():
+    """On a TPU, TPUStrategy builds the step inside a TPUReplicateContext (tensorflow/python/tpu/tpu.py,
+    split_compile_and_replicate), an XLAControlFlowContext: there the layers must hash dropout's bytes and write
+    GELU with erf, as under jit_compile. Checked by entering that context the way TensorFlow does; a plain
+    tf.function (no XLA) keeps TensorFlow's kernels."""
+    import tensorflow as tf
+    from tensorflow.python.tpu import tpu_replication
+
+    from tpuctl.templates.bert.layers import _compiled
+
+    seen = {}
+
+    @tf.function
+    def step():
+        context = tpu_replication.TPUReplicateContext(name="cluster", num_replicas=1, pivot=tf.no_op())
+        context.Enter()
+        try:
+            seen["replicated"] = _compiled()
+        finally:
+            context.Exit()
+        seen["plain"] = _compiled()
+        return tf.constant(0)
+
+    step()
+    assert seen == {"replicated": True, "plain": False}
+    tf.function(lambda: seen.__setitem__("jit", _compiled()) or tf.constant(0), jit_compile=True)()
+    assert seen["jit"] is True

@@ -5,9 +5,9 @@ but keras-hub pulls tensorflow-text and with it the full `tensorflow` wheel (+0.
 tensorflow-cpu), and on the reference laptop a hand-written encoder trained faster under bf16 (181 vs 137
 examples/s, ../shared/api-notes.md) and saves with its optimizer state intact. This one is the published
 architecture: learned positions, post-LayerNorm blocks, GELU, tied input/output embeddings with an output bias.
-Attention and dropout are layers.py's (MultiHeadAttention's variables and maths with one fused Q/K/V projection;
-dropout on random bytes, its rate rounded to 1/256, hashed in place under XLA): bench/peers.py measures them
-against keras-hub's BERT on the reference CPU (bench/RESULTS.md).
+Attention, dropout and GELU are layers.py's (MultiHeadAttention's variables and maths with one fused Q/K/V
+projection; dropout on random bytes, its rate rounded to 1/256, hashed in place under XLA; the exact GELU through
+erf under XLA): bench/peers.py measures them against keras-hub's BERT on the reference CPU (bench/RESULTS.md).
 
 Inputs are int32 `input_ids` and `input_mask` [B, L] (no bool inputs: Keras averages inputs across
 replicas and AddN has no bool kernel) and int32 `masked_positions` [B, P]. The MLM head (transform, norm,
@@ -23,7 +23,7 @@ import keras
 from keras import layers, ops
 
 from .config import TaskConfig
-from .layers import Dropout, SelfAttention
+from .layers import Dropout, SelfAttention, gelu
 
 _INIT = {"class_name": "TruncatedNormal", "config": {"stddev": 0.02}}
 
@@ -106,13 +106,13 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
                           kernel_initializer=keras.initializers.get(_INIT), name=f"layer{i}_attention")(x, mask)
         a = Dropout(task.dropout)(a)
         x = layers.LayerNormalization(epsilon=1e-12, name=f"layer{i}_attention_norm")(x + a)
-        f = layers.Dense(task.intermediate_size, activation="gelu", kernel_initializer=keras.initializers.get(_INIT),
+        f = layers.Dense(task.intermediate_size, activation=gelu, kernel_initializer=keras.initializers.get(_INIT),
                          name=f"layer{i}_intermediate")(x)
         f = layers.Dense(h, kernel_initializer=keras.initializers.get(_INIT), name=f"layer{i}_output")(f)
         f = Dropout(task.dropout)(f)
         x = layers.LayerNormalization(epsilon=1e-12, name=f"layer{i}_output_norm")(x + f)
     x = GatherPositions(name="masked_positions_gather")(x, positions)
-    x = layers.Dense(h, activation="gelu", kernel_initializer=keras.initializers.get(_INIT), name="mlm_transform")(x)
+    x = layers.Dense(h, activation=gelu, kernel_initializer=keras.initializers.get(_INIT), name="mlm_transform")(x)
     x = layers.LayerNormalization(epsilon=1e-12, name="mlm_norm")(x)
     logits = embedding(x, reverse=True)
     return keras.Model({"input_ids": ids, "input_mask": mask, "masked_positions": positions}, logits, name="bert_mlm")

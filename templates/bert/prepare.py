@@ -569,7 +569,7 @@ def _prepare(sources: list[Source], out: Path, opts: PrepareOptions, storage_cli
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     writer = _ShardWriter(out, opts.shard_sequences)
     packer = _Packer(writer, opts.seq_len, dtype, special)
-    encode_into(packer, writer, lambda texts, ends: tok.encode_batch_fast(texts, add_special_tokens=False),
+    encode_into(packer, writer, lambda texts, ends: (tok.encode_batch_fast(texts, add_special_tokens=False), ends),
                 sources, opts, storage_client, progress)
     if packer.sequences == 0:
         raise DataError(f"corpus is empty: {_names(sources)} has no text", path=sources[0].url)
@@ -588,14 +588,15 @@ def _prepare(sources: list[Source], out: Path, opts: PrepareOptions, storage_cli
 
 def encode_into(packer, writer: _ShardWriter, encode, sources: list[Source], opts, storage_client,
                 progress: Progress | None = None):
-    """Stream the corpus through `encode(texts, ends) -> encodings` into `packer.add(encodings, ends)`, reading
+    """Stream the corpus through `encode(texts, ends) -> (encodings, ends)` (one encoding per text, or per run of
+    texts it joined, with whether each ends its document) into `packer.add(encodings, ends)`, reading
     and encoding in background threads (the module's pipeline), and return `packer.finish()`. On any failure the
     shards `writer` wrote are removed. Blocks."""
     total = total_bytes(sources)
 
     def encoded(batches):
         for texts, ends, done in batches:
-            yield encode(texts, ends), ends, done
+            yield *encode(texts, ends), done
 
     try:
         for encodings, ends, done in _background(encoded(_background(

@@ -33,6 +33,7 @@ FORMAT = "tpuctl-gpt2-clm/1"
 EOT = "<|endoftext|>"
 VOCAB_NAME, MERGES_NAME, TOKENIZER_NAME = "vocab.json", "merges.txt", "tokenizer.json"
 FILES = (VOCAB_NAME, MERGES_NAME, TOKENIZER_NAME)
+RUN_CHARS = 1 << 10  # characters per encoder input (document_runs)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,30 @@ class Packer:
         return len(self.carry)
 
 
+def document_runs(texts: list[str], ends: list[bool], run_chars: int = RUN_CHARS) -> tuple[list[str], list[bool]]:
+    """Consecutive lines of one document joined into runs of about `run_chars`, each line but a document's last
+    keeping its line break (byte-level BPE encodes it), with whether each run ends its document.
+
+    Lines arrive stripped, so a line break is always its own pre-token between two non-blank lines: a run
+    encodes to exactly the ids of its lines encoded one by one, in fewer, longer inputs (on bench/peers.py's
+    corpus, 2 cores: ~20% less encoding time than one input per line)."""
+    runs: list[str] = []
+    run_ends: list[bool] = []
+    run: list[str] = []
+    size = 0
+    for text, end in zip(texts, ends, strict=True):
+        run.append(text)
+        size += len(text) + 1
+        if end or size >= run_chars:
+            runs.append("\n".join(run) + ("" if end else "\n"))
+            run_ends.append(end)
+            run, size = [], 0
+    if run:
+        runs.append("\n".join(run) + "\n")
+        run_ends.append(False)
+    return runs, run_ends
+
+
 def prepare(corpus: Iterable[str], out_dir: str | Path, opts: PrepareOptions = PrepareOptions(), *,
             storage_client=None, progress=None) -> Manifest:
     """Tokenizer files + shards + manifest in `out_dir` (created if needed); same contract as bert.prepare:
@@ -128,9 +153,8 @@ def _prepare(sources, out: Path, opts: PrepareOptions, storage_client, progress)
     packer = Packer(writer, opts.seq_len, dtype, eot)
 
     def encode(texts, ends):
-        # A line that does not end its document keeps its line break: byte-level BPE encodes it.
-        texts = [t if end else t + "\n" for t, end in zip(texts, ends)]
-        return tok.encode_batch_fast(texts, add_special_tokens=False)
+        runs, run_ends = document_runs(texts, ends)
+        return tok.encode_batch_fast(runs, add_special_tokens=False), run_ends
 
     dropped = _bert.encode_into(packer, writer, encode, sources, opts, storage_client, progress)
     if packer.sequences == 0:
