@@ -35,7 +35,7 @@ from pathlib import Path
 
 STEP = re.compile(rb"\bstep=(\d+)")
 PATH_KEYS = ("data_dir", "model_dir", "export_dir")
-TERM_GRACE_S = 20.0
+CANCEL_MARKER = "cancelled"  # written by a cancel (jobs/remote.py, the bootstrap's relaunch) before its SIGTERM
 
 
 def _emulated() -> bool:
@@ -447,6 +447,15 @@ class Agent:
     def __init__(self, bundle: Path, worker: int):
         self.bundle = bundle.resolve()
         self.home = self.bundle.parent
+        self.child: subprocess.Popen | None = None
+        self.terminated = False
+        # First, before the storage client's slow import: the bootstrap starts the agent with SIGTERM ignored
+        # and a cancel leaves CANCEL_MARKER before it signals, so a cancel at any moment of the start is seen
+        # here (the marker) or by the handler, never lost to SIGTERM's default action.
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if (self.home / CANCEL_MARKER).exists():
+            self.terminated = True
         self.job = json.loads((self.bundle / "job.json").read_text())
         self.worker = worker
         self.num_workers = int(self.job.get("num_workers") or 1)
@@ -459,8 +468,6 @@ class Agent:
         self._log_size = -1
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.child: subprocess.Popen | None = None
-        self.terminated = False
 
     def say(self, message: str) -> None:
         """The agent's own notes go into the job's log, where `tpuctl logs` and the bucket copy show them."""
@@ -552,8 +559,6 @@ class Agent:
             self.child.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._on_term)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         # The log exists from the first moment, so `tpuctl logs -f` follows staging (which can take long)
         # instead of giving up waiting for the file.
         self.log_path.touch()
@@ -566,7 +571,8 @@ class Agent:
         # Into agent.log (the job's log starts with the program's own output): what the job runs with.
         print(f"tpuctl agent: python={sys.version.split()[0]} tensorflow={tensorflow_version()} keras={keras}",
               flush=True)
-        self.stage()
+        if not self.terminated:
+            self.stage()
         work = self.home / "config.json"
         work.write_text(json.dumps(self._config(), indent=1))
         argv = [sys.executable, "-u", "-m", self.job["module"], "--config", str(work), *self.job.get("args", [])]
@@ -576,17 +582,11 @@ class Agent:
         self.publish()
         beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
         beat.start()
-        with open(self.log_path, "ab", buffering=0) as log:
-            self.child = subprocess.Popen(argv, cwd=self.bundle, env=env, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            assert self.child.stdout is not None
-            emulated = _emulated()
-            for line in iter(self.child.stdout.readline, b""):
-                log.write(self.store.as_urls(line) if emulated else line)
-                m = STEP.search(line)
-                if m:
-                    self.step = int(m.group(1))
-            code = self.child.wait()
+        if self.terminated:
+            self.say("cancelled before the program started")
+            code = -signal.SIGTERM
+        else:
+            code = self._supervise(argv, env)
         self.ended = time.time()
         self.exit_code = 128 - code if code < 0 else code
         self.state = "succeeded" if self.exit_code == 0 else "failed"
@@ -605,6 +605,22 @@ class Agent:
         if self.worker == 0 and self.num_workers > 1:
             self._settle_status()
         return self.exit_code
+
+    def _supervise(self, argv: list[str], env: dict[str, str]) -> int:
+        """Runs the program, copying its output into the job log; returns its wait status."""
+        with open(self.log_path, "ab", buffering=0) as log:
+            self.child = subprocess.Popen(argv, cwd=self.bundle, env=env, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            if self.terminated:  # the SIGTERM came between the check in run() and the child's existence
+                self.child.send_signal(signal.SIGTERM)
+            assert self.child.stdout is not None
+            emulated = _emulated()
+            for line in iter(self.child.stdout.readline, b""):
+                log.write(self.store.as_urls(line) if emulated else line)
+                m = STEP.search(line)
+                if m:
+                    self.step = int(m.group(1))
+            return self.child.wait()
 
     def _settle_status(self) -> None:
         """Workers finishing together can each aggregate before seeing the others' final state; worker 0

@@ -2,8 +2,9 @@
 
 Layout on each worker, relative to the login directory (the SSH user's home on a TPU VM):
 `.tpuctl/runs/RUN/wN/` holds `bundle/` (the unpacked job), `bundle.sha`, `agent.pid` (also the job's
-process group id), `launch.id` (which launch started it), `job.log` (the training program's output), `agent.log`, and `exit_code` once the job
-ended. The worker index is part of the path so workers sharing one file system never collide.
+process group id), `launch.id` (which launch started it), `job.log` (the training program's output), `agent.log`,
+`cancelled` once a cancel was asked for, and `exit_code` once the job ended. The worker index is part of the
+path so workers sharing one file system never collide.
 
 Every value interpolated into a command line is `shlex.quote`d; nothing here concatenates raw input.
 """
@@ -74,11 +75,12 @@ def status_command(run: str, worker: int) -> str:
 
 def cancel_command(run: str, worker: int, grace_s: int = 10) -> str:
     """SIGTERM the job's process group (the agent forwards it, syncs, records the exit), SIGKILL after
-    `grace_s`. Idempotent: a finished or absent job is left as it is."""
+    `grace_s`. Idempotent: a finished or absent job is left as it is. The `cancelled` file first: an agent
+    still starting (SIGTERM ignored until its handler exists) reads it instead."""
     d = shlex.quote(workdir(run, worker))
     return (
         f"cd {d} 2>/dev/null || exit 0; [ -f agent.pid ] || exit 0; p=$(cat agent.pid); "
-        "kill -0 \"$p\" 2>/dev/null || exit 0; kill -TERM -- -\"$p\" 2>/dev/null || true; "
+        "kill -0 \"$p\" 2>/dev/null || exit 0; : > cancelled; kill -TERM -- -\"$p\" 2>/dev/null || true; "
         f"for i in $(seq {int(grace_s) * 10}); do kill -0 \"$p\" 2>/dev/null || exit 0; sleep 0.1; done; "
         "kill -KILL -- -\"$p\" 2>/dev/null || true"
     )

@@ -228,6 +228,51 @@ def test_failing_worker_is_reported_and_others_can_be_cancelled(tmp_path, slice4
     assert "boom at step 3" in _blob_text(storage, f"runs/{run}/logs/worker-2.log")
 
 
+def test_a_cancel_while_the_agents_start_ends_every_worker_with_an_exit_code(tmp_path, slice4, storage):
+    """A cancel lands while the agents still import their storage client and stage the job (a slow worker, a
+    failure elsewhere right after launch): each agent records SIGTERM's exit and starts no program, instead of
+    dying silently ("lost", read as a lost node) or ignoring the cancel until its grace runs out."""
+    run = "early-cancel"
+    b = _ship(tmp_path, storage, _job(run, storage, trainer={"max_steps": 400}))
+
+    async def go():
+        async with Fleet(slice4.targets(), ensure_keypair()) as fleet:
+            await launching.launch(fleet, run=run, project="test-project", bucket=storage.bucket_name, bundle=b,
+                                   python=PYTHON)
+            started = time.monotonic()
+            await launching.cancel(fleet, run, grace_s=60)
+            return time.monotonic() - started, await launching.poll(fleet, run)
+
+    took, states = asyncio.run(go())
+    assert [s.state for s in states] == ["exited"] * 4, states
+    # Whether a worker's cancel landed before its program started depends on the machine's load (CI once saw
+    # one start first, SIGTERMed a few steps in); either way the job ends 143, promptly, never "lost".
+    assert {s.exit_code for s in states} == {143}
+    assert took < 30, f"the cancel waited {took:.0f} s: a SIGTERM was not acted on"
+
+
+def test_an_agent_cancelled_before_its_program_starts_records_143_and_starts_nothing(tmp_path, storage):
+    """The deterministic half of the test above: the cancel's marker is there when the agent starts (it came
+    while SIGTERM was still ignored), so the agent runs no program, and records and publishes 143."""
+    import tarfile
+
+    run = "pre-cancel"
+    b = _ship(tmp_path, storage, _job(run, storage, workers=1))
+    home = tmp_path / "w0"
+    with tarfile.open(b.path) as tar:
+        tar.extractall(home / "bundle", filter="data")
+    (home / "cancelled").touch()
+    proc = subprocess.run([PYTHON, str(home / "bundle" / bundles.AGENT_NAME), "run", "--bundle", str(home / "bundle"),
+                           "--worker", "0"], env={**os.environ, "STORAGE_EMULATOR_HOST": storage.host},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, proc.stderr
+    assert (home / "exit_code").read_text().strip() == "143"
+    log = (home / "job.log").read_text()
+    assert "tpuctl agent: cancelled before the program started" in log and "args=" not in log, log
+    status = json.loads(_blob_text(storage, f"runs/{run}/status.json"))
+    assert status["state"] == "failed" and status["exit_code"] == 143, status
+
+
 def test_logs_follow_resumes_at_offset_after_ssh_drop(tmp_path, slice4, storage):
     run = "drops"
     # No checkpoint before the end: worker 0's agent uploads the model dir every heartbeat and each agent
