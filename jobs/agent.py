@@ -14,7 +14,8 @@ latest checkpoint from the bucket before the start (resume after preemption), an
 directory (checkpoints, TensorBoard events, exports) back periodically and at exit. On a real TPU VM the
 program writes gs:// itself and the agent only heartbeats and copies logs. Every worker copies its log to
 `gs://BUCKET/runs/RUN/logs/worker-N.log` and its state to `.../workers/worker-N.json`; `.../status.json`
-aggregates them: {"state": running|succeeded|failed, "heartbeat", "step", "recovering": false, "exit_code"}.
+aggregates them: {"state": running|succeeded|failed, "heartbeat", "step", "exit_code", "workers"}, merged into
+what the laptop wrote there (see `merge_json`).
 `exit_code` (local file) is written last: when it exists, logs and checkpoints are in the bucket.
 """
 
@@ -25,6 +26,7 @@ import base64
 import hashlib
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -59,6 +61,47 @@ def _client(project: str):
         credentials = AnonymousCredentials()
     # The client ignores ambient credentials when STORAGE_EMULATOR_HOST is set: they must be passed.
     return storage.Client(project=project, credentials=credentials)
+
+
+# status.json has two writers: worker 0's agent (the job's account: state, step, exit_code, heartbeat) and the
+# laptop's `tpuctl run` (recovering; and, when it decides how the run ended, `final` with its verdict). Keys the
+# agent does not write are never touched by it, and it leaves a final status alone.
+STATUS = "status.json"
+RACE_ATTEMPTS = 10  # a read-modify-write, or a listing, that another writer keeps invalidating: tries
+
+
+def merge_json(bucket, name: str, fields: dict, *, unless=None) -> dict | None:
+    """Merge `fields` into the JSON object `name` of `bucket` (a google.cloud.storage Bucket) without losing
+    a concurrent writer's keys: read the object and its generation, write the merge only while that generation
+    is still the live one (`ifGenerationMatch`, 0 when there is no object yet), and read again on 412
+    (cloud.google.com/storage/docs/request-preconditions), after a jittered backoff. Returns what was written, or
+    None when `unless(current document)` says to leave it as it is. Blocks for a few requests (seconds at worst
+    under contention); idempotent. RuntimeError when it lost the race RACE_ATTEMPTS times."""
+    from google.api_core.exceptions import NotFound, PreconditionFailed
+
+    for attempt in range(RACE_ATTEMPTS):
+        if attempt:  # jittered backoff: writers that collided do not collide again in lockstep
+            time.sleep(random.uniform(0, min(1.0, 0.05 * 2 ** attempt)))
+        blob = bucket.blob(name)
+        try:
+            current = json.loads(blob.download_as_bytes())
+            generation = blob.generation  # from the download's x-goog-generation
+        except NotFound:
+            current, generation = {}, 0
+        except ValueError:  # not JSON: replaced like a missing object, but only this generation of it
+            current, generation = {}, blob.generation
+        if not isinstance(current, dict):
+            current = {}
+        if unless is not None and unless(current):
+            return None
+        doc = {**current, **fields}
+        try:
+            bucket.blob(name).upload_from_string(json.dumps(doc, sort_keys=True), content_type="application/json",
+                                                 if_generation_match=generation)
+            return doc
+        except PreconditionFailed:
+            continue  # another writer got in between: merge onto theirs
+    raise RuntimeError(f"gs://{bucket.name}/{name} kept changing: {RACE_ATTEMPTS} writes lost the race")
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -428,6 +471,10 @@ class Store:
         self.bucket.blob(f"{self.prefix}/{name}").upload_from_string(
             json.dumps(doc, sort_keys=True), content_type="application/json")
 
+    def merge_status(self, fields: dict) -> None:
+        """The job's account into status.json, unless the laptop has written its final verdict there."""
+        merge_json(self.bucket, f"{self.prefix}/{STATUS}", fields, unless=lambda doc: bool(doc.get("final")))
+
     def get_json(self, name: str) -> dict | None:
         from google.api_core.exceptions import NotFound
 
@@ -521,7 +568,7 @@ class Agent:
                 self._log_size = size
             self.store.put_json(f"workers/worker-{self.worker}.json", self._worker_doc())
             if self.worker == 0 or final:
-                self.store.put_json("status.json", self._aggregate())
+                self.store.merge_status(self._aggregate())
 
     def _aggregate(self) -> dict:
         docs = {self.worker: self._worker_doc()}
@@ -542,7 +589,7 @@ class Agent:
             state, code = "running", None
         steps = [d.get("step") for d in docs.values() if d.get("step") is not None]
         return {"state": state, "heartbeat": int(time.time()), "step": max(steps) if steps else None,
-                "recovering": False, "exit_code": code, "workers": self.num_workers}
+                "exit_code": code, "workers": self.num_workers}
 
     def _heartbeat_loop(self) -> None:
         interval = float(self.job.get("heartbeat_s") or 10)
@@ -631,7 +678,7 @@ class Agent:
             try:
                 doc = self._aggregate()
                 if doc["state"] != "running":
-                    self.store.put_json("status.json", doc)
+                    self.store.merge_status(doc)
                     return
             except Exception as exc:  # noqa: BLE001 - retried until the deadline
                 self.say(f"status aggregation failed: {type(exc).__name__}: {exc}")

@@ -21,6 +21,7 @@ from tpuctl.provision import Kind, Resource, State
 if TYPE_CHECKING:
     from tpuctl.provision import Clients
 
+from . import agent
 from .keys import KeyPair, ensure_keypair
 from .remote import check_run_name
 from .launch import targets_from_workers
@@ -120,18 +121,42 @@ def load_launch(clients: Clients, bucket: str, run: str) -> LaunchRecord:
 
 
 def read_status(clients: Clients, bucket: str, run: str) -> dict | None:
-    return read_json(clients, bucket, f"runs/{run}/status.json")
+    return read_json(clients, bucket, _status_name(run))
+
+
+def _status_name(run: str) -> str:
+    return f"runs/{run}/{agent.STATUS}"
+
+
+def open_status(clients: Clients, bucket: str, run: str, *, recovering: bool, on_event: EventSink = ignore) -> None:
+    """A launch starts a new account of the job: the last one's verdict (and its `final`) goes. Written before
+    the workers start, so their agents merge into it; `recovering` stays set through a recovery's relaunch, so
+    gc leaves the run alone until `update_status(recovering=False)` once the job runs again."""
+    _write_status(clients, bucket, run, {"state": "running", "recovering": recovering,
+                                         "heartbeat": int(time.time())}, on_event, replace=True)
 
 
 def update_status(clients: Clients, bucket: str, run: str, *, on_event: EventSink = ignore, **fields) -> dict:
-    """Merge `fields` into status.json (the laptop's view: recovering, final state). Best effort: a status
-    write must never stop a teardown, so failures are a Warn event."""
+    """Merge `fields` into status.json, never losing what the agents write meanwhile (`agent.merge_json`).
+    Best effort: a status write must never stop a teardown, so failures are a Warn event."""
+    return _write_status(clients, bucket, run, {**fields, "heartbeat": int(time.time())}, on_event)
+
+
+def close_status(clients: Clients, bucket: str, run: str, *, state: str, on_event: EventSink = ignore,
+                 **fields) -> dict:
+    """The laptop's verdict on how the run ended (`state` and why): marked `final`, so the agents of a job that is
+    still stopping (or of a TPU Google is deleting) cannot overwrite it. The next launch opens a new account."""
+    return update_status(clients, bucket, run, state=state, recovering=False, final=True, on_event=on_event,
+                         **fields)
+
+
+def _write_status(clients: Clients, bucket: str, run: str, fields: dict, on_event: EventSink, *,
+                  replace: bool = False) -> dict:
     try:
-        doc = read_status(clients, bucket, run) or {}
-        doc.update(fields)
-        doc["heartbeat"] = int(time.time())
-        write_json(clients, bucket, f"runs/{run}/status.json", doc)
-        return doc
-    except Exception as exc:  # noqa: BLE001 - see docstring
-        on_event(Warn(f"could not update gs://{bucket}/runs/{run}/status.json: {exc}"))
+        if replace:
+            write_json(clients, bucket, _status_name(run), fields)
+            return fields
+        return agent.merge_json(clients.storage.bucket(bucket), _status_name(run), fields) or {}
+    except Exception as exc:  # noqa: BLE001 - see the callers: best effort
+        on_event(Warn(f"could not update gs://{bucket}/{_status_name(run)}: {exc}"))
         return {}

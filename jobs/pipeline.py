@@ -416,10 +416,11 @@ class Pipeline:
             max_recoveries=self.max_recoveries, launched=time.time())
         return b
 
-    def launch(self) -> None:
+    def launch(self, *, recovering: bool = False) -> None:
         rec = self.record
         with self.phase("launch", f"{rec.workers} worker(s)"):
             key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
+            cluster.open_status(self.clients, rec.bucket, rec.run, recovering=recovering, on_event=self.emit)
             self._launched = True
             bundle = bundles.Bundle(path=Path(), sha256=rec.bundle_sha, run=rec.run)
 
@@ -431,6 +432,8 @@ class Pipeline:
 
             asyncio.run(go())
             cluster.save_launch(self.clients, rec)
+            if recovering:
+                cluster.update_status(self.clients, rec.bucket, rec.run, recovering=False, on_event=self.emit)
             self.cursor = logs.Cursor()  # a (re)launched job starts a fresh log on every worker
 
     # -- watching
@@ -506,8 +509,8 @@ class Pipeline:
                 self.emit(ev.Warn(f"could not stop every worker: {exc}"))
         self.outcome.failing_worker = failed.index
         self.outcome.tail = list(self.stream.tails.get(failed.index, []))
-        cluster.update_status(self.clients, rec.bucket, rec.run, state="failed", exit_code=failed.exit_code,
-                              recovering=False, on_event=self.emit)
+        cluster.close_status(self.clients, rec.bucket, rec.run, state="failed", exit_code=failed.exit_code,
+                             on_event=self.emit)
         lines = "\n".join(f"  [w{failed.index}] {line}" for line in self.outcome.tail[-10:])
         raise JobFailed(f"the job failed on worker {failed.index} with exit code {failed.exit_code}",
                         hint=f"last lines of worker {failed.index}:\n{lines}\n  full logs: "
@@ -521,8 +524,8 @@ class Pipeline:
         ledger.remember([self._tpu], deleted=True, on_event=self.emit)  # Google deleted it: it bills no more
         if self.record is not None:
             # A final state gc and `job status` know ("failed": the job did not finish), and why.
-            cluster.update_status(self.clients, self.record.bucket, self.record.run, state="failed",
-                                  recovering=False, ended="max_run_duration", on_event=self.emit)
+            cluster.close_status(self.clients, self.record.bucket, self.record.run, state="failed",
+                                 ended="max_run_duration", on_event=self.emit)
         return RunDurationEnded(
             f"the flex-start TPU {self.node} reached its max run duration ({self.spec.max_run_duration}) at "
             f"{self._tpu.detail['ends']} and Google ended it before the job finished (step "
@@ -579,7 +582,7 @@ class Pipeline:
             if node is not None:
                 self.zone, self.node = node.location, node.name
             self.record = rec = cluster.LaunchRecord(**{**rec.__dict__, "zone": self.zone, "node": self.node})
-        self.launch()
+        self.launch(recovering=True)
 
     # -- results and teardown
     def collect(self) -> None:
@@ -668,16 +671,16 @@ class Pipeline:
             torn_down = True
             self.teardown()
             if not self.opts.delete_bucket:
-                cluster.update_status(self.clients, self.record.bucket, self.record.run, state="succeeded",
-                                      exit_code=0, recovering=False, step=self.outcome.step, on_event=self.emit)
+                cluster.close_status(self.clients, self.record.bucket, self.record.run, state="succeeded",
+                                     exit_code=0, step=self.outcome.step, on_event=self.emit)
                 self.collect()
             return self.outcome
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt) or self.cancel.is_set():
                 self.outcome.state = "interrupted"
                 if self.record is not None:
-                    cluster.update_status(self.clients, self.record.bucket, self.record.run, state="failed",
-                                          recovering=False, interrupted=True, on_event=self.emit)
+                    cluster.close_status(self.clients, self.record.bucket, self.record.run, state="failed",
+                                         interrupted=True, on_event=self.emit)
                 raise
             self.outcome.state = "failed"
             if (isinstance(exc, TpuctlError) and not isinstance(exc, RunDurationEnded) and self._tpu is not None

@@ -35,7 +35,8 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from functools import partial
 from http import HTTPStatus
@@ -97,6 +98,11 @@ _ROUTES = [
 ]
 # Requests about a bucket itself (metadata, IAM): these wait for an insert of the same name to finish.
 _BUCKET_LEVEL = frozenset({"bucket", "iam"})
+# Request preconditions of the JSON API (cloud.google.com/storage/docs/request-preconditions). Only
+# ifGenerationMatch on a single-request upload is emulated; any other is refused (501), never ignored.
+_PRECONDITIONS = ("ifGenerationMatch", "ifGenerationNotMatch", "ifMetagenerationMatch", "ifMetagenerationNotMatch",
+                  "ifSourceGenerationMatch", "ifSourceGenerationNotMatch", "ifSourceMetagenerationMatch",
+                  "ifSourceMetagenerationNotMatch")
 
 
 class _Reject(Exception):
@@ -202,6 +208,11 @@ _PERMISSIONS = {
 _DESTINATION = re.compile(r"/(?:copyTo|rewriteTo)/b/(?P<bucket>[^/]+)/o/")
 
 
+def _upload_name(query: dict, document: Any) -> str | None:
+    """The object an upload names: `name` in the query (media uploads) or in its JSON metadata."""
+    return (query.get("name") or [None])[0] or (document or {}).get("name")
+
+
 def _required(method: str, route: str | None, params: dict, query: dict, document: Any, path: str,
               exists: Callable[[str, str], bool]) -> list[tuple[str, str | None, str]]:
     """(permission, bucket or None for the project, noun) pairs a request needs, as Cloud Storage checks them.
@@ -212,7 +223,7 @@ def _required(method: str, route: str | None, params: dict, query: dict, documen
     if route == "upload":
         if method != "POST" or "upload_id" in query:
             return []
-        name = (query.get("name") or [None])[0] or (document or {}).get("name")
+        name = _upload_name(query, document)
         needs = [("storage.objects.create", bucket, "object")]
         if name and exists(bucket, name):
             needs.append(("storage.objects.delete", bucket, "object"))
@@ -403,11 +414,12 @@ class _Proxy(BaseHTTPRequestHandler):
             self._authorize(method, route, params, query, document)
             if (method, route) == ("GET", "objects") and (query.get("softDeleted") or [""])[0].lower() == "true":
                 special = "_list_soft_deleted"
-            if special is None:
-                self._note_overwrite(route, method, params, query, document)
-                self._forward(method, route, params, body)
-                return
-            status, payload = getattr(self, special)(params, document or {}, query)
+            with self._object_guard(method, route, params, query, document) as (headers, live):
+                if special is None:
+                    self._note_overwrite(route, method, params, query, document, live)
+                    self._forward(method, route, params, body, headers)
+                    return
+                status, payload = getattr(self, special)(params, document or {}, query)
             self._reply_json(method, route, status, payload, params)
         except _Reject as exc:
             if body is None and int(self.headers.get("Content-Length") or 0):
@@ -563,15 +575,57 @@ class _Proxy(BaseHTTPRequestHandler):
             return 0, "", None
         return _retention_s(meta), str(meta.get("location") or ""), self.server.projects().get(bucket)
 
-    def _note_overwrite(self, route: str | None, method: str, params: dict, query: dict, document: Any) -> None:
-        """Before an upload that names an existing object: remember that object, soft-deleted once replaced."""
+    @contextmanager
+    def _object_guard(self, method: str, route: str | None, params: dict, query: dict,
+                      document: Any) -> Iterator[tuple[dict[str, str], dict | None]]:
+        """Generations, as GCS keeps them for read-modify-write (storage/docs/request-preconditions): a
+        single-request upload with `ifGenerationMatch` is written only if the live object has that generation
+        (0: no live object), else 412 `conditionNotMet`; a media read answers with the object's
+        `x-goog-generation` and `x-goog-metageneration` (google-cloud-storage's Blob takes its generation from
+        them), and one naming a `generation` that is no longer live is 404 (a bucket without versioning keeps no
+        readable old generation). Each holds the object's lock from its check to the end of its transfer (reads
+        share it), as does every single-request upload, so no write lands in between. Yields the response
+        headers to add and, for an upload, the live object it read ({} when none; None when it read nothing)."""
+        given = [name for name in _PRECONDITIONS if name in query]
+        single_upload = (route == "upload" and method == "POST" and "upload_id" not in query
+                         and (query.get("uploadType") or [""])[0] in ("multipart", "media"))
+        if given and not (single_upload and given == ["ifGenerationMatch"]):
+            raise _Reject(501, f"localcloud storage does not emulate {', '.join(given)} on {method} "
+                               f"{urlsplit(self.path).path} (only ifGenerationMatch on a single-request upload)",
+                          "notImplemented")
+        media_read = method == "GET" and (route == "download" or (route == "object" and query.get("alt") == ["media"]))
+        if not (single_upload or media_read):
+            yield {}, None
+            return
+        bucket = params["bucket"]
+        name = params["object"] if media_read else _upload_name(query, document) or ""
+        with self.server.object_locks.held(bucket, name, shared=media_read):
+            status, live = self.server.backend.call("GET", f"{_API}/b/{bucket}/o/{_quote(name)}")
+            live = live if status == 200 and isinstance(live, dict) else {}
+            if single_upload:
+                expected = (query.get("ifGenerationMatch") or [None])[0]
+                if expected is not None and expected != str(live.get("generation", "0")):
+                    raise _Reject(412, "At least one of the pre-conditions you specified did not hold.",
+                                  "conditionNotMet")
+                yield {}, live
+                return
+            wanted = (query.get("generation") or [None])[0]
+            if not live or (wanted is not None and wanted != str(live.get("generation"))):
+                raise _Reject(404, f"No such object: {bucket}/{name}", "notFound")
+            yield {"x-goog-generation": str(live["generation"]),
+                   "x-goog-metageneration": str(live.get("metageneration", "1"))}, None
+
+    def _note_overwrite(self, route: str | None, method: str, params: dict, query: dict, document: Any,
+                        live: dict | None) -> None:
+        """Before an upload that names an existing object: remember that object, soft-deleted once replaced.
+        `live` is that object when the caller has already read it (`_object_guard`)."""
         if route != "upload" or method != "POST":
             return
-        name = (query.get("name") or [None])[0] or (document or {}).get("name")
-        if name:
-            _, old = self.server.backend.call("GET", f"{_API}/b/{params['bucket']}/o/{_quote(name)}")
-            if isinstance(old, dict) and old.get("kind") == "storage#object":
-                self.server.soft.pending(old)
+        name = _upload_name(query, document)
+        if name and live is None:
+            _, live = self.server.backend.call("GET", f"{_API}/b/{params['bucket']}/o/{_quote(name)}")
+        if isinstance(live, dict) and live.get("kind") == "storage#object":
+            self.server.soft.pending(live)
 
     def _authorize(self, method: str, route: str | None, params: dict, query: dict, document: Any) -> None:
         """IAM for requests that carry a worker's service account token; others act as the project owner."""
@@ -664,7 +718,8 @@ class _Proxy(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _forward(self, method: str, route: str | None, params: dict, body: bytes | None) -> None:
+    def _forward(self, method: str, route: str | None, params: dict, body: bytes | None,
+                 extra_headers: dict[str, str]) -> None:
         """Pass the request through; media streams in chunks, JSON responses are checked and fixed."""
         conn = self.server.backend.connect()
         try:
@@ -700,7 +755,7 @@ class _Proxy(BaseHTTPRequestHandler):
                 self._send(resp.status, headers, json.dumps(self._present(method, route, payload)).encode())
                 return
             self.send_response(resp.status)
-            for key, value in resp.getheaders():
+            for key, value in [*resp.getheaders(), *extra_headers.items()]:
                 if key.lower() not in _HOP_BY_HOP:
                     self.send_header(key, value)
             remaining = int(resp.getheader("Content-Length") or 0)
@@ -783,6 +838,31 @@ class _SoftDeleted:
         tmp.replace(self._sidecar)
 
 
+class _ObjectLocks:
+    """Per (bucket, object): any number of readers, or one writer. Only held keys are kept, so a long-lived
+    daemon holds no lock for every object it ever served; four workers reading one shard do not queue."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held: dict[tuple[str, str], int] = {}  # key -> how many readers hold it, or -1 for a writer
+
+    @contextmanager
+    def held(self, bucket: str, name: str, *, shared: bool) -> Iterator[None]:
+        key = (bucket, name)
+        with self._cond:
+            self._cond.wait_for(lambda: self._held.get(key, 0) >= 0 if shared else key not in self._held)
+            self._held[key] = self._held.get(key, 0) + 1 if shared else -1
+        try:
+            yield
+        finally:
+            with self._cond:
+                if self._held[key] > 1:
+                    self._held[key] -= 1
+                else:
+                    del self._held[key]
+                self._cond.notify_all()
+
+
 class _FrontServer(ThreadingHTTPServer):
     """The address clients see; owns the bucket -> project record that GCS keeps and the emulator lacks."""
 
@@ -808,6 +888,7 @@ class _FrontServer(ThreadingHTTPServer):
         self.read_modify_write = threading.Lock()
         self._projects: dict[str, str] = json.loads(sidecar.read_text()) if sidecar and sidecar.exists() else {}
         self._bucket_locks: dict[str, threading.Lock] = {}
+        self.object_locks = _ObjectLocks()
         self.last_request = time.time()  # wall clock of the latest request (the daemon's idle stop reads it)
 
     def bucket_lock(self, bucket: str) -> threading.Lock:
