@@ -360,21 +360,34 @@ class Store:
         return line.replace(str(self.mirror_root).encode() + b"/", b"gs://")
 
     def download_prefix(self, url: str) -> int:
+        """Mirror the objects under `url` to local disk (only those that differ); returns how many were
+        downloaded. A listed object is read at its listed generation: one replaced or deleted meanwhile is 404
+        (worker 0 publishing a newer checkpoint while this worker restores), and the prefix is listed again, so
+        the mirror is one state the bucket was in (uploads publish a checkpoint's files before its pointer)."""
+        from google.api_core.exceptions import NotFound
+
         bucket, prefix = _split(url)
         dest = self.local(url)
         n = 0
-        for blob in self.client.list_blobs(bucket, prefix=prefix + "/"):
-            rel = blob.name[len(prefix) + 1:]
-            if not rel or rel.endswith("/"):
+        for _ in range(RACE_ATTEMPTS):
+            try:
+                for blob in self.client.list_blobs(bucket, prefix=prefix + "/"):
+                    rel = blob.name[len(prefix) + 1:]
+                    if not rel or rel.endswith("/"):
+                        continue
+                    target = dest / rel
+                    if _same_content(target, blob):
+                        continue
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = target.with_name(target.name + ".part")
+                    blob.download_to_filename(str(tmp))
+                    tmp.replace(target)
+                    n += 1
+                break
+            except NotFound:
                 continue
-            target = dest / rel
-            if _same_content(target, blob):
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(target.name + ".part")
-            blob.download_to_filename(str(tmp))
-            tmp.replace(target)
-            n += 1
+        else:
+            raise RuntimeError(f"{url} kept changing while it was read: {RACE_ATTEMPTS} listings went stale")
         dest.mkdir(parents=True, exist_ok=True)
         return n
 
