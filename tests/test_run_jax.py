@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from test_run import REPO, _text, _zero, project, run_preempted_at, tpc  # noqa: F401 (fixtures)
+from test_run import REPO, _text, _tpuctl, _zero, project, run_preempted_at, tpc  # noqa: F401 (fixtures)
 from tpuctl import spec as spec_mod
 from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
@@ -134,7 +134,8 @@ def test_spot_tpu7x_preempted_by_compute_is_recreated_and_resumes_from_the_check
 @pytest.mark.slow
 @pytest.mark.tf
 @pytest.mark.timeout(600)
-def test_flex_start_tpu7x_ended_at_its_max_run_duration_stops_the_run_without_asking_again(tpc, cloud, project):
+def test_flex_start_tpu7x_ended_at_its_max_run_duration_stops_the_run_without_asking_again(tpc, cloud, project,
+                                                                                            tmp_path):
     """Compute deletes a flex-start TPU7x VM at its max run duration (12 h, 43 s of wall clock at the tests'
     speed) while the job trains: the run ends with exit code 4 and a resume hint, and no second TPU is asked for."""
     from tpuctl.errors import RunDurationEnded
@@ -151,4 +152,8 @@ def test_flex_start_tpu7x_ended_at_its_max_run_duration_stops_the_run_without_as
     assert [e.kind for e in Ledger().entries() if e.kind == "tpu" and e.run == "flex-7x"] == ["tpu"]
     status = json.loads(_text(tpc, p.outcome.bucket, "runs/flex-7x/status.json"))
     assert status["state"] == "failed" and status["ended"] == "max_run_duration"
+    shown = _tpuctl(cloud, tmp_path, project, "job", "status", "flex-7x")
+    assert shown.returncode == 0 and shown.stderr.startswith(
+        "run flex-7x: failed, step ") and "(Google ended the flex-start TPU at its max run duration)" in shown.stderr, \
+        shown.stderr
     assert _zero(cloud, project)

@@ -318,9 +318,22 @@ def job_status(run, as_json, cloud, project) -> None:
     step = st.get("step")
     console.info(f"run {run}: {st.get('state', 'unknown')}, "
                  + (f"step {step}" if step is not None else "no step finished yet")
-                 + (" (recovering)" if st.get("recovering") else ""))
+                 + (f" ({why})" if (why := _why_it_ended(st)) else ""))
     console.table(("worker", "state", "exit code", "pid"),
                   [(w["index"], w["state"], w["exit_code"], w["pid"]) for w in doc["workers"]])
+
+
+def _why_it_ended(status: dict) -> str | None:
+    """What the status record says about how the job ended (or that a recovery is under way)."""
+    if status.get("recovering"):
+        return "recovering"
+    if status.get("ended") == "max_run_duration":
+        return "Google ended the flex-start TPU at its max run duration"
+    if status.get("interrupted"):
+        return "interrupted: `tpuctl run` was stopped"
+    if status.get("state") == "failed" and status.get("exit_code") is not None:
+        return f"exit code {status['exit_code']}"
+    return None
 
 
 @job_group.command("cancel")
@@ -350,8 +363,7 @@ def job_cancel(run, as_json, cloud, project) -> None:
     before, live = asyncio.run(go())
     record = (cluster.read_status(clients, where.bucket, run) if where.bucket else None) or {}
     if live and where.bucket:
-        record = cluster.update_status(clients, where.bucket, run, state="cancelled", recovering=False,
-                                       on_event=console.report)
+        record = cluster.close_status(clients, where.bucket, run, state="cancelled", on_event=console.report)
     state = "cancelled" if live else record.get("state", "ended")
     if as_json:
         console.emit_json({"run": run, "state": state, "cancelled_workers": live,
