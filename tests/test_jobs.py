@@ -608,48 +608,33 @@ def test_a_restore_replaces_a_stale_pointer_of_the_same_size(tmp_path, storage):
     assert (local / "checkpoint").read_text() == "ckpt-30.json"
 
 
-@pytest.fixture
-def run_bucket(monkeypatch):
-    """A bucket on localcloud's Cloud Storage, which keeps generations and honours ifGenerationMatch."""
-    from types import SimpleNamespace
-
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud import storage as gcs
-    from tpuctl.localcloud.storage import StorageServer
-
-    server = StorageServer(None)
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.start())
-    client = gcs.Client(project="test-project", credentials=AnonymousCredentials())
-    client.create_bucket("tpuctl-r1", location="us-central1")
-    yield SimpleNamespace(storage=client)
-    server.stop()
-
-
-def test_the_laptops_verdict_outlives_a_stopping_agent_and_the_next_launch_starts_a_new_account(run_bucket,
-                                                                                                tmp_path):
+def test_the_laptops_verdict_outlives_a_stopping_agent_and_the_next_launch_starts_a_new_account(storage, tmp_path):
     """status.json has two writers. When the laptop has said how the run ended (here: Google ended the TPU at
     its max run duration), an agent still stopping must not overwrite it (the CI failure: its last beat landed
     after the verdict and dropped `ended`); `recovering` is the laptop's alone; the next launch opens a fresh
     account that the new agents write to."""
+    from types import SimpleNamespace
+
     from tpuctl.jobs import agent, cluster
 
-    store = agent.Store({"project": "test-project", "bucket": "tpuctl-r1", "prefix": "runs/r1"}, 0, tmp_path)
+    laptop, bucket = SimpleNamespace(storage=storage.client()), storage.bucket_name
+    store = agent.Store({"project": "test-project", "bucket": bucket, "prefix": "runs/r1"}, 0, tmp_path)
 
     def read() -> dict:
-        return cluster.read_status(run_bucket, "tpuctl-r1", "r1")
+        return cluster.read_status(laptop, bucket, "r1")
 
-    cluster.open_status(run_bucket, "tpuctl-r1", "r1", recovering=False)
+    cluster.open_status(laptop, bucket, "r1", recovering=False)
     store.merge_status({"state": "running", "step": 40, "exit_code": None})
-    cluster.update_status(run_bucket, "tpuctl-r1", "r1", state="running", recovering=True)
+    cluster.update_status(laptop, bucket, "r1", state="running", recovering=True)
     store.merge_status({"state": "failed", "step": 45, "exit_code": 143})  # the old job's last beat
     assert read()["recovering"] is True and read()["step"] == 45
-    cluster.close_status(run_bucket, "tpuctl-r1", "r1", state="failed", ended="max_run_duration")
+    cluster.close_status(laptop, bucket, "r1", state="failed", ended="max_run_duration")
     store.merge_status({"state": "failed", "step": 46, "exit_code": 143})  # lands after the verdict
     doc = read()
     assert doc["state"] == "failed" and doc["ended"] == "max_run_duration" and doc["final"] is True, doc
     assert doc["step"] == 45 and doc["recovering"] is False, doc
 
-    cluster.open_status(run_bucket, "tpuctl-r1", "r1", recovering=False)  # `tpuctl run --name r1` resumes
+    cluster.open_status(laptop, bucket, "r1", recovering=False)  # `tpuctl run --name r1` resumes
     store.merge_status({"state": "running", "step": 50, "exit_code": None})
     doc = read()
     assert doc["state"] == "running" and doc["step"] == 50 and "final" not in doc and "ended" not in doc, doc

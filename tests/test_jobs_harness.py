@@ -1,4 +1,4 @@
-"""Test doubles for the jobs tests (no tests here): a storage emulator and a slice of SSH workers.
+"""Test doubles for the jobs tests (no tests here): localcloud's Cloud Storage and a slice of SSH workers.
 
 `FakeSlice` starts one asyncssh server per worker on 127.0.0.1, each accepting only the test's key and
 running commands with bash in its own directory, with the environment a localcloud TPU worker has. Jobs
@@ -31,20 +31,23 @@ def free_port() -> int:
 
 
 class StorageEmulator:
-    def __init__(self, bucket: str):
-        from gcp_storage_emulator.server import create_server
+    """A bucket on localcloud's Cloud Storage (generations, preconditions and object locks as GCS has them; the
+    raw engine under it ignores preconditions, so the status protocol's ifGenerationMatch would go untested)."""
 
-        self.port = free_port()
-        self.server = create_server("127.0.0.1", self.port, in_memory=True, default_bucket=bucket)
-        self.server.start()
-        self.host = f"http://127.0.0.1:{self.port}"
+    def __init__(self, bucket: str):
+        from tpuctl.localcloud.storage import StorageServer
+
+        self.server = StorageServer(None)
+        self.host = self.server.start()
         self.bucket_name = bucket
+        self.client().create_bucket(bucket, location="us-central1")
 
     def client(self):
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
 
-        return storage.Client(project="test-project", credentials=AnonymousCredentials())
+        return storage.Client(project="test-project", credentials=AnonymousCredentials(),
+                              client_options={"api_endpoint": self.host})
 
     def stop(self) -> None:
         self.server.stop()
