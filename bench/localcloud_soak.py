@@ -5,7 +5,7 @@ stopped), a bucket created, checkpoint-sized objects uploaded concurrently (seve
 8 MiB the client sends them as multipart uploads, which the storage proxy buffers), read back, and the bucket
 deleted. The daemon's RSS is read from /proc after each reporting interval, right after the cycle, garbage of
 the last requests included (the daemon trims its heap every 2 s; `settle_s` waits for that, to see only what it
-keeps). Goal: flat after warm-up (growth from the first report to the last < 40 MB) and below 300 MB.
+keeps). Goal: flat after warm-up (growth from the first report to the last < 25 MB) and below 200 MB.
 
     .venv/bin/python bench/localcloud_soak.py [--cycles 300] [--uploads 4] [--upload-mb 6] [--every 25] [--json]
 """
@@ -31,8 +31,8 @@ from tpuctl.localcloud import daemon
 
 ZONE = "us-central1-b"
 POLLING = polling.DEFAULT_POLLING.with_delay(initial=0.01, maximum=0.05).with_timeout(60)
-GROWTH_LIMIT_MB = 40.0
-RSS_LIMIT_MB = 300.0
+GROWTH_LIMIT_MB = 25.0
+RSS_LIMIT_MB = 200.0
 
 
 def rss_mb(pid: int) -> float:

@@ -50,7 +50,7 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
         "runtime_matrix": ("runtime matrix: bert-tiny killed halfway and resumed on each TensorFlow runtime family's own "
                            "interpreter (image venvs cached in $TPUCTL_RUNTIME_CACHE or ~/.tpuctl/localcloud/runtimes)",
                            [PY, "bench/runtime_matrix.py"]),
-        "localcloud_soak": ("local cloud daemon RSS over up/down cycles with concurrent uploads (goal: flat, < 300 MB)",
+        "localcloud_soak": ("local cloud daemon RSS over up/down cycles with concurrent uploads (goal: flat, < 200 MB)",
                             [PY, "bench/localcloud_soak.py"]),
         "chaos": ("chaos: leaked resources, lost checkpoints, wrong exit codes over seeded fault scenarios (goal 0/0/0)",
                   [PY, "bench/chaos.py", "--scenarios", str(chaos_scenarios), "--seed", str(chaos_seed)]),
