@@ -417,7 +417,7 @@ class _Proxy(BaseHTTPRequestHandler):
             with self._object_guard(method, route, params, query, document) as (headers, live):
                 if special is None:
                     self._note_overwrite(route, method, params, query, document, live)
-                    self._forward(method, route, params, body, headers)
+                    self._forward(method, route, params, body, headers, document)
                     return
                 status, payload = getattr(self, special)(params, document or {}, query)
             self._reply_json(method, route, status, payload, params)
@@ -584,7 +584,8 @@ class _Proxy(BaseHTTPRequestHandler):
         `x-goog-generation` and `x-goog-metageneration` (google-cloud-storage's Blob takes its generation from
         them), and one naming a `generation` that is no longer live is 404 (a bucket without versioning keeps no
         readable old generation). Each holds the object's lock from its check to the end of its transfer (reads
-        share it), as does every single-request upload, so no write lands in between. Yields the response
+        share it), as does every single-request upload and every chunk of a resumable one (the last chunk writes
+        the object), so no write lands in between. Yields the response
         headers to add and, for an upload, the live object it read ({} when none; None when it read nothing)."""
         given = [name for name in _PRECONDITIONS if name in query]
         single_upload = (route == "upload" and method == "POST" and "upload_id" not in query
@@ -594,6 +595,12 @@ class _Proxy(BaseHTTPRequestHandler):
                                f"{urlsplit(self.path).path} (only ifGenerationMatch on a single-request upload)",
                           "notImplemented")
         media_read = method == "GET" and (route == "download" or (route == "object" and query.get("alt") == ["media"]))
+        session = (self.server.upload_sessions.get((query.get("upload_id") or [""])[0])
+                   if route == "upload" and method == "PUT" else None)
+        if session is not None:  # a resumable upload's chunk: the last one writes the object, as one write
+            with self.server.object_locks.held(*session, shared=False):
+                yield {}, None
+            return
         if not (single_upload or media_read):
             yield {}, None
             return
@@ -718,8 +725,20 @@ class _Proxy(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _track_upload_session(self, method: str, params: dict, document: Any, resp) -> None:
+        """Remember which object a resumable upload session writes (its chunks name only the session), from the
+        answer that opened it, until the answer that completed it."""
+        query = parse_qs(urlsplit(self.path).query)
+        if method == "POST" and resp.status == 200 and (query.get("uploadType") or [""])[0] == "resumable":
+            opened = parse_qs(urlsplit(resp.getheader("Location") or "").query).get("upload_id")
+            name = _upload_name(query, document)
+            if opened and name:
+                self.server.upload_sessions[opened[0]] = (params["bucket"], name)
+        elif method == "PUT" and resp.status in (200, 201):
+            self.server.upload_sessions.pop((query.get("upload_id") or [""])[0], None)
+
     def _forward(self, method: str, route: str | None, params: dict, body: bytes | None,
-                 extra_headers: dict[str, str]) -> None:
+                 extra_headers: dict[str, str], document: Any = None) -> None:
         """Pass the request through; media streams in chunks, JSON responses are checked and fixed."""
         conn = self.server.backend.connect()
         try:
@@ -741,6 +760,8 @@ class _Proxy(BaseHTTPRequestHandler):
                     conn.send(chunk)
                     remaining -= len(chunk)
             resp = conn.getresponse()
+            if route == "upload":
+                self._track_upload_session(method, params, document, resp)
             is_json = resp.getheader("Content-Type", "").startswith("application/json")
             if resp.status >= 400 or (is_json and (method, route) in _RESPONSE_SCHEMAS):
                 raw = resp.read()
@@ -889,6 +910,7 @@ class _FrontServer(ThreadingHTTPServer):
         self._projects: dict[str, str] = json.loads(sidecar.read_text()) if sidecar and sidecar.exists() else {}
         self._bucket_locks: dict[str, threading.Lock] = {}
         self.object_locks = _ObjectLocks()
+        self.upload_sessions: dict[str, tuple[str, str]] = {}  # resumable upload_id -> (bucket, object)
         self.last_request = time.time()  # wall clock of the latest request (the daemon's idle stop reads it)
 
     def bucket_lock(self, bucket: str) -> threading.Lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -388,7 +389,6 @@ def test_concurrent_conditional_writers_never_lose_each_others_keys(server):
 def test_reads_of_one_object_share_its_lock_and_a_write_waits_for_them():
     """The generation checks hold a per-object lock through the transfer: two downloads of one object (four
     workers staging one shard) do not queue, an upload over it waits for both, and no lock outlives its use."""
-    import threading
 
     from tpuctl.localcloud.storage import _ObjectLocks
 
@@ -406,3 +406,26 @@ def test_reads_of_one_object_share_its_lock_and_a_write_waits_for_them():
         assert not written.wait(0.3)
     writer.join(5)
     assert written.is_set() and locks._held == {}
+
+
+def test_a_resumable_uploads_last_chunk_waits_for_readers_of_its_object(server):
+    """The object a resumable session writes is replaced in one write, as on GCS: its chunks take the object's
+    lock like a single-request upload, so a download in flight never gets the new bytes under the old
+    generation's headers (the lock is held here as a download holds it)."""
+    bucket = _create(client(), "resumable-lock")
+    bucket.blob("ckpt/checkpoint").upload_from_string(b"ckpt-10")
+    session = bucket.blob("ckpt/checkpoint").create_resumable_upload_session(size=7)
+    done = threading.Event()
+
+    def put_all() -> None:
+        assert requests.put(session, data=b"ckpt-20", headers={"Content-Range": "bytes 0-6/7"}).status_code == 200
+        done.set()
+
+    with server._front.object_locks.held("resumable-lock", "ckpt/checkpoint", shared=True):
+        writer = threading.Thread(target=put_all)
+        writer.start()
+        assert not done.wait(0.5)  # the completing chunk waits for the reader
+        assert bucket.blob("ckpt/checkpoint").download_as_bytes() == b"ckpt-10"  # readers share the lock
+    writer.join(10)
+    assert done.is_set() and bucket.blob("ckpt/checkpoint").download_as_bytes() == b"ckpt-20"
+    assert server._front.upload_sessions == {}  # a completed session is forgotten
