@@ -417,7 +417,9 @@ class _Proxy(BaseHTTPRequestHandler):
             with self._object_guard(method, route, params, query, document) as (headers, live):
                 if special is None:
                     self._note_overwrite(route, method, params, query, document, live)
-                    self._forward(method, route, params, body, headers, document)
+                    track = (partial(self._track_upload_session, method, params, query, document)
+                             if route == "upload" else None)
+                    self._forward(method, route, params, body, headers, track)
                     return
                 status, payload = getattr(self, special)(params, document or {}, query)
             self._reply_json(method, route, status, payload, params)
@@ -725,10 +727,9 @@ class _Proxy(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _track_upload_session(self, method: str, params: dict, document: Any, resp) -> None:
+    def _track_upload_session(self, method: str, params: dict, query: dict, document: Any, resp) -> None:
         """Remember which object a resumable upload session writes (its chunks name only the session), from the
         answer that opened it, until the answer that completed it."""
-        query = parse_qs(urlsplit(self.path).query)
         if method == "POST" and resp.status == 200 and (query.get("uploadType") or [""])[0] == "resumable":
             opened = parse_qs(urlsplit(resp.getheader("Location") or "").query).get("upload_id")
             name = _upload_name(query, document)
@@ -738,8 +739,9 @@ class _Proxy(BaseHTTPRequestHandler):
             self.server.upload_sessions.pop((query.get("upload_id") or [""])[0], None)
 
     def _forward(self, method: str, route: str | None, params: dict, body: bytes | None,
-                 extra_headers: dict[str, str], document: Any = None) -> None:
-        """Pass the request through; media streams in chunks, JSON responses are checked and fixed."""
+                 extra_headers: dict[str, str], on_response: Callable[[Any], None] | None = None) -> None:
+        """Pass the request through; media streams in chunks, JSON responses are checked and fixed.
+        `on_response(response)` sees the engine's answer (status, headers) before it is relayed."""
         conn = self.server.backend.connect()
         try:
             conn.putrequest(method, self.path, skip_host=True, skip_accept_encoding=True)
@@ -760,8 +762,8 @@ class _Proxy(BaseHTTPRequestHandler):
                     conn.send(chunk)
                     remaining -= len(chunk)
             resp = conn.getresponse()
-            if route == "upload":
-                self._track_upload_session(method, params, document, resp)
+            if on_response is not None:
+                on_response(resp)
             is_json = resp.getheader("Content-Type", "").startswith("application/json")
             if resp.status >= 400 or (is_json and (method, route) in _RESPONSE_SCHEMAS):
                 raw = resp.read()
