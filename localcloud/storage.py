@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from functools import partial
 from http import HTTPStatus
@@ -66,6 +67,7 @@ _PUBLIC_ACCESS_PREVENTION = {"inherited": "inherited", "unspecified": "inherited
 _UBLA_LOCK = timedelta(days=90)
 _SIDECAR = "localcloud-buckets.json"
 _SOFT_SIDECAR = "localcloud-soft-deleted.json"
+_SESSIONS_SIDECAR = "localcloud-upload-sessions.json"
 # How often the servers' loops check for shutdown: stop() waits up to this long (the default is 0.5 s).
 _POLL_S = 0.05
 
@@ -99,7 +101,8 @@ _ROUTES = [
 # Requests about a bucket itself (metadata, IAM): these wait for an insert of the same name to finish.
 _BUCKET_LEVEL = frozenset({"bucket", "iam"})
 # Request preconditions of the JSON API (cloud.google.com/storage/docs/request-preconditions). Only
-# ifGenerationMatch on a single-request upload is emulated; any other is refused (501), never ignored.
+# ifGenerationMatch on an upload (single-request, or a resumable one's initiation) is emulated; any other is
+# refused (501), never ignored.
 _PRECONDITIONS = ("ifGenerationMatch", "ifGenerationNotMatch", "ifMetagenerationMatch", "ifMetagenerationNotMatch",
                   "ifSourceGenerationMatch", "ifSourceGenerationNotMatch", "ifSourceMetagenerationMatch",
                   "ifSourceMetagenerationNotMatch")
@@ -580,27 +583,35 @@ class _Proxy(BaseHTTPRequestHandler):
     @contextmanager
     def _object_guard(self, method: str, route: str | None, params: dict, query: dict,
                       document: Any) -> Iterator[tuple[dict[str, str], dict | None]]:
-        """Generations, as GCS keeps them for read-modify-write (storage/docs/request-preconditions): a
-        single-request upload with `ifGenerationMatch` is written only if the live object has that generation
-        (0: no live object), else 412 `conditionNotMet`; a media read answers with the object's
-        `x-goog-generation` and `x-goog-metageneration` (google-cloud-storage's Blob takes its generation from
-        them), and one naming a `generation` that is no longer live is 404 (a bucket without versioning keeps no
-        readable old generation). Each holds the object's lock from its check to the end of its transfer (reads
-        share it), as does every single-request upload and every chunk of a resumable one (the last chunk writes
-        the object), so no write lands in between. Yields the response
-        headers to add and, for an upload, the live object it read ({} when none; None when it read nothing)."""
-        given = [name for name in _PRECONDITIONS if name in query]
-        single_upload = (route == "upload" and method == "POST" and "upload_id" not in query
-                         and (query.get("uploadType") or [""])[0] in ("multipart", "media"))
-        if given and not (single_upload and given == ["ifGenerationMatch"]):
-            raise _Reject(501, f"localcloud storage does not emulate {', '.join(given)} on {method} "
-                               f"{urlsplit(self.path).path} (only ifGenerationMatch on a single-request upload)",
-                          "notImplemented")
-        media_read = method == "GET" and (route == "download" or (route == "object" and query.get("alt") == ["media"]))
+        """Generations, as GCS keeps them for read-modify-write (storage/docs/request-preconditions): an upload
+        with `ifGenerationMatch` is written only if the live object has that generation (0: no live object),
+        else 412 `conditionNotMet`. A single-request upload is checked as it arrives; a resumable one takes the
+        precondition when it starts and is checked when its last chunk arrives (README: sources), so a session
+        opens whatever the object is then. A media read answers with the object's `x-goog-generation` and
+        `x-goog-metageneration` (google-cloud-storage's Blob takes its generation from them), and one naming a
+        `generation` that is no longer live is 404 (a bucket without versioning keeps no readable old
+        generation). Each holds the object's lock from its check to the end of its transfer (reads share it), as
+        does every single-request upload and every chunk of a resumable one (the last chunk writes the object),
+        so no write lands in between. Yields the response headers to add and, for a single-request upload, the
+        live object it read ({} when none; None when it read nothing)."""
+        given = {name: query[name][0] for name in _PRECONDITIONS if name in query}
+        upload_start = route == "upload" and method == "POST" and "upload_id" not in query
+        single_upload = upload_start and (query.get("uploadType") or [""])[0] in ("multipart", "media")
+        resumable_start = upload_start and (query.get("uploadType") or [""])[0] == "resumable"
         session = (self.server.upload_sessions.get((query.get("upload_id") or [""])[0])
                    if route == "upload" and method == "PUT" else None)
+        # A session's URI repeats the query that opened it, its precondition included: a chunk sent there
+        # carries that precondition again, which is the session's own, not a new one.
+        own = {"ifGenerationMatch": session.if_generation_match} if session and session.if_generation_match else {}
+        if given and given != own and not ((single_upload or resumable_start) and list(given) == ["ifGenerationMatch"]):
+            raise _Reject(501, f"localcloud storage does not emulate {', '.join(given)} on {method} "
+                               f"{urlsplit(self.path).path} (only ifGenerationMatch on an upload's first request)",
+                          "notImplemented")
+        media_read = method == "GET" and (route == "download" or (route == "object" and query.get("alt") == ["media"]))
         if session is not None:  # a resumable upload's chunk: the last one writes the object, as one write
-            with self.server.object_locks.held(*session, shared=False):
+            with self.server.object_locks.held(session.bucket, session.name, shared=False):
+                if session.if_generation_match is not None and _completes(self.headers.get("Content-Range", "")):
+                    self._check_generation(session.bucket, session.name, session.if_generation_match)
                 yield {}, None
             return
         if not (single_upload or media_read):
@@ -609,20 +620,27 @@ class _Proxy(BaseHTTPRequestHandler):
         bucket = params["bucket"]
         name = params["object"] if media_read else _upload_name(query, document) or ""
         with self.server.object_locks.held(bucket, name, shared=media_read):
-            status, live = self.server.backend.call("GET", f"{_API}/b/{bucket}/o/{_quote(name)}")
-            live = live if status == 200 and isinstance(live, dict) else {}
             if single_upload:
-                expected = (query.get("ifGenerationMatch") or [None])[0]
-                if expected is not None and expected != str(live.get("generation", "0")):
-                    raise _Reject(412, "At least one of the pre-conditions you specified did not hold.",
-                                  "conditionNotMet")
-                yield {}, live
+                yield {}, self._check_generation(bucket, name, (query.get("ifGenerationMatch") or [None])[0])
                 return
+            live = self._live_object(bucket, name)
             wanted = (query.get("generation") or [None])[0]
             if not live or (wanted is not None and wanted != str(live.get("generation"))):
                 raise _Reject(404, f"No such object: {bucket}/{name}", "notFound")
             yield {"x-goog-generation": str(live["generation"]),
                    "x-goog-metageneration": str(live.get("metageneration", "1"))}, None
+
+    def _live_object(self, bucket: str, name: str) -> dict:
+        """The object's metadata as stored now; {} when there is no live object."""
+        status, live = self.server.backend.call("GET", f"{_API}/b/{bucket}/o/{_quote(name)}")
+        return live if status == 200 and isinstance(live, dict) else {}
+
+    def _check_generation(self, bucket: str, name: str, expected: str | None) -> dict:
+        """The live object ({} when none), after 412 if `expected` (ifGenerationMatch) is not its generation."""
+        live = self._live_object(bucket, name)
+        if expected is not None and expected != str(live.get("generation", "0")):
+            raise _Reject(412, "At least one of the pre-conditions you specified did not hold.", "conditionNotMet")
+        return live
 
     def _note_overwrite(self, route: str | None, method: str, params: dict, query: dict, document: Any,
                         live: dict | None) -> None:
@@ -728,15 +746,16 @@ class _Proxy(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _track_upload_session(self, method: str, params: dict, query: dict, document: Any, resp) -> None:
-        """Remember which object a resumable upload session writes (its chunks name only the session), from the
-        answer that opened it, until the answer that completed it."""
+        """Remember which object a resumable upload session writes (its chunks name only the session) and the
+        precondition it was opened with, from the answer that opened it, until the answer that completed it."""
         if method == "POST" and resp.status == 200 and (query.get("uploadType") or [""])[0] == "resumable":
             opened = parse_qs(urlsplit(resp.getheader("Location") or "").query).get("upload_id")
             name = _upload_name(query, document)
             if opened and name:
-                self.server.upload_sessions[opened[0]] = (params["bucket"], name)
+                self.server.upload_sessions.open(opened[0], _UploadSession(
+                    params["bucket"], name, (query.get("ifGenerationMatch") or [None])[0]))
         elif method == "PUT" and resp.status in (200, 201):
-            self.server.upload_sessions.pop((query.get("upload_id") or [""])[0], None)
+            self.server.upload_sessions.close((query.get("upload_id") or [""])[0])
 
     def _forward(self, method: str, route: str | None, params: dict, body: bytes | None,
                  extra_headers: dict[str, str], on_response: Callable[[Any], None] | None = None) -> None:
@@ -792,6 +811,66 @@ class _Proxy(BaseHTTPRequestHandler):
                 remaining -= len(chunk)
         finally:
             conn.close()
+
+
+def _save_sidecar(path: Path | None, value: Any) -> None:
+    """Replace the JSON file `path` (None: kept in memory only) with `value`, atomically."""
+    if path is None:
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def _completes(content_range: str) -> bool:
+    """Whether a resumable upload chunk with this Content-Range finishes the upload: its last byte is the
+    declared total ("bytes 0-6/7"), or it declares the total with no bytes ("bytes */7"). "bytes */*" asks for
+    the session's status and "bytes 0-6/*" sends a chunk of an upload of unknown size; neither completes."""
+    match = re.fullmatch(r"\s*bytes\s+(?:(\d+)-(\d+)|\*)/(\d+)\s*", content_range)
+    return bool(match) and (match[2] is None or int(match[2]) + 1 == int(match[3]))
+
+
+@dataclass(frozen=True)
+class _UploadSession:
+    """A resumable upload as the proxy knows it: the object it writes and the ifGenerationMatch it started
+    with (None: none), checked when it completes."""
+
+    bucket: str
+    name: str
+    if_generation_match: str | None
+
+
+class _UploadSessions:
+    """upload_id -> _UploadSession, from the answer that opened a session to the one that completed it (a
+    session abandoned unfinished stays, about 100 bytes). Persisted with the data dir like the engine's own
+    in-flight uploads, so a session resumed after a restart still holds its precondition."""
+
+    def __init__(self, sidecar: Path | None):
+        self._sidecar = sidecar
+        self._lock = threading.Lock()
+        saved = json.loads(sidecar.read_text()) if sidecar and sidecar.exists() else {}
+        self._sessions = {upload_id: _UploadSession(*fields) for upload_id, fields in saved.items()}
+
+    def get(self, upload_id: str) -> _UploadSession | None:
+        with self._lock:
+            return self._sessions.get(upload_id)
+
+    def open(self, upload_id: str, session: _UploadSession) -> None:
+        with self._lock:
+            self._sessions[upload_id] = session
+            self._save()
+
+    def close(self, upload_id: str) -> None:
+        with self._lock:
+            if self._sessions.pop(upload_id, None) is not None:
+                self._save()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def _save(self) -> None:
+        _save_sidecar(self._sidecar, {k: [v.bucket, v.name, v.if_generation_match] for k, v in self._sessions.items()})
 
 
 class _SoftDeleted:
@@ -854,11 +933,7 @@ class _SoftDeleted:
         return out
 
     def _save(self) -> None:
-        if self._sidecar is None:
-            return
-        tmp = self._sidecar.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._items))
-        tmp.replace(self._sidecar)
+        _save_sidecar(self._sidecar, self._items)
 
 
 class _ObjectLocks:
@@ -898,7 +973,7 @@ class _FrontServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
     def __init__(self, backend: _Backend, validator: Any, sidecar: Path | None, tokens: tokenlib.Tokens | None,
-                 soft: _SoftDeleted):
+                 soft: _SoftDeleted, upload_sessions: _UploadSessions):
         super().__init__((LOOPBACK, 0), _Proxy)
         self.backend = backend
         self.validator = validator
@@ -912,7 +987,7 @@ class _FrontServer(ThreadingHTTPServer):
         self._projects: dict[str, str] = json.loads(sidecar.read_text()) if sidecar and sidecar.exists() else {}
         self._bucket_locks: dict[str, threading.Lock] = {}
         self.object_locks = _ObjectLocks()
-        self.upload_sessions: dict[str, tuple[str, str]] = {}  # resumable upload_id -> (bucket, object)
+        self.upload_sessions = upload_sessions
         self.last_request = time.time()  # wall clock of the latest request (the daemon's idle stop reads it)
 
     def bucket_lock(self, bucket: str) -> threading.Lock:
@@ -936,11 +1011,7 @@ class _FrontServer(ThreadingHTTPServer):
             self._save()
 
     def _save(self) -> None:
-        if self._sidecar is None:
-            return
-        tmp = self._sidecar.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._projects, indent=1, sort_keys=True))
-        tmp.replace(self._sidecar)
+        _save_sidecar(self._sidecar, self._projects)
 
 
 class StorageServer:
@@ -975,9 +1046,10 @@ class StorageServer:
             self._data_dir.mkdir(parents=True, exist_ok=True)
         self._backend = _Backend(self._data_dir)
         self._backend.thread.start()
-        sidecar = self._data_dir / _SIDECAR if self._data_dir is not None else None
-        soft = _SoftDeleted(self._data_dir / _SOFT_SIDECAR if self._data_dir is not None else None)
-        self._front = _FrontServer(self._backend, self._validator, sidecar, self._tokens, soft)
+        data = self._data_dir
+        self._front = _FrontServer(self._backend, self._validator, data / _SIDECAR if data else None, self._tokens,
+                                   _SoftDeleted(data / _SOFT_SIDECAR if data else None),
+                                   _UploadSessions(data / _SESSIONS_SIDECAR if data else None))
         self._front_thread = threading.Thread(target=self._front.serve_forever, args=(_POLL_S,),
                                               name="localcloud-gcs-proxy", daemon=True)
         self._front_thread.start()

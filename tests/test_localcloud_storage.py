@@ -8,6 +8,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import requests
@@ -363,6 +364,35 @@ def test_an_upload_with_if_generation_match_writes_only_over_the_generation_it_n
     assert bucket.blob("s.json").download_as_bytes() == b'{"a": 1}'
 
 
+def test_a_resumable_uploads_if_generation_match_is_checked_when_it_completes(server, data_dir, monkeypatch):
+    """The precondition is given when the session starts and checked when its last chunk arrives (Google's
+    storage-testbench `gcs/upload.py`; google-cloud-cpp's StreamingWriteFailure against GCS): the session opens
+    whatever the object is then, only the completing chunk gets 412, and the object is left as it was. The
+    session keeps its precondition across a restart of the server, as the engine keeps its upload."""
+    bucket = _create(client(), "tpuctl-r1-resumable-pre")
+    bucket.blob("ckpt").upload_from_string(b"ckpt-10")
+    read = bucket.get_blob("ckpt")
+    stale = bucket.blob("ckpt").create_resumable_upload_session(size=14, if_generation_match=read.generation)
+    taken = bucket.blob("ckpt").create_resumable_upload_session(size=7, if_generation_match=0)  # opens: unchecked
+    bucket.blob("ckpt").upload_from_string(b"ckpt-20")  # another writer gets there first
+    assert requests.put(stale, data=b"ckpt-30", headers={"Content-Range": "bytes 0-6/14"}).status_code == 308
+    server.stop()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.start())  # a new port: same sessions, same objects
+    stale, taken = (urlsplit(url)._replace(netloc=urlsplit(server.url).netloc).geturl() for url in (stale, taken))
+    bucket = client().bucket("tpuctl-r1-resumable-pre")
+    refused = requests.put(stale, data=b"-resume", headers={"Content-Range": "bytes 7-13/14"})
+    assert refused.status_code == 412 and refused.json()["error"]["errors"][0]["reason"] == "conditionNotMet"
+    assert requests.put(taken, data=b"ckpt-40", headers={"Content-Range": "bytes 0-6/7"}).status_code == 412
+    assert bucket.blob("ckpt").download_as_bytes() == b"ckpt-20"
+    live = bucket.get_blob("ckpt").generation
+    with pytest.raises(exceptions.PreconditionFailed):  # the client's own chunked upload, checked at the end
+        bucket.blob("ckpt", chunk_size=256 << 10).upload_from_string(b"x" * (600 << 10), if_generation_match=0)
+    bucket.blob("ckpt", chunk_size=256 << 10).upload_from_string(b"y" * (600 << 10), if_generation_match=live)
+    assert bucket.blob("ckpt").download_as_bytes() == b"y" * (600 << 10)
+    assert sorted(json.loads((data_dir / "localcloud-upload-sessions.json").read_text())) == sorted(
+        parse_qs(urlsplit(url).query)["upload_id"][0] for url in (stale, taken))  # the refused ones stay open
+
+
 def test_a_precondition_localcloud_does_not_emulate_is_refused_not_ignored(server):
     bucket = _create(client(), "tpuctl-r1-pre")
     bucket.blob("o").upload_from_string("x")
@@ -428,4 +458,4 @@ def test_a_resumable_uploads_last_chunk_waits_for_readers_of_its_object(server):
         assert bucket.blob("ckpt/checkpoint").download_as_bytes() == b"ckpt-10"  # readers share the lock
     writer.join(10)
     assert done.is_set() and bucket.blob("ckpt/checkpoint").download_as_bytes() == b"ckpt-20"
-    assert server._front.upload_sessions == {}  # a completed session is forgotten
+    assert len(server._front.upload_sessions) == 0  # a completed session is forgotten
