@@ -40,8 +40,14 @@ _OP_DONE = compute_v1.Operation.Status.DONE.name
 SETTLED_BAD = frozenset({State.PREEMPTED, State.FAILED, State.DELETED, State.STOPPED})
 
 
-def node_state(value) -> State:
-    return NODE.get(_N(value), State.UNKNOWN) if value is not None else State.UNKNOWN
+def node_state(node: tpu_v2.Node) -> State:
+    """The node's state, with its health: Google's `UNHEALTHY_MAINTENANCE` is "under maintenance/priority boost
+    caused rescheduling and will resume running once rescheduled" (tpu_v2 `Node.Health`), whatever `state` says;
+    users report slices that stay READY through it with their workers unreachable. Such a node is REPAIRING:
+    waited for, never taken for lost."""
+    if node.health == tpu_v2.Node.Health.UNHEALTHY_MAINTENANCE:
+        return State.REPAIRING
+    return NODE.get(_N(node.state), State.UNKNOWN)
 
 
 def queued_state(value) -> State:

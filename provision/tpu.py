@@ -100,7 +100,7 @@ def to_resource(node: tpu_v2.Node, *, local: bool) -> Resource:
                port=ep.port if local else 22, host_key_alias=f"tpu.{node.id}-{i}" if node.id else None)
         for i, ep in enumerate(node.network_endpoints))
     sched = node.scheduling_config
-    return Resource(kind=Kind.TPU, name=name, project=project, location=zone, state=states.node_state(node.state),
+    return Resource(kind=Kind.TPU, name=name, project=project, location=zone, state=states.node_state(node),
                     labels=dict(node.labels), created=_created(node.create_time), run=node.labels.get(L.RUN),
                     accelerator=node.accelerator_type, spot=bool(sched.spot or sched.preemptible), workers=workers,
                     detail={"runtime_version": node.runtime_version, "service_account": node.service_account.email,
@@ -202,7 +202,7 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
     node = get_node(clients, req.zone, req.name)
     if node is not None:
         L.check_owned(node.labels, req.labels.get(L.RUN), what=f"TPU node {req.name} in {req.zone}")
-        state = states.node_state(node.state)
+        state = states.node_state(node)
         if state in states.SETTLED_BAD:
             delete_node(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
             node = None
@@ -397,7 +397,7 @@ def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: s
         node = get_node(clients, zone, name)
         if node is None:
             raise from_google(gexc.NotFound(f"node {name}"), what=what)
-        state = states.node_state(node.state)
+        state = states.node_state(node)
         if state in (State.PREEMPTED, State.STOPPED):
             raise CapacityError(f"TPU node {name} in {zone} is {state.value}: Google refuses metadata updates "
                                 "until it runs again", hint="a preempted Spot TPU must be deleted and recreated: "

@@ -273,3 +273,15 @@ def test_state_table_covers_every_api_enum():
     assert set(states.NODE) == set(tpu_v2.Node.State)
     assert set(states.QUEUED) == set(tpu_v2.QueuedResourceState.State)
     assert set(states.INSTANCE) == {s.name for s in compute_v1.Instance.Status} - {"UNDEFINED_STATUS"}
+
+
+@pytest.mark.parametrize("health, expected", [("HEALTHY", "ready"), ("HEALTH_UNSPECIFIED", "ready"),
+                                              ("TIMEOUT", "ready"), ("UNHEALTHY_MAINTENANCE", "repairing")])
+def test_a_ready_node_under_maintenance_counts_as_repairing(health, expected):
+    """Google's Node.Health UNHEALTHY_MAINTENANCE: "under maintenance ... will resume running once rescheduled",
+    whatever the state; a READY slice reporting it is waited for (recreate_node, the run's watch), not lost."""
+    from tpuctl.provision import states
+
+    node = tpu_v2.Node(state=tpu_v2.Node.State.READY, health=tpu_v2.Node.Health[health])
+    assert states.node_state(node).value == expected
+    assert states.node_state(tpu_v2.Node(state=tpu_v2.Node.State.PREEMPTED)) is prov.State.PREEMPTED
