@@ -25,8 +25,12 @@ IMAGE_POLL_S = 1.0  # real seconds between looks at a runtime image that is stil
 QR_ACCEPT_S, QR_TICK_S, QR_DELETE_S = 2.0, 10.0, 5.0
 
 _ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+# queuedResourceId and nodeSpec.nodeId "Should follow the `^[A-Za-z0-9_.~+%-]+$` regex format" (tpu v2 discovery).
+_QR_ID_RE = re.compile(r"^[A-Za-z0-9_.~+%-]+$")
 _ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
-_UPDATABLE = {"labels", "metadata", "description", "tags"}
+# nodes.patch updateMask: "Supported fields: [description, tags, labels, metadata,
+# network_config.enable_external_ips]" (tpu v2 discovery document).
+_UPDATABLE = {"labels", "metadata", "description", "tags", "networkConfig.enableExternalIps"}
 NODE_TYPE = "type.googleapis.com/google.cloud.tpu.v2.Node"
 QR_TYPE = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
 EMPTY_TYPE = "type.googleapis.com/google.protobuf.Empty"
@@ -34,6 +38,13 @@ EMPTY_TYPE = "type.googleapis.com/google.protobuf.Empty"
 # job that finds a TPU VM (by its metadata) but no chips and no such flag must fail, as on a broken real VM.
 CPU_REHEARSAL_VAR = "LOCALCLOUD_TPU_REHEARSAL"
 DEFAULT_SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
+
+
+def _at_path(body: dict, path: str):
+    """The value at an updateMask path ("networkConfig.enableExternalIps") of a request body; None if absent."""
+    for part in path.split("."):
+        body = body.get(part) if isinstance(body, dict) else None
+    return body
 
 
 def capacity_message(zone: str) -> str:
@@ -195,7 +206,10 @@ class TpuService:
         else:
             raise ApiError("INVALID_ARGUMENT", "One of acceleratorType or acceleratorConfig must be set.")
         if zone not in t.zones:
-            raise ApiError("NOT_FOUND", f'Accelerator type "{t.name}" not found in zone "{zone}".')
+            raise ApiError("INVALID_ARGUMENT", "Cloud TPU received a bad request. The requested accelerator "
+                           f'configuration for accelerator type, "{t.name}", could not be found in the zonal '
+                           f'accelerator configurations for "{zone}".; the accelerator {t.name} was not found in '
+                           f"zone {zone}")
         runtime = node.get("runtimeVersion")
         if not runtime:
             raise ApiError("INVALID_ARGUMENT", "runtimeVersion is required.")
@@ -515,7 +529,7 @@ class TpuService:
             op = self._new_op(parent, name, "update")
             if "metadata" in mask:
                 rec["metadata_op"] = op["name"]
-            changes = {f: copy.deepcopy(body.get(f)) for f in mask}
+            changes = {f: copy.deepcopy(_at_path(body, f)) for f in mask}
             if not self.w.faults.take("stuck", "tpu", "nodes.patch", rec["zone"]):
                 self.w.later(UPDATE_S, "tpu.update_done", node=name, op=op["name"], changes=changes)
             self.w.changed()
@@ -528,10 +542,14 @@ class TpuService:
                 self._finish_op(op, error=("NOT_FOUND", f"Node {node} no longer exists."))
                 return
             for field, value in changes.items():
+                *outer, key = field.split(".")
+                target = rec["node"]
+                for part in outer:
+                    target = target.setdefault(part, {})
                 if value in (None, {}, []):
-                    rec["node"].pop(field, None)
+                    target.pop(key, None)
                 else:
-                    rec["node"][field] = value
+                    target[key] = value
             if "metadata" in changes and rec["endpoints"]:
                 meta = rec["node"].get("metadata")
                 self.w.workers.update_keys(rec["worker_key"], self.w.worker_keys(rec["project"], meta, ssh_keys_of(meta)))
@@ -709,7 +727,7 @@ class TpuService:
         zone = p["locationsId"]
         self._zone_ok(zone, parent)
         qr_id = q.get("queuedResourceId") or ""
-        if not _ID_RE.match(qr_id):
+        if not _QR_ID_RE.match(qr_id):
             raise ApiError("INVALID_ARGUMENT", f"Invalid queuedResourceId {qr_id!r}.")
         specs = ((body.get("tpu") or {}).get("nodeSpec")) or []
         if not specs:
@@ -717,7 +735,7 @@ class TpuService:
         for spec in specs:
             if spec.get("parent") != parent:
                 raise ApiError("INVALID_ARGUMENT", f"nodeSpec.parent must be {parent!r}, got {spec.get('parent')!r}.")
-            if not _ID_RE.match(spec.get("nodeId") or ""):
+            if not _QR_ID_RE.match(spec.get("nodeId") or ""):
                 raise ApiError("INVALID_ARGUMENT", "nodeSpec.nodeId is required (multisliceParams are not supported by localcloud).")
             t = self.resolve_type(spec.get("node") or {}, zone)
             self._check_flex_start(body, t, zone)
@@ -772,7 +790,7 @@ class TpuService:
             rec = self.queued.get(qr)
             if rec is None:
                 return
-            self._qr_state(rec, "ACCEPTED")
+            self._qr_state(rec, "WAITING_FOR_RESOURCES")
             self._finish_op(op, response=copy.deepcopy(rec["qr"]), type_url=QR_TYPE)
             self.w.later(QR_TICK_S, "tpu.qr_tick", qr=qr)
             self.w.changed()
@@ -780,7 +798,7 @@ class TpuService:
     def _qr_tick(self, qr: str) -> None:
         with self.w.lock:
             rec = self.queued.get(qr)
-            if rec is None or rec["qr"]["state"]["state"] not in ("ACCEPTED", "WAITING_FOR_RESOURCES"):
+            if rec is None or rec["qr"]["state"]["state"] != "WAITING_FOR_RESOURCES":
                 return
             if rec["deadline"] is not None and time.time() >= rec["deadline"]:
                 self._qr_state(rec, "FAILED", error={"code": CODE_OF["DEADLINE_EXCEEDED"], "message":

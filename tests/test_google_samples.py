@@ -103,8 +103,7 @@ def test_queued_resources_create_get_list_delete_as_the_samples_do(clients):
     zone = "us-central1-b"
     qr = _queued(clients, zone, "resource-name", tpu_v2.Node(accelerator_type="v2-8", runtime_version=TF_RUNTIME))
     assert qr.name == f"projects/{clients.project}/locations/{zone}/queuedResources/resource-name"
-    assert qr.state.state in (tpu_v2.QueuedResourceState.State.ACCEPTED,
-                              tpu_v2.QueuedResourceState.State.WAITING_FOR_RESOURCES)
+    assert qr.state.state == tpu_v2.QueuedResourceState.State.WAITING_FOR_RESOURCES
 
     got = clients.tpu.get_queued_resource(name=qr.name)  # queued_resources_get.py
     assert got.name == qr.name and got.tpu.node_spec[0].node.accelerator_type == "v2-8"

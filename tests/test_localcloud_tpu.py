@@ -201,6 +201,21 @@ def test_node_is_creating_before_its_operation_finishes_and_labels_wait(clients,
     assert op.done() and op.exception() is not None
 
 
+def test_external_ips_are_switched_by_a_patch_of_network_config_enable_external_ips(clients):
+    """nodes.patch "Supported fields: [description, tags, labels, metadata, network_config.enable_external_ips]"
+    (tpu v2 discovery document): the endpoints gain and lose their access configs with it."""
+    node = _create(clients, "ips")
+    assert not any(ep.access_config.external_ip for ep in node.network_endpoints)
+    node.network_config.enable_external_ips = True
+    mask = {"paths": ["network_config.enable_external_ips"]}
+    patched = clients.tpu.update_node(node=node, update_mask=mask).result(polling=FAST_POLLING)
+    assert patched.network_config.enable_external_ips and all(ep.access_config.external_ip
+                                                              for ep in patched.network_endpoints)
+    assert patched.network_config.network.endswith("/networks/default")  # the rest of networkConfig is kept
+    with pytest.raises(gexc.BadRequest, match="cannot be updated"):
+        clients.tpu.update_node(node=node, update_mask={"paths": ["network_config.network"]})
+
+
 def test_update_labels_and_ssh_keys_metadata(clients):
     node = _create(clients, "upd", labels={"a": "1"})
     key = asyncssh.generate_private_key("ssh-ed25519")
@@ -215,7 +230,7 @@ def test_update_labels_and_ssh_keys_metadata(clients):
 
 @pytest.mark.parametrize("fields,error,match", [
     ({"accelerator_type": "v3-9"}, gexc.BadRequest, "not a valid accelerator type"),
-    ({"accelerator_type": "v4-8"}, gexc.NotFound, "not found in zone"),
+    ({"accelerator_type": "v4-8"}, gexc.BadRequest, "could not be found in the zonal accelerator configurations"),
     ({"runtime_version": "v2-alpha-tpuv5-lite"}, gexc.BadRequest, "not supported for accelerator"),
     ({"runtime_version": ""}, gexc.BadRequest, "runtimeVersion is required"),
     ({"scheduling_config": tpu_v2.SchedulingConfig(spot=True, preemptible=True)}, gexc.BadRequest, "mutually exclusive"),
@@ -326,13 +341,26 @@ def _wait_qr(clients, name: str, state, timeout: float = 20.0) -> tpu_v2.QueuedR
         time.sleep(0.02)
 
 
+def test_queued_resource_ids_follow_the_discovery_documents_pattern(clients):
+    """queuedResourceId and nodeSpec.nodeId "Should follow the `^[A-Za-z0-9_.~+%-]+$` regex format"."""
+    parent = clients.parent(ZONE)
+    op = clients.tpu.create_queued_resource(parent=parent, queued_resource_id="Qr_1.a",
+                                            queued_resource=_qr(clients, "Qr_1.a", "Node_1"))
+    name = f"{parent}/queuedResources/Qr_1.a"
+    assert op.result(polling=FAST_POLLING).name == name
+    with pytest.raises(gexc.BadRequest, match="queuedResourceId"):
+        clients.tpu.create_queued_resource(parent=parent, queued_resource_id="qr/2",
+                                           queued_resource=_qr(clients, "qr/2", "n2"))
+    clients.tpu.delete_queued_resource(request={"name": name, "force": True}).result(polling=FAST_POLLING)
+
+
 def test_queued_resource_becomes_active_and_force_delete_removes_its_node(clients):
     S = tpu_v2.QueuedResourceState.State
     parent = clients.parent(ZONE)
     op = clients.tpu.create_queued_resource(parent=parent, queued_resource_id="qr1",
                                             queued_resource=_qr(clients, "qr1", "qn", spot=tpu_v2.QueuedResource.Spot()))
     accepted = op.result(polling=FAST_POLLING)
-    assert accepted.state.state in (S.ACCEPTED, S.CREATING)
+    assert accepted.state.state == S.WAITING_FOR_RESOURCES  # tpu/docs/queued-resources: no ACCEPTED any more
     qr = _wait_qr(clients, f"{parent}/queuedResources/qr1", S.ACTIVE)
     assert qr.state.state == S.ACTIVE
     node = clients.tpu.get_node(name=f"{parent}/nodes/qn")
