@@ -47,6 +47,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from gcp_storage_emulator.server import RequestHandler as EmulatorHandler
+from gcp_storage_emulator.storage import RESUMABLE_DIR
 from gcp_storage_emulator.storage import Storage as EmulatorStorage
 
 from . import facts
@@ -60,8 +61,9 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"
                "proxy-connection"}
 _BUCKET_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]*[a-z0-9]")
 _DOTTED_DECIMAL = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}")
-# "google" and close misspellings ("g00gle"): Google's naming page forbids both.
-_GOOGLE_LIKE = re.compile(r"g[o0]{2}g[l1]e")
+# "google" and close misspellings ("g00gle"): Google's naming page forbids both; the misspellings are those
+# Google's storage-testbench refuses (gcs/bucket.py: g[0o][0o]g[1l][e3]).
+_GOOGLE_LIKE = re.compile(r"g[o0]{2}g[l1][e3]")
 _PUBLIC_ACCESS_PREVENTION = {"inherited": "inherited", "unspecified": "inherited", "enforced": "enforced"}
 # GCS locks uniform bucket-level access in 90 days; after that it cannot be disabled.
 _UBLA_LOCK = timedelta(days=90)
@@ -351,14 +353,21 @@ class _Backend:
     def __init__(self, data_dir: Path | None):
         for name in _EMULATOR_LOGGERS:
             logging.getLogger(name).setLevel(logging.CRITICAL)
-        storage = EmulatorStorage(use_memory_fs=data_dir is None, data_dir=str(data_dir) if data_dir else None)
-        self.server = _EmulatorListener((LOOPBACK, 0), partial(EmulatorHandler, storage))
+        self.storage = EmulatorStorage(use_memory_fs=data_dir is None, data_dir=str(data_dir) if data_dir else None)
+        self.server = _EmulatorListener((LOOPBACK, 0), partial(EmulatorHandler, self.storage))
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, args=(_POLL_S,), name="localcloud-gcs",
                                        daemon=True)
 
     def connect(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(LOOPBACK, self.port, timeout=300)
+
+    def drop_uploads(self, bucket: str) -> None:
+        """Forget the engine's unfinished resumable uploads into `bucket` (it has no call to cancel one)."""
+        for upload_id, meta in list(self.storage.resumable.items()):
+            if meta.get("bucket") == bucket:
+                self.storage.delete_resumable_file_obj(upload_id)
+                self.storage._delete_file(RESUMABLE_DIR, self.storage.safe_id(upload_id))
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """A JSON exchange with the emulator; the body comes back parsed (None when empty or not JSON)."""
@@ -521,6 +530,8 @@ class _Proxy(BaseHTTPRequestHandler):
         return status, bucket
 
     def _list_buckets(self, params: dict, body: dict, query: dict) -> tuple[int, Any]:
+        if not (query.get("project") or [""])[0]:  # buckets.list's `project` is required (discovery document)
+            raise _Reject(400, "Required parameter: project", "required")
         status, listing = self.server.backend.call("GET", f"{_API}/b")
         if status != 200:
             return status, listing
@@ -550,9 +561,20 @@ class _Proxy(BaseHTTPRequestHandler):
             return backend.call("PATCH", path, body)
 
     def _delete_bucket(self, params: dict, body: dict, query: dict) -> tuple[int, Any]:
-        status, payload = self.server.backend.call("DELETE", f"{_API}/b/{params['bucket']}")
+        """Delete an empty bucket. An unfinished resumable upload into it does not keep it (only live objects do,
+        as Google's storage-testbench checks), though the engine would refuse: its sessions are dropped first.
+        The bucket's soft-deleted objects stay (billed) with it, no longer listed under its name."""
+        backend, bucket = self.server.backend, params["bucket"]
+        status, payload = backend.call("DELETE", f"{_API}/b/{bucket}")
+        if status == 409:
+            _, listing = backend.call("GET", f"{_API}/b/{bucket}/o")
+            if not (listing or {}).get("items"):
+                self.server.upload_sessions.close_bucket(bucket)
+                backend.drop_uploads(bucket)
+                status, payload = backend.call("DELETE", f"{_API}/b/{bucket}")
         if status in (200, 204):
-            self.server.forget_project(params["bucket"])
+            self.server.forget_project(bucket)
+            self.server.soft.bucket_deleted(bucket)
             return 204, None
         return status, payload
 
@@ -727,7 +749,7 @@ class _Proxy(BaseHTTPRequestHandler):
         elif status == 404 and "bucket" in params:
             body = _error_body(404, "The specified bucket does not exist.", "notFound")
         elif status == 409 and route == "bucket":
-            body = _error_body(409, "The bucket you tried to delete is not empty.", "conflict")
+            body = _error_body(409, "The bucket you tried to delete was not empty.", "conflict")
         elif status == 501:
             body = _error_body(501, f"localcloud storage does not implement {self.command} "
                                     f"{urlsplit(self.path).path}", "notImplemented")
@@ -865,6 +887,11 @@ class _UploadSessions:
             if self._sessions.pop(upload_id, None) is not None:
                 self._save()
 
+    def close_bucket(self, bucket: str) -> None:
+        with self._lock:
+            self._sessions = {k: v for k, v in self._sessions.items() if v.bucket != bucket}
+            self._save()
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._sessions)
@@ -911,6 +938,16 @@ class _SoftDeleted:
         if old is not None and str(old.get("generation")) != str(new.get("generation")):
             self.deleted(old, *retention())
 
+    def bucket_deleted(self, bucket: str) -> None:
+        """`bucket` is gone: its soft-deleted objects stay (retained and billed until their hardDeleteTime) but
+        are no longer listed, so a new bucket of that name starts without them (storage/docs/
+        use-soft-deleted-buckets: a soft-deleted bucket must be restored before its objects can be listed)."""
+        with self._lock:
+            for item in self._items:
+                if item["bucket"] == bucket:
+                    item["_bucket_deleted"] = True
+            self._save()
+
     def _live(self) -> list[dict]:
         now = time.time()
         if any(i["_hard"] <= now for i in self._items):
@@ -921,7 +958,8 @@ class _SoftDeleted:
     def objects(self, bucket: str) -> list[dict]:
         """The bucket's soft-deleted objects as the JSON API lists them."""
         with self._lock:
-            return [{k: v for k, v in i.items() if not k.startswith("_")} for i in self._live() if i["bucket"] == bucket]
+            return [{k: v for k, v in i.items() if not k.startswith("_")} for i in self._live()
+                    if i["bucket"] == bucket and not i.get("_bucket_deleted")]
 
     def totals(self) -> dict[str, dict]:
         """Per bucket name (deleted buckets too): soft-deleted bytes still retained, location and project."""

@@ -59,12 +59,18 @@ def _grant(bucket: storage.Bucket, *roles: str, who: str = SA) -> None:
     bucket.set_iam_policy(policy)
 
 
-@pytest.mark.parametrize("name", ["192.168.5.4", "my-google-data", "my-g00gle-data", "goog-data", "ab",
+@pytest.mark.parametrize("name", ["192.168.5.4", "my-google-data", "my-g00gle-data", "my-g00gl3", "goog-data", "ab",
                                   "Upper-case", "a" * 64, "dots." + "a" * 64 + ".x"])
 def test_bucket_names_google_refuses(server, name):
     with pytest.raises(exceptions.BadRequest, match="Invalid bucket name"):
         owner().create_bucket(name, location="us-central1")
     assert list(owner().list_buckets()) == []
+
+
+def test_listing_buckets_needs_a_project(server):
+    """buckets.list's `project` parameter is required (storage v1 discovery document)."""
+    answer = requests.get(f"{server.url}/storage/v1/b")
+    assert answer.status_code == 400 and answer.json()["error"]["errors"][0]["reason"] == "required"
 
 
 def test_dotted_names_may_reach_222_characters(server):
@@ -144,6 +150,38 @@ def test_deleted_and_overwritten_objects_stay_soft_deleted_until_their_hard_dele
     bucket.delete(force=True)
     # The bucket is gone; its soft-deleted bytes are not (and keep billing).
     assert server.soft_deleted()["rules-b"]["bytes"] == 1301
+
+
+def test_a_recreated_bucket_does_not_list_the_old_ones_soft_deleted_objects(server):
+    """storage/docs/use-soft-deleted-buckets: a deleted bucket's soft-deleted objects are listed only after the
+    bucket is restored; a new bucket of the same name starts empty. The old bytes still bill."""
+    bucket = _bucket()
+    bucket.blob("old").upload_from_string(b"o" * 50)
+    bucket.blob("old").delete()
+    bucket.delete()
+    again = _bucket()
+    assert list(again.list_blobs(soft_deleted=True)) == []
+    again.blob("new").upload_from_string(b"n" * 7)
+    again.blob("new").delete()
+    assert [b.name for b in again.list_blobs(soft_deleted=True)] == ["new"]
+    assert server.soft_deleted()["rules-b"]["bytes"] == 57
+
+
+def test_an_unfinished_upload_does_not_keep_a_bucket_but_an_object_does(server):
+    """Only live objects keep a bucket from being deleted (Google's storage-testbench, database.delete_bucket):
+    a resumable upload a preempted worker left half-done does not, and its session goes with the bucket. The
+    409 says what GCS says: "The bucket you tried to delete was not empty."."""
+    bucket = _bucket()
+    bucket.blob("keep").upload_from_string(b"k")
+    with pytest.raises(exceptions.Conflict, match="The bucket you tried to delete was not empty."):
+        bucket.delete()
+    bucket.blob("keep").delete()
+    session = bucket.blob("ckpt/big").create_resumable_upload_session(size=1 << 20)
+    assert requests.put(session, data=b"x" * (256 << 10),
+                        headers={"Content-Range": f"bytes 0-{(256 << 10) - 1}/{1 << 20}"}).status_code == 308
+    bucket.delete()
+    assert list(owner().list_buckets()) == [] and len(server._front.upload_sessions) == 0
+    assert server._backend.storage.resumable == {}
 
 
 def test_no_soft_delete_with_retention_zero(server):
