@@ -289,13 +289,23 @@ def _location_type(location: str) -> str:
 
 
 def _next_etag(etag: str | None) -> str:
-    """IAM etags as GCS writes them: base64 of a protobuf varint field 1 holding the policy's write count."""
+    """IAM etags as GCS writes them: base64 of a protobuf varint field 1 holding the policy's write count
+    (`CAE=` for 1, `CAI=` for 2, ...), so no etag ever comes back after later writes."""
     try:
         raw = base64.b64decode(etag or "", validate=True)
-        count = raw[1] if len(raw) == 2 and raw[0] == 0x08 else 0
     except ValueError:
-        count = 0
-    return base64.b64encode(bytes([0x08, count % 127 + 1])).decode()
+        raw = b""
+    count = 0
+    if raw[:1] == b"\x08":
+        for shift, byte in enumerate(raw[1:]):
+            count |= (byte & 0x7F) << (7 * shift)
+    count += 1
+    out = bytearray([0x08])
+    while True:
+        out.append((count & 0x7F) | (0x80 if count > 0x7F else 0))
+        count >>= 7
+        if not count:
+            return base64.b64encode(bytes(out)).decode()
 
 
 def _iam_configuration(current: dict, requested: dict) -> dict:

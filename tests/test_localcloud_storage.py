@@ -182,6 +182,16 @@ def test_iam_policy_round_trips_with_etag_concurrency(server):
         client().bucket("no-such-bucket").get_iam_policy()
 
 
+def test_iam_etags_count_writes_and_never_come_back():
+    """GCS's IAM etag is base64 of a protobuf varint holding the write count: CAE= (1), CAI= (2), CIAB (128)."""
+    from tpuctl.localcloud.storage import _next_etag
+
+    etags = [_next_etag(None)]
+    for _ in range(299):
+        etags.append(_next_etag(etags[-1]))
+    assert etags[:2] == ["CAE=", "CAI="] and etags[127] == "CIAB" and len(set(etags)) == 300
+
+
 def test_concurrent_iam_writers_with_the_same_etag_one_wins(server):
     bucket = _create(client(), "contended")
     policies = [bucket.get_iam_policy(requested_policy_version=3) for _ in range(6)]
