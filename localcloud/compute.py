@@ -512,9 +512,12 @@ class ComputeService:
         with self.w.lock:
             rec = self._get(key)
             current = rec["instance"].get("labelFingerprint")
-            if body.get("labelFingerprint") != current:
+            # A write accepted but not yet applied has already made `current` stale (optimistic locking: "You
+            # must always provide an up-to-date fingerprint hash"), so a second writer cannot overwrite it.
+            if body.get("labelFingerprint") != current or rec.get("labels_pending"):
                 raise ApiError("FAILED_PRECONDITION", "Labels fingerprint either invalid or resource labels have changed",
                                http=412, reason="conditionNotMet")
+            rec["labels_pending"] = True
             op = self._new_op(p, "setLabels", key, rec["instance"]["id"])
             self.w.later(SET_LABELS_S, "compute.set_labels_done", key=key, op=self._op_key(op), labels=body.get("labels") or {})
             self.w.changed()
@@ -529,6 +532,7 @@ class ComputeService:
                 else:
                     rec["instance"].pop("labels", None)
                 rec["instance"]["labelFingerprint"] = _fingerprint(labels)
+                rec.pop("labels_pending", None)
             self._finish_op(op)
             self.w.changed()
 
@@ -537,9 +541,10 @@ class ComputeService:
         key = self._key(p, p["instance"])
         with self.w.lock:
             rec = self._get(key)
-            if body.get("fingerprint") != rec["instance"]["metadata"].get("fingerprint"):
+            if body.get("fingerprint") != rec["instance"]["metadata"].get("fingerprint") or rec.get("metadata_pending"):
                 raise ApiError("FAILED_PRECONDITION", "Supplied fingerprint does not match current metadata fingerprint.",
                                http=412, reason="conditionNotMet")
+            rec["metadata_pending"] = True
             op = self._new_op(p, "setMetadata", key, rec["instance"]["id"])
             self.w.later(SET_METADATA_S, "compute.set_metadata_done", key=key, op=self._op_key(op),
                          items=body.get("items") or [])
@@ -552,6 +557,7 @@ class ComputeService:
             if rec is not None:
                 rec["instance"]["metadata"] = {"kind": "compute#metadata", "fingerprint": _fingerprint(items),
                                                **({"items": items} if items else {})}
+                rec.pop("metadata_pending", None)
                 if rec["endpoints"]:
                     meta = _metadata_dict(rec["instance"])
                     self.w.workers.update_keys(rec["worker_key"], self.w.worker_keys(rec["project"], meta, ssh_keys_of(meta)))

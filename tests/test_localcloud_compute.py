@@ -162,6 +162,33 @@ def test_billing_catalog_lists_tpu_and_compute_skus(clients):
         list(clients.billing.list_skus(parent="services/NOPE-NOPE-NOPE"))
 
 
+def test_two_writers_with_one_fingerprint_cannot_both_win(clients):
+    """Fingerprints are optimistic locks ("You must always provide an up-to-date fingerprint hash ... otherwise
+    the request will fail with error 412 conditionNotMet"): once one write is accepted, the fingerprint both
+    writers read is stale, even before that write's operation is done, so the other write cannot overwrite it."""
+    _insert(clients, "race")
+    vm = clients.instances.get(project=clients.project, zone=ZONE, instance="race")
+    first = clients.instances.set_metadata(project=clients.project, zone=ZONE, instance="race", metadata_resource=(
+        compute_v1.Metadata(fingerprint=vm.metadata.fingerprint, items=[compute_v1.Items(key="a", value="1")])))
+    with pytest.raises(gexc.PreconditionFailed):
+        clients.instances.set_metadata(project=clients.project, zone=ZONE, instance="race", metadata_resource=(
+            compute_v1.Metadata(fingerprint=vm.metadata.fingerprint, items=[compute_v1.Items(key="b", value="2")])))
+    labels = clients.instances.set_labels(project=clients.project, zone=ZONE, instance="race",
+                                          instances_set_labels_request_resource=compute_v1.InstancesSetLabelsRequest(
+                                              labels={"x": "1"}, label_fingerprint=vm.label_fingerprint))
+    with pytest.raises(gexc.PreconditionFailed):
+        clients.instances.set_labels(project=clients.project, zone=ZONE, instance="race",
+                                     instances_set_labels_request_resource=compute_v1.InstancesSetLabelsRequest(
+                                         labels={"y": "2"}, label_fingerprint=vm.label_fingerprint))
+    clients.wait_compute(ZONE, first)
+    clients.wait_compute(ZONE, labels)
+    after = clients.instances.get(project=clients.project, zone=ZONE, instance="race")
+    assert [(i.key, i.value) for i in after.metadata.items] == [("a", "1")] and dict(after.labels) == {"x": "1"}
+    again = clients.instances.set_metadata(project=clients.project, zone=ZONE, instance="race", metadata_resource=(
+        compute_v1.Metadata(fingerprint=after.metadata.fingerprint, items=[])))  # a fresh read writes again
+    clients.wait_compute(ZONE, again)
+
+
 def test_set_metadata_replaces_items_and_feeds_ssh_keys(clients, cloud):
     _insert(clients, "meta")
     vm = clients.instances.get(project=clients.project, zone=ZONE, instance="meta")
