@@ -211,6 +211,17 @@ def test_guest_reads_its_identity_from_a_metadata_server(monkeypatch):
         server.close()
 
 
+@pytest.mark.parametrize("endpoints, addresses", [
+    ("t1v-n-abc-w-0:1:10.0.0.1,t1v-n-abc-w-1:2:10.0.0.2", ("10.0.0.1", "10.0.0.2")),  # name:id:ip triples
+    ("t1v-n-abc-w-0,t1v-n-abc-w-1\n", ("t1v-n-abc-w-0", "t1v-n-abc-w-1")),  # the newer format: hostnames
+])
+def test_both_formats_of_worker_network_endpoints(endpoints, addresses):
+    """JAX's cloud_tpu_cluster.py: "worker-network-endpoints can have one of two formats"."""
+    assert guest.worker_addresses(endpoints) == addresses
+    with pytest.raises(AcceleratorError, match="neither a hostname nor name:id:ip"):
+        guest.worker_addresses("a:b")
+
+
 def test_guest_does_not_call_the_network_off_google_cloud(monkeypatch, tmp_path):
     monkeypatch.delenv("GCE_METADATA_HOST", raising=False)
     monkeypatch.delenv("GCE_METADATA_ROOT", raising=False)

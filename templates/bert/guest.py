@@ -2,8 +2,8 @@
 
 A Cloud TPU VM sets no TPU_WORKER_ID / TPU_WORKER_HOSTNAMES / TPU_NAME (those are GKE's); like JAX's
 `cloud_tpu_cluster.py` and PyTorch/XLA's `_internal/tpu.py`, workers read `instance/attributes/` from the
-metadata server: `accelerator-type`, `agent-worker-number`, `worker-network-endpoints` ("hostname:uid:ip" per
-worker, in worker order) and `tpu-env` (`KEY: 'value'` lines; `NODE_ID` is the node's name). The server is
+metadata server: `accelerator-type`, `agent-worker-number`, `worker-network-endpoints` (per worker, in worker
+order: "hostname:uid:ip", or in Google's newer format just the hostname, as JAX reads either) and `tpu-env` (`KEY: 'value'` lines; `NODE_ID` is the node's name). The server is
 `GCE_METADATA_HOST` (google-auth's variable; `GCE_METADATA_ROOT` is its old name), else
 `metadata.google.internal`; every request carries `Metadata-Flavor: Google`.
 
@@ -104,6 +104,18 @@ def tpu_vm() -> TpuVm | None:
     node = parse_tpu_env(attributes["tpu-env"]).get("NODE_ID")
     if not node:
         raise AcceleratorError(f"metadata server {host}: tpu-env has no NODE_ID")
-    endpoints = [e for e in attributes["worker-network-endpoints"].strip().split(",") if e]
     return TpuVm(node=node, worker=int(attributes["agent-worker-number"]),
-                 hosts=tuple(e.split(":")[2] for e in endpoints), accelerator_type=accelerator.strip())
+                 hosts=worker_addresses(attributes["worker-network-endpoints"]), accelerator_type=accelerator.strip())
+
+
+def worker_addresses(endpoints: str) -> tuple[str, ...]:
+    """Each worker's address from `worker-network-endpoints`, in worker order. Google serves it in two formats
+    (JAX's `cloud_tpu_cluster.py`: "In the new format, it is just a list of hostnames. In the old format, it is a
+    list of name:id:ip triples."): the hostname of the one, the IP of the other."""
+    addresses = []
+    for endpoint in (e.strip() for e in endpoints.strip().split(",") if e.strip()):
+        parts = endpoint.split(":")
+        if len(parts) not in (1, 3):
+            raise AcceleratorError(f"worker-network-endpoints: {endpoint!r} is neither a hostname nor name:id:ip")
+        addresses.append(parts[-1])
+    return tuple(addresses)
