@@ -40,6 +40,9 @@ def _metadata_dict(instance: dict) -> dict:
     return {i["key"]: i.get("value", "") for i in (instance.get("metadata") or {}).get("items", [])}
 
 
+# Statuses of an instance on its way to RUNNING (PENDING: a TPU instance acquiring its resources).
+CREATING = ("PENDING", "PROVISIONING", "STAGING")
+
 class ComputeService:
     name = "compute"
 
@@ -253,7 +256,11 @@ class ComputeService:
                 raise ApiError("ALREADY_EXISTS", f"The resource '{key}' already exists")
             inst = copy.deepcopy(body)
             inst_id = str(self.w.next_id())
-            inst.update(kind="compute#instance", id=inst_id, creationTimestamp=now_rfc3339(), status="PROVISIONING",
+            # compute/docs/instances/instance-lifecycle: "TPU instances start instead in the PENDING state", where
+            # Compute Engine "attempts to acquire the necessary resources"; without them "you encounter an error
+            # and Compute Engine deletes the compute instance" (the capacity fault below).
+            first = "PENDING" if m.group(2) in facts.TPU_MACHINE_TYPES else "PROVISIONING"
+            inst.update(kind="compute#instance", id=inst_id, creationTimestamp=now_rfc3339(), status=first,
                         zone=f"{ROOT}projects/{p['project']}/zones/{p['zone']}",
                         selfLink=f"{ROOT}{key}", machineType=f"{ROOT}projects/{p['project']}/zones/{p['zone']}/machineTypes/{m.group(2)}",
                         labelFingerprint=_fingerprint(inst.get("labels", {})))
@@ -288,7 +295,7 @@ class ComputeService:
     def _insert_done(self, key: str, op: str) -> None:
         with self.w.lock:
             rec = self.instances.get(key)
-            if rec is None or rec.get("deleting") or rec["instance"]["status"] not in ("PROVISIONING", "STAGING"):
+            if rec is None or rec.get("deleting") or rec["instance"]["status"] not in CREATING:
                 self._finish_op(op)
                 return
             rec["instance"]["status"] = "STAGING"

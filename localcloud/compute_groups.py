@@ -27,6 +27,7 @@ import time
 import uuid
 
 from . import facts
+from .compute import CREATING
 from .core import ApiError, World, now_rfc3339
 
 ROOT = "https://compute.googleapis.com/compute/v1/"
@@ -283,10 +284,9 @@ class ComputeGroupsService:
     def _view(self, rec: dict) -> dict:
         mig = copy.deepcopy(rec["mig"])
         statuses = [self.c.instances[k]["instance"]["status"] for k in rec["members"] if k in self.c.instances]
-        creating = len(rec["members"]) < int(mig.get("targetSize") or 0) or any(
-            s in ("PROVISIONING", "STAGING") for s in statuses)
+        creating = len(rec["members"]) < int(mig.get("targetSize") or 0) or any(s in CREATING for s in statuses)
         mig["status"] = {"isStable": not creating and not rec["deleting"]}
-        mig["currentActions"] = {"creating": sum(s in ("PROVISIONING", "STAGING") for s in statuses)
+        mig["currentActions"] = {"creating": sum(s in CREATING for s in statuses)
                                  + max(0, int(mig.get("targetSize") or 0) - len(rec["members"])),
                                  "none": sum(s == "RUNNING" for s in statuses),
                                  "deleting": len(statuses) if rec["deleting"] else 0}
@@ -317,11 +317,12 @@ class ComputeGroupsService:
             out = []
             for k, member in sorted(rec["members"].items()):
                 inst = self.c.instances.get(k)
-                status = inst["instance"]["status"] if inst else "PROVISIONING"
+                # instanceStatus: "This field is empty when the instance does not exist" (discovery document).
+                status = inst["instance"]["status"] if inst else None
                 action = ("DELETING" if rec["deleting"] else
-                          "CREATING" if status in ("PROVISIONING", "STAGING") else "NONE")
-                out.append({"instance": f"{ROOT}{k}", "name": member["name"], "instanceStatus": status,
-                            "currentAction": action, **({"id": inst["instance"]["id"]} if inst else {})})
+                          "CREATING" if status is None or status in CREATING else "NONE")
+                out.append({"instance": f"{ROOT}{k}", "name": member["name"], "currentAction": action,
+                            **({"instanceStatus": status, "id": inst["instance"]["id"]} if inst else {})})
             for _ in range(max(0, int(rec["mig"].get("targetSize") or 0) - len(rec["members"]))):
                 entry = {"currentAction": "CREATING"}
                 if rec.get("last_error"):

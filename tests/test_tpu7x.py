@@ -111,6 +111,31 @@ def test_capacity_fails_over_to_the_next_zone_and_rolls_back(pc, cloud):
     assert everything(pc) == []
 
 
+def test_a_tpu_instance_starts_pending_and_one_deleted_while_pending_is_a_stockout(pc, cloud, monkeypatch):
+    """compute/docs/instances/instance-lifecycle: "TPU instances start instead in the PENDING state"; one that
+    cannot get its resources gets "an error and Compute Engine deletes the compute instance": tpuctl takes an
+    instance gone while PENDING for no capacity (so the zone fails over), not for a vanished one."""
+    from tpuctl.provision import vm
+
+    cloud.faults.add("stuck", service="compute", method="instances.insert", zone=ZONE, count=1)
+    body = compute_v1.Instance(name="p1", machine_type=f"zones/{ZONE}/machineTypes/tpu7x-standard-4t", disks=[
+        compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
+            source_image=make_plan(pc).runtime_version))])
+    pc.instances.insert_unary(project=pc.project, zone=ZONE, instance_resource=body)
+    assert pc.instances.get(project=pc.project, zone=ZONE, instance="p1").status == "PENDING"
+    vm.delete(pc, ZONE, "p1", deadline_s=FAST_DEADLINE)  # "You can optionally delete the compute instance"
+
+    answers = iter([None, compute_v1.Instance(name="p2", status="PENDING"), None])
+    monkeypatch.setattr(vm, "get", lambda *a, **k: next(answers))
+    monkeypatch.setattr(vm.waits, "call", lambda *a, **k: None)
+    monkeypatch.setattr(vm, "wait_zone_op", lambda *a, **k: None)
+    convert = lambda i: prov.Resource(kind=prov.Kind.TPU, name="p2", project=pc.project, location=ZONE,  # noqa: E731
+                                      state=vm.states.instance_state(i.status), labels={}, created=None, run=None)
+    with pytest.raises(CapacityError, match="PENDING"):
+        vm.ensure_instance(pc, ZONE, "p2", {}, lambda: body, convert, what="TPU VM p2", field="accelerator",
+                           deadline_s=5)
+
+
 def test_gc_deletes_an_expired_tpu7x_run(pc):
     plan = make_plan(pc, ttl="60s")
     prov.apply(pc, plan, deadline_s=FAST_DEADLINE)
