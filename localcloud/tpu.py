@@ -70,13 +70,16 @@ def stockout_message(code: int, zone: str) -> str:
 
 
 def ssh_keys_of(metadata: dict | None) -> list[str]:
-    """Public keys from `ssh-keys` metadata lines "USER:KEY [COMMENT]", as the guest agent reads them."""
-    keys = []
+    """The `ssh-keys` metadata lines "USER:KEY [COMMENT]" a guest admits, each for its USER only, as Google's
+    guest agent writes every key into that user's authorized_keys alone (guest-agent `non_windows_accounts.go`);
+    a line without a user is "invalid ssh key entry - unrecognized format. Expecting user:ssh-key" (its
+    `GetUserKey`) and admits nobody."""
+    lines = []
     for line in (metadata or {}).get("ssh-keys", "").splitlines():
         user, sep, key = line.strip().partition(":")
-        if sep and key.strip():
-            keys.append(key.strip())
-    return keys
+        if sep and user and key.strip():
+            lines.append(f"{user}:{key.strip()}")
+    return lines
 
 
 def paginate(items: list, size: str | None, token: str | None) -> tuple[list, str]:

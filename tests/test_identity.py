@@ -83,6 +83,17 @@ def test_oslogin_project_ignores_ssh_keys_metadata_and_admits_imported_keys(clou
     assert again.posix_accounts[0].username == user and len(again.ssh_public_keys) == 1
 
 
+def test_an_ssh_keys_line_admits_its_user_only(cloud, kw):
+    """Google's guest agent writes each `USER:KEY` line into that user's authorized_keys alone, and refuses a
+    line without a user ("Expecting user:ssh-key")."""
+    key, other = asyncssh.generate_private_key("ssh-ed25519"), asyncssh.generate_private_key("ssh-ed25519")
+    node = create_node(kw, new_project(), "own", {"ssh-keys": f"alice:{public(key)} alice\n{public(other)}"})
+    port = node.network_endpoints[0].port
+    assert can_login(port, "alice", key)
+    assert not can_login(port, "bob", key) and not can_login(port, "root", key)
+    assert not can_login(port, "alice", other) and not can_login(port, "bob", other)
+
+
 def test_instance_metadata_overrides_the_project_and_project_metadata_changes_apply_to_running_workers(cloud, kw):
     project = new_project()
     key = asyncssh.generate_private_key("ssh-ed25519")
