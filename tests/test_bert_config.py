@@ -240,9 +240,9 @@ def test_jax_meets_its_peers_through_worker_0_and_counts_devices_per_host_like_j
     """The coordinator and process id come from the metadata server (guest.TpuVm), never from TPU_* variables."""
     second = guest.TpuVm(node="tpuctl-r1", worker=1, hosts=("10.0.0.2", "10.0.0.3"), accelerator_type="v5litepod-16")
     assert strategy.jax_cluster(second, rehearsal=False) == {
-        "coordinator_address": "10.0.0.2:8476", "num_processes": 2, "process_id": 1}
+        "coordinator_address": "10.0.0.2:8482", "num_processes": 2, "process_id": 1}
     rehearsed = strategy.jax_cluster(second, rehearsal=True)
-    assert rehearsed["coordinator_address"] != "10.0.0.2:8476" and rehearsed["process_id"] == 1
+    assert rehearsed["coordinator_address"] != "10.0.0.2:8482" and rehearsed["process_id"] == 1
     assert rehearsed == strategy.jax_cluster(second, rehearsal=True)  # every worker derives the same port
     assert strategy.jax_cluster(ONE_HOST, rehearsal=False) is None and strategy.jax_cluster(None, rehearsal=True) is None
     per_host = {t: strategy._devices_per_host(t, h) for t, h in

@@ -25,7 +25,7 @@ has the TF load-time variables for both cases.
 
 JAX (`resolve_jax`, `runtime.framework = "jax"`): one process per worker host, every worker runs the job.
 On a multi-host slice `jax.distributed.initialize` gets worker 0's IP from `worker-network-endpoints` (port
-8476, JAX's own Cloud TPU default in `jax/_src/clusters/cloud_tpu_cluster.py`), the number of processes and
+8482, JAX's own Cloud TPU default in `jax/_src/clusters/cloud_tpu_cluster.py` of the pinned jax 0.10.2), the number of processes and
 this process's id (`agent-worker-number`) from the metadata server (guest.py), the way JAX's own Cloud TPU
 detection reads them. Training is `keras.distribution.DataParallel` over every device of the slice; each
 process feeds its local devices' share of the global batch. A CPU rehearsal (`runtime.replicas`, or
@@ -51,7 +51,7 @@ PJRT_LIBTPU = "/lib/libtpu.so"
 # Where the dynamic loader finds a bare "libtpu.so" on TPU VM images (TF's last resort is dlopen("libtpu.so")).
 SYSTEM_LIBTPU = (PJRT_LIBTPU, "/usr/lib/libtpu.so")
 CPU_REHEARSAL_VAR = "LOCALCLOUD_TPU_REHEARSAL"
-JAX_COORDINATOR_PORT = 8476  # jax/_src/clusters/cloud_tpu_cluster.py: the coordinator on worker 0
+JAX_COORDINATOR_PORT = 8482  # jax/_src/clusters/cloud_tpu_cluster.py: the coordinator on worker 0
 DEVICE_PATTERNS = ("/dev/accel*", "/dev/vfio/[0-9]*")
 
 
@@ -165,7 +165,7 @@ def _devices_per_host(accelerator_type: str, hosts: int) -> int:
 
 
 def _rehearsal_port(node: str) -> int:
-    """A rehearsal's hosts share one machine (and 127.0.0.1) with other rehearsals: a port per node, not 8476."""
+    """A rehearsal's hosts share one machine (and 127.0.0.1) with other rehearsals: a port per node, not 8482."""
     import zlib
 
     return 20000 + zlib.crc32(node.encode()) % 20000
