@@ -71,9 +71,12 @@ def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: 
         accounts = {"default": service_account_dir(email, scopes, token),
                     email: service_account_dir(email, scopes, token)}
     return {
+        # maintenance-event and preempted are what a guest polls for a coming maintenance or a Spot preemption
+        # (compute/docs/metadata/getting-live-migration-notice; compute/docs/instances/spot): NONE and FALSE
+        # while neither is coming. localcloud gives no notice period, so they never change.
         "instance": {"attributes": dict(attributes), "hostname": f"{name}.{zone}.c.{project}.internal",
-                     "id": instance_id, "name": name, "zone": f"projects/{number}/zones/{zone}",
-                     "service-accounts": accounts},
+                     "id": instance_id, "maintenance-event": "NONE", "name": name, "preempted": "FALSE",
+                     "zone": f"projects/{number}/zones/{zone}", "service-accounts": accounts},
         "project": {"attributes": {}, "numeric-project-id": number, "project-id": project},
     }
 

@@ -73,6 +73,7 @@ print(json.dumps({
     "account": _metadata.get_service_account_info(request), "credentials": type(credentials).__name__,
     "token": credentials.token, "host": os.environ["GCE_METADATA_HOST"],
     "tpu_variables": sorted(name for name in os.environ if name.startswith("TPU_")),
+    "notices": [_metadata.get(request, "instance/maintenance-event"), _metadata.get(request, "instance/preempted")],
 }))
 EOF"""
 
@@ -108,6 +109,7 @@ def test_v3_32_has_four_ssh_reachable_workers_that_know_themselves_only_from_met
         assert (tpu_env["NODE_ID"], tpu_env["WORKER_ID"], tpu_env["ACCELERATOR_TYPE"]) == ("'pod'", f"'{i}'", "'v3-32'")
         assert key.export_public_key().decode().split()[1] in s["ssh_keys"] and s["oslogin"] == "FALSE"
         assert s["custom"] == "gold"  # metadata patched through the API is what the guest reads next
+        assert s["notices"] == ["NONE", "FALSE"]  # what a guest polls for maintenance and Spot preemption
         assert s["account"] == {"aliases": ["default"], "email": f"{number}-compute@developer.gserviceaccount.com",
                                 "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}
     assert len({s["host"] for s in seen}) == 4  # one metadata endpoint per worker
