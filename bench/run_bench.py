@@ -38,7 +38,8 @@ def one(index: int, *, poll_s: float, accelerator: str, home: Path) -> dict:
         clients = build(project="tpuctl-local", credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
                         storage_host=cloud.storage_host, local=True)
         spec = spec_mod.from_mapping({
-            "name": f"bench-{index}", "zone": "us-central1-a", "accelerator": accelerator, "provisioning": "spot",
+            "name": f"bench-{index}", "zone": "us-central1-a" if accelerator == "v3-8" else "europe-west4-a",
+            "accelerator": accelerator, "provisioning": "spot",
             "job": {"template": str(REPO / "tests" / "job_templates" / "standin"),
                     "config": {"trainer": {"max_steps": 30, "checkpoint_every": 10, "step_seconds": 0.05}}}})
         p = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=poll_s))

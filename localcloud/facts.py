@@ -17,9 +17,16 @@ _V5E_ZONES = (
     "us-west4-b", "europe-west4-a", "europe-west4-b", "asia-east1-a", "asia-east1-b", "asia-east1-c",
     "asia-northeast1-b",
 )
+# v2 and v3 zones depend on the size (tpu/docs/regions-zones, current and older copies): v2-8 in us-central1-b,
+# -c, -f, europe-west4-a and asia-east1-c, v2-32 to v2-512 in us-central1-a and europe-west4-a; v3-8 in
+# us-central1-a, -b, -f and europe-west4-a, v3-32 to v3-2048 in europe-west4-a only.
+_V2_8_ZONES = ("us-central1-b", "us-central1-c", "us-central1-f", "europe-west4-a", "asia-east1-c")
+_V2_POD_ZONES = ("us-central1-a", "europe-west4-a")
+_V3_8_ZONES = ("us-central1-a", "us-central1-b", "us-central1-f", "europe-west4-a")
+_V3_POD_ZONES = ("europe-west4-a",)
 ZONES_BY_GENERATION: dict[str, tuple[str, ...]] = {
-    "v2": ("us-central1-b", "us-central1-c", "us-central1-f", "europe-west4-a", "asia-east1-c"),
-    "v3": ("us-central1-a", "us-central1-b", "us-central1-f", "europe-west4-a", "us-east1-d"),
+    "v2": tuple(dict.fromkeys(_V2_8_ZONES + _V2_POD_ZONES)),
+    "v3": _V3_8_ZONES,
     "v4": ("us-central2-b",),
     "v5e": _V5E_ZONES,
     "v5p": ("us-central1-a", "us-east1-d", "us-east5-a", "us-east5-b", "us-east5-c", "europe-west4-b"),
@@ -246,6 +253,10 @@ class TpuType:
 
     @property
     def zones(self) -> tuple[str, ...]:
+        """Where the type is offered: per generation, except v2 and v3, whose slices are in fewer zones."""
+        if self.generation in ("v2", "v3"):
+            single = _V2_8_ZONES if self.generation == "v2" else _V3_8_ZONES
+            return single if self.hosts == 1 else (_V2_POD_ZONES if self.generation == "v2" else _V3_POD_ZONES)
         return ZONES_BY_GENERATION[self.generation]
 
     @property

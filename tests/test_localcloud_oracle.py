@@ -24,6 +24,17 @@ def test_localcloud_imports_nothing_from_tpuctl(path):
             assert (node.module or "").split(".")[0] not in ("tpuctl", "provision", "jobs"), ast.unparse(node)
 
 
+@pytest.mark.parametrize("name,zones", [
+    ("v2-8", ("us-central1-b", "us-central1-c", "us-central1-f", "europe-west4-a", "asia-east1-c")),
+    ("v2-32", ("us-central1-a", "europe-west4-a")), ("v2-512", ("us-central1-a", "europe-west4-a")),
+    ("v3-8", ("us-central1-a", "us-central1-b", "us-central1-f", "europe-west4-a")),
+    ("v3-32", ("europe-west4-a",)), ("v3-2048", ("europe-west4-a",)),
+])
+def test_v2_and_v3_zones_depend_on_the_size(name, zones):
+    """tpu/docs/regions-zones lists v2 and v3 zones per size: slices are in fewer zones than a single host."""
+    assert facts.TPU_TYPES[name].zones == zones
+
+
 @pytest.mark.parametrize("name,chips,hosts,topology", [
     ("v2-8", 4, 1, "2x2"), ("v2-32", 16, 4, "4x4"), ("v3-8", 4, 1, "2x2"), ("v3-32", 16, 4, "4x4"),
     ("v4-8", 4, 1, "2x2x1"), ("v4-32", 16, 4, "2x2x4"), ("v5litepod-1", 1, 1, "1x1"), ("v5litepod-8", 8, 1, "2x4"),

@@ -61,6 +61,9 @@ def test_failover_zones_same_region_first():
     ({"accelerator": None}, "accelerator"),
     ({"zone": []}, "zone"),
     ({"zone": "us-central2-b"}, "zone"),  # v3-8 is not offered there
+    # v3 slices are offered in europe-west4-a only, v2 slices in us-central1-a and europe-west4-a (regions-zones)
+    ({"accelerator": "v3-32", "zone": "us-central1-a", "runtime_version": "tpu-vm-tf-2.17.0-pod-pjrt"}, "zone"),
+    ({"accelerator": "v2-32", "zone": "us-central1-b", "runtime_version": "tpu-vm-tf-2.17.0-pod-pjrt"}, "zone"),
     ({"zone": ["europe-west4-a", "us-central1-a"]}, "zone"),  # outside the bucket's region
     ({"runtime_version": "v2-alpha-tpuv6e"}, "runtime_version"),  # another generation's image
     ({"accelerator": "v3-32", "runtime_version": "tpu-vm-tf-2.17.0-pjrt"}, "runtime_version"),  # pod needs -pod

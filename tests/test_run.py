@@ -43,7 +43,9 @@ def tpc(cloud, project):
 
 
 def _spec(name: str, *, trainer: dict | None = None, args=(), accelerator="v3-32", **job) -> dict:
-    return {"name": name, "zone": "us-central1-a", "accelerator": accelerator, "provisioning": "spot",
+    # A v3-8 is also in us-central1-a; v3 slices only in europe-west4-a (tpu/docs/regions-zones).
+    zone = "us-central1-a" if accelerator == "v3-8" else "europe-west4-a"
+    return {"name": name, "zone": zone, "accelerator": accelerator, "provisioning": "spot",
             "job": {"template": str(STANDIN), "args": list(args),
                     "config": {"trainer": {"max_steps": 15, "checkpoint_every": 5, **(trainer or {})}}, **job}}
 
@@ -329,7 +331,7 @@ def test_real_bert_on_a_4_worker_slice_is_driven_by_worker_0_found_from_metadata
     """No TPU_* variable on any worker: each learns its index, its peers and the node's name from its metadata
     server; worker 0 trains (a CPU rehearsal, as the local cloud asks), workers 1-3 idle, as on a real slice."""
     spec = spec_mod.from_mapping({
-        "name": "bert-pod", "zone": "us-central1-a", "accelerator": "v3-32", "provisioning": "spot",
+        "name": "bert-pod", "zone": "europe-west4-a", "accelerator": "v3-32", "provisioning": "spot",
         "job": {"template": "bert", "preset": "bert-tiny",
                 "config": {"trainer": {"max_steps": 10, "checkpoint_every": 10, "log_every": 5,
                                        "steps_per_execution": 5, "warmup_steps": 2}},

@@ -138,7 +138,9 @@ class Catalog:
                 yield AcceleratorType(
                     name=f"{g['prefix']}-{n}", generation=gen, api_type=g["api_type"], chips=chips,
                     cores=chips * g["cores_per_chip"], hosts=hosts, topology=topology(chips, g["topology_dims"]),
-                    zones=tuple(g["zones"]), runtimes=tuple(g["runtimes"]),
+                    # `pod_zones`: where a generation's multi-host slices are offered, when that is fewer zones
+                    zones=tuple(g["pod_zones"] if hosts > 1 and "pod_zones" in g else g["zones"]),
+                    runtimes=tuple(g["runtimes"]),
                     default_runtime=g["default_runtime_pod"] if hosts > 1 else g["default_runtime"],
                     tensorflow=g.get("tensorflow", True), api=g.get("api", "tpu-v2"),
                     machine_type=g.get("machine_type"),
