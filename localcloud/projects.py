@@ -254,7 +254,7 @@ class ProjectsService:
             cap = quotas.limit(self._shape(project), quota, zone)
         used = sum(quotas.units(t) for t, s in in_use if quotas.quota_id(t, s) == quota)
         if used + quotas.units(node["acceleratorType"]) > cap:
-            raise quotas.exceeded(quota, zone, cap)
+            raise quotas.exceeded(quota, zone, cap, project=project)
 
     def quota_info_get(self, p: dict, q: dict, body: None) -> dict:
         """Cloud Quotas `quotaInfos.get` of a Cloud TPU API quota, from the project's shape."""

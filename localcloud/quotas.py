@@ -76,13 +76,26 @@ def quota_info(project: str, quota: str, shape: dict) -> dict:
             "dimensionsInfos": infos, "isConcurrent": False}
 
 
-def exceeded(quota: str, zone: str, limit_value: int) -> ApiError:
+def exceeded(quota: str, zone: str | None, limit_value: int, *, project: str | None = None,
+             service: str = SERVICE, details: bool = True) -> ApiError:
     """Google's refusal of a create past the quota: HTTP 429 RESOURCE_EXHAUSTED with a QuotaFailure naming
     it. A quota never granted reads as gcloud shows it ("Quota limit '...' has been exceeded. Limit: 0 in
-    zone Z"); one used up as SkyPilot quotes it ("Quota '...' exhausted. Limit N in zone Z")."""
-    message = (f"Quota limit '{quota}' has been exceeded. Limit: 0 in zone {zone}." if limit_value == 0
-               else f"Quota '{quota}' exhausted. Limit {limit_value} in zone {zone}")
+    zone Z"); one used up as SkyPilot quotes it ("Quota '...' exhausted. Limit N in zone Z").
+
+    The details follow google/rpc/error_details.proto and error_reason.proto: the violation's `quotaId` is the
+    quota ("Also know as 'limit name'"), its `subject` the project the check failed on ("project:<Google
+    developer project id>"); the ErrorInfo's reason for a resource quota is RESOURCE_QUOTA_EXCEEDED, with
+    `consumer`, `service` and `quota_limit` as its examples carry them (the quota metric's name is not
+    published for Cloud TPU, so it is left out)."""
+    where = f" in zone {zone}" if zone else ""
+    message = (f"Quota limit '{quota}' has been exceeded. Limit: 0{where}." if limit_value == 0
+               else f"Quota '{quota}' exhausted. Limit {limit_value}{where}")
+    violation = {"quotaId": quota, "description": message,
+                 **({"subject": f"project:{project}"} if project else {}),
+                 **({"quotaDimensions": {"zone": zone}} if zone else {})}
+    info = {"service": service, "quota_limit": quota,
+            **({"consumer": f"projects/{facts.project_number(project)}"} if project else {})}
     return ApiError("RESOURCE_EXHAUSTED", message, http=429, reason="rateLimitExceeded", details=[
-        {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": [{"subject": quota, "description": message}]},
-        {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "RATE_LIMIT_EXCEEDED", "domain": "googleapis.com",
-         "metadata": {"quota_metric": quota, "service": SERVICE}}])
+        {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": [violation]},
+        {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "RESOURCE_QUOTA_EXCEEDED",
+         "domain": "googleapis.com", "metadata": info}] if details else None)

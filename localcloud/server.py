@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
+from . import quotas
 from .core import ApiError, World
 from .schema import load_document, validator
 
@@ -209,7 +210,7 @@ class Api:
             raise ApiError("UNAVAILABLE", "The service is currently unavailable.")
         fault = self.w.faults.take("quota", route.service, route.short, zone, where=lambda f: not f.in_operation)
         if fault:
-            raise quota_error(fault, route.service, zone)
+            raise quota_error(fault, route.service, zone, params.get("projectsId") or params.get("project"))
         if self.guard is not None:
             self.guard(route.service, params)
         handler = self.handlers.get(route.method_id)
@@ -241,7 +242,7 @@ class Api:
         return result
 
 
-def quota_error(fault, service: str, zone: str | None) -> ApiError:
+def quota_error(fault, service: str, zone: str | None, project: str | None) -> ApiError:
     """A quota refusal as each API sends it. Compute: HTTP 403 with `errors[].reason` "quotaExceeded" and no
     google.rpc details. Cloud TPU: HTTP 429 RESOURCE_EXHAUSTED "Quota limit '...' has been exceeded", with
     a google.rpc.QuotaFailure (and ErrorInfo) detail unless the fault says `details: false`."""
@@ -251,16 +252,8 @@ def quota_error(fault, service: str, zone: str | None) -> ApiError:
         return ApiError("PERMISSION_DENIED", f"Quota '{quota}' exceeded.  Limit: 0.0 in region {region}.",
                         reason="quotaExceeded")
     quota = fault.quota or {"tpu": "TPUV3sPerProjectPerZoneForTPUAPI"}.get(service, f"{service}.googleapis.com/requests")
-    where = f" in zone {zone}" if zone else ""
-    message = f"Quota limit '{quota}' has been exceeded. Limit: 0{where}."
-    details = [
-        {"@type": "type.googleapis.com/google.rpc.QuotaFailure",
-         "violations": [{"subject": quota, "description": message}]},
-        {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "RATE_LIMIT_EXCEEDED",
-         "domain": "googleapis.com", "metadata": {"quota_metric": quota, "service": f"{service}.googleapis.com"}},
-    ]
-    return ApiError("RESOURCE_EXHAUSTED", message, http=429, details=details if fault.details is not False else None,
-                    reason="rateLimitExceeded")
+    return quotas.exceeded(quota, zone or None, 0, project=project, service=f"{service}.googleapis.com",
+                           details=fault.details is not False)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -17,7 +17,7 @@ from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 from google.protobuf import duration_pb2, field_mask_pb2, json_format
 
-from tpuctl.errors import CapacityError, TpuctlError, from_google
+from tpuctl.errors import CapacityError, TpuctlError, from_google, quota_violation
 from tpuctl.provision import labels as L
 from tpuctl.provision import states, waits
 from tpuctl.provision.clients import Clients
@@ -183,7 +183,7 @@ def wait_operation(op, *, what: str, deadline_s: float, cancel: threading.Event 
     exc = op.exception()
     if exc is not None:
         code = _STOCKOUTS.get(type(exc))
-        if create and code is not None and waits.quota_subject(exc) is None:
+        if create and code is not None and quota_violation(exc) is None:
             raise CapacityError(f"{what}: no capacity (code {code}: {exc.message})") from exc
         raise from_google(exc, what=what) from exc
 

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from google.api_core import exceptions as gexc
-from google.rpc import error_details_pb2
 
-from tpuctl.errors import Interrupted, QuotaError, TpuctlError, WaitTimeout, from_google
+from tpuctl.errors import Interrupted, QuotaError, TpuctlError, WaitTimeout, from_google, quota_violation
 from tpuctl.provision.resources import State
 
 T = TypeVar("T")
@@ -92,7 +91,7 @@ def call(fn: Callable[[], T], *, what: str, deadline_s: float = 120.0, backoff: 
         except TRANSIENT as exc:
             elapsed = time.monotonic() - start
             delay = next_delay(elapsed)
-            quota = quota_subject(exc)
+            quota = quota_violation(exc)
             quota_hits += quota is not None
             if quota is not None and quota_hits >= QUOTA_ATTEMPTS:
                 raise QuotaError(f"{what}: quota {quota} exceeded ({getattr(exc, 'message', exc)})") from exc
@@ -114,16 +113,6 @@ def get_or_none(fn: Callable[[], T], *, what: str, cancel: threading.Event | Non
         if isinstance(exc.__cause__, gexc.NotFound):
             return None
         raise
-
-
-def quota_subject(exc: BaseException) -> str | None:
-    """The quota a google.rpc.QuotaFailure detail names (REST gives details as dicts, gRPC as protos)."""
-    for d in getattr(exc, "details", None) or ():
-        if isinstance(d, error_details_pb2.QuotaFailure):
-            return next((v.subject for v in d.violations if v.subject), None)
-        if isinstance(d, dict) and str(d.get("@type", "")).endswith("google.rpc.QuotaFailure"):
-            return next((v.get("subject") for v in d.get("violations", ()) if v.get("subject")), None)
-    return None
 
 
 def until(poll: Callable[[], tuple[bool, T]], *, what: str, deadline_s: float,

@@ -59,7 +59,12 @@ def test_a_create_past_the_quota_gets_googles_429_naming_it(cloud):
     with pytest.raises(gexc.TooManyRequests) as e:  # 4 in use + 8 asked > 8
         create(cloud, project, "b", "v6e-8")
     assert f"Quota '{V6E}' exhausted. Limit 8 in zone {ZONE}" in e.value.message
-    assert any(v.get("subject") == V6E for d in e.value.details if isinstance(d, dict) for v in d.get("violations", []))
+    # error_details.proto: the violated quota is the violation's quota_id ("limit name"), the subject the project
+    from tpuctl.errors import quota_violation
+
+    assert quota_violation(e.value) == V6E
+    [violation] = [v for d in e.value.details if isinstance(d, dict) for v in d.get("violations", [])]
+    assert violation["quotaId"] == V6E and violation["subject"] == f"project:{project}"
     with pytest.raises(gexc.TooManyRequests, match=f"Quota limit '{V6E_SPOT}' has been exceeded. Limit: 0"):
         create(cloud, project, "c", "v6e-4", spot=True)  # spot draws on the Preemptible quota
     create(cloud, project, "d", "v6e-4")  # 4 + 4 fits
@@ -112,3 +117,24 @@ def test_a_quota_that_cannot_be_read_warns_and_stops_nothing(cloud):
     quota = next(c for c in checks if c.name == "tpu-quota")
     assert quota.status == "unknown" and "Cloud Quotas API" in quota.detail
     assert "gcloud services enable cloudquotas.googleapis.com" in quota.fix
+
+
+def test_the_quota_is_read_from_quota_id_or_a_subject_that_names_no_caller():
+    """error_details.proto: `quota_id` is the quota ("limit name"); `subject` is what the check failed on,
+    e.g. "project:<Google developer project id>" (not a quota), though older refusals put the quota there."""
+    from google.rpc import error_details_pb2
+
+    from tpuctl.errors import QuotaError, from_google, quota_violation
+
+    def refusal(*details):
+        return gexc.TooManyRequests("Quota exceeded", details=list(details))
+
+    violation = error_details_pb2.QuotaFailure.Violation
+    assert quota_violation(refusal(error_details_pb2.QuotaFailure(violations=[
+        violation(subject="project:p1", quota_id=V6E)]))) == V6E
+    assert quota_violation(refusal({"@type": "type.googleapis.com/google.rpc.QuotaFailure",
+                                    "violations": [{"subject": V6E, "description": "..."}]})) == V6E
+    assert quota_violation(refusal(error_details_pb2.QuotaFailure(violations=[violation(subject="project:p1")]))) is None
+    info = error_details_pb2.ErrorInfo(reason="RESOURCE_QUOTA_EXCEEDED", metadata={"quota_limit": V6E_SPOT})
+    err = from_google(refusal(info), what="create")
+    assert isinstance(err, QuotaError) and V6E_SPOT in err.message

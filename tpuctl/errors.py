@@ -11,6 +11,8 @@ Exit codes (documented in the README): 0 ok, 1 failure, 2 bad input, 3 capacity/
 
 from __future__ import annotations
 
+from typing import Any
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
@@ -163,17 +165,35 @@ def _compute_reasons(exc: BaseException) -> set[str]:
     return {str(e.get("reason")) for e in getattr(exc, "errors", None) or () if isinstance(e, dict) and e.get("reason")}
 
 
+def _field(obj: Any, proto_name: str, json_name: str) -> Any:
+    """A field of an error detail, parsed (a proto: REST and gRPC alike) or not (a JSON dict)."""
+    return obj.get(json_name, obj.get(proto_name)) if isinstance(obj, dict) else getattr(obj, proto_name, None)
+
+
+def quota_violation(exc: BaseException) -> str | None:
+    """The quota a google.rpc.QuotaFailure detail names: a violation's `quota_id` ("Also know as 'limit
+    name', this is the unique identifier of a quota", error_details.proto), else its `subject` unless that
+    names the caller instead ("clientip:<ip address of client>", "project:<Google developer project id>")."""
+    for d in getattr(exc, "details", None) or ():
+        is_failure = (isinstance(d, dict) and str(d.get("@type", "")).endswith("google.rpc.QuotaFailure")) or (
+            type(d).__name__ == "QuotaFailure")
+        for v in (_field(d, "violations", "violations") or ()) if is_failure else ():
+            subject = str(_field(v, "subject", "subject") or "")
+            name = _field(v, "quota_id", "quotaId") or (subject if subject and ":" not in subject else None)
+            if name:
+                return str(name)
+    return None
+
+
 def _quota_name(exc: BaseException) -> str | None:
-    """The quota's name from structured error details (google.rpc.ErrorInfo / QuotaFailure), if present."""
+    """The quota's name from structured error details (google.rpc.QuotaFailure, else ErrorInfo), if present."""
+    name = quota_violation(exc)
+    if name:
+        return name
     for d in getattr(exc, "details", None) or []:
-        for attr in ("violations",):
-            for v in getattr(d, attr, None) or []:
-                subject = getattr(v, "subject", None) or (v.get("subject") if isinstance(v, dict) else None)
-                if subject:
-                    return str(subject)
-        meta = getattr(d, "metadata", None) or (d.get("metadata") if isinstance(d, dict) else None)
-        if isinstance(meta, dict) and meta.get("quota_metric"):
-            return str(meta["quota_metric"])
+        meta = _field(d, "metadata", "metadata")
+        if meta is not None and (meta.get("quota_limit") or meta.get("quota_metric")):
+            return str(meta.get("quota_limit") or meta.get("quota_metric"))
     return None
 
 
