@@ -185,10 +185,11 @@ class ProjectsService:
         return shape["service_accounts"] is None or email in shape["service_accounts"]
 
     # ---------------------------------------------------------------------------------- guards
-    def guard(self, service: str, params: dict) -> None:
-        """403 SERVICE_DISABLED for a call to an API the project has not enabled, in Google's shape."""
+    def guard(self, service: str, params: dict, query: dict) -> None:
+        """403 SERVICE_DISABLED for a call to an API the project has not enabled, in Google's shape. The project
+        is in the path, or for OS Login's `users/...` calls in their `projectId` parameter."""
         api = _SERVICE_OF_ROUTE.get(service)
-        project = params.get("projectsId") or params.get("project")
+        project = params.get("projectsId") or params.get("project") or query.get("projectId")
         if api is None or project is None:
             return
         with self.w.lock:

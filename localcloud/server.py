@@ -212,7 +212,7 @@ class Api:
         if fault:
             raise quota_error(fault, route.service, zone, params.get("projectsId") or params.get("project"))
         if self.guard is not None:
-            self.guard(route.service, params)
+            self.guard(route.service, params, query)
         handler = self.handlers.get(route.method_id)
         if handler is None:
             raise ApiError("UNIMPLEMENTED", f"localcloud does not implement {route.method_id}.")

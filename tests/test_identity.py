@@ -129,6 +129,18 @@ def test_a_disabled_api_answers_403_service_disabled_with_error_info(cloud, kw):
         ("tpu.googleapis.com", "DISABLED"), ("compute.googleapis.com", "ENABLED")]
 
 
+
+def test_a_disabled_os_login_api_refuses_calls_naming_the_project_in_their_query(cloud, kw):
+    """OS Login paths name a user, not a project: the project a call is for is its `projectId` parameter."""
+    project = new_project()
+    cloud.shape_project(project, disabled_services=["oslogin.googleapis.com"])
+    oslogin = oslogin_v1.OsLoginServiceClient(transport="rest", **kw)
+    with pytest.raises(gexc.Forbidden) as exc:
+        oslogin.get_login_profile(request={"name": f"users/{ACCOUNT}", "project_id": project})
+    assert exc.value.reason == "SERVICE_DISABLED" and exc.value.metadata["service"] == "oslogin.googleapis.com"
+    assert oslogin.get_login_profile(request={"name": f"users/{ACCOUNT}", "project_id": new_project()}).name
+
+
 def test_creates_naming_a_missing_network_subnetwork_or_service_account_are_refused(cloud, kw):
     project = new_project()
     cloud.shape_project(project, default_network=False, networks=["vpc"], subnetworks=[f"{REGION}/sub/vpc"],
