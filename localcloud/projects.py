@@ -52,7 +52,6 @@ PUBLIC_IMAGE_FAMILIES = {"debian-cloud": ("debian-11", "debian-12", "debian-11-a
                          # Engine machine types"): TPU7x's 24.04 family and the v5e/v5p/v6e 22.04 one.
                          "ubuntu-os-accelerator-images": ("ubuntu-accel-2404-amd64-tpu-tpu7x",
                                                           "ubuntu-accel-2204-amd64-tpu-v5e-v5p-v6e")}
-_TRUE = "true"
 
 
 def compute_sa(project: str) -> str:
@@ -72,12 +71,19 @@ def _last(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[-1]
 
 
+# Go's strconv.ParseBool, which Google's guest agent parses `enable-oslogin` (and its other flags) with.
+_GO_BOOL = {**dict.fromkeys(("1", "t", "T", "TRUE", "true", "True"), True),
+            **dict.fromkeys(("0", "f", "F", "FALSE", "false", "False"), False)}
+
+
 def oslogin_enabled(project_meta: dict, instance_meta: dict | None) -> bool:
-    """`enable-oslogin` of the instance, else of the project; 'true' in any case turns it on (gcloud's
-    ssh_utils.FeatureEnabledInMetadata; the guest agent reads the same two levels)."""
+    """Whether the guest uses OS Login, as Google's guest agent decides (metadata.go, getOSLoginEnabled):
+    `enable-oslogin` of the instance, else of the project, parsed by Go's strconv.ParseBool ("1", "t",
+    "TRUE", "true", ...); a value it cannot parse counts as unset, so the project's value decides."""
     for meta in (instance_meta or {}, project_meta):
-        if "enable-oslogin" in meta:
-            return str(meta["enable-oslogin"]).strip().lower() == _TRUE
+        value = _GO_BOOL.get(str(meta.get("enable-oslogin")))
+        if value is not None:
+            return value
     return False
 
 

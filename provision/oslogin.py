@@ -19,9 +19,17 @@ ENABLE_KEY = "enable-oslogin"
 TWO_FACTOR_KEY = "enable-oslogin-2fa"
 
 
+# What the guest agent, which decides who may log in, takes for true and false: Go's strconv.ParseBool
+# (guest-agent metadata.go parses enable-oslogin and enable-oslogin-2fa with it).
+_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
+
+
 def _flag(metadata: Mapping[str, str], key: str) -> bool | None:
+    """The flag's value as the guest agent reads it; None when unset or unparseable (then the next level
+    decides, as the agent leaves such a value unset)."""
     value = metadata.get(key)
-    return None if value is None else value.strip().lower() == "true"
+    return True if value in _TRUE else False if value in _FALSE else None
 
 
 def project_metadata(clients: Clients) -> dict[str, str]:
@@ -32,7 +40,7 @@ def project_metadata(clients: Clients) -> dict[str, str]:
 
 
 def enabled(project_meta: Mapping[str, str], node_meta: Mapping[str, str] | None = None, key: str = ENABLE_KEY) -> bool:
-    """The node's value when it sets one, else the project's; TRUE in any case turns it on."""
+    """The node's value when it sets one the guest agent can parse, else the project's."""
     for meta in (node_meta or {}, project_meta):
         flag = _flag(meta, key)
         if flag is not None:

@@ -364,3 +364,19 @@ def test_project_shapes_and_oslogin_profiles_survive_a_restart(tmp_path):
     with LocalCloud(speed=1000, strict=True, state_dir=tmp_path) as again:
         assert again.projects.describe("keep-me-1") == before
         assert [k.split(":")[0] for k in again.projects.oslogin_keys()] == ["ann_lee_example_com"]
+
+
+@pytest.mark.parametrize("instance, project, on", [
+    ({"enable-oslogin": "1"}, {}, True), ({"enable-oslogin": "t"}, {}, True), ({"enable-oslogin": "True"}, {}, True),
+    ({"enable-oslogin": "False"}, {"enable-oslogin": "TRUE"}, False),
+    ({"enable-oslogin": "yes"}, {"enable-oslogin": "TRUE"}, True),  # unparseable: the project's value decides
+    ({"enable-oslogin": "tRuE"}, {}, False), ({}, {"enable-oslogin": "0"}, False), ({}, {}, False),
+])
+def test_enable_oslogin_is_read_as_the_guest_agent_reads_it(instance, project, on):
+    """Google's guest agent parses enable-oslogin with Go's strconv.ParseBool and leaves an unparseable value
+    unset (metadata.go); tpuctl must predict the guest's choice, and localcloud's guest makes it."""
+    from tpuctl.localcloud.projects import oslogin_enabled
+    from tpuctl.provision import oslogin
+
+    assert oslogin.enabled(project, instance) is on
+    assert oslogin_enabled(project, instance) is on
