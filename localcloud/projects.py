@@ -415,7 +415,11 @@ class ProjectsService:
         return m.group(1) if m and m.group(1) in self.shapes else None
 
     def test_iam_permissions(self, p: dict, q: dict, body: dict) -> dict:
-        """The caller holds every permission asked except the project's `denied_permissions`."""
+        """The caller holds every permission asked except the project's `denied_permissions`. A wildcard is
+        400: "Permissions with wildcards (such as '*' or 'storage.*') are not allowed" (iam_policy.proto)."""
+        wild = [perm for perm in (body or {}).get("permissions") or [] if "*" in perm]
+        if wild:
+            raise ApiError("INVALID_ARGUMENT", f"Permissions with wildcards are not allowed: {', '.join(wild)}.")
         with self.w.lock:
             denied = set(self._shape(p["projectsId"])["denied_permissions"])
         held = [perm for perm in (body or {}).get("permissions") or [] if perm not in denied]

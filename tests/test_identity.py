@@ -210,6 +210,8 @@ def test_test_iam_permissions_returns_only_the_held_ones(cloud, kw):
     crm = resourcemanager_v3.ProjectsClient(transport="rest", **kw)
     got = crm.test_iam_permissions(resource=f"projects/{project}", permissions=["tpu.nodes.create", "tpu.nodes.get"])
     assert list(got.permissions) == ["tpu.nodes.get"]
+    with pytest.raises(gexc.BadRequest, match="wildcards"):  # iam_policy.proto: wildcards "are not allowed"
+        crm.test_iam_permissions(resource=f"projects/{project}", permissions=["tpu.*"])
 
 
 def test_shaping_rejects_unknown_options_over_the_admin_api(cloud):
