@@ -19,6 +19,7 @@ import uuid
 from . import facts
 from . import metadata as guest
 from .core import ApiError, World, check_labels, now_rfc3339
+from .projects import guest_flag
 from .tpu import CPU_REHEARSAL_VAR, paginate, ssh_keys_of
 
 INSERT_S, DELETE_S, STOP_S, START_S, SET_LABELS_S, SET_METADATA_S = 25.0, 40.0, 30.0, 20.0, 2.0, 2.0
@@ -572,21 +573,28 @@ class ComputeService:
             self.w.changed()
 
     def get_guest_attributes(self, p: dict, q: dict, body: None) -> dict:
+        """What the guest published. Its host keys only with `enable-guest-attributes` on (instance metadata,
+        else the project's), as Google's guest agent publishes them and gcloud looks for them
+        (ssh_utils.GetHostKeysFromGuestAttributes); a namespace nobody wrote is 404 "The resource 'hostkeys/'
+        of type 'Guest Attribute' was not found." (the text gcloud matches)."""
         key = self._key(p, p["instance"])
         path = q.get("queryPath") or ""
+        projects = self.w.services.get("projects")
         with self.w.lock:
             rec = self._get(key)
+            published = guest_flag("enable-guest-attributes", projects.project_metadata(rec["project"])
+                                   if projects else {}, _metadata_dict(rec["instance"]))
             items = []
             for ep in rec["endpoints"]:
                 key_type, _, data = ep["host_key"].partition(" ")
-                if path in ("", "hostkeys/", f"hostkeys/{key_type}"):
+                if published and path in ("", "hostkeys/", f"hostkeys/{key_type}"):
                     items.append({"namespace": "hostkeys", "key": key_type, "value": data.split(" ")[0]})
                 # Local stand-in for "sshd listens on 22": every worker is 127.0.0.1, so its guest publishes its
                 # own port (as the TPU API's networkEndpoints[].port carries it for nodes; README "Workers").
                 if path in ("", "localcloud/", "localcloud/ssh-port"):
                     items.append({"namespace": "localcloud", "key": "ssh-port", "value": str(ep["port"])})
         if not items:
-            raise ApiError("NOT_FOUND", f"The resource '{key}/guestAttributes/{path}' was not found")
+            raise ApiError("NOT_FOUND", f"The resource '{path}' of type 'Guest Attribute' was not found.")
         return {"kind": "compute#guestAttributes", "queryPath": path, "queryValue": {"items": items},
                 "selfLink": f"{ROOT}{key}/guestAttributes/{path}"}
 

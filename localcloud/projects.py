@@ -76,15 +76,21 @@ _GO_BOOL = {**dict.fromkeys(("1", "t", "T", "TRUE", "true", "True"), True),
             **dict.fromkeys(("0", "f", "F", "FALSE", "false", "False"), False)}
 
 
-def oslogin_enabled(project_meta: dict, instance_meta: dict | None) -> bool:
-    """Whether the guest uses OS Login, as Google's guest agent decides (metadata.go, getOSLoginEnabled):
-    `enable-oslogin` of the instance, else of the project, parsed by Go's strconv.ParseBool ("1", "t",
-    "TRUE", "true", ...); a value it cannot parse counts as unset, so the project's value decides."""
+def guest_flag(key: str, project_meta: dict, instance_meta: dict | None) -> bool:
+    """A guest agent flag (`enable-oslogin`, `enable-guest-attributes`, ...) as Google's guest agent reads it
+    (metadata.go, getOSLoginEnabled): the instance's value, else the project's, parsed by Go's
+    strconv.ParseBool ("1", "t", "TRUE", "true", ...); a value it cannot parse counts as unset, so the
+    project's value decides."""
     for meta in (instance_meta or {}, project_meta):
-        value = _GO_BOOL.get(str(meta.get("enable-oslogin")))
+        value = _GO_BOOL.get(str(meta.get(key)))
         if value is not None:
             return value
     return False
+
+
+def oslogin_enabled(project_meta: dict, instance_meta: dict | None) -> bool:
+    """Whether the guest uses OS Login (only then, its OS Login keys; else its ssh-keys metadata)."""
+    return guest_flag("enable-oslogin", project_meta, instance_meta)
 
 
 def posix_username(email: str) -> str:

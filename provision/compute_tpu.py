@@ -79,13 +79,19 @@ def _scheduling(req: TpuVmRequest) -> compute_v1.Scheduling:
     return sched
 
 
+GUEST_ATTRIBUTES_KEY = "enable-guest-attributes"
+
 def instance_proto(req: TpuVmRequest) -> compute_v1.Instance:
     nic = compute_v1.NetworkInterface(
         network=req.network if "/" in req.network else f"global/networks/{req.network}",
         access_configs=[] if req.internal_ips else [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])
     if req.subnet:
         nic.subnetwork = req.subnet
-    items = [compute_v1.Items(key=k, value=v) for k, v in (req.metadata or {}).items()]
+    # The guest agent publishes the VM's SSH host keys as guest attributes only when `enable-guest-attributes`
+    # is on, and gcloud reads them only then (ssh_utils.GetHostKeysFromGuestAttributes): without it every
+    # worker's key would be trusted on first use. A value the user set is kept.
+    metadata = {GUEST_ATTRIBUTES_KEY: "TRUE", **(req.metadata or {})}
+    items = [compute_v1.Items(key=k, value=v) for k, v in metadata.items()]
     return compute_v1.Instance(
         name=req.name, machine_type=f"zones/{req.zone}/machineTypes/{req.machine_type}", labels=dict(req.labels),
         disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(

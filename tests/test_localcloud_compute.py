@@ -84,10 +84,16 @@ def test_vm_worker_accepts_ssh_keys_from_metadata(clients, cloud):
     key = asyncssh.generate_private_key("ssh-ed25519")
     line = f"bob:{key.export_public_key().decode().strip()} bob"
     _insert(clients, "sshvm", metadata=compute_v1.Metadata(items=[compute_v1.Items(key="ssh-keys", value=line)]))
+    guest_attributes = {"project": clients.project, "zone": ZONE, "instance": "sshvm", "query_path": "hostkeys/"}
+    with pytest.raises(gexc.NotFound, match="The resource 'hostkeys/' of type 'Guest Attribute' was not found."):
+        clients.instances.get_guest_attributes(request=guest_attributes)  # off unless enable-guest-attributes
+    _insert(clients, "sshvm2", metadata=compute_v1.Metadata(items=[compute_v1.Items(key="ssh-keys", value=line),
+                                                                   compute_v1.Items(key="enable-guest-attributes",
+                                                                                    value="TRUE")]))
     ga = clients.instances.get_guest_attributes(request={
-        "project": clients.project, "zone": ZONE, "instance": "sshvm", "query_path": "hostkeys/"})
+        "project": clients.project, "zone": ZONE, "instance": "sshvm2", "query_path": "hostkeys/"})
     host_key = asyncssh.import_public_key(f"{ga.query_value.items[0].key} {ga.query_value.items[0].value}")
-    vm = next(i for i in cloud.inventory()["instances"] if i["name"] == "sshvm" and i["project"] == clients.project)
+    vm = next(i for i in cloud.inventory()["instances"] if i["name"] == "sshvm2" and i["project"] == clients.project)
     port = vm["workers"][0]["port"]
 
     async def run() -> str:
@@ -98,7 +104,7 @@ def test_vm_worker_accepts_ssh_keys_from_metadata(clients, cloud):
 
     # The VM's metadata server knows it too (header required, as on Google).
     md = "curl -sf -H 'Metadata-Flavor: Google' http://$GCE_METADATA_HOST/computeMetadata/v1"
-    assert asyncio.run(run()) == [clients.project, "sshvm", clients.project]
+    assert asyncio.run(run()) == [clients.project, "sshvm2", clients.project]
 
 
 @pytest.mark.parametrize("change,match", [

@@ -83,6 +83,8 @@ def test_up_status_cost_down_of_a_tpu7x_single_host(pc, cloud):
     assert inst.scheduling.provisioning_model == "SPOT" and inst.labels["tpuctl-run"] == "x1"
     # Spot TPUs are recreated after preemption, never restarted: Google deletes the VM rather than keep it stopped.
     assert inst.scheduling.instance_termination_action == "DELETE"
+    # Guest attributes on, so the guest publishes its SSH host keys and they are pinned, not trusted on first use.
+    assert {i.key: i.value for i in inst.metadata.items}["enable-guest-attributes"] == "TRUE"
     # The bucket is in the TPU's region and the instance's service account may write to it.
     bucket = pc.storage.lookup_bucket(plan.bucket)
     assert bucket.location.lower() == "us-central1"
