@@ -153,8 +153,6 @@ class ComputeService:
             low, high = facts.FLEX_START_MAX_RUN_S
             if not low <= seconds <= high:
                 raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.scheduling.maxRunDuration': '{seconds}s'. Flex-start instances need a max run duration from {low}s to {high}s.")
-            if sched.get("instanceTerminationAction") != "DELETE":
-                raise ApiError("INVALID_ARGUMENT", "Invalid value for field 'resource.scheduling.instanceTerminationAction'. Flex-start instances must use DELETE.")
 
     def _boot_worker(self, key: str) -> None:
         with self.w.lock:

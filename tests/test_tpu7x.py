@@ -189,7 +189,7 @@ def test_flex_start_instance_is_deleted_at_its_max_run_duration(pc, cloud):
     assert everything(pc) == []
 
 
-def test_localcloud_refuses_flex_start_without_delete_or_duration(pc, cloud):
+def test_localcloud_refuses_flex_start_without_a_duration_in_range(pc, cloud):
     req = compute_tpu.TpuVmRequest(name="y1", zone=ZONE, machine_type="tpu7x-standard-4t", image=IMAGE,
                                    labels={}, service_account="a@b.iam.gserviceaccount.com",
                                    provisioning="flex-start", max_run_duration_s=8 * 86400)
@@ -200,6 +200,23 @@ def test_localcloud_refuses_flex_start_without_delete_or_duration(pc, cloud):
     with pytest.raises(gexc.BadRequest):  # TPU7x machine type is not offered in that zone
         pc.instances.insert_unary(project=pc.project, zone="us-central1-a", instance_resource=inst)
     assert everything(pc) == []
+
+
+
+def test_a_flex_start_instance_that_says_stop_is_stopped_at_its_end(pc, cloud):
+    """about-flex-start-vms: "Compute Engine automatically stops or deletes the VMs based on the termination
+    action that is specified in the VM properties": STOP is as valid as DELETE."""
+    req = compute_tpu.TpuVmRequest(name="s1", zone=ZONE, machine_type="tpu7x-standard-4t", image=IMAGE, labels={},
+                                   service_account="a@b.iam.gserviceaccount.com", provisioning="flex-start",
+                                   max_run_duration_s=30)
+    inst = compute_tpu.instance_proto(req)
+    inst.scheduling.instance_termination_action = "STOP"
+    pc.instances.insert_unary(project=pc.project, zone=ZONE, instance_resource=inst)
+    deadline = time.monotonic() + 30
+    while pc.instances.get(project=pc.project, zone=ZONE, instance="s1").status != "TERMINATED":
+        assert time.monotonic() < deadline, "the flex-start instance was not stopped at its max run duration"
+        time.sleep(0.05)
+    compute_tpu.delete(pc, ZONE, "s1", deadline_s=FAST_DEADLINE)
 
 
 def test_up_and_run_tpu7x_from_the_cli_plan_it_on_compute_engine_with_jax(env, tmp_path):
