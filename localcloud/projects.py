@@ -212,10 +212,16 @@ class ProjectsService:
         message = (f"{SERVICES[api]} has not been used in project {number} before or it is disabled. Enable it by "
                    f"visiting {url} then retry. If you enabled this API recently, wait a few minutes for the action "
                    "to propagate to our systems and retry.")
+        # The details of Google's answer as public bodies quote it (gemini-cli#1343, devrel-demos#1382): ErrorInfo
+        # with serviceTitle and containerInfo beside service/consumer/activationUrl, and a Help link, which
+        # Google's firebase-js-sdk requires, with the reason, to tell a disabled API.
         raise ApiError("PERMISSION_DENIED", message, reason="accessNotConfigured", details=[
             {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "SERVICE_DISABLED",
              "domain": "googleapis.com", "metadata": {"service": api, "consumer": f"projects/{number}",
-                                                      "activationUrl": url}}])
+                                                      "activationUrl": url, "serviceTitle": SERVICES[api],
+                                                      "containerInfo": number}},
+            {"@type": "type.googleapis.com/google.rpc.Help",
+             "links": [{"description": "Google developers console API activation", "url": url}]}])
 
     def _check_network(self, project: str, region: str, network: str | None, subnetwork: str | None,
                        field: str) -> None:

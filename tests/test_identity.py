@@ -122,6 +122,9 @@ def test_a_disabled_api_answers_403_service_disabled_with_error_info(cloud, kw):
         tpu_client(kw).list_nodes(parent=f"projects/{project}/locations/{ZONE}")
     assert exc.value.reason == "SERVICE_DISABLED" and exc.value.metadata["service"] == "tpu.googleapis.com"
     assert "has not been used in project" in exc.value.message
+    assert exc.value.metadata["serviceTitle"] == "Cloud TPU API"
+    [help_detail] = [d for d in exc.value.details if "links" in str(d)]  # what Google's own clients look for
+    assert "Google developers console API activation" in str(help_detail)
     usage = service_usage_v1.ServiceUsageClient(transport="rest", **kw)
     got = usage.batch_get_services(request={"parent": f"projects/{project}", "names": [
         f"projects/{project}/services/{s}" for s in ("tpu.googleapis.com", "compute.googleapis.com")]})
