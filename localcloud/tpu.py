@@ -40,6 +40,23 @@ CPU_REHEARSAL_VAR = "LOCALCLOUD_TPU_REHEARSAL"
 DEFAULT_SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
 
 
+def not_found(name: str) -> ApiError:
+    """Google's 404 for a resource: its name in the message and in a google.rpc.ResourceInfo detail, as gcloud
+    prints the TPU API's answer ("NOT_FOUND: Resource '...' was not found" then "- '@type':
+    type.googleapis.com/google.rpc.ResourceInfo resourceName: ...")."""
+    return ApiError("NOT_FOUND", f"Resource '{name}' was not found", details=[_resource_info(name)])
+
+
+def already_exists(name: str) -> ApiError:
+    """Google's 409 for a name taken, shaped as `not_found` (gcloud: "ALREADY_EXISTS: Resource '...' already
+    exists" then the ResourceInfo, skypilot-org/skypilot#129)."""
+    return ApiError("ALREADY_EXISTS", f"Resource '{name}' already exists", details=[_resource_info(name)])
+
+
+def _resource_info(name: str) -> dict:
+    return {"@type": "type.googleapis.com/google.rpc.ResourceInfo", "resourceName": name}
+
+
 def _at_path(body: dict, path: str):
     """The value at an updateMask path ("networkConfig.enableExternalIps") of a request body; None if absent."""
     for part in path.split("."):
@@ -132,7 +149,7 @@ class TpuService:
     def _node(self, name: str) -> dict:
         rec = self.nodes.get(name)
         if rec is None:
-            raise ApiError("NOT_FOUND", f"Resource '{name}' was not found")
+            raise not_found(name)
         return rec
 
     def in_use(self, project: str, zone: str) -> list[tuple[str, bool]]:
@@ -335,7 +352,7 @@ class TpuService:
         t = self.resolve_type(body, zone)
         with self.w.lock:
             if f"{parent}/nodes/{node_id}" in self.nodes:
-                raise ApiError("ALREADY_EXISTS", f"Resource '{parent}/nodes/{node_id}' already exists")
+                raise already_exists(f"{parent}/nodes/{node_id}")
             rec = self._new_node(parent, p["projectsId"], zone, node_id, body, t)
             op = self._new_op(parent, rec["node"]["name"], "create")
             rec["create_op"] = op["name"]
@@ -677,7 +694,7 @@ class TpuService:
         parent = self._parent(p)
         t = facts.TPU_TYPES.get(p["acceleratorTypesId"])
         if t is None or p["locationsId"] not in t.zones:
-            raise ApiError("NOT_FOUND", f"Resource '{parent}/acceleratorTypes/{p['acceleratorTypesId']}' was not found")
+            raise not_found(f"{parent}/acceleratorTypes/{p['acceleratorTypesId']}")
         return self._accel_view(parent, t)
 
     @staticmethod
@@ -700,7 +717,7 @@ class TpuService:
         parent = self._parent(p)
         r = p["runtimeVersionsId"]
         if r not in self._runtimes(p["locationsId"]):
-            raise ApiError("NOT_FOUND", f"Resource '{parent}/runtimeVersions/{r}' was not found")
+            raise not_found(f"{parent}/runtimeVersions/{r}")
         return {"name": f"{parent}/runtimeVersions/{r}", "version": r}
 
     def _location_view(self, project: str, zone: str) -> dict:
@@ -751,10 +768,10 @@ class TpuService:
         name = f"{parent}/queuedResources/{qr_id}"
         with self.w.lock:
             if name in self.queued:
-                raise ApiError("ALREADY_EXISTS", f"Resource '{name}' already exists")
+                raise already_exists(name)
             for spec in specs:
                 if f"{parent}/nodes/{spec['nodeId']}" in self.nodes:
-                    raise ApiError("ALREADY_EXISTS", f"Resource '{parent}/nodes/{spec['nodeId']}' already exists")
+                    raise already_exists(f"{parent}/nodes/{spec['nodeId']}")
             qr = copy.deepcopy(body)
             qr.update(name=name, createTime=now_rfc3339())
             if deadline is not None and "validUntilDuration" in policy:
@@ -849,7 +866,7 @@ class TpuService:
         with self.w.lock:
             rec = self.queued.get(name)
             if rec is None:
-                raise ApiError("NOT_FOUND", f"Resource '{name}' was not found")
+                raise not_found(name)
             return copy.deepcopy(rec["qr"])
 
     def queued_list(self, p: dict, q: dict, body: None) -> dict:
@@ -867,7 +884,7 @@ class TpuService:
         with self.w.lock:
             rec = self.queued.get(name)
             if rec is None:
-                raise ApiError("NOT_FOUND", f"Resource '{name}' was not found")
+                raise not_found(name)
             live = [n for n in rec["nodes"] if n in self.nodes]
             # Without force, Google deletes a queued resource only if its nodes are gone already or it is
             # ACCEPTED, FAILED or SUSPENDED (DeleteQueuedResourceRequest.force).

@@ -247,9 +247,15 @@ def test_invalid_creates_fail_like_the_real_api(clients, fields, error, match):
 
 
 def test_duplicate_node_id_is_already_exists(clients):
-    _create(clients, "dup")
-    with pytest.raises(gexc.Conflict):
+    """gcloud shows Google's 409 and 404 with the resource's name in a google.rpc.ResourceInfo detail."""
+    node = _create(clients, "dup")
+    with pytest.raises(gexc.Conflict) as taken:
         _create(clients, "dup")
+    with pytest.raises(gexc.NotFound) as missing:
+        clients.tpu.get_node(name=node.name + "x")
+    for exc, name in ((taken.value, node.name), (missing.value, node.name + "x")):
+        assert [(d["@type"], d["resourceName"]) for d in exc.details] == [
+            ("type.googleapis.com/google.rpc.ResourceInfo", name)]  # REST details come as dicts
 
 
 def test_legacy_v1_api_is_refused(cloud):
