@@ -81,6 +81,7 @@ def _scheduling(req: TpuVmRequest) -> compute_v1.Scheduling:
 
 GUEST_ATTRIBUTES_KEY = "enable-guest-attributes"
 
+
 def instance_proto(req: TpuVmRequest) -> compute_v1.Instance:
     nic = compute_v1.NetworkInterface(
         network=req.network if "/" in req.network else f"global/networks/{req.network}",

@@ -3,7 +3,8 @@
 A Cloud TPU VM sets no TPU_WORKER_ID / TPU_WORKER_HOSTNAMES / TPU_NAME (those are GKE's); like JAX's
 `cloud_tpu_cluster.py` and PyTorch/XLA's `_internal/tpu.py`, workers read `instance/attributes/` from the
 metadata server: `accelerator-type`, `agent-worker-number`, `worker-network-endpoints` (per worker, in worker
-order: "hostname:uid:ip", or in Google's newer format just the hostname, as JAX reads either) and `tpu-env` (`KEY: 'value'` lines; `NODE_ID` is the node's name). The server is
+order: "hostname:uid:ip", or in Google's newer format just the hostname, as JAX reads either) and `tpu-env`
+(`KEY: 'value'` lines; `NODE_ID` is the node's name). The server is
 `GCE_METADATA_HOST` (google-auth's variable; `GCE_METADATA_ROOT` is its old name), else
 `metadata.google.internal`; every request carries `Metadata-Flavor: Google`.
 
@@ -105,7 +106,8 @@ def tpu_vm() -> TpuVm | None:
     if not node:
         raise AcceleratorError(f"metadata server {host}: tpu-env has no NODE_ID")
     return TpuVm(node=node, worker=int(attributes["agent-worker-number"]),
-                 hosts=worker_addresses(attributes["worker-network-endpoints"]), accelerator_type=accelerator.strip())
+                 hosts=worker_addresses(attributes["worker-network-endpoints"]),
+                 accelerator_type=accelerator.strip())
 
 
 def worker_addresses(endpoints: str) -> tuple[str, ...]:

@@ -25,9 +25,9 @@ has the TF load-time variables for both cases.
 
 JAX (`resolve_jax`, `runtime.framework = "jax"`): one process per worker host, every worker runs the job.
 On a multi-host slice `jax.distributed.initialize` gets worker 0's IP from `worker-network-endpoints` (port
-8482, JAX's own Cloud TPU default in `jax/_src/clusters/cloud_tpu_cluster.py` of the pinned jax 0.10.2), the number of processes and
-this process's id (`agent-worker-number`) from the metadata server (guest.py), the way JAX's own Cloud TPU
-detection reads them. Training is `keras.distribution.DataParallel` over every device of the slice; each
+8482, JAX's own Cloud TPU default in `jax/_src/clusters/cloud_tpu_cluster.py` of the pinned jax 0.10.2), the
+number of processes and this process's id (`agent-worker-number`) from the metadata server (guest.py), the
+way JAX's own Cloud TPU detection reads them. Training is `keras.distribution.DataParallel` over every device of the slice; each
 process feeds its local devices' share of the global batch. A CPU rehearsal (`runtime.replicas`, or
 `LOCALCLOUD_TPU_REHEARSAL=cpu` on a chipless TPU VM) forces that host's device count on the CPU
 (`--xla_force_host_platform_device_count`); its processes still meet through the coordinator and all-reduce
