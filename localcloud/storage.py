@@ -635,7 +635,8 @@ class _Proxy(BaseHTTPRequestHandler):
         # A session's URI repeats the query that opened it, its precondition included: a chunk sent there
         # carries that precondition again, which is the session's own, not a new one.
         own = {"ifGenerationMatch": session.if_generation_match} if session and session.if_generation_match else {}
-        if given and given != own and not ((single_upload or resumable_start) and list(given) == ["ifGenerationMatch"]):
+        emulated = (single_upload or resumable_start) and list(given) == ["ifGenerationMatch"]
+        if given and given != own and not emulated:
             raise _Reject(501, f"localcloud storage does not emulate {', '.join(given)} on {method} "
                                f"{urlsplit(self.path).path} (only ifGenerationMatch on an upload's first request)",
                           "notImplemented")

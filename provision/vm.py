@@ -170,18 +170,19 @@ def ensure_instance(clients: Clients, zone: str, name: str, labels: Mapping[str,
             wait_zone_op(clients, zone, op, what=what, deadline_s=deadline_s, cancel=cancel,
                          progress=progress, state=State.CREATING)
 
-    last: list[State | None] = [None]  # the state the previous poll saw
+    last: State | None = None  # the state the previous poll saw
 
     def poll() -> tuple[bool, Resource]:
+        nonlocal last
         i = get(clients, zone, name)
         if i is None:
-            if last[0] is State.PENDING:
+            if last is State.PENDING:
                 # compute/docs/instances/instance-lifecycle: a PENDING instance that cannot get its resources
                 # "encounter[s] an error and Compute Engine deletes the compute instance": a stockout.
                 raise CapacityError(f"{thing}: Compute Engine deleted it while it waited for capacity (PENDING)")
             raise CloudError(f"instance {name} in {zone} vanished while being created")
         r = convert(i)
-        last[0] = r.state
+        last = r.state
         return r.state is State.READY, r
 
     return waits.until(poll, what=f"instance {name} to run", deadline_s=deadline_s, cancel=cancel,
