@@ -2,7 +2,9 @@
 names, same outputs for a padding mask and for the causal mask), and Dropout on random bytes drops the rounded
 rate, keeps the expectation, draws a new mask per call and is the identity outside training, with either
 generator (the hash under XLA, TensorFlow's Philox without); the hash's bytes are uniform and independent
-between neighbours and between seeds; gelu is the exact GELU with its derivative, with or without XLA."""
+between neighbours and between seeds; gelu is the exact GELU with its derivative, with or without XLA; the
+loss and accuracy are Keras' sparse cross-entropy (value and gradient) and accuracy, ties included, on every
+path (eager, graph, XLA)."""
 
 from __future__ import annotations
 
@@ -133,6 +135,77 @@ def check_hashed_bytes() -> str:
             both = (a[max(shift, 0):n + min(shift, 0)] & other[max(-shift, 0):n - max(shift, 0)]).mean()
             assert abs(both - rate**2) < 0.004, (shift, both)
     return keras.backend.backend()
+
+
+def check_loss_and_accuracy() -> str:
+    """SparseSoftmaxCrossEntropy and TopOneAccuracy against Keras' SparseCategoricalCrossentropy(from_logits=True)
+    and SparseCategoricalAccuracy, weighted, on [B, L, V] logits with ties at the top; raises AssertionError on a
+    difference, returns the backend."""
+    import keras
+    import numpy as np
+
+    from tpuctl.templates.bert.layers import SparseSoftmaxCrossEntropy, TopOneAccuracy
+
+    rng = np.random.default_rng(5)
+    batch, length, vocab = 4, 7, 300
+    logits = (rng.normal(size=(batch, length, vocab)) * 4).astype("float32")
+    labels = rng.integers(0, vocab, size=(batch, length)).astype("int32")
+    top = logits.max(axis=-1)
+    # Ties at the maximum: the first index wins, so (0, 0)'s label loses to index 3 and (0, 1)'s wins over 250.
+    logits[0, 0, [3, labels[0, 0] % 200 + 10]] = top[0, 0] + 1
+    labels[0, 0] = labels[0, 0] % 200 + 10
+    logits[0, 1, [7, 250]] = top[0, 1] + 1
+    labels[0, 1] = 7
+    labels[1] = logits[1].argmax(axis=-1)  # a row of right answers
+    weights = rng.integers(0, 2, size=(batch, length)).astype("float32")
+    weights[:2, :2] = 1
+
+    def run(ours: bool):
+        loss = (SparseSoftmaxCrossEntropy() if ours else keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight"))
+        accuracy = TopOneAccuracy() if ours else keras.metrics.SparseCategoricalAccuracy()
+        if keras.backend.backend() == "jax":
+            import jax
+
+            def value(x):
+                return loss(labels, x, sample_weight=weights)
+
+            def both(x):
+                return jax.value_and_grad(value)(x), accuracy.stateless_update_state(
+                    [v.value for v in accuracy.variables], labels, x, sample_weight=weights)
+
+            return [((float(v), np.asarray(g)), float(t / c)) for (v, g), (t, c) in (both(logits),
+                                                                                      jax.jit(both)(logits))]
+        import tensorflow as tf
+
+        def step():
+            x = tf.constant(logits)
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                value = loss(labels, x, sample_weight=weights)
+            accuracy.reset_state()
+            accuracy.update_state(labels, x, sample_weight=weights)
+            return value, tape.gradient(value, x), accuracy.result()
+
+        return [((float(v), np.asarray(g)), float(a)) for v, g, a in
+                (step(), tf.function(step)(), tf.function(step, jit_compile=True)())]
+
+    want = run(ours=False)[0]
+    assert want[1] == ((labels == logits.argmax(axis=-1)) * weights).sum() / weights.sum()
+    for (value, gradient), accuracy in run(ours=True):
+        np.testing.assert_allclose(value, want[0][0], rtol=1e-6)
+        np.testing.assert_allclose(gradient, want[0][1], rtol=1e-5, atol=1e-9)
+        assert accuracy == want[1], (accuracy, want[1])
+    return keras.backend.backend()
+
+
+def test_loss_and_accuracy_match_keras_on_tensorflow():
+    assert check_loss_and_accuracy() == "tensorflow"
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
+def test_loss_and_accuracy_match_keras_on_jax():
+    assert on_jax("test_template_layers", "check_loss_and_accuracy") == "jax"
 
 
 def test_layers_match_keras_on_tensorflow():

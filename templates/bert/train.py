@@ -237,7 +237,10 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest, objective: Objective, *, writ
 
 def _compile(keras, model, tr, schedule, objective: Objective, *, jit_compile: bool):
     """AdamW (no decay on biases and LayerNorm), loss and accuracy weighted by the examples' weights (BERT: the
-    mask; GPT-2: all but each block's last position); slots built. In scope."""
+    mask; GPT-2: all but each block's last position); slots built. In scope. The loss and accuracy are Keras'
+    sparse cross-entropy and accuracy on logits, computed in fewer passes (layers.py)."""
+    from .layers import SparseSoftmaxCrossEntropy, TopOneAccuracy
+
     optimizer = keras.optimizers.AdamW(
         learning_rate=schedule, weight_decay=tr.weight_decay, beta_1=tr.adam_beta_1, beta_2=tr.adam_beta_2,
         epsilon=tr.adam_epsilon, global_clipnorm=tr.clipnorm)
@@ -245,8 +248,8 @@ def _compile(keras, model, tr, schedule, objective: Objective, *, jit_compile: b
     model.compile(
         optimizer=optimizer,
         # Per-token loss x weight, summed, / sum of weights: the mean over the predicted tokens only.
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
-        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name=objective.accuracy)],
+        loss=SparseSoftmaxCrossEntropy(reduction="mean_with_sample_weight"),
+        weighted_metrics=[TopOneAccuracy(name=objective.accuracy)],
         steps_per_execution=tr.steps_per_execution, jit_compile=jit_compile)
     optimizer.build(model.trainable_variables)  # slots exist before restore: restored, not deferred
     return optimizer
