@@ -1,5 +1,6 @@
 """The masked-LM head projects to the vocabulary only at the gathered masked positions, on both Keras backends,
-with the same loss and accuracy as projecting every position and weighting by the mask."""
+with the same loss and accuracy (the template's and Keras' own) as projecting every position and weighting by the
+mask."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def check_gathered_head_matches_full_sequence() -> str:
 
     from tpuctl.templates.bert import config
     from tpuctl.templates.bert.data import mask_tokens
+    from tpuctl.templates.bert.layers import SparseSoftmaxCrossEntropy, TopOneAccuracy
     from tpuctl.templates.bert.model import build_model
 
     keras.utils.set_random_seed(3)
@@ -48,15 +50,18 @@ def check_gathered_head_matches_full_sequence() -> str:
     np.put_along_axis(full_weights, positions, weights, axis=1)  # weight-0 slots add nothing
     assert full_weights.sum() == weights.sum() > 0
 
-    def loss_and_accuracy(y, p, w):
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
-        accuracy = keras.metrics.SparseCategoricalAccuracy()
+    def loss_and_accuracy(y, p, w, *, ours: bool):
+        """What the template compiles (bert/layers.py) or Keras' own."""
+        loss = (SparseSoftmaxCrossEntropy() if ours else keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight"))
+        accuracy = TopOneAccuracy() if ours else keras.metrics.SparseCategoricalAccuracy()
         accuracy.update_state(y, p, sample_weight=w)
         return float(loss(y, p, sample_weight=w)), float(accuracy.result())
 
-    gathered = loss_and_accuracy(labels, logits, weights)
-    full = loss_and_accuracy(ids, full_logits, full_weights)
-    np.testing.assert_allclose(gathered, full, rtol=1e-5, atol=1e-6)
+    gathered = loss_and_accuracy(labels, logits, weights, ours=True)
+    for ours in (True, False):
+        full = loss_and_accuracy(ids, full_logits, full_weights, ours=ours)
+        np.testing.assert_allclose(gathered, full, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(logits[weights == 1],
                                np.take_along_axis(full_logits, positions[..., None], axis=1)[weights == 1],
                                rtol=1e-4, atol=1e-5)
