@@ -49,8 +49,16 @@ ZONES_BY_GENERATION: dict[str, tuple[str, ...]] = {
 #   also CREATES v6e-4 with `tpu-vm-tf-2.16.1-pjrt` and `...-v5e-and-v6`, where TensorFlow then fails to find
 #   or initialise the TPU: the API accepts TF images on v6e, TensorFlow does not run there.
 # `tpu-vm-tf-2.18.0-pod-pjrt-v5p-and-below` is inferred from its single-host and v5e twins.
+# The patch releases 2.15.1, 2.16.2 and 2.17.1 are in tpu/docs/runtimes' TF -> libtpu table ("each TensorFlow
+# version has its own TPU software version"); their names follow the page's naming rule, as their twins'.
 _TF_OLD = ("tpu-vm-tf-2.14.1", "tpu-vm-tf-2.14.1-pod")
-_TF_PJRT = tuple(f"tpu-vm-tf-{v}{pod}-pjrt" for v in ("2.15.0", "2.16.1", "2.17.0") for pod in ("", "-pod"))
+
+
+def _tf_pjrt(*versions: str) -> tuple[str, ...]:
+    return tuple(f"tpu-vm-tf-{v}{pod}-pjrt" for v in versions for pod in ("", "-pod"))
+
+
+_TF_PJRT = _tf_pjrt("2.15.0", "2.15.1", "2.16.1", "2.16.2", "2.17.0", "2.17.1")
 _TF_218_V5P = ("tpu-vm-tf-2.18.0-pjrt-v5p-and-below", "tpu-vm-tf-2.18.0-pod-pjrt-v5p-and-below")
 _TF_218_V5E = ("tpu-vm-tf-2.18.0-pjrt-v5e-and-v6", "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6")
 RUNTIMES_BY_GENERATION: dict[str, tuple[str, ...]] = {
@@ -59,7 +67,7 @@ RUNTIMES_BY_GENERATION: dict[str, tuple[str, ...]] = {
     "v4": (*_TF_OLD, *_TF_PJRT, *_TF_218_V5P, "tpu-ubuntu2204-base", "tpu-vm-v4-base"),
     "v5e": (*_TF_PJRT, *_TF_218_V5E, "v2-alpha-tpuv5-lite", "v2-tpuv5-litepod"),
     "v5p": (*_TF_PJRT, *_TF_218_V5P, "v2-alpha-tpuv5"),
-    "v6e": (*_TF_PJRT[2:], *_TF_218_V5E, "v2-alpha-tpuv6e"),
+    "v6e": (*_tf_pjrt("2.16.1", "2.16.2", "2.17.0", "2.17.1"), *_TF_218_V5E, "v2-alpha-tpuv6e"),
 }
 # Where TensorFlow runs at all (tpu/docs/runtimes: none from v6e on; TPU7x is JAX and PyTorch only).
 TENSORFLOW_GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p")
@@ -88,12 +96,16 @@ _PY = "3.10"  # Ubuntu 22.04's python3 on every current TPU VM image (a v2-tpuv5
 _LIBTPU_PIP = "pip package libtpu (site-packages/libtpu/libtpu.so), a dependency of tensorflow-tpu / jax[tpu]"
 _LIBTPU_LIB = "/lib/libtpu.so, installed with the image"
 _DOC = "cloud.google.com/tpu/docs/runtimes"
-# TF version -> (image Keras, local Keras pin, libtpu version).
+# TF version -> (image Keras, local Keras pin, libtpu version). A patch release keeps its family's Keras
+# requirement and local pin; its libtpu is the table's.
 _TF_SOFTWARE = {
     "2.14.1": ("2.14.0 (Keras 2, tf.keras)", "2.14.0", "1.8.1", _LIBTPU_LIB),
     "2.15.0": ("2.15.0 (Keras 2, tf.keras)", "2.15.0", "1.9.0", _LIBTPU_PIP),
+    "2.15.1": ("2.15.0 (Keras 2, tf.keras)", "2.15.0", "1.9.0", _LIBTPU_PIP),
     "2.16.1": ("3.x (keras>=3.0.0)", "3.1.1", "1.10.1", _LIBTPU_PIP),
+    "2.16.2": ("3.x (keras>=3.0.0)", "3.1.1", "1.10.1", _LIBTPU_PIP),
     "2.17.0": ("3.x (keras>=3.2.0)", "3.4.1", "1.11.0", _LIBTPU_PIP),
+    "2.17.1": ("3.x (keras>=3.2.0)", "3.4.1", "1.11.1", _LIBTPU_PIP),
     "2.18.0": ("3.x (keras>=3.5.0)", "3.6.0", "1.12.0", _LIBTPU_PIP),
 }
 

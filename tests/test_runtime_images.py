@@ -94,6 +94,21 @@ def test_every_runtime_records_its_software_and_tensorflow_stops_at_2_18():
             assert sw.keras.startswith("2.") == (sw.tensorflow < "2.16"), runtime  # Keras 3 from TF 2.16
 
 
+# tpu/docs/runtimes' TensorFlow -> libtpu table, patch releases included.
+LIBTPU_BY_TENSORFLOW = {"2.14.1": "1.8.1", "2.15.0": "1.9.0", "2.15.1": "1.9.0", "2.16.1": "1.10.1", "2.16.2": "1.10.1",
+                        "2.17.0": "1.11.0", "2.17.1": "1.11.1", "2.18.0": "1.12.0"}
+
+
+def test_every_tensorflow_release_in_googles_libtpu_table_has_its_runtimes_with_its_libtpu(cat, clients):
+    images = {sw.tensorflow: sw.libtpu_version for sw in facts.RUNTIME_SOFTWARE.values() if sw.tensorflow}
+    assert images == LIBTPU_BY_TENSORFLOW
+    for accelerator, zone, runtime in (("v4-32", "us-central2-b", "tpu-vm-tf-2.17.1-pod-pjrt"),
+                                       ("v3-8", "us-central1-b", "tpu-vm-tf-2.16.2-pjrt"),
+                                       ("v5litepod-8", "us-central1-a", "tpu-vm-tf-2.15.1-pjrt")):
+        assert cat.check(accelerator, zone, runtime).name == accelerator  # tpuctl accepts it ...
+        assert clients.tpu.get_runtime_version(name=f"{clients.parent(zone)}/runtimeVersions/{runtime}")  # Google
+
+
 # ------------------------------------------------------------------------------------------ planning
 
 def test_tensorflow_job_on_v6e_is_refused_in_one_line_naming_what_runs_it(cat):
