@@ -20,9 +20,10 @@ published models' maths; what changes is how much random-number and projection w
   and its probabilities dropped out by `dropout` above. Masked scores get -1e9 added, as Keras' `Softmax`
   masks them.
 - `gelu` is the exact GELU. Under XLA it is written 0.5 x (1 + erf(x / sqrt 2)), the published formula (and
-  Hugging Face's), in float32: TensorFlow's Gelu op and JAX's `gelu` write it with erfc, which XLA lowers to two
+  Hugging Face's), in float32: TensorFlow's and JAX's `gelu` write it with erfc, which XLA lowers to two
   rational approximations and an exp, selected per element, where erf is one (bert-tiny +2.4% steps/s on
-  TensorFlow). Without XLA, TensorFlow's fused Gelu kernel is faster than the separate ops.
+  TensorFlow). Without XLA it stays `tf.nn.gelu`, which is no fused kernel either (the TF profiler shows its
+  Neg, Erfc and Mul ops): there every form is a few passes, and TensorFlow's was not the slower one.
 - `SparseSoftmaxCrossEntropy` is Keras' `SparseCategoricalCrossentropy(from_logits=True)`, the same per-token
   loss and gradient (softmax - one-hot), in fewer passes over the [tokens, vocab] logits: TensorFlow's fused
   kernel takes 78 ms forward and backward on gpt2-tiny's [2048, 8000] on the reference CPU (23 ms under XLA),
@@ -136,7 +137,7 @@ def dropout(x, rate: float, seed_generator: keras.random.SeedGenerator):
 def gelu(x):
     """The exact GELU, x * Phi(x): Keras' `gelu(approximate=False)`, Hugging Face's "gelu" (module docstring)."""
     if not _compiled():
-        return keras.activations.gelu(x, approximate=False)  # TensorFlow's fused kernel
+        return keras.activations.gelu(x, approximate=False)  # tf.nn.gelu (module docstring)
     # In float32: in bfloat16, 1 + erf(x / sqrt 2) would keep only a bit or two for x < -2.5.
     y = ops.cast(x, "float32") if keras.backend.standardize_dtype(x.dtype) in ("bfloat16", "float16") else x
     return ops.cast(0.5 * y * (1.0 + ops.erf(y * (1.0 / math.sqrt(2.0)))), x.dtype)
