@@ -75,3 +75,35 @@ def test_gathered_head_matches_the_full_sequence_head_on_tensorflow():
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 def test_gathered_head_matches_the_full_sequence_head_on_jax():
     assert on_jax("test_bert_head", "check_gathered_head_matches_full_sequence") == "jax"
+
+
+def test_gather_positions_is_take_along_axis_with_or_without_xla():
+    """Without XLA the gather is a one-hot matmul (its gradient a matmul too, not a scatter into zeros); with
+    XLA take_along_axis. Both give the rows at the positions exactly, and a position gathered twice (padding
+    slots repeat position 0) gets both rows' gradients."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tpuctl.templates.bert.model import GatherPositions
+
+    rng = np.random.default_rng(6)
+    x = tf.constant(rng.normal(size=(3, 16, 8)).astype("float32"))
+    positions = tf.constant([[1, 5, 0, 0], [15, 2, 3, 4], [7, 7, 0, 9]], "int32")
+    upstream = tf.constant(rng.normal(size=(3, 4, 8)).astype("float32"))
+    want = np.take_along_axis(x.numpy(), positions.numpy()[..., None], axis=1)
+    want_grad = np.zeros(x.shape, "float32")
+    for b, row in enumerate(positions.numpy()):
+        for p, position in enumerate(row):
+            want_grad[b, position] += upstream[b, p].numpy()
+    layer = GatherPositions()
+
+    def gathered(v):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            y = layer(v, positions)
+        return y, tape.gradient(y, v, output_gradients=upstream)
+
+    for call in (gathered, tf.function(gathered), tf.function(gathered, jit_compile=True)):
+        got, grad = call(x)
+        np.testing.assert_array_equal(got.numpy(), want)
+        np.testing.assert_allclose(grad.numpy(), want_grad, rtol=1e-6, atol=1e-7)

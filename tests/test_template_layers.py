@@ -42,6 +42,14 @@ def check_layers() -> str:
             theirs[v.path].assign(v.numpy())
         want = np.asarray(keras_mha(x, x, attention_mask=mask, use_causal_mask=causal))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        # The same gradients too, for the input and for every variable by name (the queries' scale is applied
+        # to their kernel, the output projection is one matmul: neither may change what is learned).
+        ours_grads = gradients(lambda v: ours(v, None if causal else key_mask), x, ours.trainable_weights)
+        theirs_grads = gradients(lambda v: keras_mha(v, v, attention_mask=mask, use_causal_mask=causal), x,
+                                 keras_mha.trainable_weights)
+        np.testing.assert_allclose(ours_grads.pop("input"), theirs_grads.pop("input"), rtol=1e-4, atol=1e-5)
+        for path, grad in ours_grads.items():
+            np.testing.assert_allclose(grad, theirs_grads[path], rtol=1e-4, atol=1e-5, err_msg=path)
         # Training draws dropout on the probabilities: outputs differ from inference, and between calls.
         first, second = (np.asarray(ours(x, None if causal else key_mask, training=True)) for _ in range(2))
         assert not np.allclose(first, got) and not np.allclose(first, second)
@@ -65,6 +73,40 @@ def check_layers() -> str:
     assert np.array_equal(np.asarray(Dropout(0.001)(ones, training=True)), ones)  # rounds to no dropout
     check_gelu()
     return keras.backend.backend()
+
+
+def gradients(fn, x, variables, *, wrap=None) -> dict:
+    """d sum(fn(x) * fixed random weights) / d x and / d each variable (by path), on either backend; on TensorFlow
+    `wrap` (e.g. tf.function) wraps the computation, which is eager without it."""
+    import keras
+    import numpy as np
+
+    upstream = np.random.default_rng(1).normal(size=np.shape(fn(x))).astype("float32")
+    if keras.backend.backend() == "jax":
+        import jax
+
+        def loss(values, v):
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+            return (fn(v) * upstream).sum()
+
+        saved = [variable.value for variable in variables]
+        grads, grad_x = jax.grad(loss, argnums=(0, 1))(saved, x)
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+    else:
+        import tensorflow as tf
+
+        def compute(v):
+            with tf.GradientTape() as tape:
+                tape.watch(v)
+                y = tf.reduce_sum(fn(v) * upstream)
+            return tape.gradient(y, [v, *variables])
+
+        grad_x, *grads = (wrap or (lambda f: f))(compute)(tf.convert_to_tensor(x))
+    found = {"input": np.asarray(grad_x), **{var.path: np.asarray(g) for var, g in zip(variables, grads)}}
+    assert all(np.abs(g).max() > 0 for g in found.values()), "a gradient that is all zeros compares trivially"
+    return found
 
 
 def check_gelu() -> None:
@@ -197,6 +239,88 @@ def check_loss_and_accuracy() -> str:
         np.testing.assert_allclose(gradient, want[0][1], rtol=1e-5, atol=1e-9)
         assert accuracy == want[1], (accuracy, want[1])
     return keras.backend.backend()
+
+
+def check_layer_norm() -> str:
+    """LayerNormalization is Keras': the same variables, outputs and gradients (input, gamma, beta) eagerly, in a
+    plain tf.function (its own gradient) and under XLA (Keras' path), in float32 and from bfloat16 inputs."""
+    import keras
+    import numpy as np
+
+    from tpuctl.templates.bert.layers import LayerNormalization
+
+    x = (np.random.default_rng(2).normal(size=(3, 5, 64)) * 3 + 1).astype("float32")
+    ours, theirs = (cls(epsilon=1e-12, name="norm") for cls in (LayerNormalization, keras.layers.LayerNormalization))
+    ours.build(x.shape), theirs.build(x.shape)
+    assert [v.path for v in ours.weights] == [v.path for v in theirs.weights]  # checkpoints read them as before
+    rng = np.random.default_rng(3)
+    for a, b in zip(ours.weights, theirs.weights):
+        value = rng.normal(size=a.shape).astype("float32")
+        a.assign(value), b.assign(value)
+    want = gradients(theirs, x, theirs.trainable_weights)
+    wraps = [None]
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        wraps += [tf.function, lambda f: tf.function(f, jit_compile=True)]
+    for wrap in wraps:
+        got = gradients(ours, x, ours.trainable_weights, wrap=wrap)
+        for name, grad in want.items():
+            np.testing.assert_allclose(got[name], grad, rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(np.asarray(ours(x)), np.asarray(theirs(x)), rtol=1e-5, atol=1e-5)
+    half = keras.ops.cast(x, "bfloat16")
+    np.testing.assert_allclose(np.asarray(keras.ops.cast(ours(half), "float32")),
+                               np.asarray(keras.ops.cast(theirs(half), "float32")), rtol=1e-5, atol=1e-5)
+    return keras.backend.backend()
+
+
+def test_layer_norm_matches_keras_on_tensorflow():
+    assert check_layer_norm() == "tensorflow"
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
+def test_layer_norm_matches_keras_on_jax():
+    assert on_jax("test_template_layers", "check_layer_norm") == "jax"
+
+
+def test_adamw_is_keras_adamw_in_one_kernel_without_xla():
+    """AdamW trains a small model to Keras' AdamW's weights and slots (weight decay, bias exclusion, a decaying
+    learning rate and clipping included), without XLA through TensorFlow's ResourceApplyAdam and under XLA
+    through Keras' own update."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tpuctl.templates.bert.layers import AdamW
+
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(64, 16)).astype("float32"), rng.normal(size=(64, 4)).astype("float32")
+
+    def train(optimizer_class, jit: bool):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(4)])
+        schedule = keras.optimizers.schedules.PolynomialDecay(3e-3, 20, 1e-4)
+        optimizer = optimizer_class(learning_rate=schedule, weight_decay=0.01, beta_2=0.98, global_clipnorm=1.0)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit)
+        model.fit(x, y, epochs=5, batch_size=16, verbose=0, shuffle=False)
+        return [v.numpy() for v in model.weights + optimizer.variables]
+
+    for jit in (False, True):
+        got, want = train(AdamW, jit), train(keras.optimizers.AdamW, jit)
+        assert len(got) == len(want) > 8  # 4 weights, 2 slots each, the step counter
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    def update_ops(jit: bool) -> set[str]:
+        optimizer, variable = AdamW(1e-3), keras.Variable(np.ones((4, 4), "float32"))
+        optimizer.build([variable])
+        step = tf.function(lambda g: optimizer.apply([g], [variable]), jit_compile=jit)
+        return {op.type for op in step.get_concrete_function(tf.TensorSpec((4, 4))).graph.get_operations()}
+
+    assert "ResourceApplyAdam" in update_ops(jit=False)
+    assert "ResourceApplyAdam" not in update_ops(jit=True)  # XLA fuses Keras' own ops
 
 
 def test_loss_and_accuracy_match_keras_on_tensorflow():

@@ -1,5 +1,5 @@
 """What BERT and GPT-2 use where Keras' own is slower: dropout on random bytes, fused self-attention, exact GELU,
-and the loss and accuracy over the vocabulary.
+layer normalisation, the loss and accuracy over the vocabulary, and AdamW.
 
 Measured on the reference CPU (bench/peers.py, bert-tiny, TensorFlow + XLA), Keras' dropout was ~20% of a
 training step: `keras.random.dropout` draws one 32-bit Philox (TensorFlow) or Threefry (JAX) number per element,
@@ -16,14 +16,15 @@ published models' maths; what changes is how much random-number and projection w
 - `SelfAttention` is Keras `MultiHeadAttention` for the self-attention case with the very same variables
   (`query`/`key`/`value` kernels [hidden, heads, head_dim] and biases [heads, head_dim], `attention_output`
   [heads, head_dim, hidden] and [hidden], under the same names, so checkpoints and the Hugging Face exports read
-  them unchanged), computed as one [hidden, 3 x hidden] projection instead of three, with the softmax in float32
-  and its probabilities dropped out by `dropout` above. Masked scores get -1e9 added, as Keras' `Softmax`
-  masks them.
+  them unchanged), computed as one [hidden, 3 x hidden] projection instead of three (the queries' scale folded
+  into their kernel) and one [hidden, hidden] projection out, with the softmax in float32 and its probabilities
+  dropped out by `dropout` above. Masked scores get -1e9 added, as Keras' `Softmax` masks them.
 - `gelu` is the exact GELU. Under XLA it is written 0.5 x (1 + erf(x / sqrt 2)), the published formula (and
   Hugging Face's), in float32: TensorFlow's and JAX's `gelu` write it with erfc, which XLA lowers to two
   rational approximations and an exp, selected per element, where erf is one (bert-tiny +2.4% steps/s on
   TensorFlow). Without XLA it stays `tf.nn.gelu`, which is no fused kernel either (the TF profiler shows its
-  Neg, Erfc and Mul ops): there every form is a few passes, and TensorFlow's was not the slower one.
+  Neg, Erfc and Mul ops): it stays that erfc form, with its derivative written out for the backward pass.
+- `LayerNormalization` is Keras' layer (same variables, same maths); without XLA its gradient is written out.
 - `SparseSoftmaxCrossEntropy` is Keras' `SparseCategoricalCrossentropy(from_logits=True)`, the same per-token
   loss and gradient (softmax - one-hot), in fewer passes over the [tokens, vocab] logits: TensorFlow's fused
   kernel takes 78 ms forward and backward on gpt2-tiny's [2048, 8000] on the reference CPU (23 ms under XLA),
@@ -35,6 +36,14 @@ published models' maths; what changes is how much random-number and projection w
   without XLA TensorFlow's own ArgMax (30 -> 5-8 ms on gpt2-tiny's logits); under XLA, where ArgMax is a slow
   two-value reduction (21 ms), "no token beats the label": none scores higher, none ties it at a lower index
   (7 ms). Keras' loss and metric were 45% of the summed op time of gpt2-tiny's step without XLA.
+- `AdamW` is Keras' optimizer (same variables, arguments and updates); without XLA each variable's update is
+  TensorFlow's one `ResourceApplyAdam` kernel (Keras' Adam formula, term for term) instead of Keras' nine ops.
+
+Without XLA (TensorFlow's graph mode: its CPU and GPU training) every op is a pass over memory and autodiff of a
+composite is as many more: there GELU and layer normalisation take hand-written gradients and AdamW one kernel.
+Under XLA, which fuses all of these itself, Keras' own code runs. On bert-tiny without XLA, these, the folded
+query scale, the single output projection and the head's one-hot gather (model.py) took tpuctl's training step
+from 1.20x to ~1.4x keras-hub's on this session's reference CPU (bench/peers.py; bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -133,14 +142,83 @@ def dropout(x, rate: float, seed_generator: keras.random.SeedGenerator):
     return x * ops.where(keep, scale, ops.zeros_like(scale))
 
 
+def tensorflow_without_xla() -> bool:
+    """TensorFlow running op by op, where every op is its own pass over memory and autodiff's gradient of a
+    composite is as many more: the case for hand-written gradients."""
+    return keras.backend.backend() == "tensorflow" and not _compiled()
+
+
+def _float32(x):
+    """x in at least float32 (half-precision inputs are upcast), as Keras' normalisations compute."""
+    return ops.cast(x, "float32") if keras.backend.standardize_dtype(x.dtype) in ("bfloat16", "float16") else x
+
+
 @keras.saving.register_keras_serializable(package="tpuctl")
 def gelu(x):
     """The exact GELU, x * Phi(x): Keras' `gelu(approximate=False)`, Hugging Face's "gelu" (module docstring)."""
+    if tensorflow_without_xla():
+        return ops.cast(_gelu_with_gradient(_float32(x)), x.dtype)
     if not _compiled():
-        return keras.activations.gelu(x, approximate=False)  # tf.nn.gelu (module docstring)
+        return keras.activations.gelu(x, approximate=False)
     # In float32: in bfloat16, 1 + erf(x / sqrt 2) would keep only a bit or two for x < -2.5.
-    y = ops.cast(x, "float32") if keras.backend.standardize_dtype(x.dtype) in ("bfloat16", "float16") else x
+    y = _float32(x)
     return ops.cast(0.5 * y * (1.0 + ops.erf(y * (1.0 / math.sqrt(2.0)))), x.dtype)
+
+
+def _gelu_with_gradient(x):
+    """x * Phi(x) as tf.nn.gelu writes it (0.5 erfc(-x / sqrt 2)), with its derivative Phi(x) + x phi(x) written
+    out: autodiff differentiates the erfc form op by op (the TF profiler's Square, Neg+Exp, five Muls and an
+    AddN); this reuses the forward's Phi (bert-tiny's [4096, 512], forward and backward: about 7.6 -> 6.4 ms)."""
+    import tensorflow as tf  # TensorFlow only; keras.ops gained erfc only in later Keras 3 releases
+
+    @ops.custom_gradient
+    def forward(x):
+        cdf = 0.5 * tf.math.erfc(x * (-1.0 / math.sqrt(2.0)))
+
+        def grad(*args, upstream=None):
+            upstream = args[0] if upstream is None else upstream
+            return upstream * (cdf + x * ops.exp(x * x * -0.5) * (1.0 / math.sqrt(2.0 * math.pi)))
+
+        return x * cdf, grad
+
+    return forward(x)
+
+
+@keras.saving.register_keras_serializable(package="tpuctl")
+class LayerNormalization(layers.LayerNormalization):
+    """`keras.layers.LayerNormalization` (same variables, same maths), whose gradient is written out where
+    TensorFlow runs without XLA (`_layer_norm_core`); elsewhere, and for any other axis or option, Keras' own."""
+
+    def call(self, inputs):
+        rank = len(inputs.shape)
+        axes = [a % rank for a in (self.axis if isinstance(self.axis, (list, tuple)) else [self.axis])]
+        own = tensorflow_without_xla() and axes == [rank - 1] and self.center and self.scale and not self.rms_scaling
+        if not own:
+            return super().call(inputs)
+        # In float32, then rounded to the input's dtype and cast to the layer's, as Keras' layer_normalization.
+        normalised = _layer_norm_core(_float32(inputs), self.epsilon) * self.gamma + self.beta
+        return ops.cast(ops.cast(normalised, inputs.dtype), self.compute_dtype)
+
+
+def _layer_norm_core(x, epsilon: float):
+    """(x - mean) / sqrt(var + epsilon) over the last axis, with the textbook gradient
+    inv x (g - mean(g) - x_hat mean(g x_hat)): autodiff of Keras' moments and broadcasts makes about twice the
+    passes (the TF profiler's Tile, Sub, Mul and Sum; bert-tiny's [4096, 128] forward and backward 2.1 -> 1.7 ms)."""
+
+    @ops.custom_gradient
+    def forward(x):
+        centred = x - ops.mean(x, axis=-1, keepdims=True)
+        inv = ops.rsqrt(ops.mean(ops.square(centred), axis=-1, keepdims=True) + epsilon)
+        normalised = centred * inv
+
+        def grad(*args, upstream=None):
+            g = args[0] if upstream is None else upstream
+            return (g - ops.mean(g, axis=-1, keepdims=True)
+                    - normalised * ops.mean(g * normalised, axis=-1, keepdims=True)) * inv
+
+        return normalised, grad
+
+    return forward(x)
 
 
 @keras.saving.register_keras_serializable(package="tpuctl")
@@ -197,13 +275,19 @@ class SelfAttention(layers.Layer):
 
     def call(self, x, key_mask=None, training=False):
         dt, (length, hidden), (n, d) = self.compute_dtype, x.shape[1:], (self.num_heads, self.head_dim)
-        parts = (self.query, self.key, self.value)
         # One [hidden, 3 hidden] matmul, split on its last axis: as fast as a 5-d einsum under XLA and ~15%
         # faster without it (TensorFlow's graph mode on CPU/GPU), where the einsum's strided slices are copies.
-        kernel = ops.concatenate([ops.reshape(ops.cast(p.kernel, dt), (hidden, n * d)) for p in parts], axis=1)
-        bias = ops.concatenate([ops.reshape(ops.cast(p.bias, dt), (n * d,)) for p in parts], axis=0)
+        # The queries' 1/sqrt(head_dim) scales their kernel and bias, not every query: where ops are not fused,
+        # that saves a pass over [B, L, hidden] each way.
+        scale = ops.cast(1.0 / math.sqrt(self.head_dim), dt)
+        kernels = [ops.reshape(ops.cast(p.kernel, dt), (hidden, n * d)) for p in (self.query, self.key, self.value)]
+        biases = [ops.reshape(ops.cast(p.bias, dt), (n * d,)) for p in (self.query, self.key, self.value)]
+        kernel = ops.concatenate([kernels[0] * scale, *kernels[1:]], axis=1)
+        bias = ops.concatenate([biases[0] * scale, *biases[1:]], axis=0)
+        # Heads to the front with one transpose of all three, [3, B, heads, L, head_dim], whose leading-axis
+        # slices share its buffer; the attention products then need no transposes of their own.
         q, k, v = (ops.reshape(t, (-1, length, n, d)) for t in ops.split(ops.matmul(x, kernel) + bias, 3, axis=-1))
-        scores = ops.einsum("bqnd,bknd->bnqk", q * ops.cast(1.0 / math.sqrt(self.head_dim), dt), k)
+        scores = ops.einsum("bqnd,bknd->bnqk", q, k)
         scores = ops.cast(scores, "float32")
         # Masks add -1e9 (0 where attended), as Keras' Softmax does: the gradient then passes through unchanged,
         # where a select would be one more pass over the scores each way.
@@ -214,9 +298,12 @@ class SelfAttention(layers.Layer):
         probs = ops.cast(ops.softmax(scores, axis=-1), dt)
         if training:
             probs = dropout(probs, self.rate, self.seed_generator)
-        out = ops.einsum("bnqk,bknd->bqnd", probs, v)
-        return (ops.einsum("bqnd,ndh->bqh", out, ops.cast(self.attention_output.kernel, dt))
-                + ops.cast(self.attention_output.bias, dt))
+        out = ops.reshape(ops.einsum("bnqk,bknd->bqnd", probs, v), (-1, length, n * d))
+        # A [B x L, hidden] matmul, as the projection in: einsum("bqnd,ndh->bqh") runs on TensorFlow as a batched
+        # matmul broadcasting the kernel, whose gradient is B per-sequence kernels summed (bert-tiny without XLA:
+        # 2.3 ms of op time per layer and step, this 0.9).
+        kernel = ops.reshape(ops.cast(self.attention_output.kernel, dt), (n * d, hidden))
+        return ops.matmul(out, kernel) + ops.cast(self.attention_output.bias, dt)
 
     def compute_output_shape(self, x_shape, key_mask_shape=None):
         return x_shape
@@ -295,3 +382,26 @@ class TopOneAccuracy(keras.metrics.MeanMetricWrapper):
 
     def get_config(self):
         return {"name": self.name, "dtype": self.dtype}
+
+
+@keras.saving.register_keras_serializable(package="tpuctl")
+class AdamW(keras.optimizers.AdamW):
+    """`keras.optimizers.AdamW`: the same variables, arguments and update, which where TensorFlow runs without XLA
+    is TensorFlow's one `ResourceApplyAdam` kernel per variable instead of Keras' nine ops (module docstring)."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        import tensorflow as tf
+
+        if not tensorflow_without_xla() or self.amsgrad or not isinstance(gradient, tf.Tensor):
+            return super().update_step(gradient, variable, learning_rate)
+        dtype = variable.dtype
+        step = ops.cast(self.iterations + 1, dtype)
+        beta_1, beta_2 = ops.cast(self.beta_1, dtype), ops.cast(self.beta_2, dtype)
+        index = self._get_variable_index(variable)
+        # Keras' Adam.update_step, term for term: m += (g - m)(1 - beta_1), v += (g^2 - v)(1 - beta_2),
+        # var -= m lr sqrt(1 - beta_2^t) / (1 - beta_1^t) / (sqrt(v) + epsilon), with t the 1-based step.
+        tf.raw_ops.ResourceApplyAdam(
+            var=variable.handle, m=self._momentums[index].handle, v=self._velocities[index].handle,
+            beta1_power=ops.power(beta_1, step), beta2_power=ops.power(beta_2, step),
+            lr=ops.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2, epsilon=ops.cast(self.epsilon, dtype),
+            grad=ops.cast(gradient, dtype))

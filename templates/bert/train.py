@@ -238,10 +238,11 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest, objective: Objective, *, writ
 def _compile(keras, model, tr, schedule, objective: Objective, *, jit_compile: bool):
     """AdamW (no decay on biases and LayerNorm), loss and accuracy weighted by the examples' weights (BERT: the
     mask; GPT-2: all but each block's last position); slots built. In scope. The loss and accuracy are Keras'
-    sparse cross-entropy and accuracy on logits, computed in fewer passes (layers.py)."""
-    from .layers import SparseSoftmaxCrossEntropy, TopOneAccuracy
+    sparse cross-entropy and accuracy on logits, computed in fewer passes, and Keras' AdamW, in one kernel per
+    variable without XLA (layers.py)."""
+    from .layers import AdamW, SparseSoftmaxCrossEntropy, TopOneAccuracy
 
-    optimizer = keras.optimizers.AdamW(
+    optimizer = AdamW(
         learning_rate=schedule, weight_decay=tr.weight_decay, beta_1=tr.adam_beta_1, beta_2=tr.adam_beta_2,
         epsilon=tr.adam_epsilon, global_clipnorm=tr.clipnorm)
     optimizer.exclude_from_weight_decay(var_names=list(objective.no_weight_decay))

@@ -19,7 +19,7 @@ from .config import TaskConfig
 from .shared import bert
 
 _layers = bert("layers")
-Dropout, SelfAttention = _layers.Dropout, _layers.SelfAttention
+Dropout, LayerNormalization, SelfAttention = _layers.Dropout, _layers.LayerNormalization, _layers.SelfAttention
 
 STDDEV = 0.02
 
@@ -78,15 +78,15 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
     x = PositionEmbedding(L, name="position_embedding")(embedding(ids))
     x = Dropout(task.dropout)(x)
     for i in range(task.num_layers):
-        a = layers.LayerNormalization(epsilon=eps, name=f"layer{i}_attention_norm")(x)
+        a = LayerNormalization(epsilon=eps, name=f"layer{i}_attention_norm")(x)
         a = SelfAttention(task.num_heads, h // task.num_heads, dropout=task.dropout, causal=True,
                           kernel_initializer=_init(), name=f"layer{i}_attention")(a)
         x = x + Dropout(task.dropout)(a)
-        f = layers.LayerNormalization(epsilon=eps, name=f"layer{i}_mlp_norm")(x)
+        f = LayerNormalization(epsilon=eps, name=f"layer{i}_mlp_norm")(x)
         f = layers.Dense(task.intermediate_size, activation=gelu_tanh, kernel_initializer=_init(),
                          name=f"layer{i}_mlp_in")(f)
         residual = _init(STDDEV / math.sqrt(2 * task.num_layers))  # GPT-2's scaled init of residual projections
         f = layers.Dense(h, kernel_initializer=residual, name=f"layer{i}_mlp_out")(f)
         x = x + Dropout(task.dropout)(f)
-    x = layers.LayerNormalization(epsilon=eps, name="final_norm")(x)
+    x = LayerNormalization(epsilon=eps, name="final_norm")(x)
     return keras.Model({"input_ids": ids}, embedding(x, reverse=True), name="gpt2_clm")
