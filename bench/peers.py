@@ -5,15 +5,15 @@
 (a) Training steps/s, fed one repeated in-memory batch (the input side is not measured): tpuctl's bert-tiny
     and gpt2-tiny models vs keras-hub's `BertMaskedLM` and `GPT2CausalLM` built from `BertBackbone` /
     `GPT2Backbone` at the same sizes (layers, heads, hidden, intermediate, dropout, vocab 8000, seq 128), random
-    init, the preset's batch, the same optimizer (AdamW), the same loss and metric (sparse cross-entropy and
-    top-1 accuracy, weighted by the mask) and steps_per_execution, on the TensorFlow backend, without and with
-    XLA (`jit_compile`). Each side computes loss and metric as its own training does: keras-hub with what its
-    `MaskedLM` and `CausalLM` `compile()` default to (Keras' `SparseCategoricalCrossentropy(from_logits=True)`
-    and `SparseCategoricalAccuracy`), tpuctl with what its templates compile (bert/layers.py's
-    `SparseSoftmaxCrossEntropy` and `TopOneAccuracy`, the same values and gradients in fewer passes; tested
-    equal to Keras' in tests/test_template_layers.py). Both masked LMs project to the vocabulary at 20 gathered
-    positions per sequence (keras-hub's `mask_positions`). Per family and XLA
-    setting, one fresh process (the peers' interpreter) builds both models and trains them in alternating
+    init, the preset's batch, the same optimizer (AdamW at 1e-4), the same loss and metric (sparse cross-entropy
+    and top-1 accuracy, weighted by the mask) and steps_per_execution, on the TensorFlow backend, without and
+    with XLA (`jit_compile`). Each side computes them as its own training does: keras-hub with what its
+    `MaskedLM` and `CausalLM` `compile()` default to (Keras' `SparseCategoricalCrossentropy(from_logits=True)`,
+    `SparseCategoricalAccuracy` and `AdamW`), tpuctl with what its templates compile (bert/layers.py's
+    `SparseSoftmaxCrossEntropy`, `TopOneAccuracy` and `AdamW`: the same values, gradients and updates in fewer
+    passes; tested equal to Keras' in tests/test_template_layers.py). Both masked LMs project to the vocabulary
+    at 20 gathered positions per sequence (keras-hub's `mask_positions`). Per family and XLA setting, one fresh
+    process (the peers' interpreter) builds both models and trains them in alternating
     windows (`--rounds` each, after a warm-up window each); a window's steady-state rate is timed between its
     first and last executions (`train_worker` says why), and the figure is the median window. A third model,
     tpuctl's without its transformer layers (embeddings, head, loss and optimizer only), bounds what any layer
@@ -231,7 +231,7 @@ def train_worker(family: str, jit: bool, steps: int, rounds: int) -> dict:
         def on_train_begin(self, logs=None):
             self.ends = []
 
-    from bert.layers import SparseSoftmaxCrossEntropy, TopOneAccuracy
+    from bert.layers import AdamW, SparseSoftmaxCrossEntropy, TopOneAccuracy
 
     runs = {}
     # "no-layers": tpuctl's model without its transformer layers (embeddings, head, loss, optimizer): how fast any
@@ -242,10 +242,11 @@ def train_worker(family: str, jit: bool, steps: int, rounds: int) -> dict:
                                          np.random.default_rng(0), layers=0 if who == "no-layers" else None)
         if who == "keras-hub":  # what keras-hub's compile(loss="auto", weighted_metrics="auto") picks
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
-            metric = keras.metrics.SparseCategoricalAccuracy()
+            metric, optimizer = keras.metrics.SparseCategoricalAccuracy(), keras.optimizers.AdamW(1e-4)
         else:  # what bert/train.py's _compile picks for both templates
             loss, metric = SparseSoftmaxCrossEntropy(reduction="mean_with_sample_weight"), TopOneAccuracy()
-        net.compile(optimizer=keras.optimizers.AdamW(1e-4), loss=loss, weighted_metrics=[metric],
+            optimizer = AdamW(1e-4)
+        net.compile(optimizer=optimizer, loss=loss, weighted_metrics=[metric],
                     steps_per_execution=STEPS_PER_EXECUTION, jit_compile=jit)
         ds = tf.data.Dataset.from_tensors((x, labels, weights)).repeat().prefetch(2)
         net.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0)  # trace, compile, warm up
