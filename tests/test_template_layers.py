@@ -323,6 +323,54 @@ def test_adamw_is_keras_adamw_in_one_kernel_without_xla():
     assert "ResourceApplyAdam" not in update_ops(jit=True)  # XLA fuses Keras' own ops
 
 
+def check_adamw_mirrored() -> str:
+    """In a fresh interpreter: AdamW under a 2-replica MirroredStrategy (how the template trains on several GPUs
+    or rehearses a TPU on CPUs) updates every replica's copy of every variable alike, to Keras' AdamW's values."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+    import numpy as np
+
+    from tpuctl.templates.bert.layers import AdamW
+
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(64, 16)).astype("float32"), rng.normal(size=(64, 4)).astype("float32")
+    found = []
+    for optimizer_class in (AdamW, keras.optimizers.AdamW):
+        strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")],
+                                                  cross_device_ops=tf.distribute.ReductionToOneDevice())
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                                      keras.layers.Dense(4)])
+            optimizer = optimizer_class(learning_rate=3e-3, weight_decay=0.01)
+            model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, epochs=3, batch_size=16, verbose=0, shuffle=False)
+        variables = model.weights + optimizer.variables
+        for variable in variables:
+            copies = [c.numpy() for c in getattr(variable.value, "values", ())]
+            assert len(copies) in (0, 2) and all(np.array_equal(c, copies[0]) for c in copies), variable.path
+        assert sum(len(getattr(v.value, "values", ())) == 2 for v in variables) >= 12  # weights and slots mirrored
+        found.append([v.numpy() for v in variables])
+    for a, b in zip(*found):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    return keras.backend.backend()
+
+
+def test_adamw_keeps_mirrored_replicas_equal():
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import test_template_layers as t; print(t.check_adamw_mirrored())"],
+                          cwd=os.path.dirname(__file__), env={**os.environ, "KERAS_BACKEND": "tensorflow"},
+                          capture_output=True, text=True, timeout=150, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "tensorflow"
+
+
 def test_loss_and_accuracy_match_keras_on_tensorflow():
     assert check_loss_and_accuracy() == "tensorflow"
 
