@@ -69,10 +69,15 @@ class OfficialClients:
 
 
 def on_jax(module: str, check: str, timeout: float = 150) -> str:
+    """`in_fresh_interpreter` with KERAS_BACKEND=jax: Keras fixes its backend at import, once per process."""
+    return in_fresh_interpreter(module, check, backend="jax", timeout=timeout)
+
+
+def in_fresh_interpreter(module: str, check: str, *, backend: str, timeout: float = 150) -> str:
     """Run `module.check()` (a test module's function that raises on failure and returns the backend it ran on)
-    in a fresh interpreter with KERAS_BACKEND=jax: Keras fixes its backend at import, once per process. Returns
-    what it returned; fails the test with its stderr."""
-    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    in a fresh interpreter with KERAS_BACKEND=`backend` (also for what must precede TensorFlow's initialisation,
+    such as splitting the CPU into logical devices). Returns what it returned; fails the test with its stderr."""
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.run([sys.executable, "-c", f"import {module} as t; print(t.{check}())"],
                           cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=timeout,
                           check=False)

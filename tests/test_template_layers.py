@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import on_jax
+from conftest import in_fresh_interpreter, on_jax
 
 pytest.importorskip("tensorflow")
 
@@ -360,15 +360,7 @@ def check_adamw_mirrored() -> str:
 
 
 def test_adamw_keeps_mirrored_replicas_equal():
-    import os
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", "import test_template_layers as t; print(t.check_adamw_mirrored())"],
-                          cwd=os.path.dirname(__file__), env={**os.environ, "KERAS_BACKEND": "tensorflow"},
-                          capture_output=True, text=True, timeout=150, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "tensorflow"
+    assert in_fresh_interpreter("test_template_layers", "check_adamw_mirrored", backend="tensorflow") == "tensorflow"
 
 
 def test_loss_and_accuracy_match_keras_on_tensorflow():
