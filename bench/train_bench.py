@@ -29,13 +29,13 @@ def measure(*, preset: str = "bert-tiny", batch: int = 64, steps: int = 30, voca
 
     from bert import config
     from bert.data import mask_tokens
-    from bert.layers import SparseSoftmaxCrossEntropy
+    from bert.layers import AdamW, SparseSoftmaxCrossEntropy
     from bert.model import build_model
 
     cfg = config.build({"preset": preset})
     keras.config.set_dtype_policy(precision)
     model = build_model(cfg.task, vocab_size=vocab)
-    model.compile(optimizer=keras.optimizers.AdamW(1e-4), loss=SparseSoftmaxCrossEntropy(),  # the template's loss
+    model.compile(optimizer=AdamW(1e-4), loss=SparseSoftmaxCrossEntropy(),  # the template's optimizer and loss
                   steps_per_execution=steps_per_execution, jit_compile=jit)
     ids = tf.constant(np.random.default_rng(0).integers(5, vocab, size=(batch, cfg.task.seq_len)), tf.int32)
     masked, positions, labels, weights = mask_tokens(ids, vocab_size=vocab, special_ids=[0, 1, 2, 3, 4], mask_id=4,
