@@ -87,8 +87,8 @@ class GatherPositions(layers.Layer):
     def call(self, x, positions):
         if tensorflow_without_xla():
             # One-hot rows [B, P, L] times x: exact (one 1 per row), and its gradient is the transposed product,
-            # where take_along_axis's is transposes and an UnsortedSegmentSum into zeros (bert-tiny: 4.7 ms of
-            # op time per step without XLA, this ~1).
+            # where take_along_axis's is transposes and an UnsortedSegmentSum into zeros (bert-tiny without XLA,
+            # TF profiler: 5.6 ms of op time per step, this 0.7).
             return ops.matmul(ops.one_hot(positions, x.shape[1], dtype=x.dtype), x)
         return ops.take_along_axis(x, ops.expand_dims(positions, -1), axis=1)
 
