@@ -142,6 +142,22 @@ def dropout(x, rate: float, seed_generator: keras.random.SeedGenerator):
     return x * ops.where(keep, scale, ops.zeros_like(scale))
 
 
+def _with_gradient(forward):
+    """`ops.custom_gradient` for a `forward(x)` that returns (value, gradient of the upstream gradient): Keras hands
+    the upstream gradient over positionally on TensorFlow and as `upstream=` on JAX; this takes either."""
+
+    @ops.custom_gradient
+    def wrapped(x):
+        value, gradient = forward(x)
+
+        def grad(*args, upstream=None):
+            return gradient(args[0] if upstream is None else upstream)
+
+        return value, grad
+
+    return wrapped
+
+
 def tensorflow_without_xla() -> bool:
     """TensorFlow running op by op, where every op is its own pass over memory and autodiff's gradient of a
     composite is as many more: the case for hand-written gradients."""
@@ -171,15 +187,10 @@ def _gelu_with_gradient(x):
     AddN); this reuses the forward's Phi (bert-tiny's [4096, 512], forward and backward: about 7.6 -> 6.4 ms)."""
     import tensorflow as tf  # TensorFlow only; keras.ops gained erfc only in later Keras 3 releases
 
-    @ops.custom_gradient
+    @_with_gradient
     def forward(x):
         cdf = 0.5 * tf.math.erfc(x * (-1.0 / math.sqrt(2.0)))
-
-        def grad(*args, upstream=None):
-            upstream = args[0] if upstream is None else upstream
-            return upstream * (cdf + x * ops.exp(x * x * -0.5) * (1.0 / math.sqrt(2.0 * math.pi)))
-
-        return x * cdf, grad
+        return x * cdf, lambda upstream: upstream * (cdf + x * ops.exp(x * x * -0.5) * (1.0 / math.sqrt(2.0 * math.pi)))
 
     return forward(x)
 
@@ -205,14 +216,13 @@ def _layer_norm_core(x, epsilon: float):
     inv x (g - mean(g) - x_hat mean(g x_hat)): autodiff of Keras' moments and broadcasts makes about twice the
     passes (the TF profiler's Tile, Sub, Mul and Sum; bert-tiny's [4096, 128] forward and backward 2.1 -> 1.7 ms)."""
 
-    @ops.custom_gradient
+    @_with_gradient
     def forward(x):
         centred = x - ops.mean(x, axis=-1, keepdims=True)
         inv = ops.rsqrt(ops.mean(ops.square(centred), axis=-1, keepdims=True) + epsilon)
         normalised = centred * inv
 
-        def grad(*args, upstream=None):
-            g = args[0] if upstream is None else upstream
+        def grad(g):
             return (g - ops.mean(g, axis=-1, keepdims=True)
                     - normalised * ops.mean(g * normalised, axis=-1, keepdims=True)) * inv
 
@@ -329,19 +339,14 @@ def softmax_cross_entropy(labels, logits):
     (softmax - one_hot(label)) x upstream, as TensorFlow's and JAX's own."""
     labels = ops.cast(labels, "int32")
 
-    @ops.custom_gradient
+    @_with_gradient
     def per_token(logits):
         top = ops.max(logits, axis=-1, keepdims=True)
         exp = ops.exp(logits - top)
         total = ops.sum(exp, axis=-1, keepdims=True)
         picked = ops.take_along_axis(logits, labels[..., None], axis=-1)
         loss = (ops.log(total) + top - picked)[..., 0]
-
-        def grad(*args, upstream=None):
-            upstream = args[0] if upstream is None else upstream
-            return _scatter_sub(exp * (upstream[..., None] / total), labels, upstream)
-
-        return loss, grad
+        return loss, lambda upstream: _scatter_sub(exp * (upstream[..., None] / total), labels, upstream)
 
     return per_token(logits)
 
