@@ -283,6 +283,29 @@ def test_layer_norm_matches_keras_on_jax():
     assert on_jax("test_template_layers", "check_layer_norm") == "jax"
 
 
+def fit_small_model(optimizer_class, *, jit: bool = False, scope=None) -> list:
+    """A 16-32-4 model fitted 20 steps on fixed data with `optimizer_class` (a decaying learning rate, weight decay
+    but not on biases, global clipping), built in `scope` (e.g. a strategy's) if given; returns the model's and
+    the optimizer's variables."""
+    import contextlib
+
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(64, 16)).astype("float32"), rng.normal(size=(64, 4)).astype("float32")
+    with scope or contextlib.nullcontext():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(4)])
+        schedule = keras.optimizers.schedules.PolynomialDecay(3e-3, 20, 1e-4)
+        optimizer = optimizer_class(learning_rate=schedule, weight_decay=0.01, beta_2=0.98, global_clipnorm=1.0)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit)
+    model.fit(x, y, epochs=5, batch_size=16, verbose=0, shuffle=False)
+    return model.weights + optimizer.variables
+
+
 def test_adamw_is_keras_adamw_in_one_kernel_without_xla():
     """AdamW trains a small model to Keras' AdamW's weights and slots (weight decay, bias exclusion, a decaying
     learning rate and clipping included), without XLA through TensorFlow's ResourceApplyAdam and under XLA
@@ -293,22 +316,8 @@ def test_adamw_is_keras_adamw_in_one_kernel_without_xla():
 
     from tpuctl.templates.bert.layers import AdamW
 
-    rng = np.random.default_rng(4)
-    x, y = rng.normal(size=(64, 16)).astype("float32"), rng.normal(size=(64, 4)).astype("float32")
-
-    def train(optimizer_class, jit: bool):
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
-                                  keras.layers.Dense(4)])
-        schedule = keras.optimizers.schedules.PolynomialDecay(3e-3, 20, 1e-4)
-        optimizer = optimizer_class(learning_rate=schedule, weight_decay=0.01, beta_2=0.98, global_clipnorm=1.0)
-        optimizer.exclude_from_weight_decay(var_names=["bias"])
-        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit)
-        model.fit(x, y, epochs=5, batch_size=16, verbose=0, shuffle=False)
-        return [v.numpy() for v in model.weights + optimizer.variables]
-
     for jit in (False, True):
-        got, want = train(AdamW, jit), train(keras.optimizers.AdamW, jit)
+        got, want = ([v.numpy() for v in fit_small_model(cls, jit=jit)] for cls in (AdamW, keras.optimizers.AdamW))
         assert len(got) == len(want) > 8  # 4 weights, 2 slots each, the step counter
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -335,20 +344,11 @@ def check_adamw_mirrored() -> str:
 
     from tpuctl.templates.bert.layers import AdamW
 
-    rng = np.random.default_rng(4)
-    x, y = rng.normal(size=(64, 16)).astype("float32"), rng.normal(size=(64, 4)).astype("float32")
     found = []
     for optimizer_class in (AdamW, keras.optimizers.AdamW):
         strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")],
                                                   cross_device_ops=tf.distribute.ReductionToOneDevice())
-        with strategy.scope():
-            keras.utils.set_random_seed(1)
-            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
-                                      keras.layers.Dense(4)])
-            optimizer = optimizer_class(learning_rate=3e-3, weight_decay=0.01)
-            model.compile(optimizer=optimizer, loss="mse")
-        model.fit(x, y, epochs=3, batch_size=16, verbose=0, shuffle=False)
-        variables = model.weights + optimizer.variables
+        variables = fit_small_model(optimizer_class, scope=strategy.scope())
         for variable in variables:
             copies = [c.numpy() for c in getattr(variable.value, "values", ())]
             assert len(copies) in (0, 2) and all(np.array_equal(c, copies[0]) for c in copies), variable.path
