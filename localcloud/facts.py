@@ -59,12 +59,17 @@ def _tf_pjrt(*versions: str) -> tuple[str, ...]:
 
 
 _TF_PJRT = _tf_pjrt("2.15.0", "2.15.1", "2.16.1", "2.16.2", "2.17.0", "2.17.1")
+# Stream-executor images, v2 to v4 only ("TPU v5e and future TPU generations only support PJRT"): the releases
+# tpu/docs/supported-tpu-versions names (`tpu-vm-tf-2.16.1-se` on the current copy, 2.15.0-se and 2.15.1-se on
+# an older one), and their multi-host twins by its naming rule `tpu-vm-tf-x.y.z[-pod][-{device_api}]`.
+_TF_SE = tuple(f"tpu-vm-tf-{v}{pod}-se" for v in ("2.15.0", "2.15.1", "2.16.1") for pod in ("", "-pod"))
 _TF_218_V5P = ("tpu-vm-tf-2.18.0-pjrt-v5p-and-below", "tpu-vm-tf-2.18.0-pod-pjrt-v5p-and-below")
 _TF_218_V5E = ("tpu-vm-tf-2.18.0-pjrt-v5e-and-v6", "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6")
 RUNTIMES_BY_GENERATION: dict[str, tuple[str, ...]] = {
-    "v2": (*_TF_OLD, *_TF_PJRT, *_TF_218_V5P, "tpu-ubuntu2204-base", "tpu-vm-base"),
-    "v3": (*_TF_OLD, *_TF_PJRT, *_TF_218_V5P, "tpu-ubuntu2204-base", "tpu-vm-base"),
-    "v4": (*_TF_OLD, *_TF_PJRT, *_TF_218_V5P, "tpu-ubuntu2204-base", "tpu-vm-v4-base"),
+    "v2": (*_TF_OLD, *_TF_PJRT, *_TF_SE, *_TF_218_V5P, "tpu-ubuntu2204-base", "tpu-vm-base"),
+    "v3": (*_TF_OLD, *_TF_PJRT, *_TF_SE, *_TF_218_V5P, "tpu-ubuntu2204-base", "tpu-vm-base"),
+    # v2-alpha-tpuv4: the gcloud reference's queued-resources example (v4-8 in us-central2-b).
+    "v4": (*_TF_OLD, *_TF_PJRT, *_TF_SE, *_TF_218_V5P, "tpu-ubuntu2204-base", "tpu-vm-v4-base", "v2-alpha-tpuv4"),
     "v5e": (*_TF_PJRT, *_TF_218_V5E, "v2-alpha-tpuv5-lite", "v2-tpuv5-litepod"),
     "v5p": (*_TF_PJRT, *_TF_218_V5P, "v2-alpha-tpuv5"),
     "v6e": (*_tf_pjrt("2.16.1", "2.16.2", "2.17.0", "2.17.1"), *_TF_218_V5E, "v2-alpha-tpuv6e"),

@@ -34,6 +34,8 @@ GOOGLE_SAMPLES = [
     ("v5litepod-8", "us-central1-a", "tpu-vm-tf-2.18.0-pjrt-v5e-and-v6"),
     ("v5litepod-16", "us-central1-a", "tpu-vm-tf-2.18.0-pod-pjrt-v5e-and-v6"),
     ("v5litepod-16", "us-central1-a", "tpu-vm-tf-2.16.1-pod-pjrt"),
+    ("v3-8", "us-central1-a", "tpu-vm-tf-2.16.1-se"),  # a public gcloud script; tpu/docs/supported-tpu-versions
+    ("v4-8", "us-central2-b", "v2-alpha-tpuv4"),  # the gcloud reference's queued-resources example
 ]
 
 
@@ -146,6 +148,28 @@ def test_a_multi_host_slice_always_gets_a_pod_runtime(accelerator, zone):
     with pytest.raises(BadInput) as err:
         _plan(accelerator, zone, single)
     assert err.value.field == "runtime_version" and "-pod" in str(err.value)
+
+
+def test_stream_executor_images_run_on_v2_to_v4_only_and_a_slice_takes_their_pod_twin(clients, cat):
+    # tpu/docs/supported-tpu-versions: `-se` (stream executor) beside `-pjrt` from TF 2.15 on v2-v4; "TPU v5e and
+    # future TPU generations only support PJRT".
+    for accelerator, zone in (("v2-8", "us-central1-b"), ("v3-8", "us-central1-a"), ("v4-8", "us-central2-b")):
+        for release in ("2.15.0", "2.15.1", "2.16.1"):
+            assert cat.check(accelerator, zone, f"tpu-vm-tf-{release}-se", "tensorflow").name == accelerator
+    assert _plan("v4-32", "us-central2-b", "tpu-vm-tf-2.16.1-pod-se").runtime_version == "tpu-vm-tf-2.16.1-pod-se"
+    with pytest.raises(BadInput) as err:
+        _plan("v4-32", "us-central2-b", "tpu-vm-tf-2.16.1-se")
+    assert err.value.field == "runtime_version" and "tpu-vm-tf-2.16.1-pod-se" in str(err.value)
+    for accelerator, zone in (("v5litepod-8", "us-west4-a"), ("v5p-8", "us-east5-a")):
+        with pytest.raises(BadInput) as err:
+            cat.check(accelerator, zone, "tpu-vm-tf-2.16.1-se", "tensorflow")
+        assert err.value.field == "runtime_version"
+        with pytest.raises(gexc.BadRequest):  # 400, as the API answers a runtime the type lacks
+            clients.tpu.create_node(parent=clients.parent(zone), node_id="se",
+                                    node=tpu_v2.Node(accelerator_type=accelerator,
+                                                     runtime_version="tpu-vm-tf-2.16.1-se")).result(polling=FAST_POLLING)
+    # Only the releases Google names: no `-se` image of 2.16.2 or 2.17 is documented.
+    assert "tpu-vm-tf-2.17.0-se" not in facts.RUNTIMES_BY_GENERATION["v3"]
 
 
 @pytest.mark.parametrize("accelerator,zone,base", [("v3-8", "europe-west4-a", "tpu-ubuntu2204-base"),
