@@ -9,9 +9,11 @@
     and top-1 accuracy, weighted by the mask) and steps_per_execution, on the TensorFlow backend, without and
     with XLA (`jit_compile`). Each side computes them as its own training does: keras-hub with what its
     `MaskedLM` and `CausalLM` `compile()` default to (Keras' `SparseCategoricalCrossentropy(from_logits=True)`,
-    `SparseCategoricalAccuracy` and `AdamW`), tpuctl with what its templates compile (bert/layers.py's
-    `SparseSoftmaxCrossEntropy`, `TopOneAccuracy` and `AdamW`: the same values, gradients and updates in fewer
-    passes; tested equal to Keras' in tests/test_template_layers.py). Both masked LMs project to the vocabulary
+    `SparseCategoricalAccuracy` and `AdamW`), tpuctl with what its templates train and compile (the objective's
+    `trainer`: BERT's model with bert/layers.py's `SparseSoftmaxCrossEntropy`, GPT-2's `CausalLMTrainer` whose
+    loss differentiates straight into the tied embedding; `TopOneAccuracy` and `AdamW`: the same values,
+    gradients and updates in fewer passes; tested equal to Keras' in tests/test_template_layers.py and
+    tests/test_gpt2.py). Both masked LMs project to the vocabulary
     at 20 gathered positions per sequence (keras-hub's `mask_positions`). Per family and XLA setting, one fresh
     process (the peers' interpreter) builds both models and trains them in alternating
     windows (`--rounds` each, after a warm-up window each); a window's steady-state rate is timed between its
@@ -231,7 +233,12 @@ def train_worker(family: str, jit: bool, steps: int, rounds: int) -> dict:
         def on_train_begin(self, logs=None):
             self.ends = []
 
-    from bert.layers import AdamW, SparseSoftmaxCrossEntropy, TopOneAccuracy
+    from bert.layers import AdamW, TopOneAccuracy
+
+    if family == "bert":
+        from bert.train import MASKED_LM as objective
+    else:
+        from gpt2.train import CAUSAL_LM as objective
 
     runs = {}
     # "no-layers": tpuctl's model without its transformer layers (embeddings, head, loss, optimizer): how fast any
@@ -243,9 +250,9 @@ def train_worker(family: str, jit: bool, steps: int, rounds: int) -> dict:
         if who == "keras-hub":  # what keras-hub's compile(loss="auto", weighted_metrics="auto") picks
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
             metric, optimizer = keras.metrics.SparseCategoricalAccuracy(), keras.optimizers.AdamW(1e-4)
-        else:  # what bert/train.py's _compile picks for both templates
-            loss, metric = SparseSoftmaxCrossEntropy(reduction="mean_with_sample_weight"), TopOneAccuracy()
-            optimizer = AdamW(1e-4)
+        else:  # what bert/train.py trains and compiles for the template: its trainer, loss, metric and optimizer
+            net, loss = objective.trainer(net)
+            metric, optimizer = TopOneAccuracy(), AdamW(1e-4)
         net.compile(optimizer=optimizer, loss=loss, weighted_metrics=[metric],
                     steps_per_execution=STEPS_PER_EXECUTION, jit_compile=jit)
         ds = tf.data.Dataset.from_tensors((x, labels, weights)).repeat().prefetch(2)

@@ -241,6 +241,65 @@ def check_loss_and_accuracy() -> str:
     return keras.backend.backend()
 
 
+def check_tied_loss() -> str:
+    """tied_softmax_cross_entropy(labels, logits, hidden, E) against Keras' SparseCategoricalCrossentropy on
+    logits = hidden @ E^T, weighted (zero weights included): the same loss and the same gradients for hidden and
+    E, though it never forms the logits' gradient; eager, graph and XLA (TensorFlow), jit (JAX). Returns the
+    backend."""
+    import keras
+    import numpy as np
+    from keras import ops
+
+    from tpuctl.templates.bert.layers import TokenLoss, tied_softmax_cross_entropy
+
+    rng = np.random.default_rng(11)
+    batch, length, width, vocab = 3, 8, 16, 300
+    hidden = rng.normal(size=(batch, length, width)).astype("float32")
+    table = (rng.normal(size=(vocab, width)) * 0.5).astype("float32")
+    labels = rng.integers(0, vocab, size=(batch, length)).astype("int32")
+    labels[0, :3] = 7  # repeated labels: their embedding row's gradient sums every token's
+    weights = rng.integers(0, 2, size=(batch, length)).astype("float32")
+    weights[0, :3] = 1
+    keras_loss, token_loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="mean_with_sample_weight"), TokenLoss()
+
+    def theirs(h, e):
+        return keras_loss(labels, ops.matmul(h, ops.transpose(e)), sample_weight=weights)
+
+    def ours(h, e):
+        logits = ops.matmul(h, ops.transpose(e))  # what the model's head computed: no gradient flows through it
+        return token_loss(labels, tied_softmax_cross_entropy(labels, logits, h, e), sample_weight=weights)
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        def run(fn):
+            both = jax.value_and_grad(fn, argnums=(0, 1))
+            return [both(hidden, table), jax.jit(both)(hidden, table)]
+    else:
+        import tensorflow as tf
+
+        variable = keras.Variable(table)  # as the model's embedding: its gradient reaches the variable
+
+        def run(fn):
+            def both(h):
+                h = tf.convert_to_tensor(h)
+                with tf.GradientTape() as tape:
+                    tape.watch(h)
+                    value = fn(h, variable)
+                return value, tape.gradient(value, [h, variable.value])
+
+            return [both(hidden), tf.function(both)(hidden), tf.function(both, jit_compile=True)(hidden)]
+
+    (want, (want_h, want_e)), *_ = run(theirs)
+    for value, (grad_h, grad_e) in run(ours):
+        np.testing.assert_allclose(float(value), float(want), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(grad_h), np.asarray(want_h), rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(grad_e), np.asarray(want_e), rtol=1e-4, atol=1e-7)
+    assert np.abs(np.asarray(want_h)).max() > 1e-3 and np.abs(np.asarray(want_e)).max() > 1e-3  # not vacuous
+    return keras.backend.backend()
+
+
 def check_layer_norm() -> str:
     """LayerNormalization is Keras': the same variables, outputs and gradients (input, gamma, beta) eagerly, in a
     plain tf.function (its own gradient) and under XLA (Keras' path), in float32 and from bfloat16 inputs."""
@@ -370,6 +429,15 @@ def test_loss_and_accuracy_match_keras_on_tensorflow():
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 def test_loss_and_accuracy_match_keras_on_jax():
     assert on_jax("test_template_layers", "check_loss_and_accuracy") == "jax"
+
+
+def test_tied_loss_matches_keras_loss_through_the_logits_on_tensorflow():
+    assert check_tied_loss() == "tensorflow"
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
+def test_tied_loss_matches_keras_loss_through_the_logits_on_jax():
+    assert on_jax("test_template_layers", "check_tied_loss") == "jax"
 
 
 def test_layers_match_keras_on_tensorflow():

@@ -68,6 +68,14 @@ class Objective:
     def build_model(self, task, vocab_size: int):
         return self.module("model").build_model(task, vocab_size=vocab_size)
 
+    def trainer(self, model):
+        """(what `fit` trains, its loss): by default the model itself, with the vocabulary cross-entropy of its
+        logits. Either way the variables are the model's, and the model is what is checkpointed and exported."""
+        from .layers import SparseSoftmaxCrossEntropy
+
+        # Per-token loss x weight, summed, / sum of weights: the mean over the predicted tokens only.
+        return model, SparseSoftmaxCrossEntropy(reduction="mean_with_sample_weight")
+
     def dataset(self, cfg, manifest, batch_size: int, input_context):
         return self.module("data").make_dataset(
             cfg.runtime.data_dir, manifest, batch_size, mask_rate=cfg.task.mask_rate,
@@ -153,8 +161,9 @@ def run(cfg: BertConfig, *, log=None, objective: Objective = MASKED_LM) -> dict:
     strategy = resolved.strategy
     with strategy.scope():
         model = objective.build_model(cfg.task, manifest.vocab_size)
+        trainer, loss = objective.trainer(model)
         # JAX always compiles the step (eager JAX is op by op); TF compiles on TPU by itself.
-        optimizer = _compile(keras, model, tr, schedule, objective,
+        optimizer = _compile(keras, trainer, loss, tr, schedule, objective,
                              jit_compile=jax_backend or (rt.jit_compile and resolved.kind != "tpu"))
         ckpt_dir = join(rt.model_dir, "checkpoints")
         checkpoints.restore(checkpoints.latest(ckpt_dir), model, optimizer, processes=resolved.processes)
@@ -184,7 +193,7 @@ def run(cfg: BertConfig, *, log=None, objective: Objective = MASKED_LM) -> dict:
                                                              resolved.processes))
         else:
             dataset = strategy.distribute_datasets_from_function(dataset_for)
-        model.fit(dataset, epochs=1, steps_per_epoch=tr.max_steps - start, callbacks=[monitor], verbose=0,
+        trainer.fit(dataset, epochs=1, steps_per_epoch=tr.max_steps - start, callbacks=[monitor], verbose=0,
                   shuffle=False)
     if monitor.saved_step != tr.max_steps and start < tr.max_steps:
         monitor.save(tr.max_steps)
@@ -235,12 +244,12 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest, objective: Objective, *, writ
     return cfg
 
 
-def _compile(keras, model, tr, schedule, objective: Objective, *, jit_compile: bool):
-    """AdamW (no decay on biases and LayerNorm), loss and accuracy weighted by the examples' weights (BERT: the
+def _compile(keras, model, loss, tr, schedule, objective: Objective, *, jit_compile: bool):
+    """AdamW (no decay on biases and LayerNorm), `loss` and accuracy weighted by the examples' weights (BERT: the
     mask; GPT-2: all but each block's last position); slots built. In scope. The loss and accuracy are Keras'
     sparse cross-entropy and accuracy on logits, computed in fewer passes, and Keras' AdamW, in one kernel per
     variable without XLA (layers.py)."""
-    from .layers import AdamW, SparseSoftmaxCrossEntropy, TopOneAccuracy
+    from .layers import AdamW, TopOneAccuracy
 
     optimizer = AdamW(
         learning_rate=schedule, weight_decay=tr.weight_decay, beta_1=tr.adam_beta_1, beta_2=tr.adam_beta_2,
@@ -248,8 +257,7 @@ def _compile(keras, model, tr, schedule, objective: Objective, *, jit_compile: b
     optimizer.exclude_from_weight_decay(var_names=list(objective.no_weight_decay))
     model.compile(
         optimizer=optimizer,
-        # Per-token loss x weight, summed, / sum of weights: the mean over the predicted tokens only.
-        loss=SparseSoftmaxCrossEntropy(reduction="mean_with_sample_weight"),
+        loss=loss,
         weighted_metrics=[TopOneAccuracy(name=objective.accuracy)],
         steps_per_execution=tr.steps_per_execution, jit_compile=jit_compile)
     optimizer.build(model.trainable_variables)  # slots exist before restore: restored, not deferred

@@ -20,6 +20,7 @@ from .shared import bert
 
 _layers = bert("layers")
 Dropout, LayerNormalization, SelfAttention = _layers.Dropout, _layers.LayerNormalization, _layers.SelfAttention
+TokenLoss, tied_softmax_cross_entropy = _layers.TokenLoss, _layers.tied_softmax_cross_entropy
 
 STDDEV = 0.02
 
@@ -90,3 +91,23 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
         x = x + Dropout(task.dropout)(f)
     x = LayerNormalization(epsilon=eps, name="final_norm")(x)
     return keras.Model({"input_ids": ids}, embedding(x, reverse=True), name="gpt2_clm")
+
+
+class CausalLMTrainer(keras.Model):
+    """What `fit` trains for a GPT-2 model: the same layers and variables, with the final hidden states beside the
+    logits, so that the loss differentiates straight into them and the tied embedding
+    (layers.tied_softmax_cross_entropy) instead of through a [tokens, vocab] logits gradient. Compile it with
+    `TokenLoss` (which reduces the per-token losses this computes) and metrics on the logits. Save, export and
+    serve the model it was made from: that one maps ids to logits."""
+
+    def __init__(self, model: keras.Model, **kwargs):
+        super().__init__(model.inputs, {"logits": model.outputs[0], "hidden": model.get_layer("final_norm").output},
+                         **kwargs)
+        self.embedding = model.get_layer("token_embedding")
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        per_token = tied_softmax_cross_entropy(y, y_pred["logits"], y_pred["hidden"], self.embedding.embeddings)
+        return super().compute_loss(x, y, per_token, sample_weight, training)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        return super().compute_metrics(x, y, y_pred["logits"], sample_weight)

@@ -39,6 +39,13 @@ class CausalLM(_bert_train.Objective):
     no_weight_decay = (*_bert_train.Objective.no_weight_decay, "positions")
     config = config_mod
 
+    def trainer(self, model):
+        """The model with its final hidden states beside the logits, whose loss differentiates straight into them
+        and the tied embedding (model.CausalLMTrainer): the same loss and gradients, one pass over [tokens,
+        vocab] fewer each way."""
+        model_mod = self.module("model")
+        return model_mod.CausalLMTrainer(model), model_mod.TokenLoss()
+
     def dataset(self, cfg: Gpt2Config, manifest, batch_size: int, input_context):
         return self.module("data").make_dataset(
             cfg.runtime.data_dir, manifest, batch_size, shuffle_buffer=cfg.trainer.shuffle_buffer,
