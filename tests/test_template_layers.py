@@ -297,6 +297,18 @@ def check_tied_loss() -> str:
         np.testing.assert_allclose(np.asarray(grad_h), np.asarray(want_h), rtol=1e-4, atol=1e-7)
         np.testing.assert_allclose(np.asarray(grad_e), np.asarray(want_e), rtol=1e-4, atol=1e-7)
     assert np.abs(np.asarray(want_h)).max() > 1e-3 and np.abs(np.asarray(want_e)).max() > 1e-3  # not vacuous
+    # Mixed precision (TPU training): bfloat16 hidden states and head, float32 logits, loss and embedding gradient,
+    # within bfloat16's rounding of the float32 gradients.
+    def mixed(h, e):
+        h = ops.cast(h, "bfloat16")
+        logits = ops.cast(ops.matmul(h, ops.transpose(ops.cast(e, "bfloat16"))), "float32")
+        return token_loss(labels, tied_softmax_cross_entropy(labels, logits, h, e), sample_weight=weights)
+
+    for value, (grad_h, grad_e) in run(mixed):
+        np.testing.assert_allclose(float(value), float(want), rtol=2e-2)
+        for grad, exact in ((grad_h, want_h), (grad_e, want_e)):
+            grad, exact = np.asarray(ops.cast(grad, "float32")), np.asarray(exact)
+            assert np.abs(grad - exact).max() <= 2**-6 * np.abs(exact).max(), np.abs(grad - exact).max()
     return keras.backend.backend()
 
 

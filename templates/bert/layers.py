@@ -381,8 +381,9 @@ def tied_softmax_cross_entropy(labels, logits, hidden, embeddings):
             rows, tokens = ops.cast(ops.reshape(exp, (-1, vocab)), dtype), ops.reshape(hidden, (-1, width))
             kernel, ids, weight = ops.cast(embeddings, dtype), ops.reshape(labels, (-1,)), ops.cast(upstream, dtype)
             d_hidden = ops.matmul(rows, kernel) * scale - ops.take(kernel, ids, axis=0) * weight
-            d_embeddings = (ops.matmul(ops.transpose(rows), tokens * scale)
-                            - ops.segment_sum(tokens * weight, ids, num_segments=vocab))
+            # The segment sum in float32: a frequent label sums thousands of tokens, which bfloat16 would round.
+            d_embeddings = (ops.cast(ops.matmul(ops.transpose(rows), tokens * scale), "float32")
+                            - ops.segment_sum(ops.cast(tokens, "float32") * upstream, ids, num_segments=vocab))
             return (ops.reshape(d_hidden, hidden_shape), ops.cast(d_embeddings, embeddings.dtype),
                     ops.zeros_like(logits))  # dropped by the caller's stop_gradient
 
