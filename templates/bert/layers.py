@@ -148,12 +148,13 @@ def dropout(x, rate: float, seed_generator: keras.random.SeedGenerator):
 
 
 def _with_gradient(forward):
-    """`ops.custom_gradient` for a `forward(x)` that returns (value, gradient of the upstream gradient): Keras hands
-    the upstream gradient over positionally on TensorFlow and as `upstream=` on JAX; this takes either."""
+    """`ops.custom_gradient` for a `forward(*xs)` that returns (value, gradient of the upstream gradient: one per x,
+    a tuple where there are several): Keras hands the upstream gradient over positionally on TensorFlow and as
+    `upstream=` on JAX; this takes either."""
 
     @ops.custom_gradient
-    def wrapped(x):
-        value, gradient = forward(x)
+    def wrapped(*xs):
+        value, gradient = forward(*xs)
 
         def grad(*args, upstream=None):
             return gradient(args[0] if upstream is None else upstream)
@@ -346,14 +347,19 @@ def softmax_cross_entropy(labels, logits):
 
     @_with_gradient
     def per_token(logits):
-        top = ops.max(logits, axis=-1, keepdims=True)
-        exp = ops.exp(logits - top)
-        total = ops.sum(exp, axis=-1, keepdims=True)
-        picked = ops.take_along_axis(logits, labels[..., None], axis=-1)
-        loss = (ops.log(total) + top - picked)[..., 0]
+        loss, exp, total = _softmax_loss(labels, logits)
         return loss, lambda upstream: _scatter_sub(exp * (upstream[..., None] / total), labels, upstream)
 
     return per_token(logits)
+
+
+def _softmax_loss(labels, logits):
+    """(-log softmax(logits)[label], exp(logits - max), its sum): the loss and what its gradient reuses."""
+    top = ops.max(logits, axis=-1, keepdims=True)
+    exp = ops.exp(logits - top)
+    total = ops.sum(exp, axis=-1, keepdims=True)
+    picked = ops.take_along_axis(logits, labels[..., None], axis=-1)
+    return (ops.log(total) + top - picked)[..., 0], exp, total
 
 
 def tied_softmax_cross_entropy(labels, logits, hidden, embeddings):
@@ -367,16 +373,12 @@ def tied_softmax_cross_entropy(labels, logits, hidden, embeddings):
     hidden_shape, (vocab, width) = hidden.shape, embeddings.shape
     dtype = hidden.dtype  # the head's compute dtype (bfloat16 under mixed precision), as its matmuls ran
 
-    @ops.custom_gradient
+    @_with_gradient
     def per_token(hidden, embeddings, logits):
-        top = ops.max(logits, axis=-1, keepdims=True)
-        exp = ops.exp(logits - top)
-        total = ops.sum(exp, axis=-1, keepdims=True)
-        picked = ops.take_along_axis(logits, labels[..., None], axis=-1)
-        loss = (ops.log(total) + top - picked)[..., 0]
+        loss, exp, total = _softmax_loss(labels, logits)
 
-        def grad(*args, upstream=None):
-            upstream = ops.reshape(args[0] if upstream is None else upstream, (-1, 1))
+        def grad(upstream):
+            upstream = ops.reshape(upstream, (-1, 1))
             scale = ops.cast(upstream / ops.reshape(total, (-1, 1)), dtype)
             rows, tokens = ops.cast(ops.reshape(exp, (-1, vocab)), dtype), ops.reshape(hidden, (-1, width))
             kernel, ids, weight = ops.cast(embeddings, dtype), ops.reshape(labels, (-1,)), ops.cast(upstream, dtype)

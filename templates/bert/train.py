@@ -245,9 +245,9 @@ def _bind_model_dir(tf, cfg: BertConfig, manifest, objective: Objective, *, writ
 
 
 def _compile(keras, model, loss, tr, schedule, objective: Objective, *, jit_compile: bool):
-    """AdamW (no decay on biases and LayerNorm), `loss` and accuracy weighted by the examples' weights (BERT: the
-    mask; GPT-2: all but each block's last position); slots built. In scope. The loss and accuracy are Keras'
-    sparse cross-entropy and accuracy on logits, computed in fewer passes, and Keras' AdamW, in one kernel per
+    """AdamW (no decay on biases and LayerNorm), `loss` (the objective's trainer's) and accuracy weighted by the
+    examples' weights (BERT: the mask; GPT-2: all but each block's last position); slots built. In scope. The
+    accuracy is Keras' on logits, computed in fewer passes, and the optimizer Keras' AdamW, in one kernel per
     variable without XLA (layers.py)."""
     from .layers import AdamW, TopOneAccuracy
 
