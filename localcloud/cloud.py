@@ -172,7 +172,7 @@ class LocalCloud:
         `default_network=False`, `networks`, `subnetworks` ("REGION/NAME/NETWORK"), `compute_sa=False`,
         `service_accounts` (the only others that exist), `metadata` (project-wide, e.g. enable-oslogin),
         `denied_permissions`, `external_ips_denied` (org policy constraints/compute.vmExternalIpAccess), `tpu_quotas`
-        ({quota id: limit in every zone, or {zone: limit}}). Returns the project's shape. ValueError on unknown options."""
+        ({quota id: limit in every zone, or {zone: limit}, or {region: limit} for Compute Engine's}). Returns the project's shape. ValueError on unknown options."""
         return self.projects.shape(project, **options)
 
     def repair(self, node: str, state: str = "REPAIRING", seconds: float | None = None) -> None:
@@ -214,7 +214,9 @@ class LocalCloud:
             return t.nodes_create(p, q, body)
 
         def queued_create(p, q, body):
-            spot = "spot" in (body or {})  # as tpu.queued_create reads it
+            # Spot (as tpu.queued_create reads it) and flex-start requests draw on the preemptible quota
+            # (tpu/docs/request-using-flex-start: "sufficient preemptible quota").
+            spot = "spot" in (body or {}) or (body or {}).get("provisioningModel") == "FLEX_START"
             for spec in ((body or {}).get("tpu") or {}).get("nodeSpec") or []:
                 node = spec.get("node") or {}
                 pr.check_tpu_node(p["projectsId"], p["locationsId"], node, spec.get("nodeId") or "")

@@ -253,6 +253,7 @@ class ComputeService:
         with self.w.lock:
             if key in self.instances:
                 raise ApiError("ALREADY_EXISTS", f"The resource '{key}' already exists")
+            quota = self._tpu_quota(p["project"], p["zone"], m.group(2), body)
             inst = copy.deepcopy(body)
             inst_id = str(self.w.next_id())
             # compute/docs/instances/instance-lifecycle: "TPU instances start instead in the PENDING state", where
@@ -274,7 +275,7 @@ class ComputeService:
                 disk.pop("initializeParams", None)
             rec = {"instance": inst, "project": p["project"], "zone": p["zone"], "key": key,
                    "machine_type": m.group(2), "endpoints": [], "worker_key": f"vm-{p['project']}-{p['zone']}-{name}",
-                   "delete_ops": []}
+                   "delete_ops": [], "quota": quota}
             self.instances[key] = rec
             op = self._new_op(p, "insert", key, inst_id)
             self._meter(rec)
@@ -290,6 +291,20 @@ class ComputeService:
                 self.w.later(INSERT_S, "compute.insert_done", key=key, op=op_key)
             self.w.changed()
             return copy.deepcopy(op)
+
+    def _tpu_quota(self, project: str, zone: str, machine_type: str, body: dict) -> str | None:
+        """The Compute Engine TPU quota a TPU VM insert draws on, refused (403) past it (projects.py); None for
+        a VM without TPUs. Counted from the chips the project's TPU VMs in the region hold. Under the lock."""
+        tpu = facts.TPU_MACHINE_TYPES.get(machine_type)
+        if tpu is None:
+            return None
+        region = facts.region_of(zone)
+        in_use: dict[str, int] = {}
+        for rec in self.instances.values():
+            if rec["project"] == project and facts.region_of(rec["zone"]) == region and rec.get("quota"):
+                in_use[rec["quota"]] = in_use.get(rec["quota"], 0) + facts.TPU_MACHINE_TYPES[rec["machine_type"]].chips
+        model = (body.get("scheduling") or {}).get("provisioningModel") or "STANDARD"
+        return self.w.services["projects"].check_compute_tpu_quota(project, zone, tpu, model, in_use)
 
     def _insert_done(self, key: str, op: str) -> None:
         with self.w.lock:

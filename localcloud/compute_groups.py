@@ -257,7 +257,9 @@ class ComputeGroupsService:
                 try:
                     self.c.insert({"project": rec["project"], "zone": rec["zone"]}, {}, body)
                 except ApiError as err:
-                    rec["last_error"] = {"code": err.status, "message": err.message}
+                    # A quota refusal reads as Compute's operations name it (QUOTA_EXCEEDED), not as its HTTP 403.
+                    code = "QUOTA_EXCEEDED" if err.reason == "quotaExceeded" else err.status
+                    rec["last_error"] = {"code": code, "message": err.message}
                     continue
                 rec["members"][ikey] = {"name": body["name"]}
                 self.c.instances[ikey]["mig"] = key

@@ -275,13 +275,31 @@ class ProjectsService:
         if used + quotas.units(node["acceleratorType"]) > cap:
             raise quotas.exceeded(quota, zone, cap, project=project)
 
-    def quota_info_get(self, p: dict, q: dict, body: None) -> dict:
-        """Cloud Quotas `quotaInfos.get` of a Cloud TPU API quota, from the project's shape."""
-        if p["servicesId"] != quotas.SERVICE or p["locationsId"] != "global":
-            raise ApiError("NOT_FOUND", f"QuotaInfo {p['quotaInfosId']} of service {p['servicesId']} in "
-                           f"{p['locationsId']} was not found (localcloud serves {quotas.SERVICE} in global).")
+    def check_compute_tpu_quota(self, project: str, zone: str, tpu: facts.TpuMachineType, model: str,
+                                in_use: dict[str, int]) -> str | None:
+        """A TPU VM insert past Compute Engine's TPU quota in the zone's region (`in_use`: chips the project's
+        TPU VMs there hold, by the quota each drew on): 403 quotaExceeded naming the last quota tried. Returns
+        the quota the VM draws on (flex-start: the preemptible one, else the standard one)."""
+        region = facts.region_of(zone)
+        tried = quotas.compute_quotas(tpu.generation, model)
         with self.w.lock:
-            return quotas.quota_info(p["projectsId"], p["quotaInfosId"], self._shape(p["projectsId"]))
+            caps = [quotas.limit(self._shape(project), quota, region) for quota in tried]
+        for quota, cap in zip(tried, caps):
+            if in_use.get(quota, 0) + tpu.chips <= cap:
+                return quota
+        if tried:
+            raise quotas.compute_exceeded(tried[-1], region, caps[-1])
+        return None
+
+    def quota_info_get(self, p: dict, q: dict, body: None) -> dict:
+        """Cloud Quotas `quotaInfos.get` of a Cloud TPU API or a Compute Engine TPU quota, from the project's shape."""
+        served = (quotas.SERVICE, quotas.COMPUTE_SERVICE)
+        if p["servicesId"] not in served or p["locationsId"] != "global":
+            raise ApiError("NOT_FOUND", f"QuotaInfo {p['quotaInfosId']} of service {p['servicesId']} in "
+                           f"{p['locationsId']} was not found (localcloud serves {' and '.join(served)} in global).")
+        with self.w.lock:
+            return quotas.quota_info(p["projectsId"], p["quotaInfosId"], self._shape(p["projectsId"]),
+                                     p["servicesId"])
 
     def check_instance(self, project: str, zone: str, body: dict) -> None:
         """A VM insert naming a network, subnetwork, image or service account the project lacks (400, an

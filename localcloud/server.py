@@ -247,10 +247,7 @@ def quota_error(fault, service: str, zone: str | None, project: str | None) -> A
     google.rpc details. Cloud TPU: HTTP 429 RESOURCE_EXHAUSTED "Quota limit '...' has been exceeded", with
     a google.rpc.QuotaFailure (and ErrorInfo) detail unless the fault says `details: false`."""
     if service == "compute":
-        quota = fault.quota or "CPUS"
-        region = zone.rsplit("-", 1)[0] if zone else "global"
-        return ApiError("PERMISSION_DENIED", f"Quota '{quota}' exceeded.  Limit: 0.0 in region {region}.",
-                        reason="quotaExceeded")
+        return quotas.compute_exceeded(fault.quota or "CPUS", zone.rsplit("-", 1)[0] if zone else "global", 0)
     quota = fault.quota or {"tpu": "TPUV3sPerProjectPerZoneForTPUAPI"}.get(service, f"{service}.googleapis.com/requests")
     return quotas.exceeded(quota, zone or None, 0, project=project, service=f"{service}.googleapis.com",
                            details=fault.details is not False)

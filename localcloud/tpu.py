@@ -153,10 +153,15 @@ class TpuService:
         return rec
 
     def in_use(self, project: str, zone: str) -> list[tuple[str, bool]]:
-        """(accelerator type, spot) of every node `project` holds in `zone`, for the quota check."""
+        """(accelerator type, draws on the preemptible quota) of every node `project` holds in `zone`, for the
+        quota check: spot and preemptible nodes, and those of a flex-start queued resource."""
         with self.w.lock:
-            return [(rec["type"], rec["spot"]) for rec in self.nodes.values()
+            return [(rec["type"], rec["spot"] or self._flex_start(rec)) for rec in self.nodes.values()
                     if rec["project"] == project and rec["zone"] == zone]
+
+    def _flex_start(self, rec: dict) -> bool:
+        qr = self.queued.get(rec["node"].get("queuedResource") or "")
+        return qr is not None and qr["qr"].get("provisioningModel") == "FLEX_START"
 
     def view(self, rec: dict) -> dict:
         """The Node body a GET returns."""

@@ -17,6 +17,7 @@ from tpuctl.catalog import AcceleratorType, Catalog, region_of
 from tpuctl.errors import BadInput
 from tpuctl.provision import labels as L
 from tpuctl.provision.bucket import ROLE
+from tpuctl.provision.preflight import quota_checks
 from tpuctl.provision.resources import Kind
 from tpuctl.spec import RunSpec, VmSpec, format_duration
 
@@ -85,6 +86,8 @@ class Plan:
             "bucket": f"gs://{self.bucket}", "bucket_soft_delete": format_duration(self.bucket_soft_delete_s)
             if self.bucket_soft_delete_s else "0s", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
             "internal_ips": self.internal_ips,
+            # The quota each create of the failover list is checked against (preflight), before anything is asked.
+            "quotas": [q.to_json() for q in quota_checks(self.accelerator, self.provisioning, self.zones)],
             "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
             "steps": [{"key": s.key, "kind": s.kind.value, "name": s.name, "location": s.location,
                        "after": list(s.after), "price_per_hour": round(s.price_per_hour, 4), "detail": s.detail}

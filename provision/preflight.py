@@ -7,14 +7,18 @@ that cannot be made (the caller may not read Service Usage or the org policy) is
 
 Checks (their primary sources are cited in localcloud/README.md, which answers them from its own state):
 - apis: Service Usage `services.batchGet` for the APIs a run calls;
-- network, subnetwork: Compute `networks.get` / `subnetworks.get`;
+- network, subnetwork: Compute `networks.get` / `subnetworks.get` (the subnetwork in every region of the
+  zone failover list: a failover creates there);
 - service-account: IAM `serviceAccounts.get` of the TPU's account (the default compute account exists only
   once the Compute Engine API was enabled);
-- permissions: Resource Manager `projects.testIamPermissions` for what `up` and `down` do;
+- permissions: Resource Manager `projects.testIamPermissions` for what `up` and `down` do (a TPU sold as a
+  Compute Engine machine type, TPU7x, needs Compute Engine's instead of the TPU API's);
 - external-ips: Org Policy `getEffectivePolicy` of constraints/compute.vmExternalIpAccess, unless the workers
   get internal IPs only (`--internal-ips`);
 - os-login: Compute `projects.get`; with `enable-oslogin` TRUE tpuctl must know the caller's account;
-- tpu-quota: Cloud Quotas `quotaInfos.get` of the TPU API quota the slice draws on, in each zone of the plan.
+- tpu-quota: Cloud Quotas `quotaInfos.get` of the quota the slice draws on, in each zone of the plan: the
+  Cloud TPU API's (per zone; spot, preemptible and flex-start slices its preemptible quota), or for TPU7x
+  Compute Engine's (per region, `quota_checks`).
   A slice larger than the zone's limit can never be created there, so `up` stops (exit 3) when no zone of
   the plan has room, naming the quota and where to raise it. QuotaInfo carries limits, not usage (usage
   lives in Cloud Monitoring), so a slice that fits the limit but not what is left of it still meets
@@ -24,7 +28,7 @@ Checks (their primary sources are cited in localcloud/README.md, which answers t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -37,14 +41,26 @@ from tpuctl.provision.clients import Clients
 
 SERVICES = ("tpu.googleapis.com", "compute.googleapis.com", "storage.googleapis.com", "iam.googleapis.com")
 # What `up` (TPU, bucket, bucket IAM, acting as the TPU's service account) and `down` need on the project.
+TPU_PERMISSIONS = ("tpu.nodes.create", "tpu.nodes.get", "tpu.nodes.delete", "tpu.nodes.update", "tpu.operations.get")
 PERMISSIONS = (
-    "tpu.nodes.create", "tpu.nodes.get", "tpu.nodes.delete", "tpu.nodes.update", "tpu.operations.get",
+    *TPU_PERMISSIONS,
     "storage.buckets.create", "storage.buckets.get", "storage.buckets.getIamPolicy", "storage.buckets.setIamPolicy",
     "iam.serviceAccounts.actAs",
 )
 EXTERNAL_IP_CONSTRAINT = "compute.vmExternalIpAccess"
 QUEUED_PERMISSIONS = ("tpu.queuedresources.create", "tpu.queuedresources.get", "tpu.queuedresources.delete")
 VM_PERMISSIONS = ("compute.instances.create", "compute.instances.delete", "compute.instances.get")
+# A TPU sold as a Compute Engine machine type (TPU7x) is an instance tpuctl writes ssh-keys metadata to
+# (provision/compute_tpu.py); a multi-host slice is also a regional instance template, a workload policy
+# (resource policy) and a managed instance group (compute/docs/tpus/create-tpu-mig-multi-host-slice). These
+# replace the tpu.* permissions.
+COMPUTE_TPU_PERMISSIONS = (*VM_PERMISSIONS, "compute.instances.setMetadata")
+MIG_PERMISSIONS = (
+    "compute.instanceTemplates.create", "compute.instanceTemplates.get", "compute.instanceTemplates.delete",
+    "compute.instanceTemplates.useReadOnly", "compute.instanceGroupManagers.create",
+    "compute.instanceGroupManagers.get", "compute.instanceGroupManagers.delete", "compute.resourcePolicies.create",
+    "compute.resourcePolicies.get", "compute.resourcePolicies.delete", "compute.resourcePolicies.use",
+)
 
 
 # The API each check calls: when it is disabled the check reports that, not the 403 it got.
@@ -52,6 +68,18 @@ NEEDS = {"network": "compute.googleapis.com", "subnetwork": "compute.googleapis.
          "os-login": "compute.googleapis.com", "service-account": "iam.googleapis.com"}
 
 QUOTA_SERVICE = "tpu.googleapis.com"
+COMPUTE_QUOTA_SERVICE = "compute.googleapis.com"
+# Compute Engine's TPU quotas (compute/resource-usage, "TPU quota"; sources in localcloud/README.md), per region
+# and in chips: on-demand VMs draw on the quota every TPU family shares (its tpu_family dimension picks the
+# family's limit), Spot and flex-start VMs on the generation's preemptible quota, and a flex-start VM on the
+# standard quota when the preemptible one has no room (compute/docs/instances/provisioning-models).
+COMPUTE_FAMILY_QUOTA = "TPUS-PER-TPU-FAMILY-per-project-region"
+_COMPUTE_QUOTA = {"tpu7x": ("tpu7x", "PREEMPTIBLE-TPU7X-per-project-region")}  # generation: (tpu_family, preemptible)
+# Provisioning models that draw on preemptible quota: flex-start too (tpu/docs/request-using-flex-start: "make
+# sure that you have sufficient preemptible quota"; compute/docs/instances/provisioning-models).
+PREEMPTIBLE_QUOTA = ("spot", "preemptible", "flex-start")
+QUOTA_DOCS = {QUOTA_SERVICE: "cloud.google.com/tpu/docs/quota",
+              COMPUTE_QUOTA_SERVICE: "cloud.google.com/compute/resource-usage#tpu_quota"}
 # The Cloud TPU API's quota ids, as Google's 429s and `gcloud quotas info list --service=tpu.googleapis.com`
 # name them (sources in localcloud/README.md, "TPU quota"): TPU{GEN}[Preemptible][Pod]PerProjectPerZoneForTPUAPI.
 # Spot and preemptible slices draw on the Preemptible quota (cloud.google.com/tpu/docs/quota); v2/v3 single
@@ -91,16 +119,59 @@ def quota_units(accelerator: AcceleratorType) -> int:
     return accelerator.cores if accelerator.generation in ("v2", "v3") else accelerator.chips
 
 
-def zone_limit(info: dict, zone: str) -> int | None:
-    """The limit a QuotaInfo (REST JSON) sets in `zone`; None when unlimited or no entry applies.
-    `dimensionsInfos` run from most to least specific; an entry applies when each of its dimensions matches."""
-    region = region_of(zone)
+def limit_in(info: dict, dimensions: Mapping[str, str]) -> int | None:
+    """The limit a QuotaInfo (REST JSON) sets where `dimensions` (zone, region, tpu_family) say; None when
+    unlimited or no entry applies. `dimensionsInfos` run from most to least specific; an entry applies when
+    each of its dimensions matches."""
     for entry in info.get("dimensionsInfos") or []:
-        dims = entry.get("dimensions") or {}
-        if dims.get("zone", zone) == zone and dims.get("region", region) == region:
+        if all(dimensions.get(k) == v for k, v in (entry.get("dimensions") or {}).items()):
             value = int((entry.get("details") or {}).get("value", -1))
             return None if value < 0 else value
     return None
+
+
+@dataclass(frozen=True)
+class QuotaCheck:
+    """What a create in `zone` is checked against: Cloud Quotas' `service` and the `quotas` it draws on, in the
+    order Google tries them (a second one only for flex-start on Compute Engine), each with the dimensions
+    that pick its limit there, and the `need` in the quota's unit."""
+
+    zone: str
+    service: str
+    quotas: tuple[str, ...]
+    dimensions: tuple[Mapping[str, str], ...]
+    need: int
+
+    @property
+    def where(self) -> str:
+        """Where the limit applies: the zone (Cloud TPU API) or its region (Compute Engine)."""
+        return self.dimensions[0].get("zone") or self.dimensions[0]["region"]
+
+    def to_json(self) -> dict:
+        first, *rest = ({"quota": q, "dimensions": dict(d)} for q, d in zip(self.quotas, self.dimensions))
+        return {"zone": self.zone, "service": self.service, **first, "needs": self.need,
+                **({"fallback": rest} if rest else {})}
+
+
+def quota_checks(accelerator: AcceleratorType, provisioning: str, zones: tuple[str, ...]) -> tuple[QuotaCheck, ...]:
+    """The quota each create of the zone failover list is checked against; () for a type with no known quota."""
+    preemptible = provisioning in PREEMPTIBLE_QUOTA
+    if accelerator.api == "compute":
+        if accelerator.generation not in _COMPUTE_QUOTA:
+            return ()
+        family, preemptible_id = _COMPUTE_QUOTA[accelerator.generation]
+        if provisioning == "flex-start":
+            ids = (preemptible_id, COMPUTE_FAMILY_QUOTA)
+        else:
+            ids = (preemptible_id,) if preemptible else (COMPUTE_FAMILY_QUOTA,)
+        return tuple(QuotaCheck(z, COMPUTE_QUOTA_SERVICE, ids, tuple(
+            {"region": region_of(z), **({"tpu_family": family} if q == COMPUTE_FAMILY_QUOTA else {})} for q in ids),
+            accelerator.chips) for z in zones)
+    quota = tpu_quota_id(accelerator, preemptible)
+    if quota is None:
+        return ()
+    return tuple(QuotaCheck(z, QUOTA_SERVICE, (quota,), ({"region": region_of(z), "zone": z},),
+                            quota_units(accelerator)) for z in zones)
 
 
 @dataclass(frozen=True)
@@ -116,14 +187,19 @@ class Target:
     internal_ips: bool = False
     accelerator: AcceleratorType | None = None  # None: the TPU quota is not checked
     zones: tuple[str, ...] = ()
-    spot: bool = False
+    provisioning: str = "on-demand"
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        """Every region the zone failover list reaches, the first zone's first."""
+        return tuple(dict.fromkeys([*([self.region] if self.region else []), *map(region_of, self.zones)]))
 
     @classmethod
     def of_plan(cls, plan) -> Target:
         return cls(region=plan.region, network=plan.network, subnet=plan.subnet,
                    service_account=plan.service_account, queued=plan.provisioning == "queued", vms=bool(plan.vms),
                    internal_ips=plan.internal_ips, accelerator=plan.accelerator, zones=tuple(plan.zones),
-                   spot=plan.spot)
+                   provisioning=plan.provisioning)
 
     @classmethod
     def of_spec(cls, spec, catalog: Catalog) -> Target:
@@ -133,7 +209,7 @@ class Target:
                    subnet=spec.subnet, service_account=spec.service_account, queued=spec.provisioning == "queued",
                    vms=bool(spec.vms), internal_ips=spec.internal_ips,
                    accelerator=catalog.accelerator(spec.accelerator) if known else None, zones=tuple(spec.zones),
-                   spot=spec.provisioning in ("spot", "preemptible"))
+                   provisioning=spec.provisioning)
 
 
 @dataclass(frozen=True)
@@ -183,18 +259,23 @@ def _network(clients: Clients, target: Target) -> Check:
 
 
 def _subnetwork(clients: Clients, target: Target) -> Check:
+    """The subnetwork in every region of the zone failover list: a create that fails over creates there."""
     name = _last(target.subnet or target.network)
-    what = f"subnetwork {name} in {target.region}"
-    try:
-        waits.call(lambda: clients.subnetworks.get(project=clients.project, region=target.region, subnetwork=name),
-                   what=f"read {what}")
-    except TpuctlError as exc:
-        if not isinstance(exc.__cause__, gexc.NotFound):
-            raise
-        return Check("subnetwork", "problem", f"{what} does not exist",
+    missing = []
+    for region in target.regions:
+        try:
+            waits.call(lambda r=region: clients.subnetworks.get(project=clients.project, region=r, subnetwork=name),
+                       what=f"read subnetwork {name} in {region}")
+        except TpuctlError as exc:
+            if not isinstance(exc.__cause__, gexc.NotFound):
+                raise
+            missing.append(region)
+    if missing:
+        return Check("subnetwork", "problem", f"subnetwork {name} in {', '.join(missing)} does not exist",
                      f"create it (gcloud compute networks subnets create {name} --network {_last(target.network)} "
-                     f"--region {target.region} --range 10.128.0.0/20), or name another with --subnet/`subnet:`")
-    return Check("subnetwork", "ok", f"{what} exists")
+                     f"--region REGION --range 10.128.0.0/20 for each of {', '.join(missing)}), or name another "
+                     "with --subnet/`subnet:`, or drop the zones there")
+    return Check("subnetwork", "ok", f"subnetwork {name} in {', '.join(target.regions)} exists")
 
 
 def _service_account(clients: Clients, target: Target) -> Check:
@@ -214,16 +295,30 @@ def _service_account(clients: Clients, target: Target) -> Check:
     return Check("service-account", "ok", f"service account {email} exists")
 
 
+def permissions_for(target: Target) -> tuple[str, ...]:
+    """What `up` and `down` of `target` need on the project: a TPU sold as a Compute Engine machine type needs
+    Compute Engine's permissions (a multi-host one its MIG's too) instead of the TPU API's, a queued or Cloud
+    TPU flex-start one the queued-resource permissions."""
+    acc = target.accelerator
+    wanted: tuple[str, ...] = PERMISSIONS
+    if acc is not None and acc.api == "compute":
+        wanted = tuple(p for p in wanted if p not in TPU_PERMISSIONS) + COMPUTE_TPU_PERMISSIONS \
+            + (MIG_PERMISSIONS if acc.hosts > 1 else ())
+    elif target.queued or target.provisioning == "flex-start":
+        wanted += QUEUED_PERMISSIONS
+    return tuple(dict.fromkeys(wanted + (VM_PERMISSIONS if target.vms else ())))
+
+
 def _permissions(clients: Clients, target: Target) -> Check:
-    wanted = PERMISSIONS + (QUEUED_PERMISSIONS if target.queued else ()) + (VM_PERMISSIONS if target.vms else ())
+    wanted = permissions_for(target)
     resp = waits.call(lambda: clients.projects.test_iam_permissions(
         request={"resource": f"projects/{clients.project}", "permissions": list(wanted)}),
         what=f"test your permissions on project {clients.project}")
     missing = [p for p in wanted if p not in set(resp.permissions)]
     if missing:
         return Check("permissions", "problem", f"missing on project {clients.project}: {', '.join(missing)}",
-                     "ask for TPU Admin, Storage Admin and Service Account User (and Compute Instance Admin for VMs) "
-                     "on the project", tuple(missing))
+                     "ask for TPU Admin, Storage Admin and Service Account User (and Compute Instance Admin for VMs "
+                     "and TPU7x) on the project", tuple(missing))
     return Check("permissions", "ok", f"{len(wanted)} permissions held")
 
 
@@ -254,28 +349,31 @@ def _os_login(clients: Clients, target: Target) -> Check:
 
 def _tpu_quota(clients: Clients, target: Target) -> Check:
     acc = target.accelerator
-    quota = tpu_quota_id(acc, target.spot)
-    if quota is None:
-        return Check("tpu-quota", "unknown", f"not checked: {acc.name} draws on a Compute Engine quota")
-    try:
-        info = waits.call(lambda: clients.get_json(
-            "cloudquotas", f"v1/projects/{clients.project}/locations/global/services/{QUOTA_SERVICE}/quotaInfos/{quota}"),
-            what=f"read the quota {quota}")
-    except TpuctlError as exc:
-        # Reading quota is optional: the create itself reports a quota it meets (exit 3).
-        return Check("tpu-quota", "unknown", f"not checked: {exc.message}",
-                     f"to have it checked before create: gcloud services enable cloudquotas.googleapis.com --project "
-                     f"{clients.project}, and roles/cloudquotas.viewer")
-    need = quota_units(acc)
-    limits = {z: zone_limit(info, z) for z in target.zones}
-    short = {z: n for z, n in limits.items() if n is not None and n < need}
-    shown = ", ".join(f"{z} {'unlimited' if n is None else n}" for z, n in limits.items())
-    if limits and len(short) == len(limits):
-        return Check("tpu-quota", "problem", f"{acc.name} needs {need} of quota {quota}; its limit is {shown}",
-                     f"raise {quota} in {', '.join(short)} on the Quotas page, {QUOTAS_PAGE}?project={clients.project} "
-                     "(cloud.google.com/tpu/docs/quota), or pick a smaller type or another zone", (quota,))
-    note = f" (not enough in {', '.join(short)})" if short else ""
-    return Check("tpu-quota", "ok", f"{quota}: {shown} for {need} needed{note}")
+    wanted = quota_checks(acc, target.provisioning, target.zones)
+    if not wanted:
+        return Check("tpu-quota", "unknown", f"not checked: no known quota for {acc.name}")
+    infos: dict[str, dict] = {}
+    for quota in dict.fromkeys(q for w in wanted for q in w.quotas):
+        path = f"v1/projects/{clients.project}/locations/global/services/{wanted[0].service}/quotaInfos/{quota}"
+        try:
+            infos[quota] = waits.call(lambda p=path: clients.get_json("cloudquotas", p), what=f"read the quota {quota}")
+        except TpuctlError as exc:
+            # Reading quota is optional: the create itself reports a quota it meets (exit 3).
+            return Check("tpu-quota", "unknown", f"not checked: {exc.message}",
+                         f"to have it checked before create: gcloud services enable cloudquotas.googleapis.com "
+                         f"--project {clients.project}, and roles/cloudquotas.viewer")
+    need, names = wanted[0].need, " or ".join(wanted[0].quotas)
+    # Per zone, the limit of each quota the create may draw on (None: unlimited); it fits if any has room.
+    limits = {w.zone: [limit_in(infos[q], d) for q, d in zip(w.quotas, w.dimensions)] for w in wanted}
+    short = [w for w in wanted if all(n is not None and n < need for n in limits[w.zone])]
+    shown = ", ".join(f"{z} {'/'.join('unlimited' if n is None else str(n) for n in ns)}" for z, ns in limits.items())
+    if len(short) == len(wanted):
+        where = ", ".join(dict.fromkeys(w.where for w in short))
+        return Check("tpu-quota", "problem", f"{acc.name} needs {need} of quota {names}; its limit is {shown}",
+                     f"raise {names} in {where} on the Quotas page, {QUOTAS_PAGE}?project={clients.project} "
+                     f"({QUOTA_DOCS[wanted[0].service]}), or pick a smaller type or another zone", wanted[0].quotas)
+    note = f" (not enough in {', '.join(w.zone for w in short)})" if short else ""
+    return Check("tpu-quota", "ok", f"{names}: {shown} for {need} needed{note}")
 
 
 def checks(clients: Clients, target: Target) -> list[Check]:

@@ -17,8 +17,9 @@ SECTION = "Provision and inspect"
 @click.argument("spec_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--cloud", type=click.Choice(config.TARGETS), help="force the target (default: auto)")
 @click.option("--project", help="Google Cloud project [env TPUCTL_PROJECT]")
-@click.option("--zone", help="zone (its region's subnetwork is checked) [env TPUCTL_ZONE]")
-@click.option("--accelerator", help="TPU type: its TPU quota in the zone is checked")
+@click.option("--zone", help="zone, or a failover list (the subnetwork of each region is checked) [env TPUCTL_ZONE]")
+@click.option("--accelerator", help="TPU type: its quota in each zone is checked (TPU7x: Compute Engine's quota "
+              "and permissions)")
 @click.option("--network", help="VPC network the TPU joins (default: default)")
 @click.option("--subnet", help="subnetwork in the zone's region")
 @click.option("--service-account", help="email the TPU VM runs as (default: the project's compute SA)")
