@@ -233,3 +233,16 @@ def no_metadata_server() -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return {"GCE_METADATA_IP": f"127.0.0.1:{port}", "GCE_METADATA_HOST": f"127.0.0.1:{port}"}
+
+
+@pytest.fixture
+def cli_stderr(monkeypatch):
+    """What an in-process CLI (click's CliRunner) writes to stderr: tpuctl's console keeps the stream it found
+    at import, which CliRunner does not replace."""
+    import io
+
+    from tpuctl import console
+
+    buf = io.StringIO()
+    monkeypatch.setattr(console.err, "file", buf)
+    return buf

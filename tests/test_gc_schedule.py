@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import stat
 from pathlib import Path
@@ -10,7 +9,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tpuctl import console
 from tpuctl.cli import cli
 from tpuctl.provision import gc
 
@@ -120,25 +118,17 @@ def test_the_scheduled_gc_carries_every_flag_given_and_pins_the_cloud(home, monk
     assert service.split("ExecStart=")[1].splitlines()[0].endswith(" gc " + command)
 
 
-@pytest.fixture
-def stderr(monkeypatch) -> io.StringIO:
-    """The CLI's stderr: its console keeps the stream it found at import, which CliRunner does not replace."""
-    buf = io.StringIO()
-    monkeypatch.setattr(console.err, "file", buf)
-    return buf
-
-
-def test_scheduling_google_cloud_without_credentials_is_refused(home, no_metadata_server, monkeypatch, stderr):
+def test_scheduling_google_cloud_without_credentials_is_refused(home, no_metadata_server, monkeypatch, cli_stderr):
     for name, value in no_metadata_server.items():
         monkeypatch.setenv(name, value)
     result = CliRunner().invoke(cli, ["gc", "--schedule", "--project", "my-proj"])
-    assert result.exit_code == 2 and "error: credentials: project my-proj" in stderr.getvalue()
+    assert result.exit_code == 2 and "error: credentials: project my-proj" in cli_stderr.getvalue()
     assert gc.CRON_MARK not in result.stdout
 
 
 @pytest.mark.parametrize("args,field", [(["--every", "5m"], "every"), (["--schedule", "--idle", "0"], "idle")])
-def test_a_flag_that_does_nothing_alone_or_a_zero_idle_is_an_error(args, field, home, stderr):
+def test_a_flag_that_does_nothing_alone_or_a_zero_idle_is_an_error(args, field, home, cli_stderr):
     """--every without a schedule was silently ignored; --idle 0 meant "off" though 0 is refused everywhere."""
     result = CliRunner().invoke(cli, ["gc", *args])
-    assert result.exit_code == 2 and f"error: {field}: " in stderr.getvalue()
+    assert result.exit_code == 2 and f"error: {field}: " in cli_stderr.getvalue()
     assert gc.CRON_MARK not in result.stdout
