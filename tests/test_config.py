@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tpuctl import config
@@ -125,3 +127,11 @@ def test_zero_never_means_off_for_the_local_clouds_idle_stop():
         with pytest.raises(BadInput) as e:
             config.local_idle_stop_s(value, env=env)
         assert "zero" in e.value.message
+
+
+def test_tpuctl_home_moves_the_user_config_file_and_the_readme_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    (tmp_path / "config.yaml").write_text("zone: asia-east1-c\n")
+    assert config.user_config() == {"zone": "asia-east1-c"}
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "config.yaml" in next(line for line in readme.splitlines() if line.startswith("| `TPUCTL_HOME`"))
