@@ -225,8 +225,8 @@ def test_no_command_prints_a_traceback_for_missing_credentials(no_credentials, c
 
 
 def test_the_readme_cloud_run_gc_without_credentials_fails_instead_of_cleaning_the_emulator(no_credentials):
-    """The README's Cloud Run job, where the metadata server is missing: it scanned an empty embedded local
-    cloud and exited 0."""
+    """The README's Cloud Run job as first written (no --cloud), where the metadata server is missing: it
+    scanned an empty embedded local cloud and exited 0."""
     p = tpuctl(dict(os.environ), "gc", "--yes", "--project", "P", "--all-owners", "--budget", "50", "--json")
     assert "gcloud auth application-default login" in _one_error(p, 2, "error: credentials: project P") + p.stderr
     assert p.stdout == "" and not (no_credentials / "home" / "localcloud").exists()
