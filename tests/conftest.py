@@ -190,3 +190,59 @@ def cloud(localcloud):
 def clients(cloud) -> OfficialClients:
     """Official clients in a fresh project (resources of other tests are invisible to list calls)."""
     return official_clients(cloud, new_project())
+
+
+@pytest.fixture
+def metadata_server():
+    """A Compute Engine metadata server stand-in on 127.0.0.1, as Cloud Run, Compute Engine and GKE give one:
+    it answers google.auth's detection probe (`GET /` with `Metadata-Flavor: Google` -> 200 with that header,
+    google/auth/compute_engine/_metadata.py `ping`). Yields the environment that points Google's libraries at
+    it: GCE_METADATA_IP (where google.auth probes) and GCE_METADATA_HOST (where it asks for tokens)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.headers.get("Metadata-Flavor") == "Google"
+            self.send_response(200 if ok else 403)
+            self.send_header("Metadata-Flavor", "Google")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        yield {"GCE_METADATA_IP": host, "GCE_METADATA_HOST": host}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def no_metadata_server() -> dict:
+    """The environment of a machine off Google Cloud: google.auth's metadata probe meets a closed port on
+    127.0.0.1 (refused at once, where 169.254.169.254 could hang or, on a Google VM, answer)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"GCE_METADATA_IP": f"127.0.0.1:{port}", "GCE_METADATA_HOST": f"127.0.0.1:{port}"}
+
+
+@pytest.fixture
+def cli_stderr(monkeypatch):
+    """What an in-process CLI (click's CliRunner) writes to stderr: tpuctl's console keeps the stream it found
+    at import, which CliRunner does not replace."""
+    import io
+
+    from tpuctl import console
+
+    buf = io.StringIO()
+    monkeypatch.setattr(console.err, "file", buf)
+    return buf

@@ -15,8 +15,16 @@ import sys
 import time
 import uuid
 
+from pathlib import Path
+
+import click
 import pytest
+from click.testing import CliRunner
 from conftest import tpuctl
+
+from tpuctl import api as tpuctl_api
+from tpuctl import local as tpuctl_local
+from tpuctl.errors import LocalCloudError, NotFound
 
 from test_jobs_harness import STANDIN
 from test_provision import everything
@@ -144,11 +152,99 @@ def test_down_of_an_invalid_name_is_bad_input(env, pc):
     _one_error(tpuctl(env, "down", "No_Such", "--yes"), 2, "error: run: ")
 
 
-def test_down_of_a_run_with_nothing_says_so_and_suggests_the_closest_run(jobless):
-    p = tpuctl(jobless, "down", "r2", "--yes")
-    assert p.returncode == 0 and "nothing to delete" in p.stderr and "did you mean r1" in p.stderr, p.stderr
-    doc = json.loads(tpuctl(jobless, "down", "r2", "--yes", "--json").stdout)
-    assert doc["closest_run"] == "r1" and doc["deleted"] == []
+def test_down_of_a_run_that_does_not_exist_exits_2_and_suggests_the_closest_run(jobless):
+    """A script tearing down the wrong name must learn it: exit 2 (a run that does not exist), not 0."""
+    for extra in ((), ("--json",)):
+        p = tpuctl(jobless, "down", "r2", "--yes", *extra)
+        assert "tpuctl-run=r2" in _one_error(p, 2, "error: run: ") and "did you mean r1" in p.stderr, p.stderr
+    with pytest.raises(NotFound) as e:  # the library as the CLI
+        tpuctl_api.down("r2", project=jobless["TPUCTL_PROJECT"], cloud="local")
+    assert e.value.field == "run"
+
+
+# ---------------------------------------------------------------------------------- no credentials
+
+# Every command that talks to a cloud, with what it needs to get that far.
+CLOUD_COMMANDS = {
+    "catalog refresh": (), "cost": (), "gc": ("--dry-run",), "status": (), "list": (), "down": ("r1", "--yes"),
+    "up": ("--accelerator", "v3-8", "--zone", "europe-west4-a", "--dry-run"),
+    "doctor": ("--accelerator", "v3-8", "--zone", "europe-west4-a"),
+    "run": (str(Path(__file__).parents[1] / "examples" / "bert-tiny.yaml"), "--dry-run"),
+    "ssh": ("r1",), "logs": ("r1",), "job status": ("r1",), "job cancel": ("r1",),
+    "export": ("r1", "--format", "hf", "--out", "hf-out"),
+}
+
+
+def _cloud_commands(group: click.Group, path: tuple[str, ...] = ()):
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from _cloud_commands(command, (*path, name))
+        elif any(p.name == "cloud" for p in command.params):
+            yield " ".join((*path, name))
+
+
+@pytest.fixture
+def no_credentials(tmp_path, monkeypatch, no_metadata_server):
+    """A machine off Google Cloud with no key and no gcloud login, a project named, no local cloud in sight."""
+    for name in list(os.environ):
+        if name.startswith(("TPUCTL_", "GOOGLE_", "CLOUDSDK_", "GCE_")) or name == "STORAGE_EMULATOR_HOST":
+            monkeypatch.delenv(name)
+    for name, value in {**no_metadata_server, "HOME": str(tmp_path), "TPUCTL_HOME": str(tmp_path / "home"),
+                        "TPUCTL_PROJECT": "my-proj", "NO_COLOR": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_no_command_prints_a_traceback_for_missing_credentials(no_credentials, cli_stderr, monkeypatch):
+    """`--cloud gcp` (or a named project) without credentials was a 30-line DefaultCredentialsError: each
+    command now says how to get them on one line, exit 2. In process (click's runner) to walk them all fast."""
+    from tpuctl.cli import cli
+
+    assert set(_cloud_commands(cli)) == set(CLOUD_COMMANDS), "a new command talks to a cloud: add it here"
+    corpus = no_credentials / "corpus.txt"
+    corpus.write_text("the quick brown fox\n" * 50)
+    walks = [(*name.split(), *args, "--cloud", "gcp") for name, args in CLOUD_COMMANDS.items()]
+    walks.append(("data", "prepare", str(corpus), "--out", "gs://my-bucket/p"))  # the project alone names Google
+    for argv in walks:
+        cli_stderr.seek(0)
+        cli_stderr.truncate()
+        result = CliRunner().invoke(cli, argv)
+        lines = [l for l in cli_stderr.getvalue().splitlines() if l.strip()]
+        assert (result.exit_code, type(result.exception)) == (2, SystemExit), (argv, result.exception, lines)
+        assert lines[0].startswith("error: credentials: project my-proj") and lines[1].startswith("  hint: run "
+                                                                                              "`gcloud auth"), argv
+    key = no_credentials / "key.json"
+    key.write_text("{}")  # found, but not a key google.auth can use
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    cli_stderr.seek(0)
+    cli_stderr.truncate()
+    result = CliRunner().invoke(cli, ["status", "--cloud", "gcp"])
+    assert (result.exit_code, type(result.exception)) == (2, SystemExit), result.exception
+    assert cli_stderr.getvalue().startswith("error: credentials: Application Default Credentials unusable")
+
+
+def test_the_readme_cloud_run_gc_without_credentials_fails_instead_of_cleaning_the_emulator(no_credentials):
+    """The README's Cloud Run job as first written (no --cloud), where the metadata server is missing: it
+    scanned an empty embedded local cloud and exited 0."""
+    p = tpuctl(dict(os.environ), "gc", "--yes", "--project", "P", "--all-owners", "--budget", "50", "--json")
+    assert "gcloud auth application-default login" in _one_error(p, 2, "error: credentials: project P") + p.stderr
+    assert p.stdout == "" and not (no_credentials / "home" / "localcloud").exists()
+
+
+# ---------------------------------------------------------------------------------- the local cloud from Python
+
+def test_local_start_never_passes_off_a_cloud_running_with_other_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    first = tpuctl_local.start(speed=1000, worker_python="host", idle_stop="5m")
+    try:
+        assert tpuctl_local.start(worker_python="host") == first  # what was asked for is what runs
+        for asked, running in (({"worker_python": "runtime"}, "worker_python='host'"), ({"speed": 20}, "speed=1000")):
+            with pytest.raises(LocalCloudError) as e:
+                tpuctl_local.start(**asked)
+            assert running in e.value.message and "stop()" in e.value.hint
+    finally:
+        tpuctl_local.stop()
 
 
 # ---------------------------------------------------------------------------------- data prepare

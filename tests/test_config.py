@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tpuctl import config
@@ -84,3 +86,52 @@ def test_bad_user_config(home):
     with pytest.raises(BadInput) as e:
         config.user_config(home["user"])
     assert e.value.field == "config"
+
+
+# ---------------------------------------------------------------------------------- credentials
+
+def test_a_metadata_server_is_credentials_as_for_google_auth(home, metadata_server, no_metadata_server):
+    """Cloud Run, Compute Engine, GKE: no key file, the credentials come from the metadata server. A project
+    there is Google Cloud, never the embedded emulator (a Cloud Run gc would clean up an empty local cloud)."""
+    s = config.settings(env={**home["env"], **metadata_server}, config_path=home["user"], start_local=False)
+    assert (s.target, s.project) == ("gcp", "from-gcloud")
+    assert not config.has_adc({**home["env"], **metadata_server, "NO_GCE_CHECK": "true"})  # google.auth's switch
+    assert not config.has_adc({**home["env"], **no_metadata_server})
+
+
+def test_a_named_project_without_credentials_is_an_error_not_the_emulator(home, no_metadata_server):
+    env = {**home["env"], **no_metadata_server}
+    for project, source in ((None, "gcloud config"), ("p1", None)):
+        with pytest.raises(BadInput) as e:
+            config.settings(project=project, env=env, config_path=home["user"], start_local=False)
+        assert e.value.field == "credentials" and e.value.exit_code == 2
+        assert (f"(from {source})" in e.value.message) == bool(source)
+        assert "gcloud auth application-default login" in e.value.hint and "GOOGLE_APPLICATION_CREDENTIALS" in e.value.hint
+    with pytest.raises(BadInput) as e:  # a key named but missing is said so
+        config.settings(env={**env, "GOOGLE_APPLICATION_CREDENTIALS": str(home["gcloud"] / "gone.json")},
+                        config_path=home["user"], start_local=False)
+    assert "gone.json, which is not a file" in e.value.message
+    # Only a project nobody named leaves the embedded cloud the default; --cloud local still forces it.
+    assert config.settings(cloud="local", env=env, config_path=home["user"], start_local=False).local
+
+
+def test_max_run_duration_comes_from_the_environment_too(home):
+    merged, src = config.layered({}, {}, env={**home["env"], "TPUCTL_MAX_RUN_DURATION": "4h"},
+                                 config_path=home["user"])
+    assert (merged["max_run_duration"], src["max_run_duration"]) == ("4h", "environment")
+
+
+def test_zero_never_means_off_for_the_local_clouds_idle_stop():
+    assert config.local_idle_stop_s("off", env={}) == config.local_idle_stop_s("never", env={}) == 0
+    for value, env in (("0", {}), (None, {"TPUCTL_LOCAL_IDLE": "0"})):
+        with pytest.raises(BadInput) as e:
+            config.local_idle_stop_s(value, env=env)
+        assert "zero" in e.value.message
+
+
+def test_tpuctl_home_moves_the_user_config_file_and_the_readme_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    (tmp_path / "config.yaml").write_text("zone: asia-east1-c\n")
+    assert config.user_config() == {"zone": "asia-east1-c"}
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "config.yaml" in next(line for line in readme.splitlines() if line.startswith("| `TPUCTL_HOME`"))

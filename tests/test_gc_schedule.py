@@ -18,20 +18,24 @@ def home(tmp_path, monkeypatch):
     # The schedule pins the caller's cloud environment; the session's local cloud (STORAGE_EMULATOR_HOST, set by
     # whichever test started it first) must not leak into lines these tests compare.
     for name in ("TPUCTL_OWNER", "TPUCTL_PROJECT", "TPUCTL_CLOUD", "TPUCTL_API_ENDPOINT", "STORAGE_EMULATOR_HOST",
-                 "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG"):
+                 "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GCE_METADATA_IP", "GCE_METADATA_HOST"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no gcloud configuration names a project
     monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     return tmp_path
 
 
-def test_schedule_prints_cron_and_systemd_with_the_policy_flags(home):
+def test_schedule_prints_cron_and_systemd_with_the_policy_flags(home, metadata_server, monkeypatch):
+    for name, value in metadata_server.items():  # on a Google VM: credentials from its metadata server
+        monkeypatch.setenv(name, value)
     result = CliRunner().invoke(cli, ["gc", "--schedule", "--every", "15m", "--budget", "20", "--all-owners",
                                       "--project", "my-proj", "--idle", "45m"])
     assert result.exit_code == 0, result.output
     cron = next(line for line in result.stdout.splitlines() if line.endswith(gc.CRON_MARK))
-    assert cron.startswith("*/15 * * * * TPUCTL_HOME=")
-    for part in ("gc --yes --idle 45m", "--all-owners", "--budget 20.0", "--project my-proj", ">> ", "gc.log 2>&1"):
+    assert cron.startswith(f"*/15 * * * * GCE_METADATA_HOST={metadata_server['GCE_METADATA_HOST']} ")
+    for part in ("gc --yes --idle 45m", "--all-owners", "--budget 20.0", "--project my-proj", "--cloud gcp", ">> ",
+                 "gc.log 2>&1", "TPUCTL_HOME="):
         assert part in cron
     assert "--schedule" not in cron and "--dry-run" not in cron
     assert "ExecStart=" in result.stdout and " gc --yes " in result.stdout.split("ExecStart=")[1].splitlines()[0]
@@ -98,3 +102,33 @@ def test_install_never_replaces_a_crontab_it_could_not_read(home, monkeypatch):
     result = CliRunner().invoke(cli, ["gc", "--install"])
     assert result.exit_code == 1
     assert not table.exists()
+
+
+def test_the_scheduled_gc_carries_every_flag_given_and_pins_the_cloud(home, monkeypatch):
+    """A --dry-run schedule stays a dry run (it was a live, deleting gc), --timeout and --lock-wait hold, and
+    the resolved cloud is pinned so cron never falls back to another target."""
+    table = fake_crontab(home, monkeypatch, "echo 'no crontab for ann' >&2; exit 1")
+    result = CliRunner().invoke(cli, ["gc", "--install", "--dry-run", "--timeout", "5m", "--lock-wait", "30",
+                                      "--budget", "9", "--budget-per", "owner", "--json"])
+    assert result.exit_code == 0, result.output
+    cron = table.read_text().splitlines()[-1]
+    command = cron.split(" gc ", 1)[1].split(" >> ")[0]
+    assert command == "--dry-run --budget 9.0 --budget-per owner --lock-wait 30.0 --timeout 5m --json --cloud local"
+    service = (home / "config" / "systemd" / "user" / "tpuctl-gc.service").read_text()
+    assert service.split("ExecStart=")[1].splitlines()[0].endswith(" gc " + command)
+
+
+def test_scheduling_google_cloud_without_credentials_is_refused(home, no_metadata_server, monkeypatch, cli_stderr):
+    for name, value in no_metadata_server.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(cli, ["gc", "--schedule", "--project", "my-proj"])
+    assert result.exit_code == 2 and "error: credentials: project my-proj" in cli_stderr.getvalue()
+    assert gc.CRON_MARK not in result.stdout
+
+
+@pytest.mark.parametrize("args,field", [(["--every", "5m"], "every"), (["--schedule", "--idle", "0"], "idle")])
+def test_a_flag_that_does_nothing_alone_or_a_zero_idle_is_an_error(args, field, home, cli_stderr):
+    """--every without a schedule was silently ignored; --idle 0 meant "off" though 0 is refused everywhere."""
+    result = CliRunner().invoke(cli, ["gc", *args])
+    assert result.exit_code == 2 and f"error: {field}: " in cli_stderr.getvalue()
+    assert gc.CRON_MARK not in result.stdout

@@ -68,6 +68,12 @@ def test_up_status_list_down(env, pc):
     assert {r["key"] for r in records if r["type"] == "resource" and r["state"] == "ready"} >= {
         "tpu/europe-west4-a/r1"}
 
+    dry = tpuctl(env, "down", "r1", "--dry-run", "--json")  # needs no --yes, deletes nothing
+    assert dry.returncode == 0, dry.stderr
+    summary = json.loads(dry.stdout)
+    assert [r["kind"] for r in summary["would_delete"]] == ["tpu"] and len(summary["kept"]) == 2
+    assert "would delete (dry run)" in tpuctl(env, "down", "r1", "--dry-run").stdout
+    assert len(everything(pc)) == 2
     no = tpuctl(env, "down", "r1")  # no TTY and no --yes: refuses, deletes nothing
     assert no.returncode == 2 and len(everything(pc)) == 2
     assert no.stderr.splitlines()[0] == "error: --yes: no terminal to confirm on; pass --yes to delete run r1"
@@ -84,6 +90,24 @@ def test_up_status_list_down(env, pc):
     assert d.returncode == 0 and "holds 0 objects" in d.stderr, d.stderr
     assert everything(pc) == []
     assert tpuctl(env, "status", "r1").returncode == 2
+    d = tpuctl(env, "down", "r1", "--yes")  # idempotent: a run deleted before is done, not a mistake
+    assert d.returncode == 0 and "run r1: already deleted" in d.stderr, d.stderr
+
+
+def test_up_takes_the_spec_fields_a_user_expects_as_flags_and_variables(env, pc):
+    """--network, --subnet and --bucket-soft-delete on `up` (doctor has the first two), and a flex-start run
+    from environment variables alone (TPUCTL_MAX_RUN_DURATION)."""
+    p = tpuctl(env, *UP, "--bucket-soft-delete", "7d", "--dry-run", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["plan"]["bucket_soft_delete"] == "7d", p.stderr
+    p = tpuctl(env, *UP, "--network", "vpc-x", "--subnet", "sub-x")  # preflight reads the named network
+    assert p.returncode == 2 and "vpc-x" in p.stderr and "No such option" not in p.stderr, p.stderr
+    flex = {**env, "TPUCTL_ACCELERATOR": "v6e-8", "TPUCTL_ZONE": "us-east5-a", "TPUCTL_PROVISIONING": "flex-start",
+            "TPUCTL_MAX_RUN_DURATION": "4h"}
+    p = tpuctl(flex, "up", "--dry-run", "--json")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)["plan"]
+    assert (plan["provisioning"], plan["max_run_duration"]) == ("flex-start", "4h")
+    assert everything(pc) == []
 
 
 def test_capacity_everywhere_exits_3_and_leaves_nothing(env, pc, cloud):

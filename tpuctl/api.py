@@ -1,7 +1,7 @@
 """tpuctl from Python: `up`, `run`, `down`, `status`, `gc` (re-exported as `tpuctl.up`, `tpuctl.run`, ...).
 
 Each function resolves its spec and its target exactly as the CLI does (TPUCTL_* env > spec > user config >
-gcloud config > defaults; the embedded local cloud when no Google project or credentials are set, `cloud`
+gcloud config > defaults; the embedded local cloud when no Google project is named, `cloud`
 forces either), reports through `on_event` (tpuctl.events; nothing is printed) and raises the `TpuctlError`
 hierarchy (tpuctl.errors). Calling a function that creates or deletes is the consent: pass `confirm` to
 decide after seeing the plan.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from tpuctl import config, ledger
 from tpuctl import spec as spec_mod
-from tpuctl.errors import BadInput, Interrupted, TpuctlError
+from tpuctl.errors import BadInput, Interrupted, NotFound, TpuctlError
 from tpuctl.events import EventSink, ignore, resource_progress
 
 if TYPE_CHECKING:
@@ -112,6 +112,28 @@ def delete_run(clients: Clients, run: str, *, delete_bucket: bool = False,
     return result
 
 
+def unknown_run(clients: Clients, run: str) -> NotFound | None:
+    """Whether a run that no resource carries the label of is a mistake: None when this machine's cost ledger
+    remembers a resource of it in the project (it was deleted; a second `down` is done, not an error), else
+    the NotFound to raise (exit 2), naming the closest run that exists. The ledger decides only this, never
+    what to delete."""
+    import difflib
+
+    from tpuctl import provision
+
+    try:
+        if any(e.run == run and e.project == clients.project for e in ledger.Ledger().entries()):
+            return None
+    except OSError:
+        pass  # an unreadable ledger remembers nothing
+    runs = sorted({r.run for r in provision.list_resources(clients) if r.run})
+    close = difflib.get_close_matches(run, runs, n=1, cutoff=0.5)
+    return NotFound(f"no resource carries the label tpuctl-run={run} in project {clients.project}, and no run of "
+                    "that name was made from here", field="run",
+                    hint=f"did you mean {close[0]} (`tpuctl down {close[0]}`)?" if close else
+                    "`tpuctl list` shows the runs that exist")
+
+
 def up(spec: SpecLike, *, on_event: EventSink | None = None, cloud: str | None = None,
        confirm: Callable[[Plan], bool] | None = None, keep_on_failure: bool = False) -> Run:
     """Create the spec's TPU, VMs, bucket and bucket IAM; blocks until all are READY. Idempotent.
@@ -189,14 +211,19 @@ def _clients_for(run: Run | str | None, project: str | None, cloud: str | None, 
 def down(run: Run | str, *, delete_bucket: bool = False, on_event: EventSink | None = None,
          project: str | None = None, cloud: str | None = None) -> DownResult:
     """Delete every resource of `run` (the bucket too with `delete_bucket`) and verify none remain. Blocks;
-    idempotent. A Run carries its project and target; a name uses `project`/`cloud` or the resolved ones."""
+    idempotent: a run deleted before is done again. A Run carries its project and target; a name uses
+    `project`/`cloud` or the resolved ones. A name no resource carries and this machine never made raises
+    NotFound (see `unknown_run`): a mistyped name must not pass for a clean teardown."""
     from tpuctl.provision import labels
 
     name = _run_name(run)
     labels.check_name(name, field="run")
     sink = on_event or ignore
     clients = _clients_for(run, project, cloud, sink)
-    return delete_run(clients, name, delete_bucket=delete_bucket, on_event=sink)
+    result = delete_run(clients, name, delete_bucket=delete_bucket, on_event=sink)
+    if not (result.deleted or result.kept) and (missing := unknown_run(clients, name)) is not None:
+        raise missing
+    return result
 
 
 def status(run: Run | str | None = None, *, project: str | None = None,

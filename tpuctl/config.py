@@ -2,7 +2,9 @@
 
 The target is the local cloud or GCP:
 - `TPUCTL_API_ENDPOINT` set -> the local cloud at that endpoint (tests, a daemon started by hand);
-- else a project and Application Default Credentials -> GCP;
+- else a project named anywhere (flag, env, spec, user config, gcloud config) -> GCP, with Application Default
+  Credentials found where google.auth.default() finds them (its environment variable, gcloud's file, the
+  metadata server); a project without credentials is BadInput saying how to get them, never the emulator;
 - else the embedded local cloud, auto-started, and one stderr line says so.
 `--cloud gcp|local` (or `TPUCTL_CLOUD`) forces either. gcloud itself is never run: its active configuration's
 `core/project` and `compute/zone` are read from its files.
@@ -28,7 +30,7 @@ TARGETS = ("local", "gcp")
 
 # Spec fields that may also come from the environment, e.g. TPUCTL_PROJECT, TPUCTL_ZONE=a,b.
 ENV_FIELDS = ("project", "zone", "accelerator", "runtime_version", "provisioning", "bucket", "bucket_soft_delete",
-              "service_account", "ttl", "network", "subnet")
+              "service_account", "ttl", "network", "subnet", "max_run_duration")
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def user_config(path: Path | None = None) -> dict[str, Any]:
 
 def _gcloud_properties(env: Mapping[str, str]) -> configparser.ConfigParser:
     """gcloud's active configuration file, parsed (empty when absent or unreadable)."""
-    root = Path(env.get("CLOUDSDK_CONFIG") or Path(env.get("HOME", str(Path.home()))) / ".config" / "gcloud")
+    root = _gcloud_dir(env)
     try:
         active = env.get("CLOUDSDK_ACTIVE_CONFIG_NAME") or (root / "active_config").read_text().strip() or "default"
     except OSError:
@@ -120,12 +122,73 @@ def caller_account(env: Mapping[str, str], *, local: bool) -> str | None:
     return None
 
 
+def _gcloud_dir(env: Mapping[str, str]) -> Path:
+    return Path(env.get("CLOUDSDK_CONFIG") or Path(env.get("HOME", str(Path.home()))) / ".config" / "gcloud")
+
+
 def has_adc(env: Mapping[str, str]) -> bool:
-    """Application Default Credentials present, judged from files only (no metadata-server probe)."""
+    """Application Default Credentials present, looked for where and in the order google.auth.default() looks
+    (google/auth/_default.py): GOOGLE_APPLICATION_CREDENTIALS, gcloud's application_default_credentials.json,
+    then the metadata server, which is where Cloud Run, Compute Engine, GKE, Workbench and Cloud Shell give
+    them. Reads no file's content: a malformed one is google.auth's to report."""
     if env.get("GOOGLE_APPLICATION_CREDENTIALS"):
         return Path(env["GOOGLE_APPLICATION_CREDENTIALS"]).is_file()
-    root = Path(env.get("CLOUDSDK_CONFIG") or Path(env.get("HOME", str(Path.home()))) / ".config" / "gcloud")
-    return (root / "application_default_credentials.json").is_file()
+    if (_gcloud_dir(env) / "application_default_credentials.json").is_file():
+        return True
+    return metadata_server(env)
+
+
+METADATA_IP = "169.254.169.254"  # google/auth/compute_engine/_metadata.py: _GCE_DEFAULT_MDS_IP
+
+
+def metadata_server(env: Mapping[str, str]) -> bool:
+    """Whether a metadata server answers, probed as google.auth's `_metadata.ping` probes it: GET the root of
+    $GCE_METADATA_IP (default 169.254.169.254) with `Metadata-Flavor: Google`; it must answer 200 with that
+    header. `NO_GCE_CHECK=true` skips it, as there. One try of $GCE_METADATA_TIMEOUT seconds (default 1, not
+    google.auth's 3 x 3): off Google Cloud nothing listens there, and the caller only asks once a project is
+    named. google.auth's other fallback, a DMI product name starting with "Google", is left out: without an
+    answering metadata server those credentials cannot mint a token anyway."""
+    import urllib.request
+
+    if env.get("NO_GCE_CHECK") == "true":
+        return False
+    try:
+        timeout = float(env.get("GCE_METADATA_TIMEOUT") or 1)
+    except ValueError:
+        timeout = 1.0
+    # The link-local server is never behind a proxy, whatever http_proxy says.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(f"http://{env.get('GCE_METADATA_IP') or METADATA_IP}/",
+                                     headers={"Metadata-Flavor": "Google"})
+    try:
+        with opener.open(request, timeout=timeout) as resp:
+            return resp.status == 200 and resp.headers.get("Metadata-Flavor") == "Google"
+    except (OSError, ValueError):
+        return False
+
+
+CREDENTIALS_HINT = ("run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a service "
+                    "account key file; --cloud local uses the embedded local cloud instead")
+
+
+def no_credentials(project: str, source: str | None, env: Mapping[str, str]) -> BadInput:
+    """The one-line error for a Google project without credentials: how to get them, or to choose the emulator."""
+    key = env.get("GOOGLE_APPLICATION_CREDENTIALS")
+    found = (f"GOOGLE_APPLICATION_CREDENTIALS names {key}, which is not a file" if key else
+             "no Application Default Credentials (no key file, no gcloud login, no metadata server)")
+    return BadInput(f"project {project}{f' (from {source})' if source else ''} is on Google Cloud, but {found}",
+                    field="credentials", hint=CREDENTIALS_HINT)
+
+
+def credentials_error(exc: BaseException) -> BadInput | None:
+    """google.auth's DefaultCredentialsError (a key file it cannot use, found after `has_adc` said yes) as the
+    same one-line BadInput; None for any other exception. By type: the module is loaded whenever it was raised."""
+    import sys
+
+    auth = sys.modules.get("google.auth.exceptions")
+    if auth is None or not isinstance(exc, auth.DefaultCredentialsError):
+        return None
+    return BadInput(f"Application Default Credentials unusable: {exc}", field="credentials", hint=CREDENTIALS_HINT)
 
 
 def layered(flags: Mapping[str, Any], spec: Mapping[str, Any] | None = None, *,
@@ -168,10 +231,14 @@ def settings(*, project: str | None = None, cloud: str | None = None, env: Mappi
     if cloud is not None and cloud not in TARGETS:
         raise BadInput(f"unknown cloud {cloud!r}", field="cloud", hint="use --cloud gcp or --cloud local")
     endpoint = env.get("TPUCTL_API_ENDPOINT") or None
-    if cloud == "gcp" or (cloud is None and endpoint is None and project and has_adc(env)):
+    # A named project means Google Cloud: with no credentials that is an error, never a quiet fall back to the
+    # emulator (a Cloud Run gc would "clean up" an empty local cloud and exit 0).
+    if cloud == "gcp" or (cloud is None and endpoint is None and project):
         if not project:
             raise BadInput("no Google Cloud project given", field="project",
                            hint="pass --project, set TPUCTL_PROJECT, or `gcloud config set project P`")
+        if not has_adc(env):
+            raise no_credentials(project, sources.get("project"), env)
         return Settings(target="gcp", project=project, sources=sources, account=caller_account(env, local=False))
     project = project or LOCAL_PROJECT
     sources.setdefault("project", "default")
@@ -223,24 +290,26 @@ def _local_endpoints(endpoint: str | None, storage_host: str | None,
         info = daemon.ensure_running(paths.localcloud_dir(), idle_stop_s=local_idle_stop_s())
     except daemon.DaemonError as exc:
         raise LocalCloudError(str(exc)) from None
-    on_event(Note(f"no Google Cloud project/credentials: using the embedded local cloud at {info['endpoint']} "
+    on_event(Note(f"no Google Cloud project named: using the embedded local cloud at {info['endpoint']} "
                   "(--cloud gcp to change)"))
     return info["endpoint"], storage_host or info["storage_host"]
 
 
 LOCAL_IDLE_DEFAULT = "30m"
-_NEVER = ("0", "never", "off")
+# The words that turn an idle limit off (`local start --idle-stop`, TPUCTL_LOCAL_IDLE, `gc --idle`). Not 0: a
+# zero duration is refused everywhere else, so it must not quietly mean "forever" here.
+NEVER = ("never", "off")
 
 
 def local_idle_stop_s(value: str | None = None, env: Mapping[str, str] | None = None) -> float:
     """Seconds of idleness after which the embedded local cloud stops itself: `value` (`tpuctl local start
-    --idle-stop`), else TPUCTL_LOCAL_IDLE, else 30m; `0`, `never` or `off` keep it running. BadInput if invalid."""
+    --idle-stop`), else TPUCTL_LOCAL_IDLE, else 30m; `never` or `off` keep it running (0 is refused). BadInput if invalid."""
     from tpuctl.spec import parse_duration
 
     env = os.environ if env is None else env
     source = "idle_stop" if value is not None else "TPUCTL_LOCAL_IDLE"
     text = value if value is not None else env.get("TPUCTL_LOCAL_IDLE") or LOCAL_IDLE_DEFAULT
-    if text.strip().lower() in _NEVER:
+    if text.strip().lower() in NEVER:
         return 0.0
     try:
         return parse_duration(text)

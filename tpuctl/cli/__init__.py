@@ -11,7 +11,7 @@ import signal
 
 import click
 
-from tpuctl import __version__, console
+from tpuctl import __version__, config, console
 from tpuctl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput, Interrupted, TpuctlError
 
 SECTIONS = (
@@ -61,6 +61,12 @@ class SectionedGroup(click.Group):
         except KeyboardInterrupt:
             console.error(Interrupted("interrupted"))
             ctx.exit(EXIT_INTERRUPTED)
+        except Exception as exc:
+            bad = config.credentials_error(exc)  # a user's unusable key file is an error line, not a traceback
+            if bad is None:
+                raise
+            console.error(bad)
+            ctx.exit(bad.exit_code)
 
 
 def _usage_error(ctx: click.Context, exc: click.UsageError) -> None:
@@ -84,7 +90,7 @@ def _usage_error(ctx: click.Context, exc: click.UsageError) -> None:
 def cli() -> None:
     """tpuctl: from a laptop to a trained model on Cloud TPUs and back to a zero bill.
 
-    With no Google project or credentials configured, every command targets the embedded local cloud
+    With no Google project named (flag, env, spec, config, gcloud), every command targets the embedded local cloud
     (`tpuctl local start`); `--cloud gcp|local` on a command forces either.
     """
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from tpuctl import catalog as catalog_mod
-from tpuctl import console, cost, paths
+from tpuctl import config, console, cost, paths
 from tpuctl.errors import BadInput, CloudError
 from tpuctl.config import settings
 from tpuctl.ledger import Ledger
@@ -155,12 +155,35 @@ def _outcome_line(o) -> str:
 
 
 _SCHEDULE_ENV = ("TPUCTL_HOME", "TPUCTL_OWNER", "TPUCTL_PROJECT", "TPUCTL_CLOUD", "TPUCTL_API_ENDPOINT",
-                 "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG")
+                 "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GCE_METADATA_HOST",
+                 "GCE_METADATA_IP")
+# gc's own flags that shape the schedule rather than the scheduled gc.
+_SCHEDULING = ("schedule", "install", "every", "yes")
 
 
 def _tpuctl_argv() -> list[str]:
     exe = shutil.which("tpuctl")
     return [exe] if exe else [sys.executable, "-m", "tpuctl"]
+
+
+def _scheduled_argv(ctx: click.Context, target: str) -> list[str]:
+    """The `tpuctl gc ...` a schedule runs: every flag this gc was given (so a --dry-run schedule stays a dry
+    run, --timeout and --lock-wait hold), --yes unless it is a dry run (cron and systemd have no terminal, and
+    scheduling a deleting gc is the consent), and --cloud pinned to the target resolved now, so a cron job
+    whose environment lacks a project or credentials fails instead of cleaning up the embedded local cloud."""
+    argv = [*_tpuctl_argv(), "gc"] + ([] if ctx.params["dry_run"] else ["--yes"])
+    for param in ctx.command.params:
+        value = ctx.params[param.name]
+        if param.name in _SCHEDULING or ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT:
+            continue
+        flag = max(param.opts, key=len)
+        if getattr(param, "is_flag", False):
+            argv += [flag] if value else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    if ctx.params["cloud"] is None:
+        argv += ["--cloud", target]
+    return argv
 
 
 def _install_schedule(sched: gc.Schedule) -> None:
@@ -193,7 +216,7 @@ def _install_schedule(sched: gc.Schedule) -> None:
 @click.command("gc")
 @click.option("--dry-run", is_flag=True, help="show what would be deleted; delete nothing")
 @click.option("--idle", default="60m", show_default=True,
-              help="a running job without a heartbeat for this long is idle ('off' disables)")
+              help="a running job without a heartbeat for this long is idle ('off' or 'never' disables)")
 @click.option("--budget", type=float, help="USD: delete runs whose accrued cost passed this")
 @click.option("--budget-per", type=click.Choice(["run", "owner"]), default="run", show_default=True,
               help="apply --budget to each run, or to the sum of an owner's runs")
@@ -206,7 +229,7 @@ def _install_schedule(sched: gc.Schedule) -> None:
               help="give up on a deletion that has not finished after this long (reported as failed)")
 @click.option("--schedule", is_flag=True, help="print a crontab line and systemd units that run this gc")
 @click.option("--install", is_flag=True, help="write the systemd units and install the crontab line")
-@click.option("--every", default="10m", show_default=True, help="how often the scheduled gc runs")
+@click.option("--every", default="10m", show_default=True, help="with --schedule/--install: how often gc runs")
 @click.option("--yes", "-y", is_flag=True, help="delete without asking (a scheduled gc passes it)")
 @_project
 @_cloud
@@ -223,7 +246,7 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
     """
     from tpuctl.provision import gc, labels
 
-    idle_s = None if idle.strip().lower() in ("off", "0", "none") else cost.parse_duration(idle, field="idle")
+    idle_s = None if idle.strip().lower() in config.NEVER else cost.parse_duration(idle, field="idle")
     if budget is not None and budget <= 0:
         raise BadInput(f"budget {budget} is not positive", field="budget", hint="give USD, e.g. --budget 50")
     if budget is None and ctx.get_parameter_source("budget_per") is not click.core.ParameterSource.DEFAULT:
@@ -232,15 +255,12 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
     timeout_s = cost.parse_duration(timeout, field="timeout")
     if lock_wait < 0:
         raise BadInput("--lock-wait must be >= 0 seconds", field="lock-wait")
+    if not (schedule or install) and ctx.get_parameter_source("every") is not click.core.ParameterSource.DEFAULT:
+        raise BadInput(f"--every {every} sets how often a scheduled gc runs, and nothing is scheduled",
+                       field="every", hint=f"add --schedule (print) or --install, e.g. gc --schedule --every {every}")
     if schedule or install:
         every_s = cost.parse_duration(every, field="every")
-        # --yes: cron and systemd have no terminal to confirm on, and scheduling gc is the consent.
-        argv = [*_tpuctl_argv(), "gc", "--yes", "--idle", idle] + (
-            ["--budget-per", budget_per] if budget is not None else [])
-        for flag, on in (("--all-owners", all_owners), ("--buckets", buckets)):
-            argv += [flag] if on else []
-        for flag, value in (("--budget", budget), ("--owner", owner), ("--project", project), ("--cloud", cloud)):
-            argv += [flag, str(value)] if value is not None else []
+        argv = _scheduled_argv(ctx, settings(project=project, cloud=cloud, start_local=False).target)
         env = {k: os.environ[k] for k in _SCHEDULE_ENV if os.environ.get(k)}
         sched = gc.schedule(argv, every_s=every_s, log=paths.logs_dir() / "gc.log", env=env)
         if install:

@@ -15,11 +15,11 @@ import click
 
 from tpuctl import config, console, paths
 from tpuctl.errors import BadInput, LocalCloudError
+from tpuctl.local import DEFAULT_SPEED
 from tpuctl.localcloud import daemon
 from tpuctl.localcloud.core import FAULT_KINDS
 
 SECTION = "Local cloud"
-DEFAULT_SPEED = 20.0
 
 _state_dir_option = click.option(
     "--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -74,7 +74,7 @@ def local_group() -> None:
               help="operations run this many times faster than on Google Cloud")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="API port [default: any free port]")
 @click.option("--idle-stop", metavar="DURATION", default=None,
-              help=f"stop after this long with no request and nothing billed; never to keep it "
+              help=f"stop after this long with no request and nothing billed; never (or off) to keep it "
                    f"[env TPUCTL_LOCAL_IDLE; default {config.LOCAL_IDLE_DEFAULT}]")
 @click.option("--worker-python", type=click.Choice(["runtime", "host"]), default=None,
               help="what TPU workers run jobs with: the runtime image's TensorFlow and Keras, in a venv built once "

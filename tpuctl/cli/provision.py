@@ -6,7 +6,6 @@ commands that talk to a cloud, so `tpuctl --help` and the other commands start f
 
 from __future__ import annotations
 
-import difflib
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -80,6 +79,9 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
               help="on-demand, spot, preemptible, queued, flex-start")
 @click.option("--max-run-duration", help="flex-start: Google deletes the TPU after this long, e.g. 4h (30s to 7d)")
 @click.option("--bucket", help="bucket name, or auto")
+@click.option("--bucket-soft-delete", help="keep deleted objects this long, 7d to 90d (default 0s: off)")
+@click.option("--network", help="VPC network the TPU joins (default: default)")
+@click.option("--subnet", help="subnetwork in the zone's region")
 @click.option("--service-account", help="email the TPU VM runs as (default: the project's compute SA)")
 @click.option("--ttl", help="delete by this age, e.g. 2h (tpuctl gc enforces it)")
 @click.option("--allow-cross-region", is_flag=True, default=None, help="accept a bucket outside the TPU's region")
@@ -92,7 +94,7 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
 @click.option("--json", "as_json", is_flag=True,
               help="print the plan (--dry-run), or each event then the result, as one JSON object per line")
 def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, framework, spot, provisioning,
-       max_run_duration, bucket,
+       max_run_duration, bucket, bucket_soft_delete, network, subnet,
        service_account, ttl, allow_cross_region, internal_ips, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
     """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
     from tpuctl import provision as prov
@@ -102,9 +104,9 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, fram
                        hint="give one of them: --spot is --provisioning spot")
     flags = {"name": name, "project": project, "zone": zone, "accelerator": accelerator,
              "runtime_version": runtime_version, "provisioning": "spot" if spot else provisioning,
-             "max_run_duration": max_run_duration, "bucket": bucket,
-             "service_account": service_account, "ttl": ttl, "allow_cross_region": allow_cross_region,
-             "internal_ips": internal_ips}
+             "max_run_duration": max_run_duration, "bucket": bucket, "bucket_soft_delete": bucket_soft_delete,
+             "network": network, "subnet": subnet, "service_account": service_account, "ttl": ttl,
+             "allow_cross_region": allow_cross_region, "internal_ips": internal_ips}
     spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=migrate)
     plan = prov.plan(spec_mod.with_framework(spec, framework), project=settings.project)
     if dry_run:
@@ -169,35 +171,42 @@ def _dry_run_checks(settings: config.Settings, plan: prov.Plan, *, named_bucket:
 @click.argument("run")
 @_cloud_options
 @click.option("--delete-bucket", is_flag=True, help="also delete the bucket and everything in it")
+@click.option("--dry-run", is_flag=True, help="show what would be deleted; delete nothing")
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
 @click.option("--json", "as_json", is_flag=True,
               help="print each event, then what was deleted, as one JSON object per line")
-def down(run, cloud, project, delete_bucket, yes, as_json) -> None:
+def down(run, cloud, project, delete_bucket, dry_run, yes, as_json) -> None:
     """Delete every resource of RUN in parallel, then verify nothing with its label remains."""
     from tpuctl import provision as prov
     from tpuctl.provision import inventory, labels
 
     labels.check_name(run, field="run")  # no resource can carry an invalid name: a typo, not an empty run
-    console.can_confirm(yes=yes, to=f"delete run {run}")
+    if not dry_run:
+        console.can_confirm(yes=yes, to=f"delete run {run}")
     lines = console.JsonLines() if as_json else None
     settings = config.settings(project=project, cloud=cloud, on_event=console.tee(console.report, lines))
     clients = prov.connect(settings)
     found = prov.list_resources(clients, run, include_iam=True)
     if not found:
         # Idempotent (a second `down` is not an error), but a mistyped name must not pass for a clean one.
-        runs = sorted({r.run for r in prov.list_resources(clients) if r.run})
-        close = difflib.get_close_matches(run, runs, n=1, cutoff=0.5)
+        if (missing := api.unknown_run(clients, run)) is not None:
+            raise missing
         if lines is not None:
-            lines.summary({"run": run, "deleted": [], "kept": [], "closest_run": close[0] if close else None})
+            lines.summary({"run": run, "deleted": [], "kept": []})
         else:
-            console.info(f"run {run}: nothing carries its label in project {settings.project}; nothing to delete"
-                         + (f"; did you mean {close[0]} (`tpuctl down {close[0]}`)?" if close else
-                            "; `tpuctl list` shows the runs that exist"))
+            console.info(f"run {run}: already deleted; nothing carries its label in project {settings.project}")
         return
     going = [r for r in found if delete_bucket or r.kind not in (prov.Kind.BUCKET, prov.Kind.IAM)]
+    if dry_run and lines is not None:
+        lines.summary({"run": run, "would_delete": [inventory.resource_json(r) for r in going],
+                       "kept": [inventory.resource_json(r) for r in found if r not in going]})
+        return
     if not as_json:
         console.table(("kind", "name", "where", "state"), [(r.kind.value, r.name, r.location, r.state.value)
-                                                            for r in going], title=f"to delete for run {run}")
+                                                            for r in going],
+                      title=f"{'would delete (dry run)' if dry_run else 'to delete'} for run {run}")
+    if dry_run:
+        return
     if delete_bucket:
         for b in [r for r in found if r.kind is prov.Kind.BUCKET]:
             c = prov.bucket_contents(clients, b.name)
