@@ -34,6 +34,12 @@ from tpuctl.localcloud.cloud import LocalCloud
 # (test_runtime_images.py); TPUCTL_RUNTIME_CACHE, when set, keeps its image venv across sessions.
 os.environ["TPUCTL_WORKER_PYTHON"] = "host"
 
+# tpuctl probes the metadata server once a Google project is named, as google.auth does. Off Google Cloud nothing
+# answers there, and tests send traffic to loopback only: any probe a test does not aim itself lands on a closed
+# local port (the metadata-server tests set their own address).
+os.environ.setdefault("GCE_METADATA_IP", "127.0.0.1:9")
+os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
+
 # Operation futures poll every 10-50 ms instead of the library's 1-20 s.
 FAST_POLLING = polling.DEFAULT_POLLING.with_delay(initial=0.01, maximum=0.05).with_timeout(60)
 
