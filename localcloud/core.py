@@ -179,7 +179,7 @@ class Scheduler:
 # ----------------------------------------------------------------------------------------------- faults
 
 FAULT_KINDS = ("capacity", "quota", "unavailable", "stuck", "preempt", "kill-worker", "drop-ssh", "repair",
-               "no-guest-attributes")
+               "no-guest-attributes", "preempt-creating")
 # The operation error codes a TPU create fails with when a zone has no capacity (see README "Faults").
 CAPACITY_CODES = (8, 9, 13)
 
