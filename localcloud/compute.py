@@ -27,6 +27,9 @@ INSERT_S, DELETE_S, STOP_S, START_S, SET_LABELS_S, SET_METADATA_S = 25.0, 40.0, 
 # "Preemption process").
 PREEMPT_NOTICE_S = 30.0
 CAPACITY_FAIL_S = 10.0
+# A flex-start insert waiting for capacity looks for it again this often (simulated seconds; inferred: Google
+# does not say how often DWS retries).
+CAPACITY_RETRY_S = 30.0
 WAIT_MAX_S = 60.0
 
 ROOT = "https://compute.googleapis.com/compute/v1/"
@@ -41,6 +44,15 @@ def _metadata_dict(instance: dict) -> dict:
     return {i["key"]: i.get("value", "") for i in (instance.get("metadata") or {}).get("items", [])}
 
 
+def _wait_s(body: dict) -> float | None:
+    """The insert's `params.requestValidForDuration` ("Relative deadline for waiting for capacity. Relevant only
+    for Instances.Insert API", compute.v1 `InstanceParams`) in seconds; None when not sent."""
+    duration = (body.get("params") or {}).get("requestValidForDuration")
+    if duration is None:
+        return None
+    return int(duration.get("seconds") or 0) + int(duration.get("nanos") or 0) / 1e9
+
+
 # Statuses of an instance on its way to RUNNING (PENDING: a TPU instance acquiring its resources).
 CREATING = ("PENDING", "PROVISIONING", "STAGING")
 
@@ -52,7 +64,7 @@ class ComputeService:
         self.instances: dict[str, dict] = {}   # "projects/P/zones/Z/instances/N" -> record
         self.ops: dict[str, dict] = {}         # "projects/P/{zones/Z,regions/R}/operations/NAME" -> Operation body
         self.groups = None  # ComputeGroupsService, told when a MIG member's insert fails
-        for action in ("insert_done", "insert_failed", "delete_done", "stop_done", "set_labels_done", "set_metadata_done",
+        for action in ("insert_done", "insert_failed", "capacity_retry", "delete_done", "stop_done", "set_labels_done", "set_metadata_done",
                        "expire", "preempt"):
             world.actions[f"compute.{action}"] = getattr(self, f"_{action}")
 
@@ -153,6 +165,10 @@ class ComputeService:
             low, high = facts.FLEX_START_MAX_RUN_S
             if not low <= seconds <= high:
                 raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.scheduling.maxRunDuration': '{seconds}s'. Flex-start instances need a max run duration from {low}s to {high}s.")
+        wait = _wait_s(body)
+        if wait is not None and not 0 < wait <= facts.FLEX_START_MAX_WAIT_S:
+            raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.params.requestValidForDuration': '{wait:g}s'. "
+                           f"It must be more than 0s and at most {facts.FLEX_START_MAX_WAIT_S}s.")
 
     def _boot_worker(self, key: str) -> None:
         with self.w.lock:
@@ -254,11 +270,16 @@ class ComputeService:
             if key in self.instances:
                 raise ApiError("ALREADY_EXISTS", f"The resource '{key}' already exists")
             inst = copy.deepcopy(body)
+            inst.pop("params", None)  # "Input only ... not persisted as part of resource payload" (compute.v1)
             inst_id = str(self.w.next_id())
+            flex = (body.get("scheduling") or {}).get("provisioningModel") == "FLEX_START"
+            wait = _wait_s(body) if flex else None
             # compute/docs/instances/instance-lifecycle: "TPU instances start instead in the PENDING state", where
             # Compute Engine "attempts to acquire the necessary resources"; without them "you encounter an error
             # and Compute Engine deletes the compute instance" (the capacity fault below).
-            first = "PENDING" if m.group(2) in facts.TPU_MACHINE_TYPES else "PROVISIONING"
+            # A flex-start instance is PENDING too: "For Flex Start provisioning instance is waiting for available
+            # capacity from Dynamic Workload Scheduler" (compute.v1 `Instance.status` PENDING).
+            first = "PENDING" if m.group(2) in facts.TPU_MACHINE_TYPES or flex else "PROVISIONING"
             inst.update(kind="compute#instance", id=inst_id, creationTimestamp=now_rfc3339(), status=first,
                         zone=f"{ROOT}projects/{p['project']}/zones/{p['zone']}",
                         selfLink=f"{ROOT}{key}", machineType=f"{ROOT}projects/{p['project']}/zones/{p['zone']}/machineTypes/{m.group(2)}",
@@ -281,6 +302,11 @@ class ComputeService:
             op_key = self._op_key(op)
             if self.w.faults.take("stuck", "compute", "instances.insert", p["zone"]):
                 pass
+            elif wait is not None and self.w.faults.take("capacity", "compute", "instances.insert", p["zone"]):
+                # A flex-start insert waits for capacity for as long as it asked (about-flex-start-vms: "VMs only
+                # start if resources become available within your specified timeframe"); its operation runs.
+                rec["wait_until"] = time.time() + self.w.latency(wait)
+                self.w.later(CAPACITY_RETRY_S, "compute.capacity_retry", key=key, op=op_key)
             elif self.w.faults.take("capacity", "compute", "instances.insert", p["zone"]):
                 self.w.later(CAPACITY_FAIL_S, "compute.insert_failed", key=key, op=op_key)
             elif quota := self.w.faults.take("quota", "compute", "instances.insert", p["zone"],
@@ -290,6 +316,21 @@ class ComputeService:
                 self.w.later(INSERT_S, "compute.insert_done", key=key, op=op_key)
             self.w.changed()
             return copy.deepcopy(op)
+
+    def _capacity_retry(self, key: str, op: str) -> None:
+        """A waiting flex-start insert looks for capacity again: found, it goes on as any insert; still none
+        past its requestValidForDuration, it fails as a stockout does."""
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is None or rec.get("deleting") or rec["instance"]["status"] != "PENDING":
+                self._finish_op(op)
+                return
+            if not self.w.faults.take("capacity", "compute", "instances.insert", rec["zone"]):
+                self.w.later(INSERT_S, "compute.insert_done", key=key, op=op)
+            elif time.time() >= rec["wait_until"]:
+                self.w.later(0, "compute.insert_failed", key=key, op=op)
+            else:
+                self.w.later(CAPACITY_RETRY_S, "compute.capacity_retry", key=key, op=op)
 
     def _insert_done(self, key: str, op: str) -> None:
         with self.w.lock:

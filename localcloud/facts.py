@@ -189,6 +189,9 @@ TPU_MACHINE_TYPES: dict[str, TpuMachineType] = {
 TPU_PRICES["us-central1"]["tpu7x"] = (8.40, 1.672)
 # Flex-start VMs run for at most 7 days (tpu/docs/request-using-flex-start); maxRunDuration is at least 30 s.
 FLEX_START_MAX_RUN_S = (30, 7 * 86400)
+# How long a flex-start VM insert may wait for capacity (`params.requestValidForDuration`): "persist in a queue
+# for up to two hours" (cloud.google.com/blog/products/compute/introducing-flex-start-vms-for-the-compute-engine-instance-api).
+FLEX_START_MAX_WAIT_S = 2 * 3600
 # Flex-start through the Cloud TPU API (queued resources, v2alpha1 provisioningModel FLEX_START): only these
 # generations in these zones (tpu/docs/request-using-flex-start, "Limitations": v6e asia-northeast1-b and
 # us-east5-a; v5e us-west4-a for training and us-central1-a for serving).

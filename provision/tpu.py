@@ -320,6 +320,8 @@ def _create_flex_start(clients: Clients, req: NodeRequest, *, what: str, cancel:
     node = json.loads(json_format.MessageToJson(tpu_v2.Node.pb(_node_proto(req))))
     body = {"tpu": {"nodeSpec": [{"parent": parent(clients.project, req.zone), "nodeId": req.name, "node": node}]},
             "provisioningModel": "FLEX_START", "runDuration": {"maxRunDuration": f"{int(req.max_run_duration_s)}s"}}
+    if req.valid_until_s is not None:  # the spec's bound on the wait for capacity, as for any queued resource
+        body["queueingPolicy"] = {"validUntilDuration": f"{int(req.valid_until_s)}s"}
     if on_issued is not None:
         on_issued()
     if progress:

@@ -203,6 +203,37 @@ def test_localcloud_refuses_flex_start_without_a_duration_in_range(pc, cloud):
 
 
 
+def test_a_flex_start_insert_waits_for_capacity_as_long_as_valid_until_says(pc, cloud):
+    """InstanceParams.requestValidForDuration bounds how long a flex-start insert waits for capacity (PENDING,
+    its operation running); tpuctl sends the spec's valid_until, else 30 minutes; Google allows at most 2 h."""
+    # Capacity comes back after 40 looks (20 simulated minutes): within the default wait, so `up` succeeds.
+    cloud.faults.add("capacity", service="compute", method="instances.insert", zone=ZONE, count=40)
+    prov.apply(pc, make_plan(pc, provisioning="flex-start", max_run_duration="1h"), deadline_s=FAST_DEADLINE)
+    inst = pc.instances.get(project=pc.project, zone=ZONE, instance="x1")
+    assert inst.status == "RUNNING" and "params" not in compute_v1.Instance.to_dict(inst)  # input only
+    prov.down(pc, "x1", delete_bucket=True)
+    # None within valid_until: the insert fails as a stockout, after waiting, and nothing is left.
+    cloud.faults.add("capacity", service="compute", method="instances.insert", zone=ZONE)
+    plan = make_plan(pc, provisioning="flex-start", max_run_duration="1h", valid_until="5m")
+    op = pc.instances.insert_unary(project=pc.project, zone=ZONE, instance_resource=compute_tpu.instance_proto(
+        compute_tpu.TpuVmRequest(name="w1", zone=ZONE, machine_type="tpu7x-standard-4t", image=IMAGE, labels={},
+                                 service_account="a@b.iam.gserviceaccount.com", provisioning="flex-start",
+                                 max_run_duration_s=3600, capacity_wait_s=300)))
+    assert pc.instances.get(project=pc.project, zone=ZONE, instance="w1").status == "PENDING"
+    assert pc.zone_operations.get(project=pc.project, zone=ZONE, operation=op.name).status == compute_v1.Operation.Status.RUNNING
+    with pytest.raises(CapacityError):
+        prov.apply(pc, plan, deadline_s=FAST_DEADLINE)
+    assert everything(pc) == []
+    with pytest.raises(BadInput) as bad:
+        make_plan(pc, provisioning="flex-start", max_run_duration="1h", valid_until="3h")
+    assert bad.value.field == "valid_until"
+    with pytest.raises(gexc.BadRequest):
+        pc.instances.insert_unary(project=pc.project, zone=ZONE, instance_resource=compute_tpu.instance_proto(
+            compute_tpu.TpuVmRequest(name="w2", zone=ZONE, machine_type="tpu7x-standard-4t", image=IMAGE, labels={},
+                                     service_account="a@b.iam.gserviceaccount.com", provisioning="flex-start",
+                                     max_run_duration_s=3600, capacity_wait_s=3 * 3600)))
+
+
 def test_a_flex_start_instance_that_says_stop_is_stopped_at_its_end(pc, cloud):
     """about-flex-start-vms: "Compute Engine automatically stops or deletes the VMs based on the termination
     action that is specified in the VM properties": STOP is as valid as DELETE."""
