@@ -208,40 +208,26 @@ class ComputeService:
                 project=project, number=facts.project_number(project), zone=zone, name=inst["name"],
                 instance_id=inst["id"], attributes=attributes,
                 service_account=(accounts[0]["email"], list(accounts[0].get("scopes") or [])) if accounts else None,
-                tokens=self.w.tokens)
+                tokens=self.w.tokens, machine_type=rec["machine_type"])
 
     def _tpu_attributes(self, rec: dict) -> dict[str, str]:
-        """A TPU VM instance's TPU attributes: the keys JAX's `GceTpuCluster` reads on Compute Engine
-        (`agent-worker-number`, `worker-network-endpoints` "hostname:uid:ip" in worker order) and the ones a TPU
-        API node's guest carries (`accelerator-type`, `tpu-env`). One instance is a one-worker slice named after
-        itself; a MIG's instance is worker i of the MIG's slice (members in name order, NODE_ID the MIG's name).
-        Empty for a machine type without TPUs. Called under the lock."""
-        tpu = facts.TPU_MACHINE_TYPES.get(rec["machine_type"])
-        if tpu is None:
+        """A TPU VM instance's TPU attributes: only the keys JAX's `GceTpuCluster` reads on Compute Engine
+        (`agent-worker-number`, `worker-network-endpoints` "hostname:uid:ip" in worker order). No source shows a
+        Compute Engine TPU VM serving a TPU API node's `accelerator-type` or `tpu-env`, so none is served (README
+        "TPU7x"). One instance is a one-worker slice; a MIG's instance is worker i of the MIG's slice (members in
+        name order). Empty for a machine type without TPUs. Called under the lock."""
+        if rec["machine_type"] not in facts.TPU_MACHINE_TYPES:
             return {}
-        members, node, topology = [rec], rec["instance"]["name"], "2x2x1"  # one VM: 4 chips
+        members = [rec]
         group = self.groups.migs.get(rec.get("mig") or "") if self.groups is not None else None
         if group is not None:
             members = sorted((self.instances[k] for k in group["members"] if k in self.instances),
                              key=lambda r: r["instance"]["name"])
-            node = group["name"]
-            policy = self.groups.policies.get(group["policy"]) or {}
-            topology = (policy.get("workloadPolicy") or {}).get("acceleratorTopology") or topology
         index = next(i for i, r in enumerate(members) if r["key"] == rec["key"])
-        project = rec["project"]
-        accelerator = tpu.accelerator_type(len(members))
-        tpu_env = {
-            "ACCELERATOR_TYPE": accelerator, "CONSUMER_PROJECT_ID": project,
-            "CONSUMER_PROJECT_NUMBER": facts.project_number(project), "NODE_ID": node,
-            "PREEMPTIBLE": str((rec["instance"].get("scheduling") or {}).get("provisioningModel") == "SPOT").lower(),
-            "TOPOLOGY": topology, "WORKER_ID": str(index), "ZONE": rec["zone"],
-        }
         return {
-            "accelerator-type": accelerator,
             "agent-worker-number": str(index),
             "worker-network-endpoints": ",".join(
                 f"{r['instance']['name']}:{r['instance']['id']}:127.0.0.1" for r in members),
-            "tpu-env": "".join(f"{k}: '{v}'\n" for k, v in sorted(tpu_env.items())),
         }
 
     def _stop_worker(self, rec: dict) -> None:

@@ -170,11 +170,6 @@ class TpuMachineType:
     memory_mb: int
     zones: tuple[str, ...]
     provisioning_models: tuple[str, ...]  # Scheduling.provisioningModel values Compute accepts for it
-    cores_per_chip: int = 2  # TPU7x: 2 TensorCores per chip, and its type names count cores (tpu7x-8 = 4 chips)
-
-    def accelerator_type(self, hosts: int) -> str:
-        """The slice's TPU type name as its guests' `accelerator-type` reads: `tpu7x-8` for one VM of 4 chips."""
-        return f"{self.generation}-{self.chips * self.cores_per_chip * hosts}"
 
 
 # compute/docs/tpus/tpu-machines and tpu/docs/tpu7x (read 2026-11-23): TPU7x is only a Compute Engine machine
