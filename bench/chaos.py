@@ -55,7 +55,7 @@ EXIT = {"ok": 0, "bad-input": 2, "capacity": 3, "interrupted": 130, "killed": -s
 # Shapes: (accelerator, zones in failover order, hosts). Zones come from the catalog's offerings.
 SHAPES = (
     ("v3-8", ("us-central1-a", "us-central1-b"), 1),
-    ("v2-8", ("us-central1-b", "us-central1-c", "us-central1-f"), 1),
+    ("v2-8", ("us-central1-b", "us-central1-c"), 1),
     ("v4-16", ("us-central2-b",), 2),
     ("v5litepod-16", ("us-east5-a", "us-east5-b"), 2),
 )
