@@ -124,14 +124,15 @@ class ComputeService:
     def _op_key(self, op: dict) -> str:
         return op["selfLink"][len(ROOT):]
 
-    def _finish_op(self, op_key: str, error: tuple[str, str, int] | None = None) -> None:
+    def _finish_op(self, op_key: str, error: tuple[str, str, int] | None = None,
+                   details: list[dict] | None = None) -> None:
         op = self.ops.get(op_key)
         if op is None or op["status"] == "DONE":
             return
         op.update(status="DONE", progress=100, endTime=now_rfc3339())
         if error:
             code, message, http = error
-            op["error"] = {"errors": [{"code": code, "message": message}]}
+            op["error"] = {"errors": [{"code": code, "message": message, **({"errorDetails": details} if details else {})}]}
             op["httpErrorStatusCode"] = http
             op["httpErrorMessage"] = {503: "SERVICE UNAVAILABLE", 404: "NOT FOUND", 400: "BAD REQUEST",
                                       403: "FORBIDDEN"}.get(http, "ERROR")
@@ -422,7 +423,15 @@ class ComputeService:
             zone = f"projects/{rec['project']}/zones/{rec['zone']}"
             if quota:
                 region = rec["zone"].rsplit("-", 1)[0]
-                self._finish_op(op, ("QUOTA_EXCEEDED", f"Quota '{quota}' exceeded.  Limit: 0.0 in region {region}.", 403))
+                message = f"Quota '{quota}' exceeded.  Limit: 0.0 in region {region}."
+                # compute.v1 `errors[].errorDetails`: "QuotaExceededInfo will have details when the error code is
+                # QUOTA_EXCEEDED"; a LocalizedMessage carries the user-facing text (AIP-193). The quotaInfo values
+                # are inferred from the quota's name: no source shows a real one.
+                self._finish_op(op, ("QUOTA_EXCEEDED", message, 403), details=[
+                    {"quotaInfo": {"metricName": f"compute.googleapis.com/{quota.lower()}",
+                                   "limitName": f"{quota}-per-project-region", "limit": 0.0,
+                                   "dimensions": {"region": region}}},
+                    {"localizedMessage": {"locale": "en-US", "message": message}}])
             else:
                 self._finish_op(op, ("ZONE_RESOURCE_POOL_EXHAUSTED",
                                      f"The zone '{zone}' does not have enough resources available to fulfill the request.  "

@@ -759,7 +759,9 @@ class TpuService:
         parent = self._parent(p)
         zone = p["locationsId"]
         self._zone_ok(zone, parent)
-        qr_id = q.get("queuedResourceId") or ""
+        # queuedResourceId is "Optional" (tpu v2 discovery): without one the server names the request; a UUID
+        # here, as no source shows the names Google picks (inferred).
+        qr_id = q.get("queuedResourceId") or str(uuid.uuid4())
         if not _QR_ID_RE.match(qr_id):
             raise ApiError("INVALID_ARGUMENT", f"Invalid queuedResourceId {qr_id!r}.")
         specs = ((body.get("tpu") or {}).get("nodeSpec")) or []

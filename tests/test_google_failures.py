@@ -117,6 +117,9 @@ def test_compute_quota_as_403_is_a_quota_not_a_missing_role(pc, cloud):
     with pytest.raises(gexc.Forbidden) as raw:
         pc.instances.insert(project=pc.project, zone="europe-west4-a", instance_resource={"name": "x"})
     assert raw.value.errors[0]["reason"] == "quotaExceeded"
+    # The user-facing text as AIP-193 carries it: a google.rpc.LocalizedMessage detail.
+    assert {"@type": "type.googleapis.com/google.rpc.LocalizedMessage", "locale": "en-US",
+            "message": "Quota 'CPUS' exceeded.  Limit: 0.0 in region europe-west4."} in raw.value.details
     cloud.faults.add("quota", service="compute", method="instances.insert", quota="CPUS")
     t0 = time.monotonic()
     with pytest.raises(QuotaError) as e:
@@ -131,6 +134,8 @@ def test_compute_quota_as_a_403_operation_error_is_a_quota(pc, cloud):
     with pytest.raises(QuotaError) as e:
         prov.apply(pc, make_plan(pc, vms=[{"name": "d"}]), deadline_s=FAST_DEADLINE)
     assert e.value.exit_code == 3 and "CPUS" in e.value.message and QUOTAS_PAGE in e.value.hint
+    # The operation's errorDetails name the quota structurally (quotaInfo) and carry a localizedMessage.
+    assert "quota CPUS-per-project-region exceeded" in e.value.message
     assert live(pc) == []
 
 
