@@ -633,8 +633,8 @@ class TpuService:
             if rec["node"]["state"] == "CREATING":
                 # Google fails the create operation of a Spot TPU preempted while CREATING with code 3 and
                 # this text (SkyPilot's GCP failover handler quotes it; README "Faults"); the node stays PREEMPTED.
-                self._finish_op(rec["create_op"], error=("INVALID_ARGUMENT",
-                                                                 f"{PREEMPTED_UPDATE} [EID: 0x73013519f5b7feb2]"))
+                self._finish_op(rec["create_op"],
+                                error=("INVALID_ARGUMENT", f"{PREEMPTED_UPDATE} [EID: 0x73013519f5b7feb2]"))
             rec["node"]["state"] = "PREEMPTED"
             rec["node"].pop("health", None)
             self._stop_workers(rec)
