@@ -243,16 +243,14 @@ class Api:
 
 
 def quota_error(fault, service: str, zone: str | None, project: str | None) -> ApiError:
-    """A quota refusal as each API sends it. Compute: HTTP 403 with `errors[].reason` "quotaExceeded" and a
-    google.rpc.LocalizedMessage detail, where AIP-193 puts the user-facing text. Cloud TPU: HTTP 429
-    RESOURCE_EXHAUSTED "Quota limit '...' has been exceeded", with a google.rpc.QuotaFailure (and ErrorInfo)
-    detail unless the fault says `details: false`."""
+    """A quota refusal as each API sends it. Compute: HTTP 403 with `errors[].reason` "quotaExceeded" and no
+    google.rpc details. Cloud TPU: HTTP 429 RESOURCE_EXHAUSTED "Quota limit '...' has been exceeded", with
+    a google.rpc.QuotaFailure (and ErrorInfo) detail unless the fault says `details: false`."""
     if service == "compute":
         quota = fault.quota or "CPUS"
         region = zone.rsplit("-", 1)[0] if zone else "global"
-        message = f"Quota '{quota}' exceeded.  Limit: 0.0 in region {region}."
-        return ApiError("PERMISSION_DENIED", message, reason="quotaExceeded", details=[
-            {"@type": "type.googleapis.com/google.rpc.LocalizedMessage", "locale": "en-US", "message": message}])
+        return ApiError("PERMISSION_DENIED", f"Quota '{quota}' exceeded.  Limit: 0.0 in region {region}.",
+                        reason="quotaExceeded")
     quota = fault.quota or {"tpu": "TPUV3sPerProjectPerZoneForTPUAPI"}.get(service, f"{service}.googleapis.com/requests")
     return quotas.exceeded(quota, zone or None, 0, project=project, service=f"{service}.googleapis.com",
                            details=fault.details is not False)
