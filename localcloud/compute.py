@@ -304,21 +304,6 @@ class ComputeService:
             self.w.changed()
             return copy.deepcopy(op)
 
-    def _capacity_retry(self, key: str, op: str) -> None:
-        """A waiting flex-start insert looks for capacity again: found, it goes on as any insert; still none
-        past its requestValidForDuration, it fails as a stockout does."""
-        with self.w.lock:
-            rec = self.instances.get(key)
-            if rec is None or rec.get("deleting") or rec["instance"]["status"] != "PENDING":
-                self._finish_op(op)
-                return
-            if not self.w.faults.take("capacity", "compute", "instances.insert", rec["zone"]):
-                self.w.later(INSERT_S, "compute.insert_done", key=key, op=op)
-            elif time.time() >= rec["wait_until"]:
-                self.w.later(0, "compute.insert_failed", key=key, op=op)
-            else:
-                self.w.later(CAPACITY_RETRY_S, "compute.capacity_retry", key=key, op=op)
-
     def _insert_done(self, key: str, op: str) -> None:
         with self.w.lock:
             rec = self.instances.get(key)
@@ -437,6 +422,21 @@ class ComputeService:
                                      f"The zone '{zone}' does not have enough resources available to fulfill the request.  "
                                      "Try a different zone, or try again later.", 503))
             self.w.changed()
+
+    def _capacity_retry(self, key: str, op: str) -> None:
+        """A waiting flex-start insert looks for capacity again: found, it goes on as any insert; still none
+        past its requestValidForDuration, it fails as a stockout does."""
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is None or rec.get("deleting") or rec["instance"]["status"] != "PENDING":
+                self._finish_op(op)
+                return
+            if not self.w.faults.take("capacity", "compute", "instances.insert", rec["zone"]):
+                self.w.later(INSERT_S, "compute.insert_done", key=key, op=op)
+            elif time.time() >= rec["wait_until"]:
+                self.w.later(0, "compute.insert_failed", key=key, op=op)
+            else:
+                self.w.later(CAPACITY_RETRY_S, "compute.capacity_retry", key=key, op=op)
 
     def get(self, p: dict, q: dict, body: None) -> dict:
         with self.w.lock:
