@@ -55,7 +55,7 @@ EXIT = {"ok": 0, "bad-input": 2, "capacity": 3, "interrupted": 130, "killed": -s
 # Shapes: (accelerator, zones in failover order, hosts). Zones come from the catalog's offerings.
 SHAPES = (
     ("v3-8", ("us-central1-a", "us-central1-b"), 1),
-    ("v2-8", ("us-central1-b", "us-central1-c", "us-central1-f"), 1),
+    ("v2-8", ("us-central1-b", "us-central1-c"), 1),
     ("v4-16", ("us-central2-b",), 2),
     ("v5litepod-16", ("us-east5-a", "us-east5-b"), 2),
 )
@@ -69,7 +69,9 @@ FAULTS = ("none", "capacity-first-zone", "capacity-all-zones", "429-storm", "503
           # with OS Login on: usable (the job logs in as the OS Login user) or with 2FA (refused before `up`).
           "metadata-409", "oslogin", "oslogin-2fa",
           # A project whose TPU quota is 0 in every zone: the preflight refuses before creating anything.
-          "tpu-quota")
+          "tpu-quota",
+          # A Spot create whose capacity is reclaimed while CREATING (code 3): failed over as a stockout.
+          "preempt-creating")
 # Faults that need a running job (and, for preemption, a spot node).
 JOB_FAULTS = ("none", "preempt-mid-job", "kill-worker", "drop-ssh", "repair-mid-job", "guest-attrs",
               "metadata-409", "oslogin")
@@ -361,7 +363,7 @@ def pick(rng: random.Random, index: int, faults: tuple[str, ...] = FAULTS) -> Sc
     accelerator, zones, hosts = rng.choice(SHAPES)
     fault = rng.choice(faults)
     provisioning = rng.choice(PROVISIONING)
-    if fault == "preempt-mid-job":
+    if fault in ("preempt-mid-job", "preempt-creating"):
         provisioning = "spot"  # only spot/preemptible nodes are preempted (a queued one here is on-demand)
     if fault == "capacity-first-zone" and len(zones) == 1:
         fault = "capacity-all-zones"
@@ -377,7 +379,7 @@ def expected_exit(s: Scenario) -> tuple[int, ...]:
         return (EXIT["interrupted"],)
     if s.fault == "capacity-all-zones" or s.fault.startswith("quota-"):
         return (EXIT["capacity"],)
-    if s.fault in STOCKOUT_CODES and len(s.zones) == 1:
+    if (s.fault in STOCKOUT_CODES or s.fault == "preempt-creating") and len(s.zones) == 1:
         return (EXIT["capacity"],)
     if s.fault == "429-storm" and s.storm >= _quota_attempts():
         # The local cloud's 429 names the quota it hit; tpuctl's contract retries such a 429 a fixed number of
@@ -407,6 +409,7 @@ _MESSAGES = {
     "capacity-all-zones": re.compile(r"capacity", re.IGNORECASE),
     "stockout-9": re.compile(r"capacity", re.IGNORECASE),
     "stockout-13": re.compile(r"capacity", re.IGNORECASE),
+    "preempt-creating": re.compile(r"capacity", re.IGNORECASE),
     "quota-429-bare": re.compile(r"quota", re.IGNORECASE),
     "quota-403": re.compile(r"quota", re.IGNORECASE),
     "oslogin-2fa": re.compile(r"enable-oslogin-2fa"),
@@ -571,6 +574,8 @@ def _arm_request_faults(stack: Stack, s: Scenario) -> None:
         stack.fault("stuck", service="tpu", method=create)
     elif s.fault in STOCKOUT_CODES:
         stack.fault("capacity", service="tpu", method=create, zone=s.zones[0], code=STOCKOUT_CODES[s.fault])
+    elif s.fault == "preempt-creating":
+        stack.fault("preempt-creating", service="tpu", method="nodes.create", zone=s.zones[0])
     elif s.fault == "quota-429-bare":
         stack.fault("quota", service="tpu", method=create, details=False, quota="TPUV3sPerProjectPerZoneForTPUAPI")
     elif s.fault == "quota-403":

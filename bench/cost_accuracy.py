@@ -30,7 +30,7 @@ from tpuctl.provision.clients import build
 RUNTIME = "tpu-vm-tf-2.17.0-pjrt"
 # (name, zone, accelerator, spot); localcloud prices v3 in europe-west4, v5e in us-east5, v6e in us-central1.
 FLEET = (("a-v3", "europe-west4-a", "v3-8", False), ("b-v2-spot", "us-central1-b", "v2-8", True),
-         ("c-v5e", "us-east5-a", "v5litepod-4", False), ("d-v6e-spot", "us-central1-a", "v6e-4", True))
+         ("c-v5e", "us-east5-a", "v5litepod-4", False), ("d-v6e-spot", "us-central1-b", "v6e-4", True))
 # VMs in us-central1 only: localcloud bills one VM price in every region, tpuctl's catalog applies regional
 # multipliers (europe-west4 is ~10% dearer on GCP), so elsewhere they differ by design.
 VMS = (("e-driver", "us-central1-a", "e2-standard-2"), ("f-small", "us-central1-c", "e2-small"))

@@ -27,6 +27,9 @@ INSERT_S, DELETE_S, STOP_S, START_S, SET_LABELS_S, SET_METADATA_S = 25.0, 40.0, 
 # "Preemption process").
 PREEMPT_NOTICE_S = 30.0
 CAPACITY_FAIL_S = 10.0
+# A flex-start insert waiting for capacity looks for it again this often (simulated seconds; inferred: Google
+# does not say how often DWS retries).
+CAPACITY_RETRY_S = 30.0
 WAIT_MAX_S = 60.0
 
 ROOT = "https://compute.googleapis.com/compute/v1/"
@@ -41,6 +44,15 @@ def _metadata_dict(instance: dict) -> dict:
     return {i["key"]: i.get("value", "") for i in (instance.get("metadata") or {}).get("items", [])}
 
 
+def _wait_s(body: dict) -> float | None:
+    """The insert's `params.requestValidForDuration` ("Relative deadline for waiting for capacity. Relevant only
+    for Instances.Insert API", compute.v1 `InstanceParams`) in seconds; None when not sent."""
+    duration = (body.get("params") or {}).get("requestValidForDuration")
+    if duration is None:
+        return None
+    return int(duration.get("seconds") or 0) + int(duration.get("nanos") or 0) / 1e9
+
+
 # Statuses of an instance on its way to RUNNING (PENDING: a TPU instance acquiring its resources).
 CREATING = ("PENDING", "PROVISIONING", "STAGING")
 
@@ -52,7 +64,7 @@ class ComputeService:
         self.instances: dict[str, dict] = {}   # "projects/P/zones/Z/instances/N" -> record
         self.ops: dict[str, dict] = {}         # "projects/P/{zones/Z,regions/R}/operations/NAME" -> Operation body
         self.groups = None  # ComputeGroupsService, told when a MIG member's insert fails
-        for action in ("insert_done", "insert_failed", "delete_done", "stop_done", "set_labels_done", "set_metadata_done",
+        for action in ("insert_done", "insert_failed", "capacity_retry", "delete_done", "stop_done", "set_labels_done", "set_metadata_done",
                        "expire", "preempt"):
             world.actions[f"compute.{action}"] = getattr(self, f"_{action}")
 
@@ -112,14 +124,15 @@ class ComputeService:
     def _op_key(self, op: dict) -> str:
         return op["selfLink"][len(ROOT):]
 
-    def _finish_op(self, op_key: str, error: tuple[str, str, int] | None = None) -> None:
+    def _finish_op(self, op_key: str, error: tuple[str, str, int] | None = None,
+                   details: list[dict] | None = None) -> None:
         op = self.ops.get(op_key)
         if op is None or op["status"] == "DONE":
             return
         op.update(status="DONE", progress=100, endTime=now_rfc3339())
         if error:
             code, message, http = error
-            op["error"] = {"errors": [{"code": code, "message": message}]}
+            op["error"] = {"errors": [{"code": code, "message": message, **({"errorDetails": details} if details else {})}]}
             op["httpErrorStatusCode"] = http
             op["httpErrorMessage"] = {503: "SERVICE UNAVAILABLE", 404: "NOT FOUND", 400: "BAD REQUEST",
                                       403: "FORBIDDEN"}.get(http, "ERROR")
@@ -153,6 +166,10 @@ class ComputeService:
             low, high = facts.FLEX_START_MAX_RUN_S
             if not low <= seconds <= high:
                 raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.scheduling.maxRunDuration': '{seconds}s'. Flex-start instances need a max run duration from {low}s to {high}s.")
+        wait = _wait_s(body)
+        if wait is not None and not 0 < wait <= facts.FLEX_START_MAX_WAIT_S:
+            raise ApiError("INVALID_ARGUMENT", f"Invalid value for field 'resource.params.requestValidForDuration': '{wait:g}s'. "
+                           f"It must be more than 0s and at most {facts.FLEX_START_MAX_WAIT_S}s.")
 
     def _boot_worker(self, key: str) -> None:
         with self.w.lock:
@@ -192,40 +209,26 @@ class ComputeService:
                 project=project, number=facts.project_number(project), zone=zone, name=inst["name"],
                 instance_id=inst["id"], attributes=attributes,
                 service_account=(accounts[0]["email"], list(accounts[0].get("scopes") or [])) if accounts else None,
-                tokens=self.w.tokens)
+                tokens=self.w.tokens, machine_type=rec["machine_type"])
 
     def _tpu_attributes(self, rec: dict) -> dict[str, str]:
-        """A TPU VM instance's TPU attributes: the keys JAX's `GceTpuCluster` reads on Compute Engine
-        (`agent-worker-number`, `worker-network-endpoints` "hostname:uid:ip" in worker order) and the ones a TPU
-        API node's guest carries (`accelerator-type`, `tpu-env`). One instance is a one-worker slice named after
-        itself; a MIG's instance is worker i of the MIG's slice (members in name order, NODE_ID the MIG's name).
-        Empty for a machine type without TPUs. Called under the lock."""
-        tpu = facts.TPU_MACHINE_TYPES.get(rec["machine_type"])
-        if tpu is None:
+        """A TPU VM instance's TPU attributes: only the keys JAX's `GceTpuCluster` reads on Compute Engine
+        (`agent-worker-number`, `worker-network-endpoints` "hostname:uid:ip" in worker order). No source shows a
+        Compute Engine TPU VM serving a TPU API node's `accelerator-type` or `tpu-env`, so none is served (README
+        "TPU7x"). One instance is a one-worker slice; a MIG's instance is worker i of the MIG's slice (members in
+        name order). Empty for a machine type without TPUs. Called under the lock."""
+        if rec["machine_type"] not in facts.TPU_MACHINE_TYPES:
             return {}
-        members, node, topology = [rec], rec["instance"]["name"], "2x2x1"  # one VM: 4 chips
+        members = [rec]
         group = self.groups.migs.get(rec.get("mig") or "") if self.groups is not None else None
         if group is not None:
             members = sorted((self.instances[k] for k in group["members"] if k in self.instances),
                              key=lambda r: r["instance"]["name"])
-            node = group["name"]
-            policy = self.groups.policies.get(group["policy"]) or {}
-            topology = (policy.get("workloadPolicy") or {}).get("acceleratorTopology") or topology
         index = next(i for i, r in enumerate(members) if r["key"] == rec["key"])
-        project = rec["project"]
-        accelerator = tpu.accelerator_type(len(members))
-        tpu_env = {
-            "ACCELERATOR_TYPE": accelerator, "CONSUMER_PROJECT_ID": project,
-            "CONSUMER_PROJECT_NUMBER": facts.project_number(project), "NODE_ID": node,
-            "PREEMPTIBLE": str((rec["instance"].get("scheduling") or {}).get("provisioningModel") == "SPOT").lower(),
-            "TOPOLOGY": topology, "WORKER_ID": str(index), "ZONE": rec["zone"],
-        }
         return {
-            "accelerator-type": accelerator,
             "agent-worker-number": str(index),
             "worker-network-endpoints": ",".join(
                 f"{r['instance']['name']}:{r['instance']['id']}:127.0.0.1" for r in members),
-            "tpu-env": "".join(f"{k}: '{v}'\n" for k, v in sorted(tpu_env.items())),
         }
 
     def _stop_worker(self, rec: dict) -> None:
@@ -255,11 +258,16 @@ class ComputeService:
                 raise ApiError("ALREADY_EXISTS", f"The resource '{key}' already exists")
             quota = self._tpu_quota(p["project"], p["zone"], m.group(2), body)
             inst = copy.deepcopy(body)
+            inst.pop("params", None)  # "Input only ... not persisted as part of resource payload" (compute.v1)
             inst_id = str(self.w.next_id())
+            flex = (body.get("scheduling") or {}).get("provisioningModel") == "FLEX_START"
+            wait = _wait_s(body) if flex else None
             # compute/docs/instances/instance-lifecycle: "TPU instances start instead in the PENDING state", where
             # Compute Engine "attempts to acquire the necessary resources"; without them "you encounter an error
             # and Compute Engine deletes the compute instance" (the capacity fault below).
-            first = "PENDING" if m.group(2) in facts.TPU_MACHINE_TYPES else "PROVISIONING"
+            # A flex-start instance is PENDING too: "For Flex Start provisioning instance is waiting for available
+            # capacity from Dynamic Workload Scheduler" (compute.v1 `Instance.status` PENDING).
+            first = "PENDING" if m.group(2) in facts.TPU_MACHINE_TYPES or flex else "PROVISIONING"
             inst.update(kind="compute#instance", id=inst_id, creationTimestamp=now_rfc3339(), status=first,
                         zone=f"{ROOT}projects/{p['project']}/zones/{p['zone']}",
                         selfLink=f"{ROOT}{key}", machineType=f"{ROOT}projects/{p['project']}/zones/{p['zone']}/machineTypes/{m.group(2)}",
@@ -282,6 +290,11 @@ class ComputeService:
             op_key = self._op_key(op)
             if self.w.faults.take("stuck", "compute", "instances.insert", p["zone"]):
                 pass
+            elif wait is not None and self.w.faults.take("capacity", "compute", "instances.insert", p["zone"]):
+                # A flex-start insert waits for capacity for as long as it asked (about-flex-start-vms: "VMs only
+                # start if resources become available within your specified timeframe"); its operation runs.
+                rec["wait_until"] = time.time() + self.w.latency(wait)
+                self.w.later(CAPACITY_RETRY_S, "compute.capacity_retry", key=key, op=op_key)
             elif self.w.faults.take("capacity", "compute", "instances.insert", p["zone"]):
                 self.w.later(CAPACITY_FAIL_S, "compute.insert_failed", key=key, op=op_key)
             elif quota := self.w.faults.take("quota", "compute", "instances.insert", p["zone"],
@@ -410,12 +423,35 @@ class ComputeService:
             zone = f"projects/{rec['project']}/zones/{rec['zone']}"
             if quota:
                 region = rec["zone"].rsplit("-", 1)[0]
-                self._finish_op(op, ("QUOTA_EXCEEDED", f"Quota '{quota}' exceeded.  Limit: 0.0 in region {region}.", 403))
+                message = f"Quota '{quota}' exceeded.  Limit: 0.0 in region {region}."
+                # compute.v1 `errors[].errorDetails`: "QuotaExceededInfo will have details when the error code is
+                # QUOTA_EXCEEDED"; a LocalizedMessage carries the user-facing text (AIP-193). The quotaInfo values
+                # are inferred from the quota's name: no source shows a real one.
+                self._finish_op(op, ("QUOTA_EXCEEDED", message, 403), details=[
+                    {"quotaInfo": {"metricName": f"compute.googleapis.com/{quota.lower()}",
+                                   "limitName": f"{quota}-per-project-region", "limit": 0.0,
+                                   "dimensions": {"region": region}}},
+                    {"localizedMessage": {"locale": "en-US", "message": message}}])
             else:
                 self._finish_op(op, ("ZONE_RESOURCE_POOL_EXHAUSTED",
                                      f"The zone '{zone}' does not have enough resources available to fulfill the request.  "
                                      "Try a different zone, or try again later.", 503))
             self.w.changed()
+
+    def _capacity_retry(self, key: str, op: str) -> None:
+        """A waiting flex-start insert looks for capacity again: found, it goes on as any insert; still none
+        past its requestValidForDuration, it fails as a stockout does."""
+        with self.w.lock:
+            rec = self.instances.get(key)
+            if rec is None or rec.get("deleting") or rec["instance"]["status"] != "PENDING":
+                self._finish_op(op)
+                return
+            if not self.w.faults.take("capacity", "compute", "instances.insert", rec["zone"]):
+                self.w.later(INSERT_S, "compute.insert_done", key=key, op=op)
+            elif time.time() >= rec["wait_until"]:
+                self.w.later(0, "compute.insert_failed", key=key, op=op)
+            else:
+                self.w.later(CAPACITY_RETRY_S, "compute.capacity_retry", key=key, op=op)
 
     def get(self, p: dict, q: dict, body: None) -> dict:
         with self.w.lock:

@@ -55,11 +55,17 @@ class ApiError(Exception):
     def body(self, style: str) -> dict:
         """The error body as Google's one-platform APIs (`style="google"`) or Compute (`"compute"`) send it."""
         err: dict[str, Any] = {"code": self.http, "message": self.message, "status": self.status}
+        details = self.details
         if style == "compute":
             err["errors"] = [{"message": self.message, "domain": "global",
                               "reason": self.reason or _COMPUTE_REASON.get(self.http, "invalid")}]
-        if self.details:
-            err["details"] = self.details
+            if self.http == 403:
+                # A Compute 403 (a quota, a missing permission) carries its user-facing text as a
+                # google.rpc.LocalizedMessage, where AIP-193 puts it (README "Google's failure shapes").
+                details = [*details, {"@type": "type.googleapis.com/google.rpc.LocalizedMessage", "locale": "en-US",
+                                      "message": self.message}]
+        if details:
+            err["details"] = details
         return {"error": err}
 
 
@@ -179,7 +185,7 @@ class Scheduler:
 # ----------------------------------------------------------------------------------------------- faults
 
 FAULT_KINDS = ("capacity", "quota", "unavailable", "stuck", "preempt", "kill-worker", "drop-ssh", "repair",
-               "no-guest-attributes")
+               "no-guest-attributes", "preempt-creating")
 # The operation error codes a TPU create fails with when a zone has no capacity (see README "Faults").
 CAPACITY_CODES = (8, 9, 13)
 

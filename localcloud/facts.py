@@ -12,26 +12,29 @@ from dataclasses import dataclass
 # tpu_v2.AcceleratorConfig.Type wire numbers are not contiguous; these are the proto's own.
 API_TYPE = {"v2": "V2", "v3": "V3", "v4": "V4", "v5e": "V5LITE_POD", "v5p": "V5P", "v6e": "V6E"}
 
-_V5E_ZONES = (
-    "us-central1-a", "us-east1-b", "us-east1-c", "us-east5-a", "us-east5-b", "us-east5-c", "us-west4-a",
-    "us-west4-b", "europe-west4-a", "europe-west4-b", "asia-east1-a", "asia-east1-b", "asia-east1-c",
-    "asia-northeast1-b",
-)
-# v2 and v3 zones depend on the size (tpu/docs/regions-zones, current and older copies): v2-8 in us-central1-b,
-# -c, -f, europe-west4-a and asia-east1-c, v2-32 to v2-512 in us-central1-a and europe-west4-a; v3-8 in
-# us-central1-a, -b, -f and europe-west4-a, v3-32 to v3-2048 in europe-west4-a only.
-_V2_8_ZONES = ("us-central1-b", "us-central1-c", "us-central1-f", "europe-west4-a", "asia-east1-c")
+# Zones per generation: docs.cloud.google.com/tpu/docs/regions-zones as re-read on 2026-11-28 (the copy that lists
+# TPU7x and AI zones). Zones only older copies list are gone (v5e us-east1-b/c, us-west4-b and Asia, v6e
+# us-central1-a/c, v5p us-east1-d, v2-8/v3-8 us-central1-f): Google refuses them as any zone without the type.
+# Europe's and Asia's zone names are the older copies' where the current copy's were not readable.
+_V5E_ZONES = ("us-central1-a", "us-east5-a", "us-east5-b", "us-east5-c", "us-west4-a", "europe-west4-a", "europe-west4-b")
+# Kept although the current copy omits them: zones an older copy marks single-tenant, not for general use (v5e
+# us-east5-a/b/c, v5p us-east5-b/c, v6e us-east5-c). localcloud serves them as for a project Google admitted as
+# a tenant there (inferred: no source shows how Google refuses a project that is not).
+# v2 and v3 zones depend on the size (tpu/docs/regions-zones): v2-8 in us-central1-b, -c, europe-west4-a and
+# asia-east1-c, v2-32 to v2-512 in us-central1-a and europe-west4-a; v3-8 in us-central1-a, -b and
+# europe-west4-a, v3-32 to v3-2048 in europe-west4-a only.
+_V2_8_ZONES = ("us-central1-b", "us-central1-c", "europe-west4-a", "asia-east1-c")
 _V2_POD_ZONES = ("us-central1-a", "europe-west4-a")
-_V3_8_ZONES = ("us-central1-a", "us-central1-b", "us-central1-f", "europe-west4-a")
+_V3_8_ZONES = ("us-central1-a", "us-central1-b", "europe-west4-a")
 _V3_POD_ZONES = ("europe-west4-a",)
 ZONES_BY_GENERATION: dict[str, tuple[str, ...]] = {
     "v2": tuple(dict.fromkeys(_V2_8_ZONES + _V2_POD_ZONES)),
     "v3": _V3_8_ZONES,
     "v4": ("us-central2-b",),
     "v5e": _V5E_ZONES,
-    "v5p": ("us-central1-a", "us-east1-d", "us-east5-a", "us-east5-b", "us-east5-c", "europe-west4-b"),
-    "v6e": ("us-central1-a", "us-central1-b", "us-central1-c", "us-east1-d", "us-east5-a", "us-east5-b",
-            "us-east5-c", "europe-west4-a", "asia-northeast1-b"),
+    "v5p": ("us-central1-a", "us-east5-a", "us-east5-b", "us-east5-c", "europe-west4-b"),
+    "v6e": ("us-central1-b", "us-east1-d", "us-east5-a", "us-east5-b", "us-east5-c", "europe-west4-a",
+            "asia-northeast1-b"),
 }
 
 # Runtime versions (TPU software versions) the TPU API accepts per generation, and the software each image
@@ -170,11 +173,6 @@ class TpuMachineType:
     memory_mb: int
     zones: tuple[str, ...]
     provisioning_models: tuple[str, ...]  # Scheduling.provisioningModel values Compute accepts for it
-    cores_per_chip: int = 2  # TPU7x: 2 TensorCores per chip, and its type names count cores (tpu7x-8 = 4 chips)
-
-    def accelerator_type(self, hosts: int) -> str:
-        """The slice's TPU type name as its guests' `accelerator-type` reads: `tpu7x-8` for one VM of 4 chips."""
-        return f"{self.generation}-{self.chips * self.cores_per_chip * hosts}"
 
 
 # compute/docs/tpus/tpu-machines and tpu/docs/tpu7x (read 2026-11-23): TPU7x is only a Compute Engine machine
@@ -189,6 +187,9 @@ TPU_MACHINE_TYPES: dict[str, TpuMachineType] = {
 TPU_PRICES["us-central1"]["tpu7x"] = (8.40, 1.672)
 # Flex-start VMs run for at most 7 days (tpu/docs/request-using-flex-start); maxRunDuration is at least 30 s.
 FLEX_START_MAX_RUN_S = (30, 7 * 86400)
+# How long a flex-start VM insert may wait for capacity (`params.requestValidForDuration`): "persist in a queue
+# for up to two hours" (cloud.google.com/blog/products/compute/introducing-flex-start-vms-for-the-compute-engine-instance-api).
+FLEX_START_MAX_WAIT_S = 2 * 3600
 # Flex-start through the Cloud TPU API (queued resources, v2alpha1 provisioningModel FLEX_START): only these
 # generations in these zones (tpu/docs/request-using-flex-start, "Limitations": v6e asia-northeast1-b and
 # us-east5-a; v5e us-west4-a for training and us-central1-a for serving).

@@ -59,10 +59,13 @@ def service_account_dir(email: str, scopes: list[str], token: str | None = None)
 
 
 def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: str, attributes: dict[str, str],
-               service_account: tuple[str, list[str]] | None, tokens: Any = None) -> Tree:
+               service_account: tuple[str, list[str]] | None, tokens: Any = None,
+               machine_type: str | None = None) -> Tree:
     """The paths a Compute Engine guest (a TPU VM worker is one) reads; see the module docstring.
 
-    `instance/hostname` is the VM's internal zonal DNS name, NAME.ZONE.c.PROJECT.internal.
+    `instance/hostname` is the VM's internal zonal DNS name, NAME.ZONE.c.PROJECT.internal. `instance/machine-type`
+    (`projects/NUMBER/machineTypes/TYPE`, compute/docs/metadata/predefined-metadata-keys) is served for a
+    Compute Engine instance (`machine_type`); a TPU API node's VM has no machine type any source shows.
     """
     accounts: Tree = {}
     if service_account is not None:
@@ -70,13 +73,14 @@ def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: 
         token = tokens.issue(email, project) if tokens is not None else None
         accounts = {"default": service_account_dir(email, scopes, token),
                     email: service_account_dir(email, scopes, token)}
+    instance: Tree = {"machine-type": f"projects/{number}/machineTypes/{machine_type}"} if machine_type else {}
     return {
         # maintenance-event and preempted are what a guest polls for a coming maintenance or a Spot preemption
         # (compute/docs/metadata/getting-live-migration-notice; compute/docs/instances/spot): NONE and FALSE
         # while neither is coming. localcloud gives no notice period, so they never change.
         "instance": {"attributes": dict(attributes), "hostname": f"{name}.{zone}.c.{project}.internal",
                      "id": instance_id, "maintenance-event": "NONE", "name": name, "preempted": "FALSE",
-                     "zone": f"projects/{number}/zones/{zone}", "service-accounts": accounts},
+                     "zone": f"projects/{number}/zones/{zone}", "service-accounts": accounts, **instance},
         "project": {"attributes": {}, "numeric-project-id": number, "project-id": project},
     }
 

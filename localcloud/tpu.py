@@ -86,6 +86,11 @@ def stockout_message(code: int, zone: str) -> str:
     return capacity_message(zone)
 
 
+# Google's code-3 answer to an update of a PREEMPTED node, which is also how the create operation of a Spot
+# TPU preempted while CREATING fails (README "Faults").
+PREEMPTED_UPDATE = "Cloud TPU received a bad request. update is not supported while in state PREEMPTED"
+
+
 def ssh_keys_of(metadata: dict | None) -> list[str]:
     """The `ssh-keys` metadata lines "USER:KEY [COMMENT]" a guest admits, each for its USER only, as Google's
     guest agent writes every key into that user's authorized_keys alone (guest-agent `non_windows_accounts.go`);
@@ -271,6 +276,11 @@ class TpuService:
         zone = rec["zone"]
         name = rec["node"]["name"]
         if self.w.faults.take("stuck", "tpu", method, zone):
+            return
+        if rec["spot"] and self.w.faults.take("preempt-creating", "tpu", method, zone):
+            # The capacity is reclaimed before the node is READY: the node is PREEMPTED and its create
+            # operation fails with code 3 (see `_preempt`).
+            self.w.later(min(CREATE_S, CAPACITY_FAIL_S), "tpu.preempt", node=name)
             return
         fault = self.w.faults.take("capacity", "tpu", method, zone)
         if fault:
@@ -544,10 +554,10 @@ class TpuService:
                 raise ApiError("FAILED_PRECONDITION", f"Cannot update labels of node {name} while it is being created (state CREATING).")
             if state == "DELETING":
                 raise ApiError("FAILED_PRECONDITION", f"Node {name} is being deleted.")
-            if state in ("PREEMPTED", "STOPPED", "STOPPING"):
-                # Google's words and code (3) as SkyPilot's GCP failover handler quotes them (README "Faults").
-                raise ApiError("INVALID_ARGUMENT", "Cloud TPU received a bad request. update is not supported while "
-                               f"in state {state}")
+            if state == "PREEMPTED":
+                # Google's words and code (3) as SkyPilot's GCP failover handler quotes them (README "Faults"); no
+                # source shows a STOPPED node refusing an update, so a STOPPED node takes it.
+                raise ApiError("INVALID_ARGUMENT", PREEMPTED_UPDATE)
             if "metadata" in mask and rec.get("metadata_op") in self.ops and not self.ops[rec["metadata_op"]]["done"]:
                 raise ApiError("ABORTED", f"Node {name} has a metadata update in progress "
                                f"({rec['metadata_op'].rsplit('/', 1)[-1]}); retry after it finishes.")
@@ -626,7 +636,10 @@ class TpuService:
             if rec is None or rec["node"]["state"] not in ("READY", "CREATING", "STARTING"):
                 return
             if rec["node"]["state"] == "CREATING":
-                self._finish_op(rec["create_op"], error=("ABORTED", f"Node {node} was preempted during creation."))
+                # Google fails the create operation of a Spot TPU preempted while CREATING with code 3 and
+                # this text (SkyPilot's GCP failover handler quotes it; README "Faults"); the node stays PREEMPTED.
+                self._finish_op(rec["create_op"],
+                                error=("INVALID_ARGUMENT", f"{PREEMPTED_UPDATE} [EID: 0x73013519f5b7feb2]"))
             rec["node"]["state"] = "PREEMPTED"
             rec["node"].pop("health", None)
             self._stop_workers(rec)
@@ -751,7 +764,9 @@ class TpuService:
         parent = self._parent(p)
         zone = p["locationsId"]
         self._zone_ok(zone, parent)
-        qr_id = q.get("queuedResourceId") or ""
+        # queuedResourceId is "Optional" (tpu v2 discovery): without one the server names the request; a UUID
+        # here, as no source shows the names Google picks (inferred).
+        qr_id = q.get("queuedResourceId") or str(uuid.uuid4())
         if not _QR_ID_RE.match(qr_id):
             raise ApiError("INVALID_ARGUMENT", f"Invalid queuedResourceId {qr_id!r}.")
         specs = ((body.get("tpu") or {}).get("nodeSpec")) or []

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tpuctl.errors import CapacityError, CloudError, Interrupted, NameTaken, TpuctlError, capacity_hint
 from tpuctl import catalog as catalog_mod
 from tpuctl.ledger import Entry
+from tpuctl.spec import FLEX_START_WAIT_S
 from tpuctl.provision import bucket, compute_tpu, preflight, tpu, vm
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.plan import Plan
@@ -274,7 +275,7 @@ def _compute_tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, 
         name=plan.run, zone=plan.zones[0], machine_type=plan.accelerator.machine_type or "",
         image=plan.runtime_version, labels=plan.labels, service_account=sa, provisioning=plan.provisioning,
         max_run_duration_s=plan.max_run_duration_s, network=plan.network, subnet=plan.subnet, tags=plan.tags,
-        internal_ips=plan.internal_ips)
+        internal_ips=plan.internal_ips, capacity_wait_s=plan.valid_until_s or FLEX_START_WAIT_S)
     t = plan.accelerator
 
     def progress(zone: str):

@@ -52,6 +52,7 @@ class TpuVmRequest:
     service_account: str
     provisioning: str = "on-demand"  # on-demand | spot | flex-start
     max_run_duration_s: float | None = None  # flex-start: Compute deletes the instance after this long
+    capacity_wait_s: float | None = None  # flex-start: how long the insert waits for capacity before it fails
     network: str = "default"
     subnet: str | None = None
     tags: tuple[str, ...] = ()
@@ -79,6 +80,14 @@ def _scheduling(req: TpuVmRequest) -> compute_v1.Scheduling:
     return sched
 
 
+def _params(req: TpuVmRequest) -> compute_v1.InstanceParams | None:
+    """A flex-start insert's wait for capacity, `requestValidForDuration` ("Relative deadline for waiting for
+    capacity", compute.v1 InstanceParams): Compute keeps the request until then instead of failing it at once."""
+    if req.provisioning != "flex-start" or not req.capacity_wait_s:
+        return None
+    return compute_v1.InstanceParams(request_valid_for_duration=compute_v1.Duration(seconds=int(req.capacity_wait_s)))
+
+
 GUEST_ATTRIBUTES_KEY = "enable-guest-attributes"
 
 
@@ -100,7 +109,7 @@ def instance_proto(req: TpuVmRequest) -> compute_v1.Instance:
             disk_type=f"zones/{req.zone}/diskTypes/{BOOT_DISK_TYPE}"))],
         network_interfaces=[nic], tags=compute_v1.Tags(items=list(req.tags)),
         metadata=compute_v1.Metadata(items=items),
-        scheduling=_scheduling(req),
+        scheduling=_scheduling(req), params=_params(req),
         service_accounts=[compute_v1.ServiceAccount(email=req.service_account, scopes=list(vm.SCOPES))])
 
 

@@ -216,9 +216,26 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
                               lambda: _labels(get_node(clients, req.zone, req.name)), req, what=what,
                               thing=f"TPU node {req.name} in {req.zone}", cancel=cancel)
         if op is not None:
-            wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
-                           state=State.CREATING, create=True)
+            try:
+                wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
+                               state=State.CREATING, create=True)
+            except TpuctlError as exc:
+                if _preempted_while_creating(clients, req, exc):
+                    raise CapacityError(f"{what}: the Spot capacity was reclaimed while it was being created "
+                                        f"(code 3: {exc.__cause__.message})") from exc
+                raise
     return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+
+
+def _preempted_while_creating(clients: Clients, req: NodeRequest, exc: TpuctlError) -> bool:
+    """Whether a failed create is a Spot/preemptible node preempted before READY: Google fails its operation
+    with code 3 INVALID_ARGUMENT, as for a bad request, but the node exists and is PREEMPTED (SkyPilot's GCP
+    failover handler; localcloud/README.md "Faults"). Told apart from a bad spec by the node's state, never by
+    the text; like a stockout, the caller moves on to the next zone."""
+    if not (req.spot or req.preemptible) or not isinstance(exc.__cause__, gexc.InvalidArgument):
+        return False
+    node = get_node(clients, req.zone, req.name)
+    return node is not None and states.node_state(node) is State.PREEMPTED
 
 
 def wait_ready(clients: Clients, zone: str, name: str, *, deadline_s: float, cancel: threading.Event | None = None,
@@ -303,6 +320,8 @@ def _create_flex_start(clients: Clients, req: NodeRequest, *, what: str, cancel:
     node = json.loads(json_format.MessageToJson(tpu_v2.Node.pb(_node_proto(req))))
     body = {"tpu": {"nodeSpec": [{"parent": parent(clients.project, req.zone), "nodeId": req.name, "node": node}]},
             "provisioningModel": "FLEX_START", "runDuration": {"maxRunDuration": f"{int(req.max_run_duration_s)}s"}}
+    if req.valid_until_s is not None:  # the spec's bound on the wait for capacity, as for any queued resource
+        body["queueingPolicy"] = {"validUntilDuration": f"{int(req.valid_until_s)}s"}
     if on_issued is not None:
         on_issued()
     if progress:
@@ -388,7 +407,7 @@ def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: s
     """Add `USER:KEY` to the node's `ssh-keys` metadata; False when it was already there (idempotent).
 
     A 409 (another metadata update in flight) re-reads the metadata and tries again, with backoff for up to
-    METADATA_CONFLICT_S, so neither update is lost. A PREEMPTED or STOPPED node refuses updates: that raises CapacityError saying so."""
+    METADATA_CONFLICT_S, so neither update is lost. A PREEMPTED node refuses updates: that raises CapacityError saying so."""
     what = f"add an SSH key to TPU node {name} in {zone}"
     line = f"{user}:{public_key.strip()}"
     start = time.monotonic()
@@ -398,9 +417,9 @@ def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: s
         if node is None:
             raise from_google(gexc.NotFound(f"node {name}"), what=what)
         state = states.node_state(node)
-        if state in (State.PREEMPTED, State.STOPPED):
+        if state is State.PREEMPTED:
             raise CapacityError(f"TPU node {name} in {zone} is {state.value}: Google refuses metadata updates "
-                                "until it runs again", hint="a preempted Spot TPU must be deleted and recreated: "
+                                "of a preempted node", hint="a preempted Spot TPU must be deleted and recreated: "
                                 f"`tpuctl run` does that itself; otherwise `tpuctl down` the run and `up` it again")
         current = [ln for ln in node.metadata.get("ssh-keys", "").splitlines() if ln.strip()]
         if line in current:

@@ -124,7 +124,10 @@ def raise_errors(errors: list, *, what: str) -> None:
             raise CapacityError(f"{what}: no capacity ({text})")
         if codes & _QUOTA_CODES:
             quota = next((e.message for e in errors if e.code in _QUOTA_CODES), text)
-            raise QuotaError(f"{what}: quota exceeded ({quota})")
+            # The quota by name where Compute says it structurally (errorDetails[].quotaInfo, compute.v1).
+            names = [d.quota_info.limit_name for e in errors for d in getattr(e, "error_details", ())
+                     if d.quota_info.limit_name]
+            raise QuotaError(f"{what}: quota {names[0] + ' ' if names else ''}exceeded ({quota})")
         if "RESOURCE_NOT_FOUND" in codes and "delete" in what:
             return
         raise CloudError(f"{what}: {text}")

@@ -202,10 +202,21 @@ def test_guest_reads_its_identity_from_a_metadata_server(monkeypatch):
         guest.tpu_vm.cache_clear()
         vm = guest.tpu_vm()
         assert vm == guest.TpuVm(node="my-slice", worker=2, hosts=tuple(f"10.0.0.{i}" for i in range(4)),
-                                 accelerator_type="v4-32")
-        tree["instance"]["attributes"] = {}  # a plain Compute Engine VM: no accelerator-type
+                                 accelerator_type="v4-32", endpoints=hosts)
+        tree["instance"]["attributes"] = {}  # a plain Compute Engine VM: no agent-worker-number
         guest.tpu_vm.cache_clear()
         assert guest.tpu_vm() is None
+        # A Compute Engine TPU VM (TPU7x) serves what JAX reads and its machine type, and no tpu-env: the
+        # guest finds its slice from them and rehearses 8 devices (4 chips of 2 TensorCores).
+        tree["instance"] = {"machine-type": "projects/123/machineTypes/tpu7x-standard-4t", "attributes": {
+            "agent-worker-number": "1", "worker-network-endpoints": "x1-a:7:10.0.0.1,x1-b:8:10.0.0.2"}}
+        guest.tpu_vm.cache_clear()
+        vm = guest.tpu_vm()
+        assert (vm.node, vm.worker, vm.hosts, vm.machine_type) == (None, 1, ("10.0.0.1", "10.0.0.2"), "tpu7x-standard-4t")
+        assert strategy._devices_per_host(vm) == 8
+        assert strategy.jax_cluster(vm, rehearsal=True)["coordinator_address"].startswith("10.0.0.1:")
+        with pytest.raises(AcceleratorError, match="TPUClusterResolver"):
+            strategy._tpu_from_env(vm)
     finally:
         guest.tpu_vm.cache_clear()
         server.close()
@@ -245,6 +256,7 @@ def test_jax_meets_its_peers_through_worker_0_and_counts_devices_per_host_like_j
     assert rehearsed["coordinator_address"] != "10.0.0.2:8482" and rehearsed["process_id"] == 1
     assert rehearsed == strategy.jax_cluster(second, rehearsal=True)  # every worker derives the same port
     assert strategy.jax_cluster(ONE_HOST, rehearsal=False) is None and strategy.jax_cluster(None, rehearsal=True) is None
-    per_host = {t: strategy._devices_per_host(t, h) for t, h in
+    per_host = {t: strategy._devices_per_host(guest.TpuVm(node="n", worker=0, hosts=("h",) * h, accelerator_type=t))
+                for t, h in
                 (("v5litepod-16", 2), ("v3-8", 1), ("v4-32", 4), ("v5p-16", 2), ("v6e-8", 1), ("v2-32", 4))}
     assert per_host == {"v5litepod-16": 8, "v3-8": 8, "v4-32": 4, "v5p-16": 4, "v6e-8": 8, "v2-32": 8}

@@ -126,3 +126,30 @@ def test_data_carries_provenance():
 def test_pod_runtime_on_a_single_host_is_accepted_as_google_samples_do(cat):
     assert cat.check("v3-8", "us-central1-a", "tpu-vm-tf-2.17.0-pod-pjrt").hosts == 1
     assert cat.check("v4-32", "us-central2-b", "tpu-vm-tf-2.18.0-pod-pjrt-v5p-and-below").hosts == 4
+
+
+@pytest.mark.parametrize("accelerator,zone", [
+    ("v5litepod-8", "us-east1-b"), ("v5litepod-8", "us-east1-c"), ("v5litepod-8", "us-west4-b"),
+    ("v5litepod-8", "asia-east1-a"), ("v6e-8", "us-central1-a"), ("v6e-8", "us-central1-c"), ("v5p-8", "us-east1-d"),
+    ("v3-8", "us-central1-f"), ("v2-8", "us-central1-f"),
+])
+def test_zones_only_older_copies_of_googles_page_list_are_refused_by_both_tables(cat, clients, accelerator, zone):
+    """tpu/docs/regions-zones re-read on 2026-11-28 no longer lists these: tpuctl's catalog refuses them (exit 2)
+    and strict localcloud, from its own table, answers a create there as Google answers a zone without the type."""
+    from google.api_core import exceptions as gexc
+    from google.cloud import tpu_v2
+
+    with pytest.raises(BadInput) as err:
+        cat.check(accelerator, zone, None)
+    assert err.value.field == "zone"
+    with pytest.raises(gexc.BadRequest, match="could not be found in the zonal accelerator configurations"):
+        clients.tpu.create_node(parent=clients.parent(zone), node_id="gone",
+                                node=tpu_v2.Node(accelerator_type=accelerator, runtime_version="tpu-vm-tf-2.17.0-pjrt"))
+    assert "2026-11-28" in cat.source and "2 hosts of 8" in cat.source
+
+
+def test_single_tenant_zones_are_offered_and_marked(cat):
+    shown = catalog.accelerator_json(cat.accelerator("v5litepod-16"), cat)
+    assert shown["single_tenant_zones"] == ["us-east5-a", "us-east5-b", "us-east5-c"]
+    assert set(shown["single_tenant_zones"]) <= set(shown["zones"]) and "us-west4-a" in shown["zones"]
+    assert cat.accelerator("v5litepod-16").hosts == 2  # the TPU API's 2 hosts of 8 chips, not GKE's 4-chip VMs

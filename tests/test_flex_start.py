@@ -93,3 +93,12 @@ def test_localcloud_refuses_flex_start_requests_google_would(pc, cloud, change, 
         pc.post_json("tpu", f"v2alpha1/{parent}/queuedResources?queuedResourceId=g1", body)
     assert message in str(exc.value)
     assert everything(pc) == []
+
+
+def test_valid_until_bounds_a_flex_start_queued_resources_wait(pc, cloud):
+    # The spec's valid_until reaches the request as queueingPolicy.validUntilDuration: no capacity by then
+    # fails the request (exit 3) and nothing is left.
+    cloud.faults.add("capacity", service="tpu", method="queuedResources.create", zone=ZONE)
+    with pytest.raises(prov.CapacityError, match="before it expired"):
+        prov.apply(pc, make_plan(pc, valid_until="5m"), deadline_s=60.0)
+    assert everything(pc) == []

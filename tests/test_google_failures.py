@@ -117,6 +117,9 @@ def test_compute_quota_as_403_is_a_quota_not_a_missing_role(pc, cloud):
     with pytest.raises(gexc.Forbidden) as raw:
         pc.instances.insert(project=pc.project, zone="europe-west4-a", instance_resource={"name": "x"})
     assert raw.value.errors[0]["reason"] == "quotaExceeded"
+    # The user-facing text as AIP-193 carries it: a google.rpc.LocalizedMessage detail.
+    assert {"@type": "type.googleapis.com/google.rpc.LocalizedMessage", "locale": "en-US",
+            "message": "Quota 'CPUS' exceeded.  Limit: 0.0 in region europe-west4."} in raw.value.details
     cloud.faults.add("quota", service="compute", method="instances.insert", quota="CPUS")
     t0 = time.monotonic()
     with pytest.raises(QuotaError) as e:
@@ -131,6 +134,8 @@ def test_compute_quota_as_a_403_operation_error_is_a_quota(pc, cloud):
     with pytest.raises(QuotaError) as e:
         prov.apply(pc, make_plan(pc, vms=[{"name": "d"}]), deadline_s=FAST_DEADLINE)
     assert e.value.exit_code == 3 and "CPUS" in e.value.message and QUOTAS_PAGE in e.value.hint
+    # The operation's errorDetails name the quota structurally (quotaInfo) and carry a localizedMessage.
+    assert "quota CPUS-per-project-region exceeded" in e.value.message
     assert live(pc) == []
 
 
@@ -347,3 +352,39 @@ def test_a_409_for_someone_elses_vm_is_not_adopted(pc, cloud, monkeypatch):
     prov.down(pc, "run1", delete_bucket=True)
     assert live(pc) == []
     pvm.delete(pc, zone, vm_name, deadline_s=FAST_DEADLINE)
+
+
+def test_a_spot_node_preempted_while_creating_fails_over_like_a_stockout(pc, cloud):
+    # Google's shape: the create operation fails with code 3, as a bad request would, and the node is PREEMPTED.
+    cloud.faults.add("preempt-creating", service="tpu", zone="us-central1-a", count=1)
+    op = pc.tpu.create_node(parent=f"projects/{pc.project}/locations/us-central1-a", node_id="n1",
+                            node=tpu_v2.Node(accelerator_type="v3-8", runtime_version=TF,
+                                             scheduling_config=tpu_v2.SchedulingConfig(spot=True)))
+    with pytest.raises(gexc.InvalidArgument) as e:
+        op.result(polling=FAST_POLLING)
+    assert "update is not supported while in state PREEMPTED" in e.value.message
+    assert pc.tpu.get_node(name=node_name(pc, "us-central1-a", "n1")).state == tpu_v2.Node.State.PREEMPTED
+    pc.tpu.delete_node(name=node_name(pc, "us-central1-a", "n1")).result(polling=FAST_POLLING)
+    # tpuctl takes it for reclaimed capacity: the next zone, and nothing left where it was preempted.
+    cloud.faults.add("preempt-creating", service="tpu", zone="us-central1-a")
+    zones = ["us-central1-a", "us-central1-b"]
+    result = prov.apply(pc, make_plan(pc, zone=zones, provisioning="spot"), deadline_s=FAST_DEADLINE)
+    assert result.zone == "us-central1-b" and live(pc) == [node_name(pc, "us-central1-b")]
+    prov.down(pc, "run1", delete_bucket=True)
+    # With no other zone it is a capacity failure (exit 3), not a bad request (exit 2); an on-demand node is
+    # never preempted.
+    with pytest.raises(CapacityError) as e:
+        prov.apply(pc, make_plan(pc, zone="us-central1-a", provisioning="spot"), deadline_s=FAST_DEADLINE)
+    assert e.value.exit_code == 3 and "reclaimed" in e.value.message and live(pc) == []
+    prov.apply(pc, make_plan(pc, zone="us-central1-a"), deadline_s=FAST_DEADLINE)
+    assert live(pc) == [node_name(pc, "us-central1-a")]
+    prov.down(pc, "run1", delete_bucket=True)
+
+
+def test_a_stopped_node_takes_a_metadata_update(pc, cloud):
+    # No source shows Google refusing an update of a STOPPED node (only of a PREEMPTED one).
+    prov.apply(pc, make_plan(pc), deadline_s=FAST_DEADLINE)
+    pc.tpu.stop_node(request=tpu_v2.StopNodeRequest(name=node_name(pc))).result(polling=FAST_POLLING)
+    assert prov.add_ssh_key(pc, "europe-west4-a", "run1", "me", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIE me@laptop")
+    assert "me:ssh-ed25519" in pc.tpu.get_node(name=node_name(pc)).metadata["ssh-keys"]
+    prov.down(pc, "run1", delete_bucket=True)

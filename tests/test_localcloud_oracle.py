@@ -25,9 +25,9 @@ def test_localcloud_imports_nothing_from_tpuctl(path):
 
 
 @pytest.mark.parametrize("name,zones", [
-    ("v2-8", ("us-central1-b", "us-central1-c", "us-central1-f", "europe-west4-a", "asia-east1-c")),
+    ("v2-8", ("us-central1-b", "us-central1-c", "europe-west4-a", "asia-east1-c")),
     ("v2-32", ("us-central1-a", "europe-west4-a")), ("v2-512", ("us-central1-a", "europe-west4-a")),
-    ("v3-8", ("us-central1-a", "us-central1-b", "us-central1-f", "europe-west4-a")),
+    ("v3-8", ("us-central1-a", "us-central1-b", "europe-west4-a")),
     ("v3-32", ("europe-west4-a",)), ("v3-2048", ("europe-west4-a",)),
 ])
 def test_v2_and_v3_zones_depend_on_the_size(name, zones):

@@ -360,6 +360,12 @@ def test_queued_resource_ids_follow_the_discovery_documents_pattern(clients):
         clients.tpu.create_queued_resource(parent=parent, queued_resource_id="qr/2",
                                            queued_resource=_qr(clients, "qr/2", "n2"))
     clients.tpu.delete_queued_resource(request={"name": name, "force": True}).result(polling=FAST_POLLING)
+    # queuedResourceId is "Optional" (tpu v2 discovery): without one the server names the request.
+    named = clients.tpu.create_queued_resource(parent=parent, queued_resource=_qr(clients, "", "n3")).result(
+        polling=FAST_POLLING).name
+    assert named.startswith(f"{parent}/queuedResources/") and len(named) > len(f"{parent}/queuedResources/")
+    assert clients.tpu.get_queued_resource(name=named).tpu.node_spec[0].node_id == "n3"
+    clients.tpu.delete_queued_resource(request={"name": named, "force": True}).result(polling=FAST_POLLING)
 
 
 def test_queued_resource_becomes_active_and_force_delete_removes_its_node(clients):

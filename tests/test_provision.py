@@ -169,7 +169,7 @@ def test_keep_on_failure_keeps_what_was_created(pc, cloud):
 
 def test_no_capacity_anywhere_rolls_everything_back(pc, cloud):
     cloud.faults.add("capacity", service="tpu")
-    plan = make_plan(pc, zone=["us-central1-a", "us-central1-f"], vms=[{"name": "d"}])
+    plan = make_plan(pc, zone=["us-central1-a", "us-central1-b"], vms=[{"name": "d"}])
     removed: list[list[str]] = []
     with pytest.raises(CapacityError) as e:
         prov.apply(pc, plan, deadline_s=FAST_DEADLINE, on_rollback=removed.append)

@@ -65,7 +65,7 @@ def _tpu7x_spec(name: str, *, max_steps: int, **fields) -> dict:
 @pytest.mark.timeout(600)
 def test_jax_on_a_tpu7x_compute_engine_vm_trains_checkpoints_and_leaves_nothing(tpc, cloud, project):
     """TPU7x is a Compute Engine instance, not a TPU API node: the same pipeline reaches its one SSH worker,
-    whose guest learns the slice from its metadata server (accelerator-type tpu7x-8: 8 JAX devices)."""
+    whose guest learns the slice from its metadata server (machine type tpu7x-standard-4t: 8 JAX devices)."""
     spec = spec_mod.from_mapping(_tpu7x_spec("bert-7x", max_steps=10))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     o = p.run()

@@ -60,6 +60,8 @@ class AcceleratorType:
     provisioning: tuple[str, ...] = ("on-demand", "spot", "preemptible", "queued")
     # Where flex-start is sold, when Google limits it to some of the type's zones (Cloud TPU API types); () = all.
     flex_start_zones: tuple[str, ...] = ()
+    # Zones Google lists for single tenants only (not for general use): offered, and shown as such.
+    single_tenant_zones: tuple[str, ...] = ()
 
     @property
     def multi_host(self) -> bool:
@@ -145,7 +147,8 @@ class Catalog:
                     tensorflow=g.get("tensorflow", True), api=g.get("api", "tpu-v2"),
                     machine_type=g.get("machine_type"),
                     provisioning=tuple(g.get("provisioning", AcceleratorType.provisioning)),
-                    flex_start_zones=tuple(g.get("flex_start_zones", ())))
+                    flex_start_zones=tuple(g.get("flex_start_zones", ())),
+                    single_tenant_zones=tuple(g.get("single_tenant_zones", ())))
 
     # -- shapes ---------------------------------------------------------------------------------------------
 
@@ -271,7 +274,8 @@ def accelerator_json(t: AcceleratorType, cat: Catalog) -> dict[str, Any]:
             "machine_type": t.machine_type, "provisioning": list(t.provisioning),
             "flex_start_zones": list(t.flex_start_zones or (t.zones if "flex-start" in t.provisioning else ())),
             "chips": t.chips, "cores": t.cores,
-            "hosts": t.hosts, "topology": t.topology, "zones": list(t.zones), "runtimes": list(t.runtimes),
+            "hosts": t.hosts, "topology": t.topology, "zones": list(t.zones),
+            "single_tenant_zones": list(t.single_tenant_zones), "runtimes": list(t.runtimes),
             "default_runtime": t.default_runtime, "tensorflow": t.tensorflow, "price_per_hour_by_region": prices}
 
 

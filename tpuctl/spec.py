@@ -24,6 +24,11 @@ PROVISIONING = ("on-demand", "spot", "preemptible", "queued", "flex-start")
 # Flex-start VMs run for at most 7 days (tpu/docs/request-using-flex-start); Compute takes a maxRunDuration of
 # at least 30 s (compute/docs/instances/limit-vm-runtime).
 FLEX_START_MAX_RUN_S = (30.0, 7 * 86400.0)
+# A flex-start request waits for capacity for at most 2 hours ("persist in a queue for up to two hours", Google's
+# flex-start VM announcement); `valid_until` bounds it. Unset, a Compute Engine flex-start VM (TPU7x) waits
+# 30 minutes: half of `up`'s one-hour deadline, leaving the rest for the VM to boot.
+FLEX_START_MAX_WAIT_S = 2 * 3600.0
+FLEX_START_WAIT_S = 1800.0
 DEFAULT_TTL_S = 24 * 3600.0
 # Cloud Storage soft delete retention: 0 or 7 to 90 days (cloud.google.com/storage/docs/soft-delete).
 SOFT_DELETE_MIN_S = 7 * 86400
@@ -133,7 +138,7 @@ class RunSpec(_Strict):
     accelerator: str | None = None
     runtime_version: str | None = None  # default: the catalog's per-generation choice
     provisioning: Literal["on-demand", "spot", "preemptible", "queued", "flex-start"] = "on-demand"
-    valid_until: Duration | None = None  # queued only: give up waiting for capacity after this long
+    valid_until: Duration | None = None  # queued and flex-start: give up waiting for capacity after this long
     max_run_duration: Duration | None = Field(default=None, validate_default=True)  # flex-start only (required there): Google deletes the TPU after it
     vms: list[VmSpec] = Field(default_factory=list)
     bucket: str = "auto"
@@ -179,9 +184,13 @@ class RunSpec(_Strict):
 
     @field_validator("valid_until")
     @classmethod
-    def _queued_only(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v is not None and info.data.get("provisioning") != "queued":
-            raise ValueError("valid_until applies only to provisioning: queued")
+    def _waiting_only(cls, v: str | None, info: ValidationInfo) -> str | None:
+        provisioning = info.data.get("provisioning")
+        if v is not None and provisioning not in ("queued", "flex-start"):
+            raise ValueError("valid_until applies only to provisioning: queued or flex-start")
+        if v is not None and provisioning == "flex-start" and parse_duration(v) > FLEX_START_MAX_WAIT_S:
+            raise ValueError(f"valid_until {v} is longer than Google lets a flex-start request wait "
+                             f"({format_duration(FLEX_START_MAX_WAIT_S)})")
         return v
 
     @field_validator("max_run_duration")
@@ -280,7 +289,7 @@ def from_mapping(raw: Mapping[str, Any], *, migrate: bool = False, on_event: Eve
 _HINTS = {
     "provisioning": "one of: " + ", ".join(PROVISIONING),
     "ttl": "a duration such as 2h, 90m, 1d or 3600 (seconds)",
-    "valid_until": "a duration such as 6h; only with provisioning: queued",
+    "valid_until": "a duration such as 6h; only with provisioning: queued, or flex-start (at most 2h)",
     "max_run_duration": "a duration from 30s to 7d, e.g. 4h; only with provisioning: flex-start",
     "bucket_soft_delete": "0s (off, tpuctl's default) or 7d to 90d",
 }

@@ -1,10 +1,13 @@
 """Who this machine is, from the Compute Engine metadata server: the one place the template learns its worker.
 
 A Cloud TPU VM sets no TPU_WORKER_ID / TPU_WORKER_HOSTNAMES / TPU_NAME (those are GKE's); like JAX's
-`cloud_tpu_cluster.py` and PyTorch/XLA's `_internal/tpu.py`, workers read `instance/attributes/` from the
-metadata server: `accelerator-type`, `agent-worker-number`, `worker-network-endpoints` (per worker, in worker
-order: "hostname:uid:ip", or in Google's newer format just the hostname, as JAX reads either) and `tpu-env`
-(`KEY: 'value'` lines; `NODE_ID` is the node's name). The server is
+`cloud_tpu_cluster.py` (`GceTpuCluster`), workers read `instance/attributes/` from the metadata server. What
+every TPU VM serves, the TPU API's and Compute Engine's (TPU7x) alike, is what JAX reads: `agent-worker-number`
+(its presence is JAX's test for a TPU VM) and `worker-network-endpoints` (per worker, in worker order:
+"hostname:uid:ip", or in Google's newer format just the hostname, as JAX reads either). The rest is optional:
+a TPU API VM also serves `accelerator-type` and `tpu-env` (`KEY: 'value'` lines; `NODE_ID` is the node's name),
+which no source shows on a Compute Engine TPU VM; every Compute Engine VM serves `instance/machine-type`
+(compute/docs/metadata/predefined-metadata-keys). The server is
 `GCE_METADATA_HOST` (google-auth's variable; `GCE_METADATA_ROOT` is its old name), else
 `metadata.google.internal`; every request carries `Metadata-Flavor: Google`.
 
@@ -38,10 +41,17 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 class TpuVm:
     """This worker of a Cloud TPU VM slice, as its metadata server describes it."""
 
-    node: str  # the TPU node's name (tpu-env NODE_ID): what TPUClusterResolver(tpu=...) takes
+    node: str | None  # the TPU node's name (tpu-env NODE_ID; TPU API VMs): what TPUClusterResolver(tpu=...) takes
     worker: int  # agent-worker-number
     hosts: tuple[str, ...]  # every worker's IP, in worker order
-    accelerator_type: str  # e.g. "v3-32"
+    accelerator_type: str | None  # accelerator-type, e.g. "v3-32" (TPU API VMs)
+    machine_type: str | None = None  # instance/machine-type's name, e.g. "tpu7x-standard-4t" (Compute Engine VMs)
+    endpoints: str = ""  # worker-network-endpoints as served: names this slice where no NODE_ID does
+
+    @property
+    def name(self) -> str:
+        """The slice in messages: its node, else its machine type."""
+        return self.node or self.machine_type or "TPU VM"
 
 
 def metadata_host() -> str | None:
@@ -90,24 +100,25 @@ def parse_tpu_env(text: str) -> dict[str, str]:
 
 @functools.cache
 def tpu_vm() -> TpuVm | None:
-    """This machine as a Cloud TPU VM worker, or None (not a Google VM, or a VM without `accelerator-type`)."""
+    """This machine as a Cloud TPU VM worker, or None (not a Google VM, or a VM without `agent-worker-number`,
+    which is how JAX's GceTpuCluster tells a TPU VM)."""
     host = metadata_host()
     if host is None:
         return None
-    accelerator = get(host, "instance/attributes/accelerator-type")
-    if accelerator is None:
+    worker = get(host, "instance/attributes/agent-worker-number")
+    if worker is None:
         return None
-    attributes = {key: get(host, f"instance/attributes/{key}")
-                  for key in ("agent-worker-number", "worker-network-endpoints", "tpu-env")}
-    missing = sorted(key for key, value in attributes.items() if value is None)
-    if missing:
-        raise AcceleratorError(f"metadata server {host}: a TPU VM ({accelerator.strip()}) without {missing}")
-    node = parse_tpu_env(attributes["tpu-env"]).get("NODE_ID")
-    if not node:
-        raise AcceleratorError(f"metadata server {host}: tpu-env has no NODE_ID")
-    return TpuVm(node=node, worker=int(attributes["agent-worker-number"]),
-                 hosts=worker_addresses(attributes["worker-network-endpoints"]),
-                 accelerator_type=accelerator.strip())
+    endpoints = get(host, "instance/attributes/worker-network-endpoints")
+    if endpoints is None:
+        raise AcceleratorError(f"metadata server {host}: a TPU VM (worker {worker.strip()}) without "
+                               "worker-network-endpoints")
+    accelerator = get(host, "instance/attributes/accelerator-type")
+    tpu_env = get(host, "instance/attributes/tpu-env")
+    machine_type = get(host, "instance/machine-type")
+    return TpuVm(node=parse_tpu_env(tpu_env or "").get("NODE_ID") or None, worker=int(worker), hosts=worker_addresses(endpoints),
+                 accelerator_type=accelerator.strip() if accelerator else None,
+                 machine_type=machine_type.strip().rsplit("/", 1)[-1] if machine_type else None,
+                 endpoints=endpoints.strip())
 
 
 def worker_addresses(endpoints: str) -> tuple[str, ...]:

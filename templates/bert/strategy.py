@@ -39,6 +39,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,7 @@ def resolve_jax(runtime: RuntimeConfig) -> Resolved:
     devices = runtime.replicas
     if not devices and (vm is not None or _chips()):
         if _check_tpu_host(vm, "local", configure_tf=False):
-            devices = _devices_per_host(vm.accelerator_type, len(vm.hosts)) if vm is not None else 1
+            devices = _devices_per_host(vm) if vm is not None else 1
     if devices:
         os.environ["JAX_PLATFORMS"] = "cpu"
         flags = os.environ.get("XLA_FLAGS", "")
@@ -152,16 +153,24 @@ def jax_cluster(vm: guest.TpuVm | None, *, rehearsal: bool) -> dict | None:
     worker-network-endpoints with JAX's port, the number of workers, and this worker's agent-worker-number."""
     if vm is None or len(vm.hosts) < 2:
         return None
-    port = _rehearsal_port(vm.node) if rehearsal else JAX_COORDINATOR_PORT
+    port = _rehearsal_port(vm.node or vm.endpoints) if rehearsal else JAX_COORDINATOR_PORT
     return {"coordinator_address": f"{vm.hosts[0]}:{port}", "num_processes": len(vm.hosts), "process_id": vm.worker}
 
 
-def _devices_per_host(accelerator_type: str, hosts: int) -> int:
-    """JAX devices per host of a TPU type: v4 and v5p names count TensorCores (two per megacore chip, one
-    JAX device); v2/v3 (one device per core), v5e, v6e and later count chips."""
-    family, _, size = accelerator_type.rpartition("-")
-    count = int(size) // (2 if family in ("v4", "v5p") else 1)
-    return max(count // max(hosts, 1), 1)
+def _devices_per_host(vm: guest.TpuVm) -> int:
+    """JAX devices per host of this TPU VM. From its accelerator type where the metadata server has one (TPU
+    API VMs): v4 and v5p names count TensorCores (two per megacore chip, one JAX device); v2/v3 (one device per
+    core), v5e, v6e and later count chips. Else from its Compute Engine machine type, whose `-Nt` suffix counts
+    the VM's chips: TPU7x chips are two JAX devices each (tpu/docs/tpu7x, "Dual-chiplet architecture")."""
+    if vm.accelerator_type:
+        family, _, size = vm.accelerator_type.rpartition("-")
+        count = int(size) // (2 if family in ("v4", "v5p") else 1)
+        return max(count // max(len(vm.hosts), 1), 1)
+    chips = re.search(r"-(\d+)t$", vm.machine_type or "")
+    if chips is None:
+        raise AcceleratorError(f"{vm.name}: its metadata server names neither an accelerator-type nor a TPU "
+                               "machine type, so how many devices it has is unknown")
+    return int(chips.group(1)) * (2 if (vm.machine_type or "").startswith("tpu7x") else 1)
 
 
 def _rehearsal_port(node: str) -> int:
@@ -173,7 +182,7 @@ def _rehearsal_port(node: str) -> int:
 
 def _check_tpu_host(vm: guest.TpuVm | None, tpu: str, *, configure_tf: bool = True) -> bool:
     """On a TPU host: its chips and libtpu must be there. True for an explicitly requested CPU rehearsal."""
-    where = (f"TPU VM {vm.node} ({vm.accelerator_type}) worker {vm.worker} per its metadata server"
+    where = (f"TPU VM {vm.name} ({vm.accelerator_type or vm.machine_type}) worker {vm.worker} per its metadata server"
              if vm is not None else "this TPU host")
     libtpu, tried = find_libtpu()
     if not _chips():
@@ -212,6 +221,10 @@ def _tpu_from_env(vm: guest.TpuVm | None) -> str:
     name = os.environ.get("TPU_NAME", "")
     if name.startswith("grpc://"):
         return name
+    if vm is not None and len(vm.hosts) > 1 and not vm.node:
+        # TensorFlow drives a multi-host slice by its TPU API node name; a Compute Engine TPU VM has none.
+        raise AcceleratorError(f"runtime.tpu: {vm.name} is a multi-host slice without a TPU node name (tpu-env "
+                               "NODE_ID), which TensorFlow's TPUClusterResolver needs; train it with JAX")
     if vm is not None:
         return vm.node if len(vm.hosts) > 1 else "local"
     return "local" if _chips() else ""

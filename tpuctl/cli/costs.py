@@ -76,7 +76,7 @@ def catalog_show(accelerator: str, as_json: bool) -> None:
         ("type", t.name), ("generation", t.generation), ("api type", t.api_type),
         ("provisioned by", t.api + (f" (machine type {t.machine_type})" if t.machine_type else "")),
         ("chips / cores / hosts", f"{t.chips} / {t.cores} / {t.hosts}"), ("topology", t.topology),
-        ("zones", ", ".join(t.zones)),
+        ("zones", ", ".join(z + (" (single-tenant only)" if z in t.single_tenant_zones else "") for z in t.zones)),
         ("provisioning", ", ".join(t.provisioning) + (f" (flex-start in {', '.join(data['flex_start_zones'])})"
                                                       if data["flex_start_zones"] else "")),
         ("runtimes", ", ".join(t.runtimes)), ("default runtime", t.default_runtime),

@@ -161,7 +161,7 @@ def status_command(as_json: bool, state_dir: Path | None) -> None:
 @_state_dir_option
 def fault_command(kind: str, state_dir: Path | None, after: float | None, **options) -> None:
     """Inject a fault (capacity, quota, unavailable, stuck, preempt, kill-worker, drop-ssh, repair,
-    no-guest-attributes); `list`; `clear`."""
+    no-guest-attributes, preempt-creating); `list`; `clear`."""
     info = _running(_dir(state_dir))
     if kind == "list":
         console.emit_json(_admin(info, "GET", "faults")["faults"])
