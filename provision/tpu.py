@@ -10,8 +10,8 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
@@ -206,6 +206,7 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
         if state in states.SETTLED_BAD:
             delete_node(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
             node = None
+    watched = node is None or states.node_state(node) is not State.READY
     if node is None:
         if on_issued is not None:
             on_issued()
@@ -218,7 +219,16 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
         if op is not None:
             wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
                            state=State.CREATING, create=True)
-    return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+    return _seen_ready(wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel,
+                                  progress=progress), watched)
+
+
+def _seen_ready(r: Resource, watched: bool) -> Resource:
+    """`r`, just seen READY. When this wait watched it become READY (it was not before), now is when it began
+    billing (tpuctl.cost): the TPU API publishes no READY time, and a poll interval late is the best known."""
+    if not watched:
+        return r
+    return replace(r, detail={**r.detail, "ready": datetime.now(timezone.utc).isoformat()})
 
 
 def wait_ready(clients: Clients, zone: str, name: str, *, deadline_s: float, cancel: threading.Event | None = None,
@@ -251,6 +261,7 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
         if states.queued_state(qr.state.state) in states.SETTLED_BAD:
             delete_queued(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
             qr = None
+    watched = qr is None or states.queued_state(qr.state.state) is not State.READY
     if qr is None and req.max_run_duration_s:
         _create_flex_start(clients, req, what=what, cancel=cancel, progress=progress, on_issued=on_issued)
     elif qr is None:
@@ -287,7 +298,8 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
 
     waits.until(poll, what=f"queued resource {req.name} in {req.zone} to become active", deadline_s=deadline_s,
                 cancel=cancel, on_poll=(lambda r, t: progress(r.state, "")) if progress else None)
-    return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+    return _seen_ready(wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel,
+                                  progress=progress), watched)
 
 
 # tpu/docs/request-using-flex-start: flex-start is a queued resource whose v2alpha1 `provisioningModel` is
