@@ -207,6 +207,7 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
             delete_node(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
             node = None
     watched = node is None or states.node_state(node) is not State.READY
+    done_at = None
     if node is None:
         if on_issued is not None:
             on_issued()
@@ -219,16 +220,18 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
         if op is not None:
             wait_operation(op, what=what, deadline_s=deadline_s, cancel=cancel, progress=progress,
                            state=State.CREATING, create=True)
+            done_at = _created(getattr(op.metadata, "end_time", None))
     return _seen_ready(wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel,
-                                  progress=progress), watched)
+                                  progress=progress), watched, done_at)
 
 
-def _seen_ready(r: Resource, watched: bool) -> Resource:
-    """`r`, just seen READY. When this wait watched it become READY (it was not before), now is when it began
-    billing (tpuctl.cost): the TPU API publishes no READY time, and a poll interval late is the best known."""
+def _seen_ready(r: Resource, watched: bool, at: datetime | None = None) -> Resource:
+    """`r`, just seen READY. When this wait watched it become READY (it was not before), that is when it began
+    billing (tpuctl.cost): the TPU API publishes no READY time on the node, so `at` (its create operation's
+    `endTime`, when the node was created), else now (a poll interval late at most)."""
     if not watched:
         return r
-    return replace(r, detail={**r.detail, "ready": datetime.now(timezone.utc).isoformat()})
+    return replace(r, detail={**r.detail, "ready": (at or datetime.now(timezone.utc)).isoformat()})
 
 
 def wait_ready(clients: Clients, zone: str, name: str, *, deadline_s: float, cancel: threading.Event | None = None,
