@@ -103,10 +103,12 @@ class _Created:
     def _entry(self, undo: Undo, ended: float) -> Entry:
         plan = self._plan
         vm = next((v for v in plan.vms if plan.vm_name(v) == undo.name), None) if undo.kind is Kind.VM else None
-        return Entry(kind=undo.kind.value, name=undo.name, project=self._project, location=undo.location,
+        # A queued resource costs nothing itself; what billed is the node it made, under the same name.
+        kind = Kind.TPU if undo.kind is Kind.QUEUED else undo.kind
+        return Entry(kind=kind.value, name=undo.name, project=self._project, location=undo.location,
                      run=plan.run, owner=plan.labels.get("tpuctl-owner"), created=self._issued[undo], deleted=ended,
                      accelerator=plan.accelerator.name if undo.kind in (Kind.TPU, Kind.QUEUED) else None,
-                     machine_type=vm.machine_type if vm else None, spot=plan.spot and undo.kind is Kind.TPU,
+                     machine_type=vm.machine_type if vm else None, spot=plan.spot and kind is Kind.TPU,
                      disk_gb=int(vm.disk_gb) if vm else 0, rolled_back=True,
                      billed_from=self._ready.get(undo, ended))  # never READY: it billed nothing
 

@@ -237,3 +237,27 @@ def test_the_ledger_merges_what_each_sighting_knew_of_billing(tmp_path):
     old_row = tpu("old", "r", created=10.0)  # written before the billed window existed: from its creation
     book.record([old_row])
     assert cost.lifetime_hours(next(x for x in book.entries() if x.name == "old"), since=0, now=H + 10) == 1.0
+
+
+def test_a_rolled_back_create_bills_from_ready_and_a_queued_one_as_its_node(cat):
+    """What an `up` created and deleted again billed from when it became READY (its create's Resource says when)
+    to its deletion, or nothing if it never got there; a queued resource's cost is its node's."""
+    from tpuctl.provision.apply import Undo, _Created
+
+    plan = SimpleNamespace(run="r1", labels={"tpuctl-owner": "ann"}, vms=(), spot=False,
+                           accelerator=SimpleNamespace(name="v3-8"))
+    created = _Created(SimpleNamespace(project="p"), plan)
+    queued = Undo(Kind.QUEUED, "r1", "europe-west4-a")
+    never = Undo(Kind.TPU, "r1", "europe-west4-b")
+    for undo in (queued, never):
+        created.add(undo)
+    node = Resource(kind=Kind.TPU, name="r1", project="p", location="europe-west4-a", state=State.READY, labels={},
+                    created=datetime.fromtimestamp(1000.0, timezone.utc), run="r1", accelerator="v3-8",
+                    detail={"ready": datetime.fromtimestamp(1600.0, timezone.utc).isoformat()})
+    created.ready(queued, node)
+    created.retire(queued, ended=1600.0 + H)
+    created.retire(never, ended=2000.0)  # stocked out while CREATING
+    by_zone = {e.location: e for e in created.gone()}
+    assert by_zone["europe-west4-a"].kind == "tpu" and by_zone["europe-west4-a"].rolled_back
+    assert cost.accrued(by_zone["europe-west4-a"], cat, now=10 * H) == pytest.approx(cost.hourly(tpu("a", "r"), cat))
+    assert cost.accrued(by_zone["europe-west4-b"], cat, now=10 * H) == 0
