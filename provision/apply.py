@@ -148,7 +148,8 @@ def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, k
     removed; `on_rollback(keys)` is told first. A second KeyboardInterrupt during that cleanup stops it and
     raises Interrupted whose hint is the `tpuctl down RUN` command that finishes the job.
     `on_gone(entries)` is told, on success and on failure, of every resource this call created and deleted
-    again (rolled back, or a zone that ran out of capacity), each from its create request to its end.
+    again (rolled back, or a zone that ran out of capacity), each billed from when it became READY (if it did)
+    to its end.
     """
     cancel = cancel or threading.Event()
     created = _Created(clients, plan)
