@@ -16,14 +16,14 @@ All figures come from catalog prices times the wall-clock time each resource bil
 
 When each resource became READY or RUNNING comes from the API where it says so, else from what tpuctl watched
 (`tpuctl.ledger.entry_of`): Compute's `lastStartTimestamp` and `lastStopTimestamp`; for a TPU node, whose API
-publishes only `createTime` (no READY time, no preemption time, and a queued resource no state history), the
-`endTime` of the create operation tpuctl waited on, else the moment its own wait saw it turn READY (a queued
-resource's node, made by Google: up to a poll interval late). A node tpuctl did not watch (adopted, or first
-seen by a later `cost`/`gc` already READY) is assumed to have billed from its `createTime`: this overcounts its
-minutes in CREATING, never undercounts. A node seen PREEMPTED or STOPPED is assumed to have stopped billing
-when tpuctl first saw it so; one started again after a stop is counted across the gap. A node bills until
-tpuctl saw its deletion done (Google's DELETING minutes are counted with it). Compute's one-minute minimum is
-not applied.
+publishes only `createTime` (tpu v2 and v2alpha1 discovery documents: no READY time, no preemption time, and a
+queued resource no state history; an operation has `endTime`), the `endTime` of the create operation tpuctl
+waited on, else the moment its own wait saw it turn READY (a queued resource's node, made by Google: up to a
+poll interval late). A node tpuctl did not watch (adopted, or first seen by a later `cost`/`gc` already READY)
+is assumed to have billed from its `createTime`: this overcounts its minutes in CREATING, never undercounts. A
+node seen PREEMPTED or STOPPED is assumed to have stopped billing when tpuctl first saw it so; one started
+again after a stop is counted across the gap. A node bills until tpuctl saw its deletion done (Google's
+DELETING minutes are counted with it). Compute's one-minute minimum is not applied.
 
 A bucket's accrued cost is left out of running totals because it depends on bytes stored, not on time alive;
 the estimate includes it from a size the caller gives. The soft-deleted bytes a deleted bucket leaves behind
