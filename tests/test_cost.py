@@ -261,3 +261,20 @@ def test_a_rolled_back_create_bills_from_ready_and_a_queued_one_as_its_node(cat)
     assert by_zone["europe-west4-a"].kind == "tpu" and by_zone["europe-west4-a"].rolled_back
     assert cost.accrued(by_zone["europe-west4-a"], cat, now=10 * H) == pytest.approx(cost.hourly(tpu("a", "r"), cat))
     assert cost.accrued(by_zone["europe-west4-b"], cat, now=10 * H) == 0
+
+
+def test_a_run_that_saw_its_spot_node_preempted_in_the_first_minute_records_it_free(cat):
+    """`tpuctl run` remembers a preempted node as deleted (`ledger.remember(..., deleted=True)`): what it last
+    saw of it (PREEMPTED, 10 s after its creation) is recorded too, so it costs nothing, as on Google."""
+    import time
+
+    from tpuctl import ledger
+
+    t0 = time.time() - 10
+    node = Resource(kind=Kind.TPU, name="n", project="p", location="us-central1-b", state=State.PREEMPTED,
+                    labels={}, created=datetime.fromtimestamp(t0, timezone.utc), run="r", accelerator="v2-8",
+                    spot=True)
+    ledger.remember([node], deleted=True)
+    [e] = Ledger().entries()
+    assert e.deleted is not None and e.billed_until is not None
+    assert cost.accrued(e, cat, now=t0 + 10 * H) == 0

@@ -123,7 +123,8 @@ def key_of(r: Any) -> str:
 
 
 def remember(resources: Iterable[Any], *, deleted: bool = False, on_event: EventSink = ignore) -> None:
-    """Best effort: record `tpuctl.provision` resources as alive (or mark them deleted) in the default ledger.
+    """Best effort: record `tpuctl.provision` resources as last seen (and, with `deleted`, mark them deleted now)
+    in the default ledger.
 
     IAM bindings cost nothing and are skipped. A ledger that cannot be written is a Warn event and never fails
     the command: labels, not the ledger, decide what exists."""
@@ -132,10 +133,10 @@ def remember(resources: Iterable[Any], *, deleted: bool = False, on_event: Event
     rows = [r for r in resources if r.kind is not Kind.IAM]
     try:
         book = Ledger()
+        # What was last seen of each counts too when it is gone: a node seen PREEMPTED stopped billing then.
+        book.record([entry_of(r) for r in rows])
         if deleted:
             book.mark_deleted([key_of(r) for r in rows])
-        else:
-            book.record([entry_of(r) for r in rows])
     except OSError as exc:
         on_event(Warn(f"could not update the local cost ledger: {exc}"))
 
