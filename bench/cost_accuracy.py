@@ -37,7 +37,7 @@ RUNTIME = "tpu-vm-tf-2.17.0-pjrt"
 # (name, zone, accelerator, spot, queued); localcloud prices v3 in europe-west4, v5e in us-east5, v6e in
 # us-central1. The last one is preempted right away: in its first minute, so it costs nothing.
 FLEET = (("a-v3", "europe-west4-a", "v3-8", False, False), ("b-v2-spot", "us-central1-b", "v2-8", True, False),
-         ("c-v5e", "us-east5-a", "v5litepod-4", False, False), ("d-v6e-spot", "us-central1-a", "v6e-4", True, False),
+         ("c-v5e", "us-east5-a", "v5litepod-4", False, False), ("d-v6e-spot", "us-central1-b", "v6e-4", True, False),
          ("g-v2-queued", "us-central1-b", "v2-8", False, True), ("i-v2-preempted", "us-central1-b", "v2-8", True, False))
 TPU7X = ("h-tpu7x", "us-central1-c", "tpu7x-standard-4t",
          "projects/ubuntu-os-accelerator-images/global/images/family/ubuntu-accel-2404-amd64-tpu-tpu7x")
