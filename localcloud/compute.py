@@ -3,7 +3,8 @@
 Compute's conventions differ from the one-platform APIs: enums are strings, int64/uint64 are digit
 strings, operations are `compute#operation` resources with numeric ids whose `status` goes
 PENDING -> RUNNING -> DONE, and a failed operation carries `error.errors[]` plus `httpErrorStatusCode`.
-Each VM gets one worker SSH server. Billing: a VM is metered while it exists and is not TERMINATED.
+Each VM gets one worker SSH server. Billing: a VM is metered from when it is RUNNING until it is TERMINATED or
+deleted (README, "Billing meter").
 """
 
 from __future__ import annotations
@@ -286,7 +287,6 @@ class ComputeService:
                    "delete_ops": [], "quota": quota}
             self.instances[key] = rec
             op = self._new_op(p, "insert", key, inst_id)
-            self._meter(rec)
             op_key = self._op_key(op)
             if self.w.faults.take("stuck", "compute", "instances.insert", p["zone"]):
                 pass
@@ -332,6 +332,9 @@ class ComputeService:
             if rec is not None and rec["instance"]["status"] == "STAGING":
                 rec["instance"]["status"] = "RUNNING"
                 rec["instance"]["lastStartTimestamp"] = now_rfc3339()
+                # "Instance uptime is measured as the number of seconds between when you start an instance and
+                # when you stop an instance" (compute/vm-instance-pricing): PENDING/PROVISIONING/STAGING bill nothing.
+                self._meter(rec)
                 self._schedule_expiry(rec)
             self._finish_op(op)
             self.w.changed()
@@ -550,12 +553,10 @@ class ComputeService:
                                http=400, reason="resourceNotReady")
             op = self._new_op(p, "start", key, rec["instance"]["id"])
             rec["instance"]["status"] = "PROVISIONING"
-            self._meter(rec)
             if self.w.faults.take("stuck", "compute", "instances.start", p["zone"]):
                 pass
             elif self.w.faults.take("capacity", "compute", "instances.start", p["zone"]):
                 rec["instance"]["status"] = "TERMINATED"
-                self.w.meter.end(key)
                 self._finish_op(self._op_key(op), ("ZONE_RESOURCE_POOL_EXHAUSTED",
                                 f"The zone 'projects/{p['project']}/zones/{p['zone']}' does not have enough resources available to fulfill the request.  Try a different zone, or try again later.", 503))
             else:

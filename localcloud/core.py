@@ -308,7 +308,9 @@ class Metered:
 
 class Meter:
     """Resource-seconds per resource and SKU, in wall-clock seconds (the `speed` factor shortens only
-    operation latencies, never billed time), with USD from localcloud's own price table."""
+    operation latencies, never billed time), with USD from localcloud's own price table. The services say
+    when billing begins and ends: a TPU node while READY, a Compute instance from RUNNING (README, "Billing
+    meter")."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -331,6 +333,14 @@ class Meter:
             item = self._items.get(resource)
             if item and item.intervals and item.intervals[-1][1] is None:
                 item.intervals[-1][1] = t
+
+    def forgive(self, resource: str) -> None:
+        """Charge nothing for `resource`'s time so far: a preemptible/Spot TPU preempted in the first minute
+        after its creation is not charged (tpu/docs/preemptible)."""
+        with self._lock:
+            item = self._items.get(resource)
+            if item is not None:
+                item.intervals.clear()
 
     def sample_bucket(self, resource: str, sku: str, rate_per_gb_month: float, gb: float | None,
                       t: float | None = None) -> None:

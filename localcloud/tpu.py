@@ -2,7 +2,8 @@
 
 Bodies here are in discovery form (enums as names); the server converts the client's integer enums at
 the edge. Every transition that takes time is a named action on the world's scheduler. Billing: a node
-is metered from the create request until its deletion finishes, except while STOPPED or PREEMPTED.
+is metered from when it is READY until its deletion finishes, except while STOPPED or PREEMPTED; a Spot or
+preemptible node preempted in the first minute after its creation is not charged (README, "Billing meter").
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ REPAIR_S = 120.0
 CAPACITY_FAIL_S = 20.0
 IMAGE_POLL_S = 1.0  # real seconds between looks at a runtime image that is still building
 QR_ACCEPT_S, QR_TICK_S, QR_DELETE_S = 2.0, 10.0, 5.0
+# "You are not charged for TPUs if they are preempted in the first minute after you create them"
+# (tpu/docs/preemptible): wall-clock seconds, like every billed time.
+PREEMPT_FREE_S = 60.0
 
 _ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 # queuedResourceId and nodeSpec.nodeId "Should follow the `^[A-Za-z0-9_.~+%-]+$` regex format" (tpu v2 discovery).
@@ -269,7 +273,6 @@ class TpuService:
                "spot": bool(sched.get("spot") or sched.get("preemptible")), "endpoints": [],
                "worker_key": f"tpu-{project}-{zone}-{node_id}", "create_op": None, "delete_ops": []}
         self.nodes[name] = rec
-        self._meter(rec)
         return rec
 
     def _start_create(self, rec: dict, method: str) -> None:
@@ -398,6 +401,7 @@ class TpuService:
                 return
             rec["node"]["state"] = "READY"
             rec["node"]["health"] = "HEALTHY"
+            self._meter(rec)  # "Charges for Cloud TPU accrue while your TPU node is in a READY state"
             self._finish_op(rec["create_op"], response=self.view(rec))
             qr = self.queued.get(rec["node"].get("queuedResource", ""))
             if qr and qr["qr"]["state"]["state"] == "PROVISIONING" and all(
@@ -513,7 +517,6 @@ class TpuService:
                 raise ApiError("FAILED_PRECONDITION", f"Node {name} cannot be started in state {state}; it must be STOPPED.")
             op = self._new_op(parent, name, "start")
             rec["node"]["state"] = "STARTING"
-            self._meter(rec)
             if not self.w.faults.take("stuck", "tpu", "nodes.start", rec["zone"]):
                 self.w.later(START_S, "tpu.start_done", node=name, op=op["name"])
             self.w.changed()
@@ -531,6 +534,7 @@ class TpuService:
                 return
             rec["node"]["state"] = "READY"
             rec["node"]["health"] = "HEALTHY"
+            self._meter(rec)
             self._finish_op(op, response=self.view(rec))
             self.w.changed()
 
@@ -644,6 +648,8 @@ class TpuService:
             rec["node"].pop("health", None)
             self._stop_workers(rec)
             self.w.meter.end(node)
+            if time.time() - parse_time(rec["node"]["createTime"]) <= PREEMPT_FREE_S:
+                self.w.meter.forgive(node)
             qr = self.queued.get(rec["node"].get("queuedResource", ""))
             if qr and qr["qr"]["state"]["state"] == "ACTIVE":
                 self._qr_state(qr, "SUSPENDED", initiator=qr["qr"]["state"].get("stateInitiator", "SERVICE"))

@@ -3,8 +3,8 @@
 Whatever this invocation creates is recorded *before* its create request goes out; on failure, cancel or
 Ctrl-C those names are deleted (NotFound counts as done) unless the caller keeps them. Adopted resources
 (made by an earlier `up`) are never rolled back. What was created and then deleted again (rolled back, or a
-zone attempt that ran out of capacity) billed from its create request to its end; `on_gone` hears of it as
-ledger entries, since no label is left to find it by.
+zone attempt that ran out of capacity) billed from when it became READY (if it did) to its end; `on_gone`
+hears of it as ledger entries, since no label is left to find it by.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tpuctl.errors import CapacityError, CloudError, Interrupted, NameTaken, TpuctlError, capacity_hint
 from tpuctl import catalog as catalog_mod
-from tpuctl.ledger import Entry
+from tpuctl.ledger import Entry, entry_of
 from tpuctl.spec import FLEX_START_WAIT_S
 from tpuctl.provision import bucket, compute_tpu, preflight, tpu, vm
 from tpuctl.provision.clients import Clients
@@ -70,6 +70,7 @@ class _Created:
         self._lock = threading.Lock()
         self._items: list[Undo] = []
         self._issued: dict[Undo, float] = {}
+        self._ready: dict[Undo, float] = {}  # when each began billing (tpuctl.cost), once it is READY
         self._gone: list[Entry] = []
         self._project, self._plan = clients.project, plan
 
@@ -78,6 +79,11 @@ class _Created:
             if undo not in self._items:
                 self._items.append(undo)
                 self._issued.setdefault(undo, time.time())
+
+    def ready(self, undo: Undo, r: Resource) -> None:
+        """`undo`'s create finished: `r` is READY and billing."""
+        with self._lock:
+            self._ready[undo] = entry_of(r).billed_from or time.time()
 
     def forget(self, undo: Undo) -> None:
         """`undo`'s create was refused (NameTaken): nothing to roll back, nothing billed."""
@@ -98,11 +104,14 @@ class _Created:
     def _entry(self, undo: Undo, ended: float) -> Entry:
         plan = self._plan
         vm = next((v for v in plan.vms if plan.vm_name(v) == undo.name), None) if undo.kind is Kind.VM else None
-        return Entry(kind=undo.kind.value, name=undo.name, project=self._project, location=undo.location,
+        # A queued resource costs nothing itself; what billed is the node it made, under the same name.
+        kind = Kind.TPU if undo.kind is Kind.QUEUED else undo.kind
+        return Entry(kind=kind.value, name=undo.name, project=self._project, location=undo.location,
                      run=plan.run, owner=plan.labels.get("tpuctl-owner"), created=self._issued[undo], deleted=ended,
                      accelerator=plan.accelerator.name if undo.kind in (Kind.TPU, Kind.QUEUED) else None,
-                     machine_type=vm.machine_type if vm else None, spot=plan.spot and undo.kind is Kind.TPU,
-                     disk_gb=int(vm.disk_gb) if vm else 0, rolled_back=True)
+                     machine_type=vm.machine_type if vm else None, spot=plan.spot and kind is Kind.TPU,
+                     disk_gb=int(vm.disk_gb) if vm else 0, rolled_back=True,
+                     billed_from=self._ready.get(undo, ended))  # never READY: it billed nothing
 
     def items(self) -> list[Undo]:
         with self._lock:
@@ -140,7 +149,8 @@ def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, k
     removed; `on_rollback(keys)` is told first. A second KeyboardInterrupt during that cleanup stops it and
     raises Interrupted whose hint is the `tpuctl down RUN` command that finishes the job.
     `on_gone(entries)` is told, on success and on failure, of every resource this call created and deleted
-    again (rolled back, or a zone that ran out of capacity), each from its create request to its end.
+    again (rolled back, or a zone that ran out of capacity), each billed from when it became READY (if it did)
+    to its end.
     """
     cancel = cancel or threading.Event()
     created = _Created(clients, plan)
@@ -334,6 +344,7 @@ def _failover(clients: Clients, plan: Plan, kind: Kind, api: str, created: _Crea
             raise
         if not issued.is_set():
             adopted.append(undo.key)
+        created.ready(undo, r)
         say(undo.key, State.READY.value, ready(r))
         return r
     raise CapacityError(f"no capacity for {what} in {', '.join(zones)}: " + "; ".join(failures), hint=hint)

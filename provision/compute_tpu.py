@@ -129,7 +129,7 @@ def to_resource(inst: compute_v1.Instance, *, project: str, catalog: Catalog) ->
     t = catalog.for_machine_type(base.machine_type or "")
     sched = inst.scheduling
     model = {"SPOT": "spot", "FLEX_START": "flex-start"}.get(sched.provisioning_model, "on-demand")
-    detail = {"api": API, "provisioning": model}
+    detail = {**base.detail, "api": API, "provisioning": model}
     ends = _timestamp(inst.resource_status.scheduling.termination_timestamp)
     if ends is not None:
         detail["ends"] = ends.isoformat()

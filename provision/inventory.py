@@ -127,7 +127,7 @@ def runs(found: Iterable[Resource], *, price: Callable[[Resource], float] | None
         created = _label_float(rs, L.CREATED)
         per_hour = sum(price(r) for r in rs) if price else 0.0
         accrued = sum(price(r) * max(0.0, _end(r, now) - _start(r, created, now)) / 3600 for r in rs
-                      if r.kind in _BILLABLE and r.state not in (State.STOPPED, State.PREEMPTED)) if price else 0.0
+                      if r.kind in _BILLABLE and r.state not in _NOT_BILLING) if price else 0.0
         tpus = [r for r in rs if r.kind is Kind.TPU] or [r for r in rs if r.kind is Kind.QUEUED]
         out.append(RunStatus(
             run=run, owner=next((r.labels.get(L.OWNER) for r in rs if r.labels.get(L.OWNER)), None),
@@ -157,7 +157,16 @@ def _end(r: Resource, now: float) -> float:
         return now
 
 
+# Not billing now (tpuctl.cost: a TPU bills while READY, an instance while RUNNING).
+_NOT_BILLING = (State.STOPPED, State.PREEMPTED, State.PENDING, State.CREATING)
+
+
 def _start(r: Resource, run_created: float | None, now: float) -> float:
+    """When `r` began billing: when it was seen READY or Compute says it started, else its creation."""
+    try:
+        return datetime.fromisoformat(r.detail["ready"].replace("Z", "+00:00")).timestamp()
+    except (KeyError, ValueError):
+        pass
     if r.created is not None:
         return r.created.astimezone(timezone.utc).timestamp() if r.created.tzinfo else r.created.replace(
             tzinfo=timezone.utc).timestamp()

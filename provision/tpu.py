@@ -10,8 +10,8 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
@@ -206,6 +206,8 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
         if state in states.SETTLED_BAD:
             delete_node(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
             node = None
+    watched = node is None or states.node_state(node) is not State.READY
+    done_at = None
     if node is None:
         if on_issued is not None:
             on_issued()
@@ -224,7 +226,18 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
                     raise CapacityError(f"{what}: the Spot capacity was reclaimed while it was being created "
                                         f"(code 3: {exc.__cause__.message})") from exc
                 raise
-    return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+            done_at = _created(getattr(op.metadata, "end_time", None))
+    return _seen_ready(wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel,
+                                  progress=progress), watched, done_at)
+
+
+def _seen_ready(r: Resource, watched: bool, at: datetime | None = None) -> Resource:
+    """`r`, just seen READY. When this wait watched it become READY (it was not before), that is when it began
+    billing (tpuctl.cost): the TPU API publishes no READY time on the node, so `at` (its create operation's
+    `endTime`, when the node was created), else now (a poll interval late at most)."""
+    if not watched:
+        return r
+    return replace(r, detail={**r.detail, "ready": (at or datetime.now(timezone.utc)).isoformat()})
 
 
 def _preempted_while_creating(clients: Clients, req: NodeRequest, exc: TpuctlError) -> bool:
@@ -268,6 +281,7 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
         if states.queued_state(qr.state.state) in states.SETTLED_BAD:
             delete_queued(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
             qr = None
+    watched = qr is None or states.queued_state(qr.state.state) is not State.READY
     if qr is None and req.max_run_duration_s:
         _create_flex_start(clients, req, what=what, cancel=cancel, progress=progress, on_issued=on_issued)
     elif qr is None:
@@ -304,7 +318,8 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
 
     waits.until(poll, what=f"queued resource {req.name} in {req.zone} to become active", deadline_s=deadline_s,
                 cancel=cancel, on_poll=(lambda r, t: progress(r.state, "")) if progress else None)
-    return wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+    return _seen_ready(wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel,
+                                  progress=progress), watched)
 
 
 # tpu/docs/request-using-flex-start: flex-start is a queued resource whose v2alpha1 `provisioningModel` is

@@ -65,10 +65,12 @@ def to_resource(inst: compute_v1.Instance, *, project: str) -> Resource:
         except ValueError:
             created = None
     spot = inst.scheduling.provisioning_model == "SPOT" or bool(inst.scheduling.preemptible)
+    # When it last began and stopped billing (tpuctl.cost): Compute bills an instance's uptime, RUNNING to TERMINATED.
+    billed = {"ready": inst.last_start_timestamp, "stopped": inst.last_stop_timestamp}
     return Resource(kind=Kind.VM, name=inst.name, project=project, location=zone,
                     state=states.instance_state(inst.status, preemptible=spot), labels=dict(inst.labels),
                     created=created, run=inst.labels.get(L.RUN), machine_type=inst.machine_type.rsplit("/", 1)[-1],
-                    spot=spot)
+                    spot=spot, detail={k: v for k, v in billed.items() if v})
 
 
 def get(clients: Clients, zone: str, name: str) -> compute_v1.Instance | None:

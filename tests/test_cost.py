@@ -186,3 +186,95 @@ def test_concurrent_writers_lose_nothing(tmp_path):
         p.join(30)
     assert all(p.exitcode == 0 for p in procs)
     assert len(Ledger(path).entries()) == 75
+
+
+def test_a_tpu_bills_only_its_billed_window_and_a_spot_one_preempted_in_its_first_minute_nothing(cat):
+    """tpu/pricing: a node bills while READY; tpu/docs/preemptible: a preemptible/Spot TPU preempted in the first
+    minute after its creation is not charged (a TPU API node: Compute's TPU VMs carry a machine type)."""
+    rate = cost.hourly(tpu("a", "r"), cat)
+    ready_at_1h = replace(tpu("a", "r", created=0.0), billed_from=H)
+    assert cost.accrued(ready_at_1h, cat, now=3 * H) == pytest.approx(2 * rate)
+    assert cost.accrued(replace(ready_at_1h, billed_until=2 * H), cat, now=3 * H) == pytest.approx(rate)
+    never_ready = replace(tpu("b", "r", created=0.0, deleted=H), billed_from=H, rolled_back=True)
+    assert cost.accrued(never_ready, cat, now=3 * H) == 0
+    spot = replace(tpu("s", "r", created=0.0, spot=True), billed_from=20.0)
+    assert cost.accrued(replace(spot, billed_until=60.0), cat, now=H) == 0
+    assert cost.accrued(replace(spot, billed_until=61.0), cat, now=H) == pytest.approx(41 / H * cost.hourly(spot, cat))
+    compute_spot = replace(spot, billed_until=60.0, machine_type="tpu7x-standard-4t")
+    assert cost.accrued(compute_spot, cat, now=H) > 0
+    rep = cost.report([replace(spot, billed_until=60.0), ready_at_1h], cat, since=0, now=3 * H)
+    assert rep.usd_per_hour_now == pytest.approx(rate)  # a preempted node bills nothing now
+
+
+def test_entry_of_bills_from_what_the_api_or_a_wait_saw():
+    created = datetime(2026, 11, 23, tzinfo=timezone.utc)
+
+    def seen(state, **detail):
+        return entry_of(Resource(kind=Kind.VM, name="v", project="p", location="z", state=state, labels={},
+                                 created=created, run="r", detail=detail), now=created.timestamp() + 500)
+
+    t0 = created.timestamp()
+    assert (seen(State.READY).billed_from, seen(State.READY).billed_until) == (t0, None)  # assumed: created
+    assert seen(State.READY, ready="2026-11-23T00:01:40Z").billed_from == t0 + 100
+    assert (seen(State.CREATING).billed_from, seen(State.CREATING).billed_until) == (t0 + 500, t0 + 500)
+    stopped = seen(State.STOPPED, ready="2026-11-23T00:01:40Z", stopped="2026-11-23T00:03:20Z")
+    assert (stopped.billed_from, stopped.billed_until) == (t0 + 100, t0 + 200)
+    assert seen(State.PREEMPTED).billed_until == t0 + 500  # no stop time from the API: when first seen so
+
+
+def test_the_ledger_merges_what_each_sighting_knew_of_billing(tmp_path):
+    book = Ledger(tmp_path / "ledger.json")
+    creating = replace(tpu("a", "r", created=0.0), billed_from=50.0, billed_until=50.0)  # a scan while CREATING
+    book.record([creating])
+    book.record([replace(creating, billed_from=80.0, billed_until=None)])  # `up` saw it turn READY at 80
+    book.record([replace(creating, billed_from=0.0, billed_until=None)])  # a later scan can only assume createTime
+    [e] = book.entries()
+    assert (e.billed_from, e.billed_until) == (80.0, None)
+    book.record([replace(creating, billed_from=0.0, billed_until=300.0)])  # first seen PREEMPTED at 300
+    book.record([replace(creating, billed_from=0.0, billed_until=900.0)])
+    [e] = book.entries()
+    assert (e.billed_from, e.billed_until) == (80.0, 300.0)
+    old_row = tpu("old", "r", created=10.0)  # written before the billed window existed: from its creation
+    book.record([old_row])
+    assert cost.lifetime_hours(next(x for x in book.entries() if x.name == "old"), since=0, now=H + 10) == 1.0
+
+
+def test_a_rolled_back_create_bills_from_ready_and_a_queued_one_as_its_node(cat):
+    """What an `up` created and deleted again billed from when it became READY (its create's Resource says when)
+    to its deletion, or nothing if it never got there; a queued resource's cost is its node's."""
+    from tpuctl.provision.apply import Undo, _Created
+
+    plan = SimpleNamespace(run="r1", labels={"tpuctl-owner": "ann"}, vms=(), spot=False,
+                           accelerator=SimpleNamespace(name="v3-8"))
+    created = _Created(SimpleNamespace(project="p"), plan)
+    queued = Undo(Kind.QUEUED, "r1", "europe-west4-a")
+    never = Undo(Kind.TPU, "r1", "europe-west4-b")
+    for undo in (queued, never):
+        created.add(undo)
+    node = Resource(kind=Kind.TPU, name="r1", project="p", location="europe-west4-a", state=State.READY, labels={},
+                    created=datetime.fromtimestamp(1000.0, timezone.utc), run="r1", accelerator="v3-8",
+                    detail={"ready": datetime.fromtimestamp(1600.0, timezone.utc).isoformat()})
+    created.ready(queued, node)
+    created.retire(queued, ended=1600.0 + H)
+    created.retire(never, ended=2000.0)  # stocked out while CREATING
+    by_zone = {e.location: e for e in created.gone()}
+    assert by_zone["europe-west4-a"].kind == "tpu" and by_zone["europe-west4-a"].rolled_back
+    assert cost.accrued(by_zone["europe-west4-a"], cat, now=10 * H) == pytest.approx(cost.hourly(tpu("a", "r"), cat))
+    assert cost.accrued(by_zone["europe-west4-b"], cat, now=10 * H) == 0
+
+
+def test_a_run_that_saw_its_spot_node_preempted_in_the_first_minute_records_it_free(cat):
+    """`tpuctl run` remembers a preempted node as deleted (`ledger.remember(..., deleted=True)`): what it last
+    saw of it (PREEMPTED, 10 s after its creation) is recorded too, so it costs nothing, as on Google."""
+    import time
+
+    from tpuctl import ledger
+
+    t0 = time.time() - 10
+    node = Resource(kind=Kind.TPU, name="n", project="p", location="us-central1-b", state=State.PREEMPTED,
+                    labels={}, created=datetime.fromtimestamp(t0, timezone.utc), run="r", accelerator="v2-8",
+                    spot=True)
+    ledger.remember([node], deleted=True)
+    [e] = Ledger().entries()
+    assert e.deleted is not None and e.billed_until is not None
+    assert cost.accrued(e, cat, now=t0 + 10 * H) == 0

@@ -1,7 +1,7 @@
 """tpuctl's cost figures against the local cloud's billing meter: within 1%, live and after deletion.
 
-The meter is localcloud's own (its own price table, wall-clock resource-seconds from the create request
-to the end of deletion); tpuctl computes from API create times, the ledger and its catalog.
+The meter is localcloud's own (its own price table, wall-clock resource-seconds from READY/RUNNING to the
+end of deletion); tpuctl computes from API times, what its waits saw, the ledger and its catalog.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def test_accrued_cost_matches_the_meter_within_1_percent(cloud, clients, cat, tm
 
 def test_cost_includes_what_an_interrupted_up_rolled_back(cloud, tmp_path):
     """An `up` whose first zone ran out of capacity and which was then interrupted while its TPU was being
-    created leaves nothing live, but both nodes existed and billed from their create requests: `tpuctl cost`
-    counts them, marked as rolled back, and agrees with the meter."""
+    created leaves nothing live. Both nodes existed, and `tpuctl cost` counts them, marked as rolled back, but
+    neither became READY: they cost nothing, as on the meter."""
     import json
     import os
     import signal
@@ -108,11 +108,11 @@ def test_cost_includes_what_an_interrupted_up_rolled_back(cloud, tmp_path):
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not any(r["resource"].startswith(f"projects/{project}/locations/us-central1-b/nodes/")
-                      for r in cloud.meter.report()["resources"]):
+        while not any(n["name"].startswith(f"projects/{project}/locations/us-central1-b/nodes/")
+                      for n in cloud.inventory()["nodes"]):
             assert time.monotonic() < deadline, "the second zone's node was never requested"
             time.sleep(0.05)
-        time.sleep(1.0)  # it bills while it is being created
+        time.sleep(1.0)  # CREATING all along: it does not bill
         up.send_signal(signal.SIGINT)
         _, err = up.communicate(timeout=60)
     finally:
@@ -127,12 +127,7 @@ def test_cost_includes_what_an_interrupted_up_rolled_back(cloud, tmp_path):
     now = time.time()
     meter = [row for row in cloud.meter.report(t=now)["resources"] if row["resource"].startswith(f"projects/{project}/")]
     assert not any(row["running"] for row in meter)
-    nodes = [row for row in meter if "/nodes/" in row["resource"]]
-    assert len(nodes) == 2 and sum(row["seconds"] for row in nodes) > 1.0
+    assert not [row for row in meter if "/nodes/" in row["resource"]]  # never READY: never metered
     [row] = rep["rows"]  # both nodes and the bucket
     assert row["key"] == "rolled" and row["live"] == 0 and row["rolled_back"] == row["resources"] == 3
-    assert row["rolled_back_usd"] == row["usd"]
-    # Compare billed seconds: tpuctl closes a rolled-back node when it sees the delete (or the failed
-    # create) done, the meter when it happened: a poll interval apart at most.
-    rate = catalog.load().tpu_price_per_hour("v3-8", "us-central1", spot=False) / 3600
-    assert abs(rep["total_usd"] - sum(row["usd"] for row in meter)) / rate < 0.5, (rep, meter)
+    assert row["usd"] == row["rolled_back_usd"] == rep["total_usd"] == 0, rep

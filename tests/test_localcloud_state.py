@@ -11,7 +11,7 @@ from google.cloud import tpu_v2
 
 from conftest import FAST_POLLING, official_clients
 from test_localcloud_compute import _insert
-from tpuctl.localcloud import facts
+from tpuctl.localcloud import facts, tpu
 from tpuctl.localcloud.cloud import LocalCloud
 
 # Who a worker is, from its metadata server: after a restart each worker still has one, with its own answers.
@@ -25,12 +25,15 @@ def test_meter_bills_tpu_wall_seconds_at_localclouds_own_price(clients, cloud):
     node = clients.tpu.create_node(parent=clients.parent(zone), node_id="metered", node=tpu_v2.Node(
         accelerator_type="v5litepod-8", runtime_version="v2-alpha-tpuv5-lite",
         scheduling_config=tpu_v2.SchedulingConfig(spot=True))).result(polling=FAST_POLLING)
+    ready_by = time.time()
     time.sleep(1.0)
+    deleting = time.time()
     clients.tpu.delete_node(name=node.name).result(polling=FAST_POLLING)
-    lifetime = time.time() - t0
+    t1 = time.time()
     row = next(r for r in cloud.meter_report()["resources"] if r["resource"] == node.name)
     assert row["sku"] == f"tpu/v5litepod-8/{zone}/spot" and not row["running"]
-    assert lifetime - 0.2 < row["seconds"] <= lifetime
+    # Billed from READY (never while CREATING) until the deletion finished.
+    assert deleting - ready_by <= row["seconds"] <= t1 - t0 - tpu.CREATE_S / cloud.speed
     assert row["usd_per_hour"] == pytest.approx(8 * facts.tpu_price("v5e", "us-east5", spot=True))
     assert row["usd"] == pytest.approx(row["seconds"] / 3600 * row["usd_per_hour"], rel=1e-9)
     report = cloud.meter_report()

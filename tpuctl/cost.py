@@ -1,10 +1,33 @@
 """What a run will cost before it starts, what it has cost so far, and the report behind `tpuctl cost`.
 
-All figures come from catalog prices times wall-clock lifetime: a TPU, VM or disk bills from its creation to
-its deletion. A queued resource itself costs nothing (the node it becomes bills as a TPU), and a bucket's
-accrued cost is left out of running totals because it depends on bytes stored, not on time alive; the
-estimate includes it from a size the caller gives. The soft-deleted bytes a deleted bucket leaves behind are
-counted: they bill at the storage rate until their hard delete time.
+All figures come from catalog prices times the wall-clock time each resource billed, as Google documents it:
+
+- A Cloud TPU API node bills while it is READY: "Charges for Cloud TPU accrue while your TPU node is in a READY
+  state" (https://cloud.google.com/tpu/pricing). Not while CREATING, so a create that stocked out, or was
+  rolled back before the node became READY, costs nothing. A preemptible or Spot node "preempted in the first
+  minute after you create them" costs nothing (https://cloud.google.com/tpu/docs/preemptible).
+- A queued resource itself costs nothing: while WAITING_FOR_RESOURCES nothing is allocated to the project, and
+  once "the requested resource becomes available, it's assigned to your Google Cloud project"
+  (https://cloud.google.com/tpu/docs/queued-resources); the node it makes bills as above, from READY.
+- A Compute Engine instance (a VM, or a TPU7x VM) bills its uptime: "the number of seconds between when you
+  start an instance and when you stop an instance, the latter being when the instance state is TERMINATED"
+  (https://cloud.google.com/compute/vm-instance-pricing), i.e. from RUNNING, never while PENDING,
+  PROVISIONING or STAGING. Its boot disk is counted with it.
+
+When each resource became READY or RUNNING comes from the API where it says so, else from what tpuctl watched
+(`tpuctl.ledger.entry_of`): Compute's `lastStartTimestamp` and `lastStopTimestamp`; for a TPU node, whose API
+publishes only `createTime` (tpu v2 and v2alpha1 discovery documents: no READY time, no preemption time, and a
+queued resource no state history; an operation has `endTime`), the `endTime` of the create operation tpuctl
+waited on, else the moment its own wait saw it turn READY (a queued resource's node, made by Google: up to a
+poll interval late). A node tpuctl did not watch (adopted, or first seen by a later `cost`/`gc` already READY)
+is assumed to have billed from its `createTime`: this overcounts its minutes in CREATING, never undercounts. A
+node seen PREEMPTED or STOPPED is assumed to have stopped billing when tpuctl first saw it so; one started
+again after a stop is counted across the gap. A node bills until tpuctl saw its deletion done (Google's
+DELETING minutes are counted with it). Compute's one-minute minimum is not applied.
+
+A bucket's accrued cost is left out of running totals because it depends on bytes stored, not on time alive;
+the estimate includes it from a size the caller gives. The soft-deleted bytes a deleted bucket leaves behind
+are counted: they bill at the storage rate until their hard delete time.
 """
 
 from __future__ import annotations
@@ -45,16 +68,27 @@ def hourly(e: Entry, catalog: Catalog) -> float:
     return 0.0
 
 
+# tpu/docs/preemptible: a preemptible (or Spot) TPU preempted in the first minute after its creation is free.
+PREEMPTED_FREE_S = 60.0
+
+
 def lifetime_hours(e: Entry, *, since: float, now: float) -> float:
-    """Hours of the resource's life inside the window [since, now]."""
+    """Hours the resource billed inside the window [since, now] (the module docstring says when it bills)."""
     end = now if e.deleted is None else min(e.deleted, now)
     if e.ends is not None:  # a flex-start TPU is deleted by Google at its end, whenever we noticed
         end = min(end, e.ends)
-    return max(0.0, end - max(e.created, since)) / 3600.0
+    if e.billed_until is not None:
+        end = min(end, e.billed_until)
+        # A TPU API node (Compute's TPU VMs have a machine type) that stopped billing while alive was
+        # preempted: Spot and preemptible nodes cannot be stopped.
+        if e.kind == "tpu" and e.spot and e.machine_type is None and e.billed_until - e.created <= PREEMPTED_FREE_S:
+            return 0.0
+    start = e.created if e.billed_from is None else e.billed_from
+    return max(0.0, end - max(start, since)) / 3600.0
 
 
 def accrued(e: Entry, catalog: Catalog, *, now: float, since: float = 0.0) -> float:
-    """USD the resource has cost from its creation (or `since`) to its deletion (or `now`)."""
+    """USD the resource has cost while it billed, from `since` to `now`."""
     return hourly(e, catalog) * lifetime_hours(e, since=since, now=now)
 
 
@@ -168,7 +202,7 @@ class CostRow:
     usd: float
     usd_per_hour_now: float  # what the live ones bill per hour right now
     rolled_back: int = 0  # of `resources`: created and deleted again by a failed or interrupted `up`
-    rolled_back_usd: float = 0.0  # of `usd`: what those billed from their create request to their deletion
+    rolled_back_usd: float = 0.0  # of `usd`: what those billed (nothing if they never became READY/RUNNING)
 
 
 @dataclass(frozen=True)
@@ -200,7 +234,8 @@ def _group_key(e: Entry, by: str) -> str:
 
 def report(entries: Iterable[Entry], catalog: Catalog, *, since: float, now: float, by: str = "run") -> CostReport:
     """Cost per run/owner/type of every resource alive at some point in [since, now], dearest first.
-    Rolled-back resources count like any other (they billed) and are also counted apart."""
+    Rolled-back resources count like any other (what they billed before their deletion; nothing if they never
+    became READY/RUNNING) and are also counted apart."""
     if by not in GROUPINGS:
         raise BadInput(f"cannot group by {by!r}", field="by", hint=f"use one of: {', '.join(GROUPINGS)}")
     acc: dict[str, list[float]] = {}
@@ -215,7 +250,8 @@ def report(entries: Iterable[Entry], catalog: Catalog, *, since: float, now: flo
         row[1] += live
         row[2] += hours
         row[3] += per_hour * hours
-        row[4] += per_hour if live else 0.0
+        billing = live and (e.billed_until is None or e.billed_until > now)  # not PREEMPTED, not CREATING
+        row[4] += per_hour if billing else 0.0
         row[5] += e.rolled_back
         row[6] += per_hour * hours if e.rolled_back else 0.0
     rows = tuple(sorted((CostRow(k, int(v[0]), int(v[1]), v[2], v[3], v[4], int(v[5]), v[6])

@@ -48,6 +48,11 @@ class Entry:
     ends: float | None = None  # when the provider deletes it by itself (a flex-start TPU's max run duration)
     rolled_back: bool = False  # created and deleted again by the same `up` (failure, Ctrl-C, no capacity)
     gb: float = 0.0  # SOFT_DELETED: the bytes still billed from `created` until `deleted` (hard delete time)
+    # The billed window of a TPU or VM (tpuctl.cost's docstring says why): from when it became READY/RUNNING
+    # (None: from `created`, as ledgers written before these fields counted) until it stopped billing while it
+    # still existed (stopped, preempted, or not READY yet; None: until `deleted`).
+    billed_from: float | None = None
+    billed_until: float | None = None
 
     @property
     def key(self) -> str:
@@ -58,7 +63,10 @@ def entry_of(r: Any, *, now: float | None = None) -> Entry:
     """The ledger entry of a live `tpuctl.provision.resources.Resource`.
 
     Creation time: the API's own create time, else the `tpuctl-created` label, else `now` (a resource seen
-    for the first time without either is costed from when it was first seen).
+    for the first time without either is costed from when it was first seen). Billing: from `detail["ready"]`
+    (when tpuctl saw it become READY, or Compute's `lastStartTimestamp`), else from its creation; nothing yet
+    while it is PENDING or CREATING; until `detail["stopped"]` (Compute's `lastStopTimestamp`), else `now`,
+    while it is STOPPED or PREEMPTED.
     """
     created = r.created.timestamp() if r.created is not None else None
     if created is None:
@@ -66,17 +74,45 @@ def entry_of(r: Any, *, now: float | None = None) -> Entry:
             created = float(r.labels["tpuctl-created"])
         except (KeyError, ValueError):
             created = time.time() if now is None else now
+    now = time.time() if now is None else now
+    billed_from, billed_until = _timestamp(r.detail.get("ready")) or created, None
+    if r.state.value in _NOT_YET:
+        billed_from = billed_until = now
+    elif r.state.value in _STOPPED:
+        billed_until = _timestamp(r.detail.get("stopped")) or now
     return Entry(kind=r.kind.value, name=r.name, project=r.project, location=r.location, run=r.run,
                  owner=r.labels.get("tpuctl-owner"), created=created, accelerator=r.accelerator,
                  machine_type=r.machine_type, spot=bool(r.spot), disk_gb=int(r.detail.get("disk_gb", 0) or 0),
-                 ends=_timestamp(r.detail.get("ends")))
+                 ends=_timestamp(r.detail.get("ends")), billed_from=billed_from, billed_until=billed_until)
+
+
+# provision.resources.State values: not billing yet (queued, being created or started), and no longer billing
+# while the resource still exists.
+_NOT_YET = frozenset({"pending", "creating"})
+_STOPPED = frozenset({"stopped", "preempted", "failed"})
+
+
+def _billed(old: Entry, new: Entry) -> dict[str, float | None]:
+    """The billed window from two sightings of one resource, older first.
+
+    It began billing when first seen billing (an earlier sighting's start stands: a later one that did not
+    watch it become READY can only assume its creation), or, if no sighting saw it billing yet, at the latest
+    moment one saw it not billing. It stopped billing when it was first seen stopped, unless the newer sighting
+    sees it billing again (a node started after a stop: the gap between is counted, see tpuctl.cost)."""
+    start = old.billed_from if old.billed_from is not None else old.created
+    if old.billed_until is not None and old.billed_until <= start:  # never seen billing
+        start = max(start, new.billed_from if new.billed_from is not None else new.created)
+    until = None
+    if new.billed_until is not None:
+        until = new.billed_until if old.billed_until is None else min(old.billed_until, new.billed_until)
+    return {"billed_from": start, "billed_until": until}
 
 
 def _timestamp(text: str | None) -> float | None:
     from datetime import datetime
 
     try:
-        return datetime.fromisoformat(text).timestamp() if text else None
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else None
     except ValueError:
         return None
 
@@ -87,7 +123,8 @@ def key_of(r: Any) -> str:
 
 
 def remember(resources: Iterable[Any], *, deleted: bool = False, on_event: EventSink = ignore) -> None:
-    """Best effort: record `tpuctl.provision` resources as alive (or mark them deleted) in the default ledger.
+    """Best effort: record `tpuctl.provision` resources as last seen (and, with `deleted`, mark them deleted now)
+    in the default ledger.
 
     IAM bindings cost nothing and are skipped. A ledger that cannot be written is a Warn event and never fails
     the command: labels, not the ledger, decide what exists."""
@@ -96,10 +133,10 @@ def remember(resources: Iterable[Any], *, deleted: bool = False, on_event: Event
     rows = [r for r in resources if r.kind is not Kind.IAM]
     try:
         book = Ledger()
+        # What was last seen of each counts too when it is gone: a node seen PREEMPTED stopped billing then.
+        book.record([entry_of(r) for r in rows])
         if deleted:
             book.mark_deleted([key_of(r) for r in rows])
-        else:
-            book.record([entry_of(r) for r in rows])
     except OSError as exc:
         on_event(Warn(f"could not update the local cost ledger: {exc}"))
 
@@ -153,7 +190,7 @@ class Ledger:
 
     def record(self, entries: Iterable[Entry]) -> None:
         """Remember resources seen alive (idempotent: an entry already known keeps its earliest creation
-        time and its deletion time, if any).
+        time and its deletion time, if any, and `_billed` merges what each sighting knew of its billing).
 
         A resource created after an earlier one of the same name was deleted (the same run started again,
         a preempted node recreated) is a new incarnation: the old one is kept under `KEY@CREATED`, so both
@@ -167,7 +204,8 @@ class Ledger:
                 elif old is not None:
                     deleted = old.get("deleted") if old.get("deleted") is not None else e.deleted
                     e = replace(e, created=min(e.created, old["created"]), deleted=deleted,
-                                rolled_back=e.rolled_back or bool(old.get("rolled_back")))
+                                rolled_back=e.rolled_back or bool(old.get("rolled_back")),
+                                **_billed(Entry(**old), e))
                 res[e.key] = asdict(e)
 
     def mark_deleted(self, keys: Iterable[str], at: float | None = None) -> None:

@@ -123,7 +123,8 @@ def cost_command(since: str, by: str, project: str | None, cloud: str | None, as
     """What tpuctl runs cost, by run, owner or type.
 
     Live resources are found by their tpuctl labels; deleted ones come from the local ledger, including
-    those an interrupted or failed `up` rolled back (they billed from their create request).
+    those an interrupted or failed `up` rolled back. Each counts the time it billed: a TPU while READY, a VM
+    or TPU7x VM from RUNNING (nothing for a create that never got there); `resource-hours` are those hours.
     """
     from tpuctl.provision import gc
 
