@@ -65,6 +65,13 @@ class AcceleratorType:
     def multi_host(self) -> bool:
         return self.hosts > 1
 
+    @property
+    def usable_runtimes(self) -> tuple[str, ...]:
+        """The runtimes a job runs on: every one where Google runs TensorFlow; from v6e on, the API still accepts
+        the `tpu-vm-tf-*` images (localcloud/README.md, "Runtime images") but TensorFlow does not start on them."""
+        return self.runtimes if self.tensorflow else tuple(
+            r for r in self.runtimes if not r.startswith(TF_RUNTIME_PREFIX))
+
 
 @dataclass(frozen=True)
 class Price:
@@ -202,8 +209,9 @@ class Catalog:
             if framework == "tensorflow" and not runtime_version.startswith(TF_RUNTIME_PREFIX):
                 raise BadInput(
                     f"runtime {runtime_version!r} is a base image without TensorFlow, and the job's template "
-                    f"runs TensorFlow; use a {TF_RUNTIME_PREFIX}* runtime", field="runtime_version",
-                    hint=f"the default for {t.name} is {t.default_runtime}")
+                    f"runs TensorFlow only; use runtime {t.default_runtime} (or another {TF_RUNTIME_PREFIX}* "
+                    f"runtime of {t.generation})", field="runtime_version",
+                    hint=f"`tpuctl catalog show {t.name}` lists the runtimes that run on {t.name}")
             twin = _pod_twin(runtime_version)
             if t.multi_host and twin in t.runtimes:
                 raise BadInput(
@@ -272,6 +280,7 @@ def accelerator_json(t: AcceleratorType, cat: Catalog) -> dict[str, Any]:
             "flex_start_zones": list(t.flex_start_zones or (t.zones if "flex-start" in t.provisioning else ())),
             "chips": t.chips, "cores": t.cores,
             "hosts": t.hosts, "topology": t.topology, "zones": list(t.zones), "runtimes": list(t.runtimes),
+            "usable_runtimes": list(t.usable_runtimes),
             "default_runtime": t.default_runtime, "tensorflow": t.tensorflow, "price_per_hour_by_region": prices}
 
 
