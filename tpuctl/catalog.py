@@ -174,6 +174,14 @@ class Catalog:
                            field="accelerator", hint="list the valid types with `tpuctl catalog list`")
         return t
 
+    def check_zone(self, zone: str) -> None:
+        """BadInput(field="zone") with the nearest zones when no TPU type is offered in `zone` at all (a zone
+        without a type to check it against: `check` names the zones of the type)."""
+        offered = [z for t in self._types.values() for z in t.zones]
+        if zone not in offered:
+            raise BadInput(f"no TPU type is offered in zone {zone!r}; {_did_you_mean(nearest(zone, offered))}",
+                           field="zone", hint="`tpuctl catalog show TYPE` lists the zones offering a type")
+
     def tensorflow_types(self) -> list[str]:
         """Generations that run TensorFlow, for hints."""
         return [gen for gen in self.generations() if self._data["generations"][gen].get("tensorflow", True)]
