@@ -30,11 +30,10 @@ from dataclasses import asdict, dataclass
 
 from google.api_core import exceptions as gexc
 
-from tpuctl.catalog import AcceleratorType, region_of
+from tpuctl.catalog import AcceleratorType, Catalog, region_of
 from tpuctl.errors import EXIT_BAD_INPUT, QUOTAS_PAGE, QuotaError, TpuctlError
 from tpuctl.provision import bucket, oslogin, waits
 from tpuctl.provision.clients import Clients
-from tpuctl.provision.resources import Kind
 
 SERVICES = ("tpu.googleapis.com", "compute.googleapis.com", "storage.googleapis.com", "iam.googleapis.com")
 # What `up` (TPU, bucket, bucket IAM, acting as the TPU's service account) and `down` need on the project.
@@ -121,20 +120,19 @@ class Target:
 
     @classmethod
     def of_plan(cls, plan) -> Target:
-        # Queued resources: `queued`, and flex-start on a Cloud TPU API type (the plan's TPU step says which).
-        queued = any(s.kind is Kind.QUEUED for s in plan.steps)
         return cls(region=plan.region, network=plan.network, subnet=plan.subnet,
-                   service_account=plan.service_account, queued=queued, vms=bool(plan.vms),
+                   service_account=plan.service_account, queued=plan.provisioning == "queued", vms=bool(plan.vms),
                    internal_ips=plan.internal_ips, accelerator=plan.accelerator, zones=tuple(plan.zones),
                    spot=plan.spot)
 
     @classmethod
-    def of_spec(cls, spec) -> Target:
-        """What `tpuctl doctor` checks for a spec without an accelerator (one with a type is planned as `up`
-        plans it: of_plan). No type: no quota check."""
+    def of_spec(cls, spec, catalog: Catalog) -> Target:
+        """What `tpuctl doctor` checks for a spec that was not planned (no accelerator: no quota check)."""
+        known = spec.accelerator in {t.name for t in catalog.accelerators()}
         return cls(region=region_of(spec.zones[0]) if spec.zones else None, network=spec.network,
                    subnet=spec.subnet, service_account=spec.service_account, queued=spec.provisioning == "queued",
-                   vms=bool(spec.vms), internal_ips=spec.internal_ips, zones=tuple(spec.zones),
+                   vms=bool(spec.vms), internal_ips=spec.internal_ips,
+                   accelerator=catalog.accelerator(spec.accelerator) if known else None, zones=tuple(spec.zones),
                    spot=spec.provisioning in ("spot", "preemptible"))
 
 

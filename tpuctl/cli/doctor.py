@@ -36,7 +36,7 @@ def doctor(ctx, spec_file, cloud, project, spec_flags: SpecFlags, as_json) -> No
         cat = catalog.load()
         for zone in spec.zones:  # no type to check the zone against: it must offer some TPU
             cat.check_zone(zone)
-        target = preflight.Target.of_spec(spec)
+        target = preflight.Target.of_spec(spec, cat)
     clients = prov.connect(config.ensure_endpoint(settings, on_event=console.report))
     checks = preflight.checks(clients, target)
     ok = all(c.ok for c in checks)
