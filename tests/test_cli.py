@@ -61,3 +61,18 @@ def test_starting_the_cli_does_not_load_the_google_client_libraries():
             "print(sorted({m.split('.')[2] for m in sys.modules if m.startswith('google.cloud.')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_up_run_and_doctor_take_every_spec_field_flag():
+    """The README: every common spec field is also a flag. One list (tpuctl.cli.spec_flags) serves each command
+    that reads a spec, so `tpuctl run SPEC --accelerator v6e-8` is not refused as "No such option"."""
+    from tpuctl.cli.spec_flags import FLAG_FIELDS
+
+    wanted = {"--" + f.replace("_", "-") for f in FLAG_FIELDS}
+    assert {"--accelerator", "--zone", "--spot", "--runtime-version", "--provisioning", "--max-run-duration", "--ttl",
+            "--bucket", "--bucket-soft-delete", "--network", "--subnet", "--internal-ips", "--service-account",
+            "--framework"} <= wanted
+    for path in ("up", "run", "doctor"):
+        given = {o for p in _all_commands(cli)[path].params for o in p.opts}
+        assert wanted <= given, f"tpuctl {path} lacks {sorted(wanted - given)}"
+

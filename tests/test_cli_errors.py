@@ -54,6 +54,40 @@ def test_unknown_flags_and_commands_are_one_error_line_keeping_clicks_suggestion
     assert _one_error(tpuctl(env, "job", "cancel"), 2, "error: run: ")
 
 
+def test_run_takes_spec_field_flags_over_the_environment_over_the_file(env, tmp_path):
+    spec = os.path.join(os.path.dirname(__file__), "..", "examples", "gpt2-tiny.yaml")  # v3-8 in europe-west4-a
+
+    def planned(*args: str, **variables: str) -> dict:
+        p = tpuctl({**env, **variables}, "run", spec, "--dry-run", "--json", *args, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        return next(e for e in map(json.loads, p.stdout.splitlines()) if e["type"] == "run_planned")
+
+    flagged = planned("--accelerator", "v6e-8", "--ttl", "3h", "--internal-ips")
+    assert (flagged["accelerator"], flagged["zones"], flagged["framework"]) == ("v6e-8", ["europe-west4-a"], "jax")
+    both = planned("--accelerator", "v6e-8", "--zone", "us-east5-b", "--provisioning", "on-demand",
+                   TPUCTL_ACCELERATOR="v5litepod-8", TPUCTL_ZONE="us-east5-a")
+    assert (both["accelerator"], both["zones"], both["provisioning"]) == ("v6e-8", ["us-east5-b"], "on-demand")
+    assert planned(TPUCTL_ACCELERATOR="v5litepod-8", TPUCTL_ZONE="us-east5-a")["accelerator"] == "v5litepod-8"
+    _one_error(tpuctl(env, "run", spec, "--dry-run", "--spot", "--provisioning", "on-demand"), 2,
+               "error: provisioning: --spot and --provisioning on-demand")
+
+
+def test_doctor_refuses_what_up_refuses_in_the_same_words(env):
+    # Both plan the spec with the same code (provision.plan): a type, zone, runtime or provisioning up refuses.
+    for args in (("--accelerator", "v9-8", "--zone", "europe-west4-a"),
+                 ("--accelerator", "v3-8", "--zone", "europe-west4-z"),
+                 ("--accelerator", "v6e-8", "--zone", "us-east5-b", "--provisioning", "flex-start",
+                  "--max-run-duration", "4h")):
+        up = _one_error(tpuctl(env, "up", *args, "--dry-run"), 2, "error: ")
+        assert _one_error(tpuctl(env, "doctor", *args), 2, "error: ") == up
+    _one_error(tpuctl(env, "doctor", "--zone", "europe-west4-z"), 2, "error: zone: no TPU type is offered in zone")
+    # Flex-start is checked like any provisioning; the duration matters only to a create, so it may be left out.
+    assert tpuctl(env, "doctor", "--provisioning", "flex-start").returncode == 0
+    p = tpuctl(env, "doctor", "--provisioning", "flex-start", "--accelerator", "v6e-8", "--zone", "us-east5-a",
+               "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["ok"], p.stdout + p.stderr
+
+
 # ---------------------------------------------------------------------------------- durations
 
 def test_ttl_takes_what_its_message_promises_from_flag_env_and_spec_and_refuses_zero(env, pc, tmp_path):

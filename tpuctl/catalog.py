@@ -67,6 +67,13 @@ class AcceleratorType:
     def multi_host(self) -> bool:
         return self.hosts > 1
 
+    @property
+    def usable_runtimes(self) -> tuple[str, ...]:
+        """The runtimes a job runs on: every one where Google runs TensorFlow; from v6e on, the API still accepts
+        the `tpu-vm-tf-*` images (localcloud/README.md, "Runtime images") but TensorFlow does not start on them."""
+        return self.runtimes if self.tensorflow else tuple(
+            r for r in self.runtimes if not r.startswith(TF_RUNTIME_PREFIX))
+
 
 @dataclass(frozen=True)
 class Price:
@@ -170,6 +177,14 @@ class Catalog:
                            field="accelerator", hint="list the valid types with `tpuctl catalog list`")
         return t
 
+    def check_zone(self, zone: str) -> None:
+        """BadInput(field="zone") with the nearest zones when no TPU type is offered in `zone` at all (a zone
+        without a type to check it against: `check` names the zones of the type)."""
+        offered = [z for t in self._types.values() for z in t.zones]
+        if zone not in offered:
+            raise BadInput(f"no TPU type is offered in zone {zone!r}; {_did_you_mean(nearest(zone, offered))}",
+                           field="zone", hint="`tpuctl catalog show TYPE` lists the zones offering a type")
+
     def tensorflow_types(self) -> list[str]:
         """Generations that run TensorFlow, for hints."""
         return [gen for gen in self.generations() if self._data["generations"][gen].get("tensorflow", True)]
@@ -205,8 +220,9 @@ class Catalog:
             if framework == "tensorflow" and not runtime_version.startswith(TF_RUNTIME_PREFIX):
                 raise BadInput(
                     f"runtime {runtime_version!r} is a base image without TensorFlow, and the job's template "
-                    f"runs TensorFlow; use a {TF_RUNTIME_PREFIX}* runtime", field="runtime_version",
-                    hint=f"the default for {t.name} is {t.default_runtime}")
+                    f"runs TensorFlow only; use runtime {t.default_runtime} (or another {TF_RUNTIME_PREFIX}* "
+                    f"runtime of {t.generation})", field="runtime_version",
+                    hint=f"`tpuctl catalog show {t.name}` lists the runtimes that run on {t.name}")
             twin = _pod_twin(runtime_version)
             if t.multi_host and twin in t.runtimes:
                 raise BadInput(
@@ -276,6 +292,7 @@ def accelerator_json(t: AcceleratorType, cat: Catalog) -> dict[str, Any]:
             "chips": t.chips, "cores": t.cores,
             "hosts": t.hosts, "topology": t.topology, "zones": list(t.zones),
             "single_tenant_zones": list(t.single_tenant_zones), "runtimes": list(t.runtimes),
+            "usable_runtimes": list(t.usable_runtimes),
             "default_runtime": t.default_runtime, "tensorflow": t.tensorflow, "price_per_hour_by_region": prices}
 
 

@@ -51,32 +51,52 @@ def choose(requested: str, t: AcceleratorType, runtime_version: str | None,
            offered: tuple[str, ...] = ("tensorflow", "jax")) -> Choice:
     """The framework and runtime for `requested` ("auto" | "tensorflow" | "jax") on `t`, where the template
     offers `offered`. An explicit `runtime_version` is kept and decides the framework under auto.
-    Raises BadInput (field job.framework or runtime_version) naming what would work."""
+    Raises BadInput naming the field the user gave: `runtime_version` when the runtime decided (or contradicts)
+    the framework, else `job.framework`; the message names what would work instead."""
     if tuple(offered) == ("tensorflow",):
         # A TensorFlow-only template: nothing to choose; Catalog.check refuses a type or runtime without TF.
         return Choice("tensorflow", runtime_version or t.default_runtime)
-    tf_ok = tensorflow_supported(t) and "tensorflow" in offered
-    jax_rt = jax_runtime(t) if "jax" in offered else None
-    alternatives = "; ".join(filter(None, [
-        f"framework: tensorflow (runtime {t.default_runtime})" if tf_ok else "",
-        f"framework: jax (runtime {jax_rt})" if jax_rt else ""])) or "another accelerator type"
-    framework = requested
-    if runtime_version is not None and requested == "auto":
+    # Each framework's runtime on this type for this template; None where it cannot run.
+    runtimes = {"tensorflow": t.default_runtime if tensorflow_supported(t) and "tensorflow" in offered else None,
+                "jax": jax_runtime(t) if "jax" in offered else None}
+    by_runtime = runtime_version is not None and requested == "auto"
+    if by_runtime:
         framework = "tensorflow" if is_tensorflow_runtime(runtime_version) else "jax"
     elif requested == "auto":
-        framework = "tensorflow" if tf_ok else "jax"
-    if framework == "tensorflow" and not tf_ok:
-        why = (f"TensorFlow does not run on {t.generation} (Google ships TensorFlow runtimes for v2-v5p only)"
-               if not tensorflow_supported(t) else "the template does not offer TensorFlow")
-        raise BadInput(f"{why}; use {alternatives}", field="job.framework")
-    if framework == "jax" and not jax_rt:
-        why = (f"no JAX base image for {t.generation} in the catalog" if "jax" in offered
-               else "the template does not offer JAX")
-        raise BadInput(f"{why}; use {alternatives}", field="job.framework")
+        framework = "tensorflow" if runtimes["tensorflow"] else "jax"
+    else:
+        framework = requested
+    if runtimes[framework] is None:
+        why = _why_not(framework, t, offered)
+        if by_runtime:  # the user named a runtime, not a framework: the runtime is what to change
+            others = [f"runtime {rt} ({_TITLE[fw]})" for fw, rt in runtimes.items() if rt]
+            raise BadInput(f"runtime {runtime_version} is {_kind(runtime_version)}, and {why}; use "
+                           f"{' or '.join(others) or 'another accelerator type'}", field="runtime_version")
+        others = [f"framework: {fw} (runtime {rt})" for fw, rt in runtimes.items() if rt]
+        raise BadInput(f"{why}; use {'; '.join(others) or 'another accelerator type'}", field="job.framework")
     if runtime_version is None:
-        return Choice(framework, t.default_runtime if framework == "tensorflow" else jax_rt)
+        return Choice(framework, runtimes[framework])
     if is_tensorflow_runtime(runtime_version) != (framework == "tensorflow"):
-        kind = "a TensorFlow runtime" if is_tensorflow_runtime(runtime_version) else "not a TensorFlow runtime"
-        raise BadInput(f"{runtime_version} is {kind}, framework is {framework}; use {alternatives}",
-                       field="runtime_version")
+        # Both were given and disagree: either keeps working if the other one changes.
+        fixes = [f"runtime {runtimes[framework]} for {_TITLE[framework]}"]
+        other = "jax" if framework == "tensorflow" else "tensorflow"
+        if runtimes[other]:
+            fixes.append(f"framework: {other} to keep {runtime_version}")
+        raise BadInput(f"runtime {runtime_version} is {_kind(runtime_version)}, and framework is {framework}; use "
+                       f"{', or '.join(fixes)}", field="runtime_version")
     return Choice(framework, runtime_version)
+
+
+_TITLE = {"tensorflow": "TensorFlow", "jax": "JAX"}
+
+
+def _kind(runtime: str) -> str:
+    return "a TensorFlow image" if is_tensorflow_runtime(runtime) else "an image without TensorFlow"
+
+
+def _why_not(framework: str, t: AcceleratorType, offered: tuple[str, ...]) -> str:
+    if framework not in offered:
+        return f"the template does not offer {_TITLE[framework]}"
+    if framework == "tensorflow":
+        return f"TensorFlow does not run on {t.generation} (Google ships TensorFlow runtimes for v2-v5p only)"
+    return f"no JAX base image for {t.generation} in the catalog"

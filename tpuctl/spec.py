@@ -196,7 +196,9 @@ class RunSpec(_Strict):
     @field_validator("max_run_duration")
     @classmethod
     def _flex_start_only(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v is None and info.data.get("provisioning") == "flex-start":
+        # A spec read for checks only (`tpuctl doctor`, see from_mapping's `partial`) needs no duration: no check
+        # depends on it, and nothing is created from it.
+        if v is None and info.data.get("provisioning") == "flex-start" and not (info.context or {}).get("partial"):
             raise ValueError("provisioning: flex-start needs max_run_duration (Google deletes the TPU when it ends)")
         if v is not None and info.data.get("provisioning") != "flex-start":
             raise ValueError("max_run_duration applies only to provisioning: flex-start")
@@ -270,11 +272,15 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def from_mapping(raw: Mapping[str, Any], *, migrate: bool = False, on_event: EventSink = ignore) -> RunSpec:
-    """Validate a mapping into a RunSpec; any problem is one BadInput naming the field."""
+def from_mapping(raw: Mapping[str, Any], *, migrate: bool = False, on_event: EventSink = ignore,
+                 partial: bool = False) -> RunSpec:
+    """Validate a mapping into a RunSpec; any problem is one BadInput naming the field.
+
+    `partial`: the spec is only checked against a project, never created (`tpuctl doctor`), so a field that
+    matters only at create (flex-start's max_run_duration) may be absent; every value given is still validated."""
     raw = migrate_legacy(raw, migrate=migrate, on_event=on_event)
     try:
-        return RunSpec.model_validate(raw)
+        return RunSpec.model_validate(raw, context={"partial": partial})
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first["loc"]) or "spec"

@@ -72,6 +72,7 @@ def catalog_show(accelerator: str, as_json: bool) -> None:
     if as_json:
         console.emit_json(data)
         return
+    accepted_tf = len(t.runtimes) - len(t.usable_runtimes)  # TensorFlow images the API takes where TF cannot run
     console.table(("field", "value"), [
         ("type", t.name), ("generation", t.generation), ("api type", t.api_type),
         ("provisioned by", t.api + (f" (machine type {t.machine_type})" if t.machine_type else "")),
@@ -79,8 +80,10 @@ def catalog_show(accelerator: str, as_json: bool) -> None:
         ("zones", ", ".join(z + (" (single-tenant only)" if z in t.single_tenant_zones else "") for z in t.zones)),
         ("provisioning", ", ".join(t.provisioning) + (f" (flex-start in {', '.join(data['flex_start_zones'])})"
                                                       if data["flex_start_zones"] else "")),
-        ("runtimes", ", ".join(t.runtimes)), ("default runtime", t.default_runtime),
-        ("TensorFlow", "yes" if t.tensorflow else "no (Google supports none from v6e on)")])
+        ("runtimes", ", ".join(t.usable_runtimes)), ("default runtime", t.default_runtime),
+        ("TensorFlow", "yes" if t.tensorflow else "no (Google supports none from v6e on" + (
+            f"; its API still accepts {accepted_tf} {catalog_mod.TF_RUNTIME_PREFIX}* images, TensorFlow does not "
+            "start on them)" if accepted_tf else ")"))])
     console.table(("region", "on-demand $/h", "spot $/h"),
                   [(r, _money(p["on_demand"]), _money(p["spot"]))
                    for r, p in data["price_per_hour_by_region"].items()])

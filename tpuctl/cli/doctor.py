@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from tpuctl import catalog, config, console
+from tpuctl.cli.spec_flags import SpecFlags, spec_options
 
 SECTION = "Provision and inspect"
 
@@ -17,29 +18,25 @@ SECTION = "Provision and inspect"
 @click.argument("spec_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--cloud", type=click.Choice(config.TARGETS), help="force the target (default: auto)")
 @click.option("--project", help="Google Cloud project [env TPUCTL_PROJECT]")
-@click.option("--zone", help="zone, or a failover list (the subnetwork of each region is checked) [env TPUCTL_ZONE]")
-@click.option("--accelerator", help="TPU type: its quota in each zone is checked (TPU7x: Compute Engine's quota "
-              "and permissions)")
-@click.option("--network", help="VPC network the TPU joins (default: default)")
-@click.option("--subnet", help="subnetwork in the zone's region")
-@click.option("--service-account", help="email the TPU VM runs as (default: the project's compute SA)")
-@click.option("--provisioning", type=click.Choice(("on-demand", "spot", "preemptible", "queued")),
-              help="queued also checks the queued-resource permissions")
-@click.option("--internal-ips", is_flag=True, default=None, help="the workers will have no external IPs")
+@spec_options
 @click.option("--json", "as_json", is_flag=True, help="print the checks as JSON")
 @click.pass_context
-def doctor(ctx, spec_file, cloud, project, zone, accelerator, network, subnet, service_account, provisioning,
-           internal_ips, as_json) -> None:
+def doctor(ctx, spec_file, cloud, project, spec_flags: SpecFlags, as_json) -> None:
     """Check the project before a run: APIs, network, service account, permissions, external IPs, OS Login,
     TPU quota."""
     from tpuctl import provision as prov
     from tpuctl.cli.provision import resolve
     from tpuctl.provision import preflight
 
-    flags = {"project": project, "zone": zone, "accelerator": accelerator, "network": network, "subnet": subnet,
-             "service_account": service_account, "provisioning": provisioning, "internal_ips": internal_ips}
-    spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=False)
-    target = preflight.Target.of_spec(spec, catalog.load())
+    # Read and validated as `up` reads it; only a flex-start duration may be left out (no check needs it).
+    spec, settings = resolve(spec_file, spec_flags, cloud=cloud, migrate=False, partial=True, project=project)
+    if spec.accelerator:  # planned as `up` plans it: the same refusals of a type, zone, runtime or provisioning
+        target = preflight.Target.of_plan(prov.plan(spec, project=settings.project))
+    else:
+        cat = catalog.load()
+        for zone in spec.zones:  # no type to check the zone against: it must offer some TPU
+            cat.check_zone(zone)
+        target = preflight.Target.of_spec(spec, cat)
     clients = prov.connect(config.ensure_endpoint(settings, on_event=console.report))
     checks = preflight.checks(clients, target)
     ok = all(c.ok for c in checks)

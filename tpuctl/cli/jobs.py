@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from tpuctl import config, console
+from tpuctl.cli.spec_flags import SpecFlags, spec_options
 from tpuctl.errors import BadInput, NotFound, TpuctlError
 
 SECTION = "Run a training job"
@@ -59,8 +60,7 @@ def _summary(o) -> None:
 @click.option("--poll", "poll_s", type=click.FloatRange(0.2), default=2.0, show_default=True,
               help="seconds between job/node checks")
 @click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
-@click.option("--framework", type=click.Choice(("auto", "tensorflow", "jax")),
-              help="job.framework (auto: TensorFlow where Google ships it and the template offers it, else JAX)")
+@spec_options
 @click.option("--export", "export", multiple=True, metavar="FORMAT",
               help="also write the final model in this format of the template's (hf: Hugging Face) to model/FORMAT/")
 @click.option("--dry-run", is_flag=True, help="validate and show the plan; create nothing")
@@ -68,7 +68,7 @@ def _summary(o) -> None:
               help="print each event, then the summary, as one JSON object per line on stdout")
 @_cloud_options
 def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, migrate,
-                framework, export, dry_run, as_json, cloud, project) -> None:
+                spec_flags: SpecFlags, export, dry_run, as_json, cloud, project) -> None:
     """Run a training job end to end: up, prepare data, ship, train on every worker, collect, tear down.
 
     The TPU and VMs are deleted whatever happens (success, failure, Ctrl-C, SIGTERM); the bucket with the
@@ -76,9 +76,9 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
     """
     from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
-    if attach and (spec_file or detach or dry_run or migrate or framework):
-        raise BadInput("--attach takes a run name and no spec, --detach, --dry-run, --migrate or --framework",
-                       field="attach",
+    if attach and (spec_file or detach or dry_run or migrate or spec_flags.given):
+        raise BadInput("--attach takes a run name and no spec, --detach, --dry-run, --migrate or spec-field flag"
+                       + (f" ({', '.join(spec_flags.given)})" if spec_flags.given else ""), field="attach",
                        hint="tpuctl run --attach RUN")
     if not attach and not spec_file:
         raise BadInput("no spec file given", field="spec", hint="tpuctl run examples/bert-tiny.yaml --yes")
@@ -102,14 +102,12 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
         go = pipeline.attach
     else:
         from tpuctl import provision
-        from tpuctl import spec as spec_mod
+        from tpuctl.cli.provision import resolve
 
         # Flags > TPUCTL_* env > spec file > user config > gcloud config > defaults, as for `up`.
-        merged, sources = config.layered({"name": name, "project": project}, spec_mod.read_file(spec_file))
-        spec = spec_mod.with_framework(spec_mod.from_mapping(merged, migrate=migrate, on_event=on_event), framework)
-        settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=not dry_run,
-                                   on_event=on_event)
-        clients = None if dry_run else provision.connect(settings)
+        spec, settings = resolve(spec_file, spec_flags, cloud=cloud, migrate=migrate, on_event=on_event, name=name,
+                                 project=project)
+        clients = None if dry_run else provision.connect(config.ensure_endpoint(settings, on_event=on_event))
         pipeline = Pipeline(clients, spec, project=settings.project, spec_dir=Path(spec_file).resolve().parent,
                             options=opts, on_event=on_event, confirm=confirm)
         go = pipeline.run

@@ -7,7 +7,6 @@ commands that talk to a cloud, so `tpuctl --help` and the other commands start f
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -15,7 +14,8 @@ import click
 from tpuctl import catalog as catalog_mod
 from tpuctl import api, config, console, cost, ledger
 from tpuctl import spec as spec_mod
-from tpuctl.errors import BadInput
+from tpuctl.cli.spec_flags import SpecFlags, spec_options
+from tpuctl.events import EventSink
 
 if TYPE_CHECKING:
     from tpuctl import provision as prov
@@ -41,16 +41,19 @@ def _price(cat: catalog_mod.Catalog):
     return price
 
 
-def resolve(spec_path: str | None, flags: Mapping[str, Any], *, cloud: str | None,
-            migrate: bool) -> tuple[spec_mod.RunSpec, config.Settings]:
-    """Flags > TPUCTL_* env > spec file > user config > gcloud config > defaults, then the target.
+def resolve(spec_path: str | None, spec_flags: SpecFlags, *, cloud: str | None, migrate: bool,
+            partial: bool = False, on_event: EventSink = console.report,
+            **fields: Any) -> tuple[spec_mod.RunSpec, config.Settings]:
+    """Flags (`spec_flags` and the command's own spec-field `fields`, e.g. name, project) > TPUCTL_* env >
+    spec file > user config > gcloud config > defaults, then the target. `up`, `run` and `doctor` read a spec
+    through here; `partial`: see spec.from_mapping.
 
     Starts nothing: validation and dry runs must not spin up the embedded cloud (see ensure_endpoint)."""
     raw = spec_mod.read_file(spec_path) if spec_path else {}
-    merged, sources = config.layered(flags, raw)
-    spec = spec_mod.from_mapping(merged, migrate=migrate, on_event=console.report)
+    merged, sources = config.layered({**spec_flags.fields, **fields}, raw)
+    spec = spec_mod.from_mapping(merged, migrate=migrate, on_event=on_event, partial=partial)
     settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=False)
-    return spec, settings
+    return spec_mod.with_framework(spec, spec_flags.framework), settings
 
 
 def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Settings) -> None:
@@ -69,46 +72,20 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
 @click.argument("spec_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--name", help="run name (default: spec name, else OWNER-ACCELERATOR)")
 @_cloud_options
-@click.option("--zone", help="zone, or comma-separated zones in failover order [env TPUCTL_ZONE]")
-@click.option("--accelerator", help="TPU type, e.g. v3-8, v4-32, v5litepod-16, v6e-8")
-@click.option("--runtime-version", help="TPU VM image (default: the catalog's choice for the generation)")
-@click.option("--framework", type=click.Choice(("auto", "tensorflow", "jax")),
-              help="job.framework: picks the runtime (auto: TensorFlow on v2-v5p, JAX elsewhere)")
-@click.option("--spot", is_flag=True, default=None, help="spot capacity (cheaper, can be preempted)")
-@click.option("--provisioning", type=click.Choice(spec_mod.PROVISIONING),
-              help="on-demand, spot, preemptible, queued, flex-start")
-@click.option("--max-run-duration", help="flex-start: Google deletes the TPU after this long, e.g. 4h (30s to 7d)")
-@click.option("--bucket", help="bucket name, or auto")
-@click.option("--bucket-soft-delete", help="keep deleted objects this long, 7d to 90d (default 0s: off)")
-@click.option("--network", help="VPC network the TPU joins (default: default)")
-@click.option("--subnet", help="subnetwork in the zone's region")
-@click.option("--service-account", help="email the TPU VM runs as (default: the project's compute SA)")
-@click.option("--ttl", help="delete by this age, e.g. 2h (tpuctl gc enforces it)")
-@click.option("--allow-cross-region", is_flag=True, default=None, help="accept a bucket outside the TPU's region")
-@click.option("--internal-ips", is_flag=True, default=None,
-              help="no external IPs on the workers (org policy); run tpuctl from inside the VPC")
+@spec_options
 @click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
 @click.option("--dry-run", is_flag=True, help="print the plan and stop")
 @click.option("--keep-on-failure", is_flag=True, help="leave what was created when up fails")
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
 @click.option("--json", "as_json", is_flag=True,
               help="print the plan (--dry-run), or each event then the result, as one JSON object per line")
-def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, framework, spot, provisioning,
-       max_run_duration, bucket, bucket_soft_delete, network, subnet,
-       service_account, ttl, allow_cross_region, internal_ips, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
+def up(spec_file, name, cloud, project, spec_flags: SpecFlags, migrate, dry_run, keep_on_failure, yes,
+       as_json) -> None:
     """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
     from tpuctl import provision as prov
 
-    if spot and provisioning not in (None, "spot"):
-        raise BadInput(f"--spot and --provisioning {provisioning} ask for different capacity", field="provisioning",
-                       hint="give one of them: --spot is --provisioning spot")
-    flags = {"name": name, "project": project, "zone": zone, "accelerator": accelerator,
-             "runtime_version": runtime_version, "provisioning": "spot" if spot else provisioning,
-             "max_run_duration": max_run_duration, "bucket": bucket, "bucket_soft_delete": bucket_soft_delete,
-             "network": network, "subnet": subnet, "service_account": service_account, "ttl": ttl,
-             "allow_cross_region": allow_cross_region, "internal_ips": internal_ips}
-    spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=migrate)
-    plan = prov.plan(spec_mod.with_framework(spec, framework), project=settings.project)
+    spec, settings = resolve(spec_file, spec_flags, cloud=cloud, migrate=migrate, name=name, project=project)
+    plan = prov.plan(spec, project=settings.project)
     if dry_run:
         _dry_run_checks(settings, plan, named_bucket=spec.bucket != "auto")
     else:  # a script without --yes hears only this, before the plan
