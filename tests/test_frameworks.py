@@ -117,7 +117,8 @@ def test_the_plan_carries_the_choice_and_the_job_config_gets_it():
 
 def test_the_cli_flag_shows_the_choice_and_refuses_tensorflow_on_v6e_with_one_line(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "CLOUDSDK_", "GOOGLE_"))},
-           "TPUCTL_HOME": str(tmp_path), "TPUCTL_PROJECT": "my-proj-123", "NO_COLOR": "1"}
+           "TPUCTL_HOME": str(tmp_path), "TPUCTL_PROJECT": "my-proj-123", "TPUCTL_CLOUD": "local",
+           "NO_COLOR": "1"}
     up = [sys.executable, "-m", "tpuctl", "up", "--accelerator", "v6e-8", "--zone", "us-east5-b", "--name", "fw",
           "--dry-run"]
     p = subprocess.run([*up, "--json"], env=env, capture_output=True, text=True, timeout=120)
