@@ -63,6 +63,7 @@ class RunOptions:
     python: str = "python3"  # the runtime's interpreter on TPU VMs (the venv python on the local cloud)
     cancel: threading.Event | None = None  # set it (from any thread) to stop the run; it still tears down
     export: tuple[str, ...] = ()  # formats (template `exporters`) written to model/FORMAT/ when the job succeeds
+    fit_check: bool = True  # compile the step for the TPU first (tpuctl.fitting.check); refuse a run over HBM
 
 
 @dataclass
@@ -298,6 +299,10 @@ class Pipeline:
             self._check_config()
             for fmt in self.opts.export:  # a format the template cannot write is bad input, before anything exists
                 self.template.exporter(fmt)
+            if self.opts.fit_check:  # a run over the chip's HBM would fail on the TPU after it was paid for
+                from tpuctl import fitting
+
+                fitting.check(self.spec, spec_dir=self.spec_dir, on_event=self.emit)
             for note in self.plan.notes:
                 self.emit(ev.Note(note))
             self.emit(ev.RunPlanned(self.plan.run, self.plan.accelerator.name, tuple(self.plan.zones), self.plan.bucket,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -87,13 +88,16 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
               help="no external IPs on the workers (org policy); run tpuctl from inside the VPC")
 @click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
 @click.option("--dry-run", is_flag=True, help="print the plan and stop")
+@click.option("--no-fit-check", "no_fit_check", is_flag=True,
+              help="skip compiling the job's step for the TPU first (`tpuctl fit`)")
 @click.option("--keep-on-failure", is_flag=True, help="leave what was created when up fails")
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
 @click.option("--json", "as_json", is_flag=True,
               help="print the plan (--dry-run), or each event then the result, as one JSON object per line")
 def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, framework, spot, provisioning,
        max_run_duration, bucket,
-       service_account, ttl, allow_cross_region, internal_ips, migrate, dry_run, keep_on_failure, yes, as_json) -> None:
+       service_account, ttl, allow_cross_region, internal_ips, migrate, dry_run, no_fit_check, keep_on_failure, yes,
+       as_json) -> None:
     """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
     from tpuctl import provision as prov
 
@@ -107,6 +111,10 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, fram
              "internal_ips": internal_ips}
     spec, settings = resolve(spec_file, flags, cloud=cloud, migrate=migrate)
     plan = prov.plan(spec_mod.with_framework(spec, framework), project=settings.project)
+    if spec.job is not None and not no_fit_check:
+        from tpuctl import fitting
+
+        fitting.check(spec, spec_dir=Path(spec_file).resolve().parent if spec_file else None, on_event=console.report)
     if dry_run:
         _dry_run_checks(settings, plan, named_bucket=spec.bucket != "auto")
     else:  # a script without --yes hears only this, before the plan
