@@ -47,6 +47,9 @@ def main() -> int:
     os.environ["KERAS_BACKEND"] = "jax"
     # The host runs the model's construction; the TPU is only a compile target (libtpu's topology API).
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # libtpu takes /tmp/libtpu_lockfile so two processes cannot drive one TPU's chips: a compile-only client
+    # drives none, and without this a second compile on the machine (another user's, another test's) aborts.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     request = json.loads(sys.stdin.readline())
     from pathlib import Path

@@ -33,6 +33,10 @@ from tpuctl.localcloud.cloud import LocalCloud
 # test that runs the default runtime's own TensorFlow asks for worker_python="runtime" explicitly
 # (test_runtime_images.py); TPUCTL_RUNTIME_CACHE, when set, keeps its image venv across sessions.
 os.environ["TPUCTL_WORKER_PYTHON"] = "host"
+# With the TPU compiler installed (the test extra brings libtpu), a JAX that may pick its platform tries the
+# TPU first and logs libtpu's complaints about the missing chips on stderr; the tests' JAX runs on the CPU
+# (tpuctl fit compiles for TPU topologies without a TPU backend).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Operation futures poll every 10-50 ms instead of the library's 1-20 s.
 FAST_POLLING = polling.DEFAULT_POLLING.with_delay(initial=0.01, maximum=0.05).with_timeout(60)
