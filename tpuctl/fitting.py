@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import math
 import os
 import subprocess
 import sys
@@ -112,26 +111,32 @@ class Fit:
         """One line: needed against available, and the largest batch that fits."""
         how = "compiled" if self.method == "compiled" else "analytic estimate"
         largest = (f"largest per-chip batch that fits: {self.max_per_chip_batch} ({self.max_batch_is})"
-                   if self.max_per_chip_batch else "not even the smallest batch fits: use a generation with more HBM per chip")
-        return (f"{_gb(self.hbm_per_chip_bytes)} of HBM per chip needed, {_gb(self.hbm_capacity_bytes)} available on "
-                f"{self.accelerator} ({how}, per-chip batch {self.per_chip_batch}); {largest}")
+                   if self.max_per_chip_batch else
+                   "not even the smallest batch fits: use a generation with more HBM per chip")
+        # A compiled step that does not fit is one the compiler refused: it names its temporaries, not the total.
+        floor = "at least " if self.method == "compiled" and not self.fits else ""
+        return (f"{floor}{_gb(self.hbm_per_chip_bytes)} of HBM per chip needed, {_gb(self.hbm_capacity_bytes)} "
+                f"available on {self.accelerator} ({how}, per-chip batch {self.per_chip_batch}); {largest}")
 
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def compiler_versions() -> tuple[str | None, str | None]:
     """(jax, libtpu) versions; libtpu None when it cannot be imported (the TPU compiler is absent)."""
     try:
-        jax_version = importlib.metadata.version("jax")
-    except importlib.metadata.PackageNotFoundError:
-        jax_version = None
-    try:
         import libtpu  # noqa: F401  # importing it is the test: a wheel for another platform does not load
     except ImportError:
-        return jax_version, None
-    return jax_version, importlib.metadata.version("libtpu")
+        return _version("jax"), None
+    return _version("jax"), _version("libtpu")
 
 
 def topology_of(accel: catalog_mod.AcceleratorType) -> tuple[str, dict]:
@@ -195,13 +200,6 @@ def _template_hash(template) -> str:
                 h.update(str(f.relative_to(root)).encode())
                 h.update(f.read_bytes())
     return h.hexdigest()
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _cache_path(req: _Request, topology: str, options: dict, versions: tuple) -> Path:
@@ -327,8 +325,8 @@ def _analytic_model(req: _Request) -> dict | None:
     """The shape facts of the template's resolved config (a transformer's `task` and `trainer` fields), or
     None for a template whose config does not have them."""
     task, trainer = getattr(req.resolved, "task", None), getattr(req.resolved, "trainer", None)
-    names = ("seq_len", "hidden_size", "num_layers", "num_heads", "intermediate_size")
-    if task is None or trainer is None or not all(hasattr(task, n) for n in names):
+    if not (all(hasattr(task, n) for n in ("seq_len", "hidden_size", "num_layers", "num_heads", "intermediate_size"))
+            and all(hasattr(trainer, n) for n in ("per_replica_batch_size", "max_steps"))):
         return None
     h, i, layers, seq, vocab = task.hidden_size, task.intermediate_size, task.num_layers, task.seq_len, req.vocab_size
     precision = getattr(getattr(req.resolved, "runtime", None), "mixed_precision", "auto")
@@ -457,12 +455,12 @@ def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ign
     how = "compiled" if result.method == "compiled" else "analytic estimate, not compiled"
     on_event(ev.Note(f"fit: {_gb(result.hbm_per_chip_bytes)} of {_gb(result.hbm_capacity_bytes)} HBM per chip "
                      f"({how}); est. {result.est_step_s * 1e3:.1f} ms/step, MFU {result.est_mfu:.0%}, "
-                     f"{_duration(result.est_run_s)} and ${result.est_cost_usd:,.2f} for {result.max_steps} steps "
+                     f"{duration_text(result.est_run_s)} and ${result.est_cost_usd:,.2f} for {result.max_steps} steps "
                      f"(estimates; checked in {time.monotonic() - started:.1f}s)"))
     return result
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f}s"
     if seconds < 7200:

@@ -38,7 +38,7 @@ def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
         ("est. step time", f"{r.est_step_s * 1e3:,.2f} ms (roofline)"),
         ("est. MFU", f"{r.est_mfu:.0%}"),
         ("est. tokens/s", f"{r.est_tokens_per_s:,.0f}"),
-        ("est. run", f"{fit_mod._duration(r.est_run_s)} for {r.max_steps:,} steps, "
+        ("est. run", f"{fit_mod.duration_text(r.est_run_s)} for {r.max_steps:,} steps, "
                      f"${r.est_cost_usd:,.2f} at ${r.price_per_hour:,.2f}/h"),
     ]
 
@@ -49,8 +49,7 @@ def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def fit_command(spec_file, accelerator, zone, spot, as_json) -> None:
     """Compile the job's training step for the TPU (per-chip HBM, largest batch, est. step time and cost)."""
-    r = api.fit(spec_file, accelerator=accelerator, zone=zone, spot=spot,
-                on_event=console.report if not as_json else None)
+    r = api.fit(spec_file, accelerator=accelerator, zone=zone, spot=spot, on_event=console.report)  # on stderr
     if r is None:
         console.info("fit: the template's config has no transformer shape to estimate from, and no step to "
                      f"compile (template.json `fit`); with one, install the compiler: {fit_mod.INSTALL_HINT}")
