@@ -11,7 +11,7 @@ laptop. Protocol, one JSON object per line:
             {"batch": N, "oom": REQUIRED, "message": ...} when the compiler refuses a program over the chip's HBM
             (REQUIRED: the temporaries' bytes it names, or null), or {"error": "..."} and exit 1
 
-Only lines starting with PREFIX are the protocol's (anything else on stdout is a library's).
+Only lines starting with tpuctl.fitting.AOT_PREFIX are the protocol's (anything else on stdout is a library's).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import re
 import sys
 import time
 
-PREFIX = "tpuctl-aot "
 # The TPU compiler refuses a program over HBM with status RESOURCE_EXHAUSTED, naming what its temporaries need:
 # "... the total memory required for HLO temporaries (23.68G) exceeds available HBM (15.75G)".
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
@@ -32,7 +31,9 @@ MEMORY = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes
 
 
 def _say(obj: dict) -> None:
-    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
+    from tpuctl.fitting import AOT_PREFIX
+
+    sys.stdout.write(AOT_PREFIX + json.dumps(obj) + "\n")
     sys.stdout.flush()
 
 

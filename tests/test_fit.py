@@ -5,6 +5,7 @@ an analytic estimate, one line and no traceback, without the compiler."""
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import importlib.util
 import json
 import sys
@@ -27,7 +28,7 @@ JSON_KEYS = {"fits", "hbm_per_chip_bytes", "hbm_capacity_bytes", "max_per_chip_b
              "est_cost_usd", "topology", "jax", "libtpu"}
 
 
-def test_without_the_compiler_an_analytic_estimate_and_one_line(monkeypatch, tmp_path, capfd):
+def test_without_the_compiler_an_analytic_estimate_and_one_line(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError, as where it is absent
     monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
     notes = []
@@ -47,9 +48,15 @@ def test_without_the_compiler_an_analytic_estimate_and_one_line(monkeypatch, tmp
     data = json.loads(out.stdout)
     assert JSON_KEYS <= set(data) and data["method"] == "analytic" and data["libtpu"] is None
     assert data["topology"] == "v3:2x2" and data["hbm_capacity_bytes"] == 32 * 2**30  # the spec's v3-8
-    capfd.readouterr()
+    from rich.console import Console
+
+    from tpuctl import console
+
+    shown_buf = io.StringIO()  # the console holds its own streams, bound when it was imported
+    for stream in ("out", "err"):
+        monkeypatch.setattr(console, stream, Console(file=shown_buf, width=300, no_color=True))
     human = CliRunner().invoke(cli, ["fit", str(EXAMPLES / "gpt2-tiny.yaml"), "--accelerator", "v6e-4"])
-    shown = human.output + "".join(capfd.readouterr())  # the console writes to the terminal's streams
+    shown = human.output + shown_buf.getvalue()
     assert human.exit_code == 0 and "Traceback" not in shown and "v6e-4 (4 chips, topology v6e:2x2)" in shown
     assert shown.count(fitting.INSTALL_HINT) >= 1 and "analytic estimate" in shown
 

@@ -39,6 +39,7 @@ CHECK_COMPILES = 1  # per run/up check: the run's batch; the largest batch that 
 # run/up compile only when the analytic estimate (an overestimate) reaches this share of the chip's HBM:
 # below it the run fits anyway, and a compile costs a minute even for the tiny presets on a laptop.
 SCREEN_SHARE = 0.25
+AOT_PREFIX = "tpuctl-aot "  # marks templates/aot.py's protocol lines among whatever else reaches its stdout
 
 
 @dataclass(frozen=True)
@@ -228,11 +229,9 @@ class _Compiler:
         self.proc.stdin.flush()
 
     def _read(self) -> dict:
-        from tpuctl.templates.aot import PREFIX
-
         for line in self.proc.stdout:
-            if line.startswith(PREFIX):
-                answer = json.loads(line[len(PREFIX):])
+            if line.startswith(AOT_PREFIX):
+                answer = json.loads(line[len(AOT_PREFIX):])
                 if "error" in answer:
                     break
                 return answer
