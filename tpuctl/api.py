@@ -124,8 +124,9 @@ def up(spec: SpecLike, *, on_event: EventSink | None = None, cloud: str | None =
     sink = on_event or ignore
     r = resolve(spec, cloud=cloud, on_event=sink)
     plan = provision.plan(r.spec, project=r.settings.project)
-    if fit_check and r.spec.job is not None:
-        fitting.check(r.spec, spec_dir=r.spec_dir, on_event=sink)
+    fitted = fitting.check(r.spec, spec_dir=r.spec_dir, on_event=sink) if fit_check and r.spec.job else None
+    if fitted is not None:
+        sink(fitting.note(fitted))
     if confirm is not None and not confirm(plan):
         raise BadInput(f"run {plan.run} was not confirmed; nothing was created", field="confirm")
     result = apply_plan(provision.connect(r.settings), plan, on_event=sink, keep_on_failure=keep_on_failure)

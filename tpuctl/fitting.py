@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,7 @@ class Fit:
     libtpu: str | None
     compiles: int  # compiles this call ran (0: all from the cache)
     chip_source: str
+    not_compiled: str = ""  # why an analytic estimate: no compiler (how to get it), no step offered, screened
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -432,8 +433,7 @@ def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, o
     if versions[1] is None or req.template.fit_target is None:
         why = (f"the TPU compiler is not installed ({INSTALL_HINT})" if versions[1] is None else
                f"template {req.template.name} offers no step to compile (template.json `fit`)")
-        on_event(ev.Note(f"fit: {why}; " + ("showing an analytic estimate" if analytic else "no estimate")))
-        return analytic
+        return replace(analytic, not_compiled=why) if analytic else None
     if screen and analytic is not None and analytic.hbm_per_chip_bytes < SCREEN_SHARE * req.chip.hbm_bytes:
         return analytic
     return _compiled(req, versions, topology, options, max_compiles, not screen, on_event)
@@ -441,22 +441,22 @@ def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, o
 
 def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ignore) -> Fit | None:
     """The check `run` and `up` make before creating anything: BadInput (exit 2) naming the HBM needed and
-    available and the largest batch that fits when the compiled step does not fit; one note with the fit
-    otherwise. An analytic estimate never refuses (it errs high on purpose)."""
-    started = time.monotonic()
+    available and the largest batch that fits when the compiled step does not fit; else the fit (`note` is
+    its line for the plan). An analytic estimate never refuses (it errs high on purpose)."""
     result = fit(spec, spec_dir=spec_dir, on_event=on_event, max_compiles=CHECK_COMPILES, screen=True)
-    if result is None:
-        return None
-    if result.method == "compiled" and not result.fits:
+    if result is not None and result.method == "compiled" and not result.fits:
         raise BadInput(f"the run does not fit: {result.hbm_line()}", field="job",
                        hint="lower trainer.per_replica_batch_size in job.config, or pick a type with more HBM "
                             "per chip; --no-fit-check skips this check")
-    how = "compiled" if result.method == "compiled" else "analytic estimate, not compiled"
-    on_event(ev.Note(f"fit: {_gb(result.hbm_per_chip_bytes)} of {_gb(result.hbm_capacity_bytes)} HBM per chip "
-                     f"({how}); est. {result.est_step_s * 1e3:.1f} ms/step, MFU {result.est_mfu:.0%}, "
-                     f"{duration_text(result.est_run_s)} and ${result.est_cost_usd:,.2f} for {result.max_steps} steps "
-                     f"(estimates; checked in {time.monotonic() - started:.1f}s)"))
     return result
+
+
+def note(result: Fit) -> ev.Note:
+    """The fit as one line of the plan."""
+    how = "compiled" if result.method == "compiled" else f"analytic estimate, not compiled: {result.not_compiled}"
+    return ev.Note(f"fit: {_gb(result.hbm_per_chip_bytes)} of {_gb(result.hbm_capacity_bytes)} HBM per chip ({how}); "
+                   f"est. {result.est_step_s * 1e3:.1f} ms/step, MFU {result.est_mfu:.0%}, "
+                   f"{duration_text(result.est_run_s)} and ${result.est_cost_usd:,.2f} for {result.max_steps} steps")
 
 
 def duration_text(seconds: float) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from rich.markup import escape
 
 from tpuctl import api, console
 from tpuctl import fitting as fit_mod
@@ -22,8 +23,7 @@ def _spec_flags(f):
 
 
 def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
-    how = "compiled by libtpu " + str(r.libtpu) if r.method == "compiled" else \
-        f"analytic estimate (the compiler: {fit_mod.INSTALL_HINT})"
+    how = f"compiled by libtpu {r.libtpu}" if r.method == "compiled" else f"analytic estimate ({r.not_compiled})"
     compiled = f"{r.compiled_flops_per_step / 1e9:,.1f} GFLOP" if r.compiled_flops_per_step is not None else "-"
     return [
         ("slice", f"{r.accelerator} ({r.chips} chips, topology {r.topology}); {how}"),
@@ -57,9 +57,7 @@ def fit_command(spec_file, accelerator, zone, spot, as_json) -> None:
     if as_json:
         console.emit_json(r.to_json())
         return
-    console.table(("", ""), _rows(r), title=f"fit of {Path(spec_file).name} (estimates are estimates)")
-    if r.method != "compiled":
-        console.note(f"analytic estimate, not compiled; for the compiler's answer: {fit_mod.INSTALL_HINT}")
+    console.table(("", ""), [(k, escape(v)) for k, v in _rows(r)], title=f"fit of {Path(spec_file).name} (estimates are estimates)")
 
 
 fit_command.section = SECTION

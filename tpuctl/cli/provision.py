@@ -114,7 +114,10 @@ def up(spec_file, name, cloud, project, zone, accelerator, runtime_version, fram
     if spec.job is not None and not no_fit_check:
         from tpuctl import fitting
 
-        fitting.check(spec, spec_dir=Path(spec_file).resolve().parent if spec_file else None, on_event=console.report)
+        fitted = fitting.check(spec, spec_dir=Path(spec_file).resolve().parent if spec_file else None,
+                               on_event=console.report)
+        if fitted is not None:
+            console.report(fitting.note(fitted))
     if dry_run:
         _dry_run_checks(settings, plan, named_bucket=spec.bucket != "auto")
     else:  # a script without --yes hears only this, before the plan
