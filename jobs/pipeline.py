@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpuctl import catalog, cost, ledger, provision
+from tpuctl import catalog, cost, fitting, ledger, provision
 from tpuctl import events as ev
 from tpuctl.errors import BadInput, CapacityError, Interrupted, JobFailed, NotFound, RunDurationEnded, TpuctlError
 from tpuctl.provision import Kind, State
@@ -63,6 +63,7 @@ class RunOptions:
     python: str = "python3"  # the runtime's interpreter on TPU VMs (the venv python on the local cloud)
     cancel: threading.Event | None = None  # set it (from any thread) to stop the run; it still tears down
     export: tuple[str, ...] = ()  # formats (template `exporters`) written to model/FORMAT/ when the job succeeds
+    fit_check: bool = True  # compile the step for the TPU first (tpuctl.fitting.check); refuse a run over HBM
 
 
 @dataclass
@@ -298,11 +299,16 @@ class Pipeline:
             self._check_config()
             for fmt in self.opts.export:  # a format the template cannot write is bad input, before anything exists
                 self.template.exporter(fmt)
+            # A step over the chip's HBM would fail on the TPU once paid for (compiling reports its progress).
+            fitted = fitting.check(self.spec, spec_dir=self.spec_dir, on_event=self.emit) if self.opts.fit_check \
+                else None
             for note in self.plan.notes:
                 self.emit(ev.Note(note))
             self.emit(ev.RunPlanned(self.plan.run, self.plan.accelerator.name, tuple(self.plan.zones), self.plan.bucket,
                                     self.plan.price_per_hour, framework=self.plan.framework,
                                     runtime_version=self.plan.runtime_version, provisioning=self.plan.provisioning))
+            if fitted is not None:
+                self.emit(fitting.note(fitted))
 
     def _check_data(self) -> None:
         """Corpus files and options are checked before anything is created: bad input costs nothing."""

@@ -15,6 +15,9 @@ A template is a Python package directory. Its `template.json` declares every par
     frameworks     optional: what the workers can run (or one `framework`; default tensorflow), for the runtime image
     keras_by_tensorflow  optional: TF minor version -> the Keras the template is tested with (the agent pins it)
     uses           other built-in template packages shipped beside it in the bundle (shared code, not copies)
+    fit            optional: "MODULE:ATTR", `(config, devices=, vocab_size=) -> dict`: the workers' training step
+                   jitted with abstract state and batch for `devices` (a slice that need not be here), which
+                   `tpuctl fit` compiles for the TPU (bert/train.py `compile_target` says what the dict holds)
 
 Hooks are "MODULE:ATTR" with MODULE inside the template ("config:build"; "PKG.config" also works), imported from
 the template (`tpuctl.templates.NAME.MODULE` for a built-in, the directory itself for a user's); any other name
@@ -118,6 +121,7 @@ class Template:
     outputs: Mapping[str, str] = field(default_factory=dict)
     uses: tuple[Path, ...] = ()  # package directories shipped beside this one
     exporters: Mapping[str, Callable[..., list[str]]] = field(default_factory=dict)  # format -> hook (RunFiles)
+    fit_target: Callable[..., dict] | None = None  # template.json `fit`: the step to compile ahead of time
 
     def exporter(self, fmt: str) -> Callable[..., list[str]]:
         """The hook that writes `fmt`; a format this template does not declare is a BadInput listing those it does."""
@@ -249,7 +253,8 @@ def load(root: Path, *, builtin: bool = False) -> Template:
         parameter_count=(_hook(root, builtin, config["parameters"], "config.parameters")
                          if "parameters" in config else None),
         data=data, outputs=dict(meta["outputs"] or {}), uses=tuple(uses),
-        exporters={fmt: _hook(root, builtin, ref, f"exporters.{fmt}") for fmt, ref in (meta.get("exporters") or {}).items()})
+        exporters={fmt: _hook(root, builtin, ref, f"exporters.{fmt}") for fmt, ref in (meta.get("exporters") or {}).items()},
+        fit_target=_hook(root, builtin, meta["fit"], "fit") if meta.get("fit") else None)
 
 
 def _check_entry(root: Path, entry: Any) -> None:

@@ -33,6 +33,10 @@ from tpuctl.localcloud.cloud import LocalCloud
 # test that runs the default runtime's own TensorFlow asks for worker_python="runtime" explicitly
 # (test_runtime_images.py); TPUCTL_RUNTIME_CACHE, when set, keeps its image venv across sessions.
 os.environ["TPUCTL_WORKER_PYTHON"] = "host"
+# With the TPU compiler installed (the test extra brings libtpu), a JAX that may pick its platform tries the
+# TPU first and logs libtpu's complaints about the missing chips on stderr; the tests' JAX runs on the CPU
+# (tpuctl fit compiles for TPU topologies without a TPU backend).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # tpuctl probes the metadata server once a Google project is named, as google.auth does. Off Google Cloud nothing
 # answers there, and tests send traffic to loopback only: any probe a test does not aim itself lands on a closed

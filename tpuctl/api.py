@@ -1,4 +1,4 @@
-"""tpuctl from Python: `up`, `run`, `down`, `status`, `gc` (re-exported as `tpuctl.up`, `tpuctl.run`, ...).
+"""tpuctl from Python: `up`, `run`, `down`, `status`, `gc`, `fit` (re-exported as `tpuctl.up`, `tpuctl.run`, ...).
 
 Each function resolves its spec and its target exactly as the CLI does (TPUCTL_* env > spec > user config >
 gcloud config > defaults; the embedded local cloud when no Google project is named, `cloud`
@@ -27,6 +27,7 @@ from tpuctl.errors import BadInput, Interrupted, NotFound, TpuctlError
 from tpuctl.events import EventSink, ignore, resource_progress
 
 if TYPE_CHECKING:
+    from tpuctl.fitting import Fit
     from tpuctl.jobs.pipeline import Outcome
     from tpuctl.provision import ApplyResult, Clients, DownResult, Plan, RunStatus
     from tpuctl.provision.gc import Action, GcResult
@@ -135,15 +136,19 @@ def unknown_run(clients: Clients, run: str) -> NotFound | None:
 
 
 def up(spec: SpecLike, *, on_event: EventSink | None = None, cloud: str | None = None,
-       confirm: Callable[[Plan], bool] | None = None, keep_on_failure: bool = False) -> Run:
+       confirm: Callable[[Plan], bool] | None = None, keep_on_failure: bool = False, fit_check: bool = True) -> Run:
     """Create the spec's TPU, VMs, bucket and bucket IAM; blocks until all are READY. Idempotent.
 
-    `confirm(plan)` returning False stops before anything is created (BadInput)."""
-    from tpuctl import provision
+    `confirm(plan)` returning False stops before anything is created (BadInput); so does a job whose step
+    does not fit the TPU's HBM (`fit_check`, see `fit`)."""
+    from tpuctl import fitting, provision
 
     sink = on_event or ignore
     r = resolve(spec, cloud=cloud, on_event=sink)
     plan = provision.plan(r.spec, project=r.settings.project)
+    fitted = fitting.check(r.spec, spec_dir=r.spec_dir, on_event=sink) if fit_check and r.spec.job else None
+    if fitted is not None:
+        sink(fitting.note(fitted))
     if confirm is not None and not confirm(plan):
         raise BadInput(f"run {plan.run} was not confirmed; nothing was created", field="confirm")
     result = apply_plan(provision.connect(r.settings), plan, on_event=sink, keep_on_failure=keep_on_failure)
@@ -156,21 +161,22 @@ def up(spec: SpecLike, *, on_event: EventSink | None = None, cloud: str | None =
 def run(spec: SpecLike, *, on_event: EventSink | None = None, cancel: threading.Event | None = None,
         confirm: Callable[[Plan], bool] | None = None, cloud: str | None = None,
         download: str | os.PathLike[str] | None = None, delete_bucket: bool = False,
-        max_recoveries: int | None = None, poll_s: float = 2.0) -> Outcome:
+        max_recoveries: int | None = None, poll_s: float = 2.0, fit_check: bool = True) -> Outcome:
     """Train the spec's job end to end (up, data, ship, train, collect) and tear the TPU and VMs down,
     whatever happens. Blocks until the end; returns the Outcome (`state` "succeeded").
 
     Setting `cancel` (from another thread) stops the run at its next check (within `poll_s` while training),
     tears down, and raises Interrupted. A failed job raises JobFailed; the Outcome so far is on the
     exception's `outcome` attribute in both cases. `confirm(plan)` returning False stops before anything is
-    created (BadInput)."""
+    created (BadInput); so does a job whose step does not fit the TPU's HBM (`fit_check`, see `fit`)."""
     from tpuctl import provision
     from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
     r = resolve(spec, cloud=cloud, on_event=on_event or ignore)
     cancel = cancel or threading.Event()
     options = RunOptions(yes=confirm is None, download=Path(download) if download else None,
-                         delete_bucket=delete_bucket, max_recoveries=max_recoveries, poll_s=poll_s, cancel=cancel)
+                         delete_bucket=delete_bucket, max_recoveries=max_recoveries, poll_s=poll_s, cancel=cancel,
+                         fit_check=fit_check)
     pipeline = Pipeline(provision.connect(r.settings), r.spec, project=r.settings.project, spec_dir=r.spec_dir,
                         options=options, on_event=on_event, confirm=confirm)
     try:
@@ -178,6 +184,30 @@ def run(spec: SpecLike, *, on_event: EventSink | None = None, cancel: threading.
     except TpuctlError as exc:
         exc.outcome = pipeline.outcome  # type: ignore[attr-defined]  # the phases, steps and cost so far
         raise
+
+
+def fit(spec: SpecLike, *, accelerator: str | None = None, zone: str | None = None, spot: bool | None = None,
+        on_event: EventSink | None = None, max_compiles: int | None = None, spec_dir: Path | None = None) -> Fit | None:
+    """Whether the spec's job fits its TPU (or `accelerator`), with the per-chip HBM, FLOPs and bytes, the
+    largest per-chip batch that fits, and estimated step time, MFU, run time and cost (`zone`, `spot`: where
+    and how it is priced). Compiles the template's training step with the TPU compiler when it is installed
+    (`pip install 'tpuctl[tpu]'`; minutes for gpt2-small, cached under TPUCTL_HOME), else an analytic estimate
+    (`method` says which); None for a template with neither. Creates nothing and starts no cloud. Raises BadInput.
+    `spec_dir`: where a RunSpec's relative paths start (default: the working directory)."""
+    from tpuctl import fitting as fit_mod
+
+    flags = {"accelerator": accelerator, "zone": zone, "provisioning": "spot" if spot else None}
+    if isinstance(spec, spec_mod.RunSpec):
+        given = {k: v for k, v in flags.items() if v is not None}
+        run_spec = spec.model_copy(update={**given, **({"zones": tuple(zone.split(","))} if zone else {})})
+        spec_dir = spec_dir or Path.cwd()
+    else:
+        is_path = isinstance(spec, (str, os.PathLike))
+        merged, _ = config.layered(flags, spec_mod.read_file(spec) if is_path else dict(spec))
+        run_spec = spec_mod.from_mapping(merged, on_event=on_event or ignore)
+        spec_dir = Path(spec).resolve().parent if is_path else Path.cwd()
+    return fit_mod.fit(run_spec, spec_dir=spec_dir, on_event=on_event or ignore,
+                       max_compiles=fit_mod.MAX_COMPILES if max_compiles is None else max_compiles)
 
 
 def _outside_event_loop(fn: Callable[[], T], cancel: threading.Event) -> T:

@@ -51,12 +51,13 @@ def info(message: str) -> None:
     err.print(message, markup=False)
 
 
-def note(message: str) -> None:
-    err.print(f"[dim]{message}[/dim]" if interactive() else message, markup=interactive())
+def note(message: str) -> None:  # escaped: a message's own brackets (`tpuctl[tpu]`) are not markup
+    err.print(f"[dim]{_escape(message)}[/dim]" if interactive() else message, markup=interactive())
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/yellow] {message}" if interactive() else f"warning: {message}", markup=interactive())
+    err.print(f"[yellow]warning:[/yellow] {_escape(message)}" if interactive() else f"warning: {message}",
+              markup=interactive())
 
 
 def error(exc: TpuctlError) -> None:

@@ -87,6 +87,13 @@ class Objective:
 
         return VOCAB_NAME, TOKENIZER_NAME, MANIFEST_NAME
 
+    def batch_shapes(self, task, batch: int):
+        """One element of `dataset` as (shape, dtype) leaves: what the step is compiled for without data (the
+        masked LM: ids and mask [B, L], the gathered positions, their labels and weights [B, P])."""
+        seq, predictions = (batch, task.seq_len), (batch, task.predictions_per_seq)
+        return ({"input_ids": (seq, "int32"), "input_mask": (seq, "int32"),
+                 "masked_positions": (predictions, "int32")}, (predictions, "int32"), (predictions, "float32"))
+
 
 MASKED_LM = Objective()
 
@@ -207,6 +214,60 @@ def run(cfg: BertConfig, *, log=None, objective: Objective = MASKED_LM) -> dict:
         _export(tf, model, cfg, rt.data_dir, export_dir, metrics, objective.data_files())
     _done(emit, metrics, export_dir, objective.accuracy)
     return metrics
+
+
+def compile_target(config: dict, *, devices, vocab_size: int, objective: Objective = MASKED_LM) -> dict:
+    """The training step as run() builds it, for compiling ahead of time for a slice that need not be here
+    (`tpuctl fit`, template.json `fit`): the same model, trainer, loss, optimizer, precision and data-parallel
+    sharding (state replicated, the batch split over `devices`, a mesh axis "batch" as Keras' DataParallel),
+    with abstract state and batch in place of arrays. Needs KERAS_BACKEND=jax; builds the model on the host.
+
+    Returns {"step": the jitted Keras train step (state donated, as Keras' JAX trainer jits it), "state":
+    its abstract state, "batch": per-device batch -> abstract batch, "per_device_batch", "max_steps", "params"
+    (trainable weights), "layers", "hidden", "seq_len", "precision"}."""
+    import jax
+    import keras
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from .model import WarmupLinearDecay
+
+    if keras.backend.backend() != "jax":
+        raise ConfigError("runtime.framework", "compile_target needs Keras' JAX backend (KERAS_BACKEND=jax)")
+    cfg = objective.config.with_overrides(objective.config.build(config), task={"vocab_size": vocab_size})
+    tr, rt = cfg.trainer, cfg.runtime
+    precision = "mixed_bfloat16" if rt.mixed_precision == "auto" else rt.mixed_precision  # "auto" on a TPU
+    keras.config.set_dtype_policy(precision)
+    global_batch = tr.per_replica_batch_size * len(devices)
+    peak = _peak_learning_rate(tr, global_batch)
+    schedule = WarmupLinearDecay(peak, tr.warmup_steps, tr.max_steps, peak * tr.end_learning_rate_fraction)
+    model = objective.build_model(cfg.task, vocab_size)
+    trainer, loss = objective.trainer(model)
+    _compile(keras, trainer, loss, tr, schedule, objective, jit_compile=True)
+    mesh = Mesh(np.array(devices), ("batch",))
+    replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
+
+    def batch(per_device: int):
+        return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf[0], leaf[1], sharding=split),
+                            objective.batch_shapes(cfg.task, per_device * len(devices)),
+                            is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[1], str))
+
+    trainer._symbolic_build(data_batch=batch(tr.per_replica_batch_size))  # metrics' variables, as fit() builds them
+    groups = (trainer.trainable_variables, trainer.non_trainable_variables, trainer.optimizer.variables,
+              trainer.metrics_variables)
+    state = tuple([jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=replicated) for v in g] for g in groups)
+    shardings = tuple([replicated] * len(g) for g in groups)
+    step = jax.jit(trainer.train_step, donate_argnums=0, out_shardings=(None, shardings))
+    return {"step": step, "state": state, "batch": batch, "per_device_batch": tr.per_replica_batch_size,
+            "max_steps": tr.max_steps,
+            "params": int(sum(np.prod(v.value.shape) for v in trainer.trainable_variables)),
+            "layers": cfg.task.num_layers, "hidden": cfg.task.hidden_size, "seq_len": cfg.task.seq_len,
+            "precision": precision}
+
+
+def fit_target(config: dict, *, devices, vocab_size: int) -> dict:
+    """template.json `fit`: BERT's masked LM as compile_target describes it."""
+    return compile_target(config, devices=devices, vocab_size=vocab_size)
 
 
 def _peak_learning_rate(tr, global_batch: int) -> float:

@@ -56,6 +56,11 @@ class CausalLM(_bert_train.Objective):
 
         return (*FILES, MANIFEST_NAME)
 
+    def batch_shapes(self, task, batch: int):
+        """data.make_dataset's element: the block's ids, its next-token labels and their weights, all [B, L]."""
+        block = (batch, task.seq_len)
+        return {"input_ids": (block, "int32")}, (block, "int32"), (block, "float32")
+
 
 CAUSAL_LM = CausalLM()
 
@@ -68,6 +73,11 @@ def run(cfg: Gpt2Config, *, log=None) -> dict:
     """Train per `cfg` to max_steps (resuming if checkpoints exist) and export; returns the final metrics.
     Blocks; see bert.train.run for what it raises and returns."""
     return _bert_train.run(cfg, log=log, objective=CAUSAL_LM)
+
+
+def fit_target(config: dict, *, devices, vocab_size: int) -> dict:
+    """template.json `fit`: the causal LM's step, as bert.train.compile_target describes it."""
+    return _bert_train.compile_target(config, devices=devices, vocab_size=vocab_size, objective=CAUSAL_LM)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ SECTIONS = (
     "Local cloud",
 )
 
-COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs", "doctor", "templates", "export")
+COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs", "doctor", "templates", "export",
+                                   "fit")
 
 
 class SectionedGroup(click.Group):

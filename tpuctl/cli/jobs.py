@@ -64,11 +64,13 @@ def _summary(o) -> None:
 @click.option("--export", "export", multiple=True, metavar="FORMAT",
               help="also write the final model in this format of the template's (hf: Hugging Face) to model/FORMAT/")
 @click.option("--dry-run", is_flag=True, help="validate and show the plan; create nothing")
+@click.option("--no-fit-check", "no_fit_check", is_flag=True,
+              help="skip compiling the step for the TPU first (`tpuctl fit`)")
 @click.option("--json", "as_json", is_flag=True,
               help="print each event, then the summary, as one JSON object per line on stdout")
 @_cloud_options
 def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, migrate,
-                spec_flags: SpecFlags, export, dry_run, as_json, cloud, project) -> None:
+                spec_flags: SpecFlags, export, dry_run, no_fit_check, as_json, cloud, project) -> None:
     """Run a training job end to end: up, prepare data, ship, train on every worker, collect, tear down.
 
     The TPU and VMs are deleted whatever happens (success, failure, Ctrl-C, SIGTERM); the bucket with the
@@ -84,7 +86,7 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
         raise BadInput("no spec file given", field="spec", hint="tpuctl run examples/bert-tiny.yaml --yes")
     opts = RunOptions(name=name, yes=yes, detach=detach, attach=attach, download=Path(download) if download else None,
                       delete_bucket=delete_bucket, max_recoveries=max_recoveries, dry_run=dry_run, poll_s=poll_s,
-                      export=tuple(export))
+                      export=tuple(export), fit_check=not no_fit_check)
     if not attach and not dry_run:
         console.can_confirm(yes=yes, to="create the run's resources")  # before the local cloud even starts
     lines = console.JsonLines() if as_json else None

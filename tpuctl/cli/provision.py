@@ -7,6 +7,7 @@ commands that talk to a cloud, so `tpuctl --help` and the other commands start f
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -49,11 +50,19 @@ def resolve(spec_path: str | None, spec_flags: SpecFlags, *, cloud: str | None, 
     through here; `partial`: see spec.from_mapping.
 
     Starts nothing: validation and dry runs must not spin up the embedded cloud (see ensure_endpoint)."""
+    spec, sources = resolve_spec(spec_path, spec_flags, migrate=migrate, partial=partial, on_event=on_event,
+                                 **fields)
+    return spec, config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=False)
+
+
+def resolve_spec(spec_path: str | None, spec_flags: SpecFlags, *, migrate: bool = False, partial: bool = False,
+                 on_event: EventSink = console.report, **fields: Any) -> tuple[spec_mod.RunSpec, dict[str, str]]:
+    """The spec alone, layered as `resolve` layers it, with each field's source; needs no cloud or credentials
+    (`fit` reads a spec this way)."""
     raw = spec_mod.read_file(spec_path) if spec_path else {}
     merged, sources = config.layered({**spec_flags.fields, **fields}, raw)
     spec = spec_mod.from_mapping(merged, migrate=migrate, on_event=on_event, partial=partial)
-    settings = config.settings(project=spec.project, cloud=cloud, sources=sources, start_local=False)
-    return spec_mod.with_framework(spec, spec_flags.framework), settings
+    return spec_mod.with_framework(spec, spec_flags.framework), sources
 
 
 def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Settings) -> None:
@@ -75,17 +84,26 @@ def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Setting
 @spec_options
 @click.option("--migrate", is_flag=True, help="turn a legacy TPU Node request into the equivalent TPU VM")
 @click.option("--dry-run", is_flag=True, help="print the plan and stop")
+@click.option("--no-fit-check", "no_fit_check", is_flag=True,
+              help="skip compiling the job's step for the TPU first (`tpuctl fit`)")
 @click.option("--keep-on-failure", is_flag=True, help="leave what was created when up fails")
 @click.option("--yes", "-y", is_flag=True, help="do not ask")
 @click.option("--json", "as_json", is_flag=True,
               help="print the plan (--dry-run), or each event then the result, as one JSON object per line")
-def up(spec_file, name, cloud, project, spec_flags: SpecFlags, migrate, dry_run, keep_on_failure, yes,
-       as_json) -> None:
+def up(spec_file, name, cloud, project, spec_flags: SpecFlags, migrate, dry_run, no_fit_check, keep_on_failure,
+       yes, as_json) -> None:
     """Create a run's TPU, VMs, bucket and bucket IAM (idempotent: re-running adopts what exists)."""
     from tpuctl import provision as prov
 
     spec, settings = resolve(spec_file, spec_flags, cloud=cloud, migrate=migrate, name=name, project=project)
     plan = prov.plan(spec, project=settings.project)
+    if spec.job is not None and not no_fit_check:
+        from tpuctl import fitting
+
+        fitted = fitting.check(spec, spec_dir=Path(spec_file).resolve().parent if spec_file else None,
+                               on_event=console.report)
+        if fitted is not None:
+            console.report(fitting.note(fitted))
     if dry_run:
         _dry_run_checks(settings, plan, named_bucket=spec.bucket != "auto")
     else:  # a script without --yes hears only this, before the plan

@@ -1,0 +1,97 @@
+"""Compile a template's training step for a TPU slice that is not there: `python -m tpuctl.templates.aot`.
+
+The compiling half of `tpuctl fit` (tpuctl/fitting.py), in a process of its own: Keras fixes its backend at import,
+the TPU compiler (libtpu) prints its own diagnostics on stderr, and a gpt2-small compile takes minutes on a
+laptop. Protocol, one JSON object per line:
+
+    stdin:  {"root", "builtin", "config", "vocab_size", "topology", "topology_options"}, then {"batch": N} per
+            compile (N: per-device batch), then EOF
+    stdout: {"model": {...}, "state_bytes": B} once the step is built (B: its state's bytes, replicated on
+            every device), then per compile {"batch": N, "memory": {...}, "cost": {...}, "seconds": S}, or
+            {"batch": N, "oom": REQUIRED, "message": ...} when the compiler refuses a program over the chip's HBM
+            (REQUIRED: the temporaries' bytes it names, or null), or {"error": "..."} and exit 1
+
+Only lines starting with tpuctl.fitting.AOT_PREFIX are the protocol's (anything else on stdout is a library's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+# The TPU compiler refuses a program over HBM with status RESOURCE_EXHAUSTED, naming what its temporaries need:
+# "... the total memory required for HLO temporaries (23.68G) exceeds available HBM (15.75G)".
+OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
+REQUIRED = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
+MEMORY = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+          "generated_code_size_in_bytes")
+
+
+def _say(obj: dict) -> None:
+    from tpuctl.fitting import AOT_PREFIX
+
+    sys.stdout.write(AOT_PREFIX + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _required(message: str) -> int | None:
+    found = REQUIRED.search(message)
+    if found is None:
+        return None
+    return int(float(found.group(1)) * 1024 ** "_KMGT".index(found.group(2) or "_"))
+
+
+def main() -> int:
+    os.environ["KERAS_BACKEND"] = "jax"
+    # The host runs the model's construction; the TPU is only a compile target (libtpu's topology API).
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    # libtpu takes /tmp/libtpu_lockfile so two processes cannot drive one TPU's chips: a compile-only client
+    # drives none, and without this a second compile on the machine (another user's, another test's) aborts.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    request = json.loads(sys.stdin.readline())
+    from pathlib import Path
+
+    from jax.experimental import topologies
+
+    from tpuctl.templates import contract
+
+    template = contract.load(Path(request["root"]), builtin=request["builtin"])
+    devices = topologies.get_topology_desc(topology_name=request["topology"], platform="tpu",
+                                           **request.get("topology_options", {})).devices
+    target = template.fit_target(request["config"], devices=devices, vocab_size=request["vocab_size"])
+    state_bytes = sum(leaf.size * leaf.dtype.itemsize for group in target["state"] for leaf in group)
+    _say({"model": {k: target[k] for k in ("per_device_batch", "max_steps", "params", "layers", "hidden",
+                                          "seq_len", "precision")}, "state_bytes": int(state_bytes)})
+    for line in sys.stdin:
+        batch = json.loads(line)["batch"]
+        started = time.monotonic()
+        try:
+            compiled = target["step"].lower(target["state"], target["batch"](batch)).compile()
+        except Exception as exc:  # jax's JaxRuntimeError; its status code leads its message
+            if not str(exc).startswith(OUT_OF_MEMORY):
+                raise
+            _say({"batch": batch, "oom": _required(str(exc)), "message": str(exc).splitlines()[0][:300],
+                  "seconds": round(time.monotonic() - started, 1)})
+            continue
+        memory = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost  # a list per device in older jax
+        _say({"batch": batch, "memory": {k: int(getattr(memory, k)) for k in MEMORY},
+              "cost": {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))},
+              "seconds": round(time.monotonic() - started, 1)})
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception as exc:  # the parent turns it into one line; the traceback stays on stderr for --verbose
+        import traceback
+
+        traceback.print_exc()
+        _say({"error": f"{type(exc).__name__}: {exc}"})
+        sys.exit(1)

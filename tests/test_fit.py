@@ -1,0 +1,125 @@
+"""`tpuctl fit` and the fit check of `run`/`up`: the template's own step compiled by the TPU compiler (libtpu,
+the `tpu` extra) for slices that are not there, cached; refused before anything exists when it cannot fit;
+an analytic estimate, one line and no traceback, without the compiler."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import tpuctl
+from tpuctl import fitting
+
+from conftest import tpuctl as tpuctl_cli
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+needs_compiler = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                    reason="the TPU compiler (libtpu, `pip install 'tpuctl[tpu]'`) is not installed")
+JSON_KEYS = {"fits", "hbm_per_chip_bytes", "hbm_capacity_bytes", "max_per_chip_batch", "model_flops_per_step",
+             "compiled_flops_per_step", "bytes_accessed_per_step", "est_step_s", "est_mfu", "est_run_s",
+             "est_cost_usd", "topology", "jax", "libtpu"}
+
+
+def test_without_the_compiler_an_analytic_estimate_and_one_line(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError, as where it is absent
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    notes = []
+    r = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v5litepod-4", on_event=notes.append)
+    assert r.method == "analytic" and r.fits and r.libtpu is None and r.compiled_flops_per_step is None
+    assert r.topology == "v5e:2x2" and r.hbm_capacity_bytes == 16 * 10**9 and r.per_chip_batch == 16
+    assert 0 < r.hbm_per_chip_bytes < r.hbm_capacity_bytes and r.max_per_chip_batch > r.per_chip_batch
+    assert r.model_flops_per_step > 6 * r.params * 16 * 128 and r.est_step_s > 0 and 0 < r.est_mfu <= 1
+    assert r.est_run_s == pytest.approx(100 * r.est_step_s)  # the example's max_steps
+    assert r.est_cost_usd == pytest.approx(r.est_run_s / 3600 * r.price_per_hour) and r.price_per_hour > 0
+    assert notes == [] and r.not_compiled == f"the TPU compiler is not installed ({fitting.INSTALL_HINT})"
+    assert fitting.note(r).message.startswith("fit: ") and fitting.INSTALL_HINT in fitting.note(r).message
+    from tpuctl.cli import cli
+
+    out = CliRunner().invoke(cli, ["fit", str(EXAMPLES / "gpt2-tiny.yaml"), "--json"])
+    assert out.exit_code == 0 and out.exception is None, out.output
+    data = json.loads(out.stdout)
+    assert JSON_KEYS <= set(data) and data["method"] == "analytic" and data["libtpu"] is None
+    assert data["topology"] == "v3:2x2" and data["hbm_capacity_bytes"] == 32 * 2**30  # the spec's v3-8
+    from rich.console import Console
+
+    from tpuctl import console
+
+    shown_buf = io.StringIO()  # the console holds its own streams, bound when it was imported
+    for stream in ("out", "err"):
+        monkeypatch.setattr(console, stream, Console(file=shown_buf, width=1000, no_color=True))
+    human = CliRunner().invoke(cli, ["fit", str(EXAMPLES / "gpt2-tiny.yaml"), "--accelerator", "v6e-4"])
+    shown = human.output + shown_buf.getvalue()
+    assert human.exit_code == 0 and "Traceback" not in shown and "v6e-4 (4 chips, topology v6e:2x2)" in shown
+    assert f"analytic estimate (the TPU compiler is not installed ({fitting.INSTALL_HINT}))" in shown
+
+
+def test_largest_batch_search_stays_within_its_compiles():
+    """Memory = 1 GB of state + 10 MB a batch example, 2 GB available: 96 fits, 104 does not."""
+    compiled = []
+
+    def measure(b):
+        compiled.append(b)
+        need = 1e9 + 1e7 * b
+        return need, need <= 2e9
+
+    assert fitting._largest(measure, 16, 2e9, 1e9, 0, grow=False) == (16, "at least")
+    assert fitting._largest(measure, 64, 2e9, 1e9, 0, grow=True) == (96, "predicted")
+    assert fitting._largest(measure, 16, 2e9, 1e9, 0, grow=True) == (16, "at least")  # 96 > 4 x 16: not a guess
+    compiled.clear()
+    assert fitting._largest(measure, 16, 2e9, 1e9, 2, grow=True) == (96, "compiled") and compiled == [16, 64, 96]
+    compiled.clear()
+    assert fitting._largest(measure, 512, 2e9, 1e9, 2, grow=True) == (96, "compiled")
+    assert compiled == [512, 96]  # the line through the refused point meets the capacity at 96
+
+
+# bert-tiny cut to one layer: the TPU compiler's time grows with the program, and CI compiles on 2 cores.
+ONE_LAYER = "{task: {num_layers: 1}, trainer: {per_replica_batch_size: 16, max_steps: 50}}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@needs_compiler
+def test_the_template_step_compiles_for_two_topologies_and_a_repeat_is_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(f"accelerator: v3-8\njob: {{template: bert, preset: bert-tiny, config: {ONE_LAYER}}}\n")
+    v5e = tpuctl.fit(spec, accelerator="v5litepod-4", max_compiles=1)
+    v6e = tpuctl.fit(spec, accelerator="v6e-4", max_compiles=1)
+    for r, topology in ((v5e, "v5e:2x2"), (v6e, "v6e:2x2")):
+        assert r.method == "compiled" and r.compiles == 1 and r.fits and r.topology == topology
+        assert r.libtpu == importlib.metadata.version("libtpu")
+        # The state alone (float32 weights, two Adam slots) is 12 bytes a weight, replicated on each chip.
+        assert 12 * r.params < r.hbm_per_chip_bytes < r.hbm_capacity_bytes
+        assert r.compiled_flops_per_step > 0 and r.bytes_accessed_per_step > 0 and r.per_chip_batch == 16
+    assert v6e.est_step_s < v5e.est_step_s  # v6e's FLOP/s and bandwidth are both higher
+    started = time.monotonic()
+    again = tpuctl.fit(spec, accelerator="v5litepod-4", max_compiles=1)
+    assert time.monotonic() - started < 1.0 and again.compiles == 0
+    assert again.to_json() == {**v5e.to_json(), "compiles": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@needs_compiler
+def test_a_run_that_cannot_fit_is_refused_before_anything_exists(env, tmp_path):
+    spec = tmp_path / "over.yaml"
+    spec.write_text("name: over\nzone: us-central1-a\naccelerator: v5litepod-1\n"
+                    "job: {template: gpt2, preset: gpt2-tiny, framework: jax,\n"
+                    "      config: {task: {num_layers: 1}, trainer: {per_replica_batch_size: 8192}}}\n")
+    out = tpuctl_cli(env, "run", str(spec), "--yes", timeout=1500)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr
+    assert "does not fit" in errors[0] and "16.00 GB available on v5litepod-1" in errors[0]
+    assert "largest per-chip batch that fits" in errors[0] and "Traceback" not in out.stderr
+    listed = json.loads(tpuctl_cli(env, "list", "--json").stdout)
+    assert listed["runs"] == []
+    skipped = tpuctl_cli(env, "up", str(spec), "--dry-run", "--no-fit-check")
+    assert skipped.returncode == 0 and "fit:" not in skipped.stderr

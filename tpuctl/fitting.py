@@ -1,0 +1,467 @@
+"""Will the run fit the TPU, how fast, for how much: `tpuctl fit`, and the check `run` and `up` make first.
+
+With the TPU compiler installed (`pip install 'tpuctl[tpu]'`: jax[tpu], whose libtpu compiles for a slice that
+is not there), the template's own training step (template.json `fit`; templates/aot.py runs it in a process of
+its own) is compiled for the slice's topology at the run's batch, sequence length and precision. Per chip it
+reports the HBM the program needs (arguments + temporaries + outputs - aliases) against the chip's, the FLOPs
+and bytes the compiler counts, and, by compiling a few more batches, the largest per-chip batch that fits.
+Without the compiler the same report is an analytic estimate (a deliberately high one), marked as such.
+
+Time and money are estimates from a roofline: max(model FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), plus
+the gradient all-reduce over ICI on more than one chip; model FLOPs are 6·N·tokens plus attention
+(12·layers·hidden·seq per token, PaLM's count). Compiles are cached under TPUCTL_HOME/fit by template content,
+config, topology, batch and versions: a repeat answers at once. Silent: progress goes to `on_event`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tpuctl import catalog as catalog_mod
+from tpuctl import events as ev
+from tpuctl import paths
+from tpuctl.errors import BadInput, TpuctlError
+
+INSTALL_HINT = "pip install 'tpuctl[tpu]'"
+BATCH_STEP = 8  # per-device batches are multiples of 8 (the TPU's matrix units tile by 8; the templates require it)
+MAX_COMPILES = 3  # per `fit`: the run's batch, then the largest batch predicted from it, then one correction
+CHECK_COMPILES = 1  # per run/up check: the run's batch; the largest batch that fits is predicted from it
+# run/up compile only when the analytic estimate (an overestimate) reaches this share of the chip's HBM:
+# below it the run fits anyway, and a compile costs a minute even for the tiny presets on a laptop.
+SCREEN_SHARE = 0.25
+AOT_PREFIX = "tpuctl-aot "  # marks templates/aot.py's protocol lines among whatever else reaches its stdout
+
+
+@dataclass(frozen=True)
+class Chip:
+    """Facts of one TPU generation, per chip, from Google's page for it (`source`)."""
+
+    hbm_bytes: float
+    peak_bf16_flops: float
+    hbm_bytes_per_s: float
+    allreduce_bytes_per_s: float  # per-chip all-reduce bandwidth: the pod's all-reduce bandwidth / its chips,
+    # or half the bidirectional ICI bandwidth per chip where only that is published (v6e gives both: 400, 800)
+    devices_per_chip: int  # JAX devices (TensorCores not fused into one megacore) per chip
+    source: str
+
+
+GiB, GB = 2**30, 1e9
+# One table; every number is from the page named (checked 2026-11). v2's all-reduce bandwidth is not published:
+# inferred as v3's.
+CHIPS: dict[str, Chip] = {
+    "v2": Chip(16 * GiB, 45e12, 600 * GB, 340e12 / 1024, 2, "https://cloud.google.com/tpu/docs/v2"),
+    "v3": Chip(32 * GiB, 123e12, 900 * GB, 340e12 / 1024, 2, "https://cloud.google.com/tpu/docs/v3"),
+    "v4": Chip(32 * GiB, 275e12, 1200 * GB, 1.1e15 / 4096, 1, "https://cloud.google.com/tpu/docs/v4"),
+    "v5e": Chip(16 * GB, 197e12, 819 * GB, 51.2e12 / 256, 1, "https://cloud.google.com/tpu/docs/v5e"),
+    "v5p": Chip(95 * GiB, 459e12, 2765 * GB, 1200 * GB / 2, 1, "https://cloud.google.com/tpu/docs/v5p"),
+    "v6e": Chip(32 * GB, 918e12, 1640 * GB, 102.4e12 / 256, 1, "https://cloud.google.com/tpu/docs/v6e"),
+    "tpu7x": Chip(192 * GiB, 2307e12, 7380 * GB, 1200 * GB / 2, 2, "https://cloud.google.com/tpu/docs/tpu7x"),
+}
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The answer for one run on one slice. Byte, FLOP and batch figures are per chip; `method` says whether
+    they come from the TPU compiler ("compiled") or from a formula ("analytic"). Times, MFU and cost are
+    estimates either way."""
+
+    fits: bool
+    method: str  # "compiled" | "analytic"
+    accelerator: str
+    topology: str  # as libtpu names it, e.g. "v5e:2x2"
+    chips: int
+    per_chip_batch: int
+    global_batch: int
+    seq_len: int
+    params: int
+    precision: str
+    hbm_per_chip_bytes: int
+    hbm_capacity_bytes: int
+    max_per_chip_batch: int  # 0: not even the smallest batch fits
+    max_batch_is: str  # "compiled" (that batch was compiled), "predicted" (from the compiles' slope), "at least"
+    # (only the run's batch was compiled: a run/up check that fits stops there)
+    model_flops_per_step: float
+    compiled_flops_per_step: float | None
+    bytes_accessed_per_step: float
+    est_step_s: float
+    est_mfu: float
+    est_tokens_per_s: float
+    max_steps: int
+    est_run_s: float
+    price_per_hour: float
+    est_cost_usd: float
+    jax: str | None
+    libtpu: str | None
+    compiles: int  # compiles this call ran (0: all from the cache)
+    chip_source: str
+    not_compiled: str = ""  # why an analytic estimate: no compiler (how to get it), no step offered, screened
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def hbm_line(self) -> str:
+        """One line: needed against available, and the largest batch that fits."""
+        how = "compiled" if self.method == "compiled" else "analytic estimate"
+        largest = (f"largest per-chip batch that fits: {self.max_per_chip_batch} ({self.max_batch_is})"
+                   if self.max_per_chip_batch else
+                   "not even the smallest batch fits: use a generation with more HBM per chip")
+        # A compiled step that does not fit is one the compiler refused: it names its temporaries, not the total.
+        floor = "at least " if self.method == "compiled" and not self.fits else ""
+        return (f"{floor}{_gb(self.hbm_per_chip_bytes)} of HBM per chip needed, {_gb(self.hbm_capacity_bytes)} "
+                f"available on {self.accelerator} ({how}, per-chip batch {self.per_chip_batch}); {largest}")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def compiler_versions() -> tuple[str | None, str | None]:
+    """(jax, libtpu) versions; libtpu None when it cannot be imported (the TPU compiler is absent)."""
+    try:
+        import libtpu  # noqa: F401  # importing it is the test: a wheel for another platform does not load
+    except ImportError:
+        return _version("jax"), None
+    return _version("jax"), _version("libtpu")
+
+
+def topology_of(accel: catalog_mod.AcceleratorType) -> tuple[str, dict]:
+    """libtpu's topology name for a catalog type, and the options its compile-only devices need: one chip is
+    its own host (libtpu's default host is 2x2x1), and v4's two TensorCores are one megacore device as JAX
+    uses them on a v4 VM."""
+    options: dict = {}
+    if accel.chips == 1:
+        options["chips_per_host_bounds"] = (1, 1, 1)
+    if accel.generation == "v4":
+        options["chip_config_name"] = "megacore"
+    return f"{accel.generation}:{accel.topology}", options
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What is compiled: the template, the workers' config, the vocabulary and the slice."""
+
+    template: Any  # contract.Template
+    config: dict
+    resolved: Any  # the template's config object (validate hook), for the analytic estimate
+    vocab_size: int
+    accel: catalog_mod.AcceleratorType
+    chip: Chip
+    price_per_hour: float
+
+
+def _request(spec, spec_dir: Path, accelerator: str | None) -> _Request:
+    """The spec's job as the workers would get it (placeholder bucket and run: paths change no compile).
+    Raises BadInput for a spec without a job, an unknown type, or a config the template refuses."""
+    from tpuctl.jobs import bundle as bundles
+    from tpuctl.templates import contract
+
+    job = spec.job
+    if job is None:
+        raise BadInput("the spec has no job: section, so there is no training step to fit", field="job",
+                       hint="add `job: {template: bert, preset: bert-tiny}` (see examples/bert-tiny.yaml)")
+    cat = catalog_mod.load()
+    accel = cat.accelerator(accelerator or spec.accelerator or "")
+    chip = CHIPS.get(accel.generation)
+    if chip is None:
+        raise BadInput(f"no chip facts for TPU generation {accel.generation}", field="accelerator",
+                       hint=f"fit knows {', '.join(CHIPS)}")
+    template = contract.find(job.template, base_dir=spec_dir)
+    config = bundles.job_config(job.config, preset=job.preset, bucket="fit", run="fit", data_url=None,
+                                framework="jax")
+    template.check_config(config)
+    resolved = template.validate_config(config) if template.validate_config else None
+    vocab = getattr(getattr(resolved, "task", None), "vocab_size", 0) or job.data.vocab_size
+    zone = spec.zones[0] if spec.zones else accel.zones[0]
+    price = cat.tpu_price_per_hour(accel.name, zone, spec.provisioning in ("spot", "preemptible"))
+    return _Request(template, config, resolved, vocab, accel, chip, price)
+
+
+def _template_hash(template) -> str:
+    """The template's content (its package and the packages it uses): an edit to the model is a new answer."""
+    h = hashlib.sha256()
+    for root in (template.root, *template.uses):
+        for f in sorted(Path(root).rglob("*")):
+            if f.is_file() and f.suffix in (".py", ".json") and "__pycache__" not in f.parts:
+                h.update(str(f.relative_to(root)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _cache_path(req: _Request, topology: str, options: dict, versions: tuple) -> Path:
+    key = json.dumps({"template": _template_hash(req.template), "config": req.config, "vocab": req.vocab_size,
+                      "topology": topology, "options": options, "versions": versions, "keras": _version("keras")},
+                     sort_keys=True, default=str)
+    return paths.home() / "fit" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+class _Compiler:
+    """templates/aot.py in a child process, started on the first compile the cache cannot answer."""
+
+    def __init__(self, req: _Request, topology: str, options: dict, log: Path):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log
+        self._log = open(log, "w")
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tpuctl.templates.aot"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self._send({"root": str(req.template.root), "builtin": req.template.builtin, "config": req.config,
+                    "vocab_size": req.vocab_size, "topology": topology, "topology_options": options})
+        self.model = self._read()
+
+    def _send(self, obj: dict) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(AOT_PREFIX):
+                answer = json.loads(line[len(AOT_PREFIX):])
+                if "error" in answer:
+                    break
+                return answer
+        else:
+            answer = {"error": f"the compiler exited ({self.proc.wait()})"}
+        raise TpuctlError(f"fit: compiling the training step failed: {answer['error']}",
+                          hint=f"its log: {self.log_path}; --no-fit-check skips the check")
+
+    def compile(self, per_device_batch: int) -> dict:
+        self._send({"batch": per_device_batch})
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _need(point: dict, state_bytes: float) -> tuple[float, bool]:
+    """(bytes per device, fits) of one compile: arguments + temporaries + outputs - aliases (the donated state
+    is updated in place); a compile the TPU compiler refused over HBM needs at least the state and the
+    temporaries it named."""
+    if "oom" in point:
+        return state_bytes + (point["oom"] or 0), False
+    m = point["memory"]
+    return (m["argument_size_in_bytes"] + m["temp_size_in_bytes"] + m["output_size_in_bytes"]
+            - m["alias_size_in_bytes"]), True
+
+
+def _largest(measure: Callable[[int], tuple[float, bool]], b0: int, cap: float, state: float, budget: int,
+             *, grow: bool) -> tuple[int, str]:
+    """The largest per-device batch (a multiple of BATCH_STEP) that fits `cap` bytes, with at most `budget`
+    compiles after the run's own (`b0`); `grow` False: none when `b0` fits. Memory is the state plus a part
+    proportional to the batch (activations, gradients' temporaries): each compile is where that line, through
+    the compiled point nearest the answer, meets `cap` (at most 4x the largest batch compiled); a guess not
+    compiled is "predicted", a batch compiled when larger ones were not tried "at least"."""
+    known = {b0: measure(b0)}
+    while True:
+        best = max((b for b, (_, ok) in known.items() if ok), default=0)
+        above = min((b for b, (_, ok) in known.items() if not ok), default=None)
+        if above is not None and best + BATCH_STEP >= above:
+            return best, "compiled"
+        if known[b0][1] and not grow:
+            return b0, "at least"
+        nearest = best or above
+        per_example = (known[nearest][0] - state) / nearest
+        limit = 4 * max(known)  # a small model's temporaries barely grow at first: do not leap from them
+        raw = int((cap - state) / per_example) // BATCH_STEP * BATCH_STEP if per_example > 0 else limit + 1
+        guess = min(raw, limit, above - BATCH_STEP if above is not None else limit)
+        if guess <= best or guess in known:
+            return best, "compiled"
+        if budget <= 0:
+            return (guess, "predicted") if raw <= limit else (best, "at least")
+        known[guess] = measure(guess)
+        budget -= 1
+
+
+def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, model: dict, hbm: float,
+              compiled_flops: float | None, bytes_per_chip: float, largest: tuple[int, str],
+              versions: tuple, compiles: int, topology: str) -> Fit:
+    chip, accel = req.chip, req.accel
+    devices = accel.chips * chip.devices_per_chip
+    per_chip_batch = per_device_batch * chip.devices_per_chip
+    seq = model["seq_len"]
+    tokens_per_chip = per_chip_batch * seq
+    model_flops = (6 * model["params"] + 12 * model["layers"] * model["hidden"] * seq) * tokens_per_chip
+    allreduce_s = (2 * (accel.chips - 1) / accel.chips * 4 * model["params"] / chip.allreduce_bytes_per_s
+                   if accel.chips > 1 else 0.0)  # float32 gradients, ring all-reduce
+    step_s = max(model_flops / chip.peak_bf16_flops, bytes_per_chip / chip.hbm_bytes_per_s) + allreduce_s
+    run_s = model["max_steps"] * step_s
+    return Fit(
+        fits=fits, method=method, accelerator=accel.name, topology=topology, chips=accel.chips,
+        per_chip_batch=per_chip_batch, global_batch=per_device_batch * devices, seq_len=seq, params=model["params"],
+        precision=model["precision"], hbm_per_chip_bytes=int(hbm), hbm_capacity_bytes=int(chip.hbm_bytes),
+        max_per_chip_batch=largest[0] * chip.devices_per_chip, max_batch_is=largest[1],
+        model_flops_per_step=model_flops, compiled_flops_per_step=compiled_flops,
+        bytes_accessed_per_step=bytes_per_chip, est_step_s=step_s,
+        est_mfu=model_flops / (step_s * chip.peak_bf16_flops) if step_s else 0.0,
+        est_tokens_per_s=per_device_batch * devices * seq / step_s if step_s else 0.0, max_steps=model["max_steps"],
+        est_run_s=run_s, price_per_hour=req.price_per_hour, est_cost_usd=run_s / 3600 * req.price_per_hour,
+        jax=versions[0], libtpu=versions[1], compiles=compiles, chip_source=chip.source)
+
+
+def _analytic_model(req: _Request) -> dict | None:
+    """The shape facts of the template's resolved config (a transformer's `task` and `trainer` fields), or
+    None for a template whose config does not have them."""
+    task, trainer = getattr(req.resolved, "task", None), getattr(req.resolved, "trainer", None)
+    if not (all(hasattr(task, n) for n in ("seq_len", "hidden_size", "num_layers", "num_heads", "intermediate_size"))
+            and all(hasattr(trainer, n) for n in ("per_replica_batch_size", "max_steps"))):
+        return None
+    h, i, layers, seq, vocab = task.hidden_size, task.intermediate_size, task.num_layers, task.seq_len, req.vocab_size
+    precision = getattr(getattr(req.resolved, "runtime", None), "mixed_precision", "auto")
+    return {"seq_len": seq, "hidden": h, "layers": layers, "heads": task.num_heads, "vocab": vocab,
+            "params": vocab * h + seq * h + layers * (4 * h * h + 2 * h * i + 9 * h + i) + 2 * h,
+            "per_device_batch": trainer.per_replica_batch_size, "max_steps": trainer.max_steps,
+            "precision": "mixed_bfloat16" if precision == "auto" else precision}
+
+
+def _analytic_bytes(model: dict, batch: int) -> tuple[float, float]:
+    """(HBM, bytes accessed) per device, high on purpose: float32 weights, gradients and two Adam slots (16 B a
+    weight); 16-bit activations as Korthikanti et al. count them without recomputation, s·b·h·(34 + 5·a·s/h) a
+    layer (doubled in float32); float32 logits, their gradient and a 16-bit copy over the whole sequence."""
+    s, h, a = model["seq_len"], model["hidden"], model["heads"]
+    width = 1 if model["precision"] == "mixed_bfloat16" else 2
+    activations = batch * model["layers"] * s * h * (34 + 5 * a * s / h) * width
+    logits = batch * s * model["vocab"] * 10
+    state = 16 * model["params"]
+    return state + activations + logits, 44 * model["params"] + 2 * (activations + logits)
+
+
+def _analytic(req: _Request, versions: tuple, topology: str) -> Fit | None:
+    model = _analytic_model(req)
+    if model is None:
+        return None
+    chip = req.chip
+    b0 = model["per_device_batch"]
+    hbm_device, traffic = _analytic_bytes(model, b0)
+    cap = chip.hbm_bytes / chip.devices_per_chip
+    state, _ = _analytic_bytes(model, 0)
+    per_example = _analytic_bytes(model, 1)[0] - state
+    largest = max(0, int((cap - state) / per_example) // BATCH_STEP * BATCH_STEP)
+    return _roofline(req, method="analytic", fits=hbm_device <= cap, per_device_batch=b0, model=model,
+                     hbm=hbm_device * chip.devices_per_chip, compiled_flops=None,
+                     bytes_per_chip=traffic * chip.devices_per_chip, largest=(largest, "predicted"),
+                     versions=versions, compiles=0, topology=topology)
+
+
+def _compiled(req: _Request, versions: tuple, topology: str, options: dict, budget: int, grow: bool,
+              on_event: ev.EventSink) -> Fit:
+    chip = req.chip
+    path = _cache_path(req, topology, options, versions)
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {"model": None, "points": {}}
+    compiler: _Compiler | None = None
+    compiles = 0
+
+    def start() -> _Compiler:
+        nonlocal compiler
+        if compiler is None:
+            on_event(ev.Note(f"fit: building {req.template.name}'s training step for {topology} (the TPU compiler "
+                             f"takes a minute or more per batch on a laptop; the answer is cached)"))
+            compiler = _Compiler(req, topology, options, path.with_suffix(".log"))
+            cached["model"] = {**compiler.model["model"], "state_bytes": compiler.model["state_bytes"]}
+        return compiler
+
+    def point(batch: int) -> dict:
+        nonlocal compiles
+        if str(batch) not in cached["points"]:
+            c = start()
+            on_event(ev.Note(f"fit: compiling for {topology} at per-chip batch {batch * chip.devices_per_chip}"))
+            cached["points"][str(batch)] = c.compile(batch)
+            compiles += 1
+            catalog_mod.write_json_atomic(path, cached)
+        return cached["points"][str(batch)]
+
+    try:
+        if cached["model"] is None:
+            start()
+        model = cached["model"]
+        b0 = model["per_device_batch"]
+        cap = chip.hbm_bytes / chip.devices_per_chip
+        largest = _largest(lambda b: _need(point(b), model["state_bytes"]), b0, cap, model["state_bytes"],
+                           budget - 1, grow=grow)
+        run = point(b0)
+    finally:
+        if compiler is not None:
+            compiler.close()
+    need, compiled_ok = _need(run, model["state_bytes"])
+    # A program refused over HBM has no cost analysis: its FLOPs are unknown, its bytes at least its memory's.
+    cost = run.get("cost") or {"flops": None, "bytes": need}
+    return _roofline(req, method="compiled", fits=compiled_ok and need <= cap, per_device_batch=b0, model=model,
+                     hbm=need * chip.devices_per_chip,
+                     compiled_flops=cost["flops"] * chip.devices_per_chip if cost["flops"] is not None else None,
+                     bytes_per_chip=cost["bytes"] * chip.devices_per_chip, largest=largest, versions=versions,
+                     compiles=compiles, topology=topology)
+
+
+def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, on_event: ev.EventSink = ev.ignore,
+        max_compiles: int = MAX_COMPILES, screen: bool = False) -> Fit | None:
+    """The fit of `spec`'s job (a tpuctl.spec.RunSpec) on its accelerator (or `accelerator`). Compiles with
+    the TPU compiler when it is installed and the template offers its step (template.json `fit`), at most
+    `max_compiles` times; else the analytic estimate (None when the template's config has no transformer shape
+    to estimate from). `screen`: answer with the analytic estimate, without compiling, when even that
+    overestimate uses under SCREEN_SHARE of the chip's HBM, and search no larger batch when the run's fits (the
+    check before run/up). Blocks for the compiles;
+    creates nothing. Raises BadInput for a spec without a job or an unknown type, TpuctlError if a compile fails."""
+    req = _request(spec, spec_dir or Path.cwd(), accelerator)
+    versions = compiler_versions()
+    topology, options = topology_of(req.accel)
+    analytic = _analytic(req, versions, topology)
+    if versions[1] is None or req.template.fit_target is None:
+        why = (f"the TPU compiler is not installed ({INSTALL_HINT})" if versions[1] is None else
+               f"template {req.template.name} offers no step to compile (template.json `fit`)")
+        return replace(analytic, not_compiled=why) if analytic else None
+    if screen and analytic is not None and analytic.hbm_per_chip_bytes < SCREEN_SHARE * req.chip.hbm_bytes:
+        return analytic
+    return _compiled(req, versions, topology, options, max_compiles, not screen, on_event)
+
+
+def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ignore) -> Fit | None:
+    """The check `run` and `up` make before creating anything: BadInput (exit 2) naming the HBM needed and
+    available and the largest batch that fits when the compiled step does not fit; else the fit (`note` is
+    its line for the plan). An analytic estimate never refuses (it errs high on purpose)."""
+    result = fit(spec, spec_dir=spec_dir, on_event=on_event, max_compiles=CHECK_COMPILES, screen=True)
+    if result is not None and result.method == "compiled" and not result.fits:
+        raise BadInput(f"the run does not fit: {result.hbm_line()}", field="job",
+                       hint="lower trainer.per_replica_batch_size in job.config, or pick a type with more HBM "
+                            "per chip; --no-fit-check skips this check")
+    return result
+
+
+def note(result: Fit) -> ev.Note:
+    """The fit as one line of the plan."""
+    how = "compiled" if result.method == "compiled" else f"analytic estimate, not compiled: {result.not_compiled}"
+    return ev.Note(f"fit: {_gb(result.hbm_per_chip_bytes)} of {_gb(result.hbm_capacity_bytes)} HBM per chip ({how}); "
+                   f"est. {result.est_step_s * 1e3:.1f} ms/step, MFU {result.est_mfu:.0%}, "
+                   f"{duration_text(result.est_run_s)} and ${result.est_cost_usd:,.2f} for {result.max_steps} steps")
+
+
+def duration_text(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
