@@ -6,16 +6,17 @@ Each scenario picks a shape (single/multi-host, on-demand/spot/queued) and one f
 some zones, 429 storms, 503s, operations that never finish, preemption mid-job, worker death, SSH drops,
 SIGINT/SIGTERM/kill -9 of `tpuctl up` or `tpuctl run` at a random phase; Google's own shapes: stockouts as
 code 9 and 13, a bare TPU 429 and Compute's 403 quota, host maintenance mid-job, guest attributes empty or
-failing, a teammate's metadata update in flight (409), OS Login projects, a project with no TPU quota),
-then cleans up with `down` or `gc`.
+failing, a teammate's metadata update in flight (409), OS Login projects, a project with no TPU quota), and
+answers tpuctl does not expect (localcloud's `odd-response`: a create whose operation has no name, a node
+with an empty endpoint list), then cleans up with `down` or `gc`.
 Afterwards it checks, from the local cloud's own inventory (`/_localcloud/status`):
 
 - leaked: a tpuctl resource of the scenario's run still present after the scenario's cleanup, or (after an
-  exit 130) a resource the interrupted command promised to remove before any cleanup ran;
+  exit 130, or a `tpuctl up` that failed) a resource the command promised to remove before any cleanup ran;
 - lost checkpoints: a checkpoint object seen in the bucket during the job missing at the end, or a resumed
   job restoring a step below the last checkpoint it had written (the step count went backwards);
-- wrong exit codes: the exit code (0 ok/recovered, 2 refused by the preflight, 3 capacity or quota, 130
-  interrupted, -9 killed) or the error line does not match the injected fault. A create that never finishes, or a queued resource waiting for
+- wrong exit codes: the exit code (0 ok/recovered, 1 an unexpected answer, 2 refused by the preflight, 3
+  capacity or quota, 130 interrupted, -9 killed) or the error line does not match the injected fault. A create that never finishes, or a queued resource waiting for
   capacity, is the user pressing Ctrl-C 1-3 s in (exit 130).
 
 The last four lines are `leaked: N`, `lost checkpoints: N`, `wrong exit codes: N`, `scenarios: N`.
@@ -50,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 STANDIN = REPO / "tests" / "job_templates" / "standin"
 PROJECT = "tpuctl-local"
 # Exit codes as the README documents them; -9 is the kill itself.
-EXIT = {"ok": 0, "bad-input": 2, "capacity": 3, "interrupted": 130, "killed": -signal.SIGKILL}
+EXIT = {"ok": 0, "failure": 1, "bad-input": 2, "capacity": 3, "interrupted": 130, "killed": -signal.SIGKILL}
 
 # Shapes: (accelerator, zones in failover order, hosts). Zones come from the catalog's offerings.
 SHAPES = (
@@ -71,7 +72,9 @@ FAULTS = ("none", "capacity-first-zone", "capacity-all-zones", "429-storm", "503
           # A project whose TPU quota is 0 in every zone: the preflight refuses before creating anything.
           "tpu-quota",
           # A Spot create whose capacity is reclaimed while CREATING (code 3): failed over as a stockout.
-          "preempt-creating")
+          "preempt-creating",
+          # Well-formed answers tpuctl does not expect (localcloud's test device `odd-response`).
+          "odd-response")
 # Faults that need a running job (and, for preemption, a spot node).
 JOB_FAULTS = ("none", "preempt-mid-job", "kill-worker", "drop-ssh", "repair-mid-job", "guest-attrs",
               "metadata-409", "oslogin")
@@ -355,6 +358,12 @@ class Scenario:
         return self.fault in JOB_FAULTS or (self.fault in SIGNALS and self.command == "run")
 
     @property
+    def odd_create(self) -> bool:
+        """odd-response: the create is answered without its operation's name (else a node's endpoints are an
+        empty list once)."""
+        return self.phase < 0.5
+
+    @property
     def run(self) -> str:
         return f"chaos-{self.index:03d}-{self.fault.split('-')[0][:5]}"
 
@@ -395,6 +404,8 @@ def expected_exit(s: Scenario) -> tuple[int, ...]:
         return (EXIT["bad-input"],)  # the preflight refuses before creating anything
     if s.fault == "tpu-quota":
         return (EXIT["capacity"],)  # the preflight refuses (quota, exit 3) before creating anything
+    if s.fault == "odd-response" and s.odd_create:
+        return (EXIT["failure"],)  # the client's operation poll raises; `up` rolls back and says so in one line
     return (EXIT["ok"],)
 
 
@@ -414,6 +425,7 @@ _MESSAGES = {
     "quota-403": re.compile(r"quota", re.IGNORECASE),
     "oslogin-2fa": re.compile(r"enable-oslogin-2fa"),
     "tpu-quota": re.compile(r"tpu-quota: .* needs \d+ of quota TPU\w+ForTPUAPI"),
+    "odd-response": re.compile(r"^error: unexpected \w+: .*removed what this run created"),
     "sigint": re.compile(r"interrupt", re.IGNORECASE),
     "sigterm": re.compile(r"interrupt", re.IGNORECASE),
 }
@@ -481,6 +493,9 @@ def run_scenario(stack: Stack, s: Scenario) -> Outcome:
             vms = {"vms": [{"name": "d"}]} if s.fault == "quota-403" else None  # Compute quota needs a VM
             result = up(stack, s.run, s.accelerator, s.zones, s.provisioning, extra=vms)
             out.exit_code, out.message = result.exit_code, result.message
+            if out.exit_code in (EXIT["failure"], EXIT["capacity"]):
+                # A failed `up` removed what it created before it exited: nothing may be left for the cleanup.
+                out.leaked += [f"after failed up: {k}" for k in _settle(stack, s.run)]
         pattern = _MESSAGES["sigint"] if s.waits_forever else _MESSAGES.get(s.fault)
         if pattern is not None and out.exit_code not in (EXIT["ok"], EXIT["killed"]):
             out.message_ok = bool(pattern.search(out.message))
@@ -580,6 +595,10 @@ def _arm_request_faults(stack: Stack, s: Scenario) -> None:
         stack.fault("quota", service="tpu", method=create, details=False, quota="TPUV3sPerProjectPerZoneForTPUAPI")
     elif s.fault == "quota-403":
         stack.fault("quota", service="compute", method="instances.insert", quota="CPUS", in_operation=s.phase < 0.5)
+    elif s.fault == "odd-response" and s.odd_create:
+        stack.fault("odd-response", service="tpu", method=create, field="name", count=1)
+    elif s.fault == "odd-response":
+        stack.fault("odd-response", service="tpu", method="nodes.get", field="networkEndpoints", empty=True, count=1)
     elif s.fault == "guest-attrs":
         if s.phase < 0.5:
             stack.fault("no-guest-attributes", service="tpu")

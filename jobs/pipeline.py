@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 from tpuctl import catalog, cost, fitting, ledger, provision
 from tpuctl import events as ev
-from tpuctl.errors import BadInput, CapacityError, Interrupted, JobFailed, NotFound, RunDurationEnded, TpuctlError
+from tpuctl.errors import (BadInput, CapacityError, Interrupted, JobFailed, NotFound, RunDurationEnded, TpuctlError,
+                           Unexpected)
 from tpuctl.provision import Kind, State
 from tpuctl.templates import contract
 
@@ -689,14 +690,19 @@ class Pipeline:
                                          interrupted=True, on_event=self.emit)
                 raise
             self.outcome.state = "failed"
-            if (isinstance(exc, TpuctlError) and not isinstance(exc, RunDurationEnded) and self._tpu is not None
-                    and provision.run_ended(self._tpu)):
+            if not isinstance(exc, Exception):  # SystemExit and the like: not a failure of the run to report
+                raise
+            # Any exception is reported as one of ours (one line, exit 1); the teardown below runs regardless.
+            error = Unexpected.of(exc)
+            if not isinstance(error, RunDurationEnded) and self._tpu is not None and provision.run_ended(self._tpu):
                 # Whatever broke when the TPU went (a launch, an SSH session), its end is the reason.
                 ended = self._run_ended()
                 self.outcome.error = str(ended)
                 raise ended from exc
-            self.outcome.error = str(exc)
-            raise
+            self.outcome.error = str(error)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             if not torn_down:
                 self.teardown()

@@ -10,10 +10,10 @@ Google builds a multi-host TPU7x slice as a MIG of N `tpu7x-standard-4t` VMs who
 - instanceGroupManagers insert/get/list/delete/listManagedInstances (zonal). Insert checks that the template
   and the policy exist in the zone's region and, for a TPU machine type, that the policy carries an
   acceleratorTopology whose chips equal targetSize x chips per VM (400 otherwise). The MIG then inserts
-  targetSize instances named `BASE-xxxx` from the template (metadata `created-by` = the MIG, as Compute
-  does); an instance whose insert fails for capacity is retried every 30 simulated seconds and the MIG's
-  managed instance shows `currentAction: CREATING` with the error in `lastAttempt`. Delete deletes every
-  instance, then the MIG.
+  targetSize instances named `BASE-xxxx` from the template (metadata `instance-template` and `created-by` =
+  the template and the MIG, under the project's number, as Compute does); an instance whose insert fails for
+  capacity is retried every 30 simulated seconds and the MIG's managed instance shows `currentAction:
+  CREATING` with the error in `lastAttempt`. Delete deletes every instance, then the MIG.
 """
 
 from __future__ import annotations
@@ -249,8 +249,14 @@ class ComputeGroupsService:
             body = copy.deepcopy(props)
             body["name"] = f"{rec['mig'].get('baseInstanceName') or rec['name']}-{suffix}"
             body["machineType"] = f"zones/{rec['zone']}/machineTypes/{props['machineType'].rsplit('/', 1)[-1]}"
-            items = [i for i in (body.get("metadata") or {}).get("items", []) if i.get("key") != "created-by"]
-            items.append({"key": "created-by", "value": key})
+            # Compute adds `instance-template` and `created-by` to each instance a MIG makes, naming the project
+            # by its number, not its id (gcpdiag gce.py: "note how it uses a project number and not a project
+            # id"; forseti-security's recorded instances.list responses).
+            base = f"projects/{facts.project_number(rec['project'])}"
+            added = {"instance-template": f"{base}/{rec['template'].split('/', 2)[2]}",
+                     "created-by": f"{base}/{key.split('/', 2)[2]}"}
+            items = [i for i in (body.get("metadata") or {}).get("items", []) if i.get("key") not in added]
+            items += [{"key": k, "value": v} for k, v in added.items()]
             body["metadata"] = {"items": items}
             ikey = f"projects/{rec['project']}/zones/{rec['zone']}/instances/{body['name']}"
             with self.w.lock:  # re-entrant: the member is marked before its insert can fail

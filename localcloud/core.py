@@ -185,7 +185,7 @@ class Scheduler:
 # ----------------------------------------------------------------------------------------------- faults
 
 FAULT_KINDS = ("capacity", "quota", "unavailable", "stuck", "preempt", "kill-worker", "drop-ssh", "repair",
-               "no-guest-attributes", "preempt-creating")
+               "no-guest-attributes", "preempt-creating", "odd-response")
 # The operation error codes a TPU create fails with when a zone has no capacity (see README "Faults").
 CAPACITY_CODES = (8, 9, 13)
 
@@ -208,6 +208,8 @@ class Fault:
     in_operation: bool | None = None    # quota on Compute: the insert operation fails (403), not the request
     state: str | None = None            # repair: REPAIRING (default) or RESTARTING
     seconds: float | None = None        # repair: simulated seconds under maintenance (default 120)
+    field: str | None = None            # odd-response: the response field (dotted path) left out
+    empty: bool | None = None           # odd-response: True = the field is an empty list instead
     node: str | None = None             # preempt / kill-worker / drop-ssh target
     worker: int | None = None
     at: float | None = None             # preempt: wall-clock time
@@ -243,6 +245,8 @@ class Faults:
             raise ValueError(f"code must be one of {', '.join(map(str, CAPACITY_CODES))}")
         if options.get("state") not in (None, "REPAIRING", "RESTARTING"):
             raise ValueError("state must be REPAIRING or RESTARTING")
+        if kind == "odd-response" and not options.get("field"):
+            raise ValueError("fault odd-response needs field= (the response field to leave out or empty)")
         options = {k: v for k, v in options.items() if v is not None}
         with self._lock:
             fault = Fault(id=f"f{next(self._ids)}", kind=kind, **options)

@@ -3,8 +3,8 @@
 Routes come from the discovery documents themselves (each method's `flatPath`), so a path the real API
 does not have cannot be served by accident. Per request: admin or legacy-v1 check -> route -> request
 faults (quota 429, unavailable 503) -> JSON body -> integer enums to names (TPU, CRM and Billing clients
-send `$alt=json;enum-encoding=int`) -> strict request check -> handler -> strict response check ->
-names back to integers when the client asked for them.
+send `$alt=json;enum-encoding=int`) -> strict request check -> handler -> response fault (odd-response) ->
+strict response check -> names back to integers when the client asked for them.
 """
 
 from __future__ import annotations
@@ -233,6 +233,9 @@ class Api:
         result = handler(params, query, body)
         if route.doc in _PRUNED and route.response:
             result = validator(route.doc).prune(route.response, result, validator(_PRUNED[route.doc]))
+        odd = self.w.faults.take("odd-response", route.service, route.short, zone)
+        if odd:
+            result = odd_response(result, odd.field or "", empty=bool(odd.empty))
         if self.w.strict and route.response:
             problems = validator(route.doc).check_response(route.response, result)
             if problems:
@@ -240,6 +243,29 @@ class Api:
         if int_enums and route.types_module:
             result = self.codec(route.types_module).convert(route.response, result, to_numbers=True)
         return result
+
+
+def odd_response(result: dict, path: str, *, empty: bool) -> dict:
+    """`result` without the field at dotted `path` (through every element of a list on the way), or with it an
+    empty list: still valid for the discovery schema (the strict check runs after), since a response field is
+    optional there, but not what a client expects. A test device of localcloud's, not a Google behaviour."""
+    out = json.loads(json.dumps(result))
+    head, _, rest = path.partition(".")
+    nodes = [out]
+    while rest:
+        nodes = [n for parent in nodes for n in _each(parent.get(head) if isinstance(parent, dict) else None)]
+        head, _, rest = rest.partition(".")
+    for n in nodes:
+        if isinstance(n, dict) and (head in n or empty):
+            if empty:
+                n[head] = []
+            else:
+                del n[head]
+    return out
+
+
+def _each(value) -> list:
+    return value if isinstance(value, list) else [value] if isinstance(value, dict) else []
 
 
 def quota_error(fault, service: str, zone: str | None, project: str | None) -> ApiError:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from tpuctl.errors import CapacityError, CloudError, Interrupted, NameTaken, TpuctlError, capacity_hint
+from tpuctl.errors import CapacityError, CloudError, Interrupted, NameTaken, TpuctlError, Unexpected, capacity_hint
 from tpuctl import catalog as catalog_mod
 from tpuctl.ledger import Entry, entry_of
 from tpuctl.spec import FLEX_START_WAIT_S
@@ -144,9 +144,10 @@ def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, k
     """Create everything in `plan` that does not exist yet; block until all of it is READY.
 
     Idempotent: existing resources with the run's label are adopted. Steps run concurrently (the bucket and
-    its IAM binding alongside the TPU and VMs). On any failure, on `cancel`, or on KeyboardInterrupt, what this
-    call created is deleted (unless `keep_on_failure`) and the error is re-raised with the list of what was
-    removed; `on_rollback(keys)` is told first. A second KeyboardInterrupt during that cleanup stops it and
+    its IAM binding alongside the TPU and VMs). On any failure (any exception: one that is no TpuctlError is
+    raised as `Unexpected`), on `cancel`, or on KeyboardInterrupt, what this call created is deleted (unless
+    `keep_on_failure`) and the error is re-raised with the list of what was removed; `on_rollback(keys)` is
+    told first. A second KeyboardInterrupt during that cleanup stops it and
     raises Interrupted whose hint is the `tpuctl down RUN` command that finishes the job.
     `on_gone(entries)` is told, on success and on failure, of every resource this call created and deleted
     again (rolled back, or a zone that ran out of capacity), each billed from when it became READY (if it did)
@@ -162,12 +163,14 @@ def apply(clients: Clients, plan: Plan, *, progress: ProgressFn | None = None, k
             result = _run(clients, plan, pool, created, say, cancel, deadline_s)
             pool.shutdown(wait=True)
             return result
-        except (TpuctlError, KeyboardInterrupt) as exc:
+        except (Exception, KeyboardInterrupt) as exc:
+            # Any exception, not only ours: an unexpected one (a response without a field we need, a client's
+            # own error) must not leave what this call created running and billed.
             cancel.set()
             _drain(pool, plan)
             if keep_on_failure:
                 raise _annotate(exc, f"kept what was created ({_names(created.items()) or 'nothing'}); "
-                                     f"remove it with `tpuctl down {plan.run}`")
+                                     f"remove it with `tpuctl down {plan.run}`") from exc
             undo = created.items()
             if on_rollback is not None:
                 on_rollback([u.key for u in undo])
@@ -197,7 +200,7 @@ def _annotate(exc: BaseException, suffix: str) -> TpuctlError:
         return Interrupted(f"interrupted; {suffix}")
     if isinstance(exc, Cancelled):
         return Interrupted(f"{exc.message}; {suffix}")
-    assert isinstance(exc, TpuctlError)
+    exc = Unexpected.of(exc)
     return type(exc)(f"{exc.message}; {suffix}", hint=exc.hint, field=exc.field)
 
 
@@ -441,9 +444,10 @@ def rollback(clients: Clients, undo: list[Undo], say: ProgressFn, plan: Plan, *,
                          deadline_s=900.0)
     except KeyboardInterrupt:
         raise _second_interrupt(plan) from None
-    except TpuctlError as exc:
-        raise type(exc)(f"cleanup of run {plan.run} failed: {exc.message}",
-                        hint=f"finish it with `tpuctl down {plan.run} --yes`") from exc
+    except Exception as exc:  # whatever stopped the cleanup, the user must hear how to finish it
+        error = Unexpected.of(exc)
+        raise type(error)(f"cleanup of run {plan.run} failed: {error.message}",
+                          hint=f"finish it with `tpuctl down {plan.run} --yes`") from exc
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ with host keys from guest attributes, ssh-keys metadata, delete). Raw protos sta
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -162,8 +163,9 @@ def delete(clients: Clients, zone: str, name: str, *, deadline_s: float = 900.0,
     vm.delete(clients, zone, name, deadline_s=deadline_s, cancel=cancel, progress=progress)
 
 
-def split(instances: list[compute_v1.Instance], catalog: Catalog) -> tuple[list, dict[str, list], list]:
-    """(single TPU VM instances, slice instances by their MIG's path, plain VMs) of a listing."""
+def split(instances: list[compute_v1.Instance],
+          catalog: Catalog) -> tuple[list, dict[tuple[str, str], list], list]:
+    """(single TPU VM instances, slice instances by their MIG's (zone, name), plain VMs) of a listing."""
     singles, slices, plain = [], {}, []
     for i in instances:
         mig = created_by(i)
@@ -176,10 +178,13 @@ def split(instances: list[compute_v1.Instance], catalog: Catalog) -> tuple[list,
     return singles, slices, plain
 
 
-def created_by(inst: compute_v1.Instance) -> str | None:
-    """The path of the MIG that made `inst` (Compute's `created-by` metadata), or None."""
+def created_by(inst: compute_v1.Instance) -> tuple[str, str] | None:
+    """(zone, name) of the zonal MIG that made `inst`, or None. From Compute's `created-by` metadata,
+    `projects/NUMBER/zones/ZONE/instanceGroupManagers/NAME`: the project is its number, which these clients
+    (given the project's id) do not compare, so only the zone and the name are read."""
     value = next((i.value for i in inst.metadata.items if i.key == "created-by"), "")
-    return value if "/instanceGroupManagers/" in value else None
+    m = re.fullmatch(r"projects/[^/]+/zones/([^/]+)/instanceGroupManagers/([^/]+)", value)
+    return (m.group(1), m.group(2)) if m else None
 
 
 # -- multi-host slices: workload policy + instance template + MIG ---------------------------------------------
@@ -193,17 +198,23 @@ def template_name(name: str) -> str:
     return f"{name}-tpl"
 
 
-def slice_to_resource(mig: str, members: list[compute_v1.Instance], *, project: str, catalog: Catalog) -> Resource:
-    """One slice from its instances: workers in name order, the worst state of its hosts, the earliest create."""
+def slice_to_resource(name: str, zone: str, members: list[compute_v1.Instance], *, project: str,
+                      catalog: Catalog) -> Resource:
+    """One slice (the MIG `name` in `zone`) from its instances: workers in name order, the worst state of its
+    hosts, the earliest create. A MIG with no live host (its instances gone, or not made yet) is CREATING."""
     from tpuctl.provision.inventory import worst
 
+    if not members:
+        return Resource(kind=Kind.TPU, name=name, project=project, location=zone, state=State.CREATING,
+                        labels={}, created=None, run=None, accelerator=None, workers=(),
+                        detail={"api": API_MIG, "instances": "0"})
     hosts = [to_resource(i, project=project, catalog=catalog) for i in sorted(members, key=lambda i: i.name)]
     first = hosts[0]
     t = catalog.for_machine_type(first.machine_type or "", hosts=len(hosts))
     workers = tuple(replace(h.workers[0], index=n) if h.workers else Worker(index=n, ip="", port=22)
                     for n, h in enumerate(hosts))
     created = min((h.created for h in hosts if h.created is not None), default=None)
-    return Resource(kind=Kind.TPU, name=mig.rsplit("/", 1)[-1], project=project, location=first.location,
+    return Resource(kind=Kind.TPU, name=name, project=project, location=first.location,
                     state=worst(h.state for h in hosts), labels=first.labels, created=created, run=first.run,
                     accelerator=t.name if t else None, machine_type=first.machine_type, spot=first.spot,
                     workers=workers, detail={**first.detail, "api": API_MIG, "instances": str(len(hosts))})
@@ -306,21 +317,24 @@ def create_slice(clients: Clients, req: TpuVmRequest, *, hosts: int, topology: s
             cancel=cancel)
     _check_slice_ours(clients, zone, req.name, req.labels.get(L.RUN), cancel=cancel)
 
+    members: list[compute_v1.Instance] = []
+
     def poll() -> tuple[bool, int]:
-        managed = waits.call(lambda: list(clients.instance_groups.list_managed_instances(
-            project=project, zone=zone, instance_group_manager=req.name)), what=f"list the instances of {req.name}",
-            cancel=cancel)
+        managed = _managed(clients, zone, req.name, cancel=cancel)
         for m in managed:
             vm.raise_errors(list(m.last_attempt.errors.errors), what=f"create TPU slice {req.name} in {zone}")
         running = sum(m.instance_status == "RUNNING" for m in managed)
-        return running == hosts and len(managed) == hosts, running
+        if running < hosts or len(managed) != hosts:
+            return False, running
+        # The hosts are the MIG's own managed instances, read by name: their `created-by` names the project by
+        # its number, not by the id these clients know (a host that went meanwhile is waited for again).
+        members[:] = _members(clients, zone, managed)
+        return len(members) == hosts, running
 
     waits.until(poll, what=f"TPU slice {req.name} to run", deadline_s=deadline_s, cancel=cancel,
                 backoff=waits.Backoff(maximum=MIG_WAIT_S),
                 on_poll=(lambda n, t: progress(State.CREATING, f"{n}/{hosts} hosts")) if progress else None)
-    mig_path = f"projects/{project}/zones/{zone}/instanceGroupManagers/{req.name}"
-    members = [i for i in vm.list_all(clients, req.labels.get(L.RUN)) if created_by(i) == mig_path]
-    return slice_to_resource(mig_path, members, project=project, catalog=catalog)
+    return slice_to_resource(req.name, zone, members, project=project, catalog=catalog)
 
 
 def get_slice(clients: Clients, zone: str, name: str):
@@ -364,14 +378,23 @@ def instances_of(clients: Clients, zone: str, name: str, *,
     inst = vm.get(clients, zone, name)
     if inst is not None and is_tpu(inst, catalog) and created_by(inst) is None:
         return [inst], False
-    mig = get_slice(clients, zone, name)
-    if mig is None:
+    if get_slice(clients, zone, name) is None:
         return None
-    managed = waits.call(lambda: list(clients.instance_groups.list_managed_instances(
-        project=clients.project, zone=zone, instance_group_manager=name)), what=f"list the instances of {name}")
-    members = [i for i in (vm.get(clients, zone, m.instance.rsplit("/", 1)[-1]) for m in managed if m.instance)
-               if i is not None]
-    return sorted(members, key=lambda i: i.name), True
+    return _members(clients, zone, _managed(clients, zone, name)), True
+
+
+def _managed(clients: Clients, zone: str, name: str, *,
+             cancel: threading.Event | None = None) -> list[compute_v1.ManagedInstance]:
+    """The MIG's managed instances (listManagedInstances: also those not made yet, without an `instance`)."""
+    return waits.call(lambda: list(clients.instance_groups.list_managed_instances(
+        project=clients.project, zone=zone, instance_group_manager=name)), what=f"list the instances of {name}",
+        cancel=cancel)
+
+
+def _members(clients: Clients, zone: str, managed: list[compute_v1.ManagedInstance]) -> list[compute_v1.Instance]:
+    """The live instances of `managed`, in name order (the slice's worker order)."""
+    found = (vm.get(clients, zone, m.instance.rsplit("/", 1)[-1]) for m in managed if m.instance)
+    return sorted((i for i in found if i is not None), key=lambda i: i.name)
 
 
 def get(clients: Clients, zone: str, name: str, *, catalog: Catalog) -> Resource | None:
@@ -382,12 +405,7 @@ def get(clients: Clients, zone: str, name: str, *, catalog: Catalog) -> Resource
     members, is_slice = found
     if not is_slice:
         return to_resource(members[0], project=clients.project, catalog=catalog)
-    if not members:  # a MIG whose instances are gone (or not yet made): a slice with no live host
-        return Resource(kind=Kind.TPU, name=name, project=clients.project, location=zone, state=State.CREATING,
-                        labels={}, created=None, run=None, accelerator=None, workers=(),
-                        detail={"api": API_MIG, "instances": "0"})
-    path = f"projects/{clients.project}/zones/{zone}/instanceGroupManagers/{name}"
-    return slice_to_resource(path, members, project=clients.project, catalog=catalog)
+    return slice_to_resource(name, zone, members, project=clients.project, catalog=catalog)
 
 
 def _guest(clients: Clients, zone: str, inst: compute_v1.Instance) -> tuple[str | None, int | None]:

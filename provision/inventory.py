@@ -87,8 +87,8 @@ def resources(clients: Clients, run: str | None = None, *, include_iam: bool = F
         catalog = catalog_mod.load()
         tpu_vms, slices, plain = compute_tpu.split(vms.result(), catalog)
         out += [compute_tpu.to_resource(i, project=clients.project, catalog=catalog) for i in tpu_vms]
-        out += [compute_tpu.slice_to_resource(mig, members, project=clients.project, catalog=catalog)
-                for mig, members in slices.items()]
+        out += [compute_tpu.slice_to_resource(name, zone, members, project=clients.project, catalog=catalog)
+                for (zone, name), members in slices.items()]
         out += [vm.to_resource(i, project=clients.project) for i in plain]
         out += [bucket.to_resource(b, project=clients.project) for b in buckets.result()]
     if include_iam:

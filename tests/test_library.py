@@ -188,6 +188,21 @@ def test_a_failing_callback_stops_the_run_and_it_still_tears_down(cloud, api_env
     assert _zero(cloud, api_env)
 
 
+def test_an_unexpected_exception_mid_run_tears_down_and_is_reported_as_one_of_ours(cloud, api_env, monkeypatch):
+    # A bug (or an answer tpuctl does not understand) after `up`: the run still tears down, and the caller gets
+    # the TpuctlError hierarchy's one line and exit code 1, not a bare KeyError.
+    from tpuctl.jobs.pipeline import Pipeline
+
+    def ship(self, data_url):
+        raise KeyError("bundle")
+
+    monkeypatch.setattr(Pipeline, "ship", ship)
+    with pytest.raises(tpuctl.errors.TpuctlError, match=r"^unexpected KeyError: 'bundle' \(in ship, ") as info:
+        tpuctl.run(_spec("lib-keyerr", accelerator="v3-8"), poll_s=0.3)
+    assert info.value.exit_code == 1 and info.value.outcome.state == "failed"
+    assert _zero(cloud, api_env)
+
+
 def test_cli_run_json_is_one_event_per_line_and_plain_progress_never_repeats_a_state(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("ndjson-run", accelerator="v3-8"))
     r = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes", "--json", "--poll", "0.5"],

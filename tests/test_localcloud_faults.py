@@ -13,8 +13,9 @@ import pytest
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 
-from conftest import FAST_POLLING
+from conftest import FAST_POLLING, tpuctl
 from test_localcloud_compute import _instance
+from test_provision import everything
 from tpuctl.errors import CapacityError, QuotaError, from_google
 from tpuctl.localcloud.core import Faults
 
@@ -156,6 +157,34 @@ def test_admin_api_preempt_and_fault_registry(clients, cloud):
     assert _admin(cloud, "POST", "faults", {"kind": "quota", "colour": "red"})[0] == 400
     assert _admin(cloud, "DELETE", "faults")[1] == {"cleared": 1}
     assert _admin(cloud, "GET", "nothing-here")[0] == 404
+
+
+def test_odd_response_leaves_a_field_out_or_answers_an_empty_list_and_stays_schema_valid(clients, cloud):
+    # A test device, not a Google behaviour: a well-formed answer (the strict schema check still passes) that
+    # lacks what a client counts on. `count` bounds it as for every fault; a dotted path reaches into lists.
+    zone = "us-central1-a"
+    cloud.faults.add("odd-response", service="compute", method="zones.get", field="region", count=1)
+    assert clients.zones.get(project=clients.project, zone=zone).region == ""
+    assert clients.zones.get(project=clients.project, zone=zone).region.endswith("/regions/us-central1")
+    cloud.faults.add("odd-response", service="compute", method="zones.list", field="items", empty=True, count=1)
+    assert list(clients.zones.list(project=clients.project)) == []
+    cloud.faults.add("odd-response", service="compute", method="zones.list", field="items.region", count=1)
+    listed = list(clients.zones.list(project=clients.project))
+    assert zone in {z.name for z in listed} and {z.region for z in listed} == {""}
+    assert _admin(cloud, "POST", "faults", {"kind": "odd-response"})[0] == 400  # which field, it must say
+    assert cloud.faults.list() == []
+
+
+def test_an_unexpected_exception_in_up_rolls_back_and_is_one_error_line(env, pc, cloud):
+    # The create's answer without its operation name: the TPU client's operation poll raises ValueError, no
+    # TpuctlError. What `up` created (the bucket, the node) must still be deleted, and the user reads one line.
+    cloud.faults.add("odd-response", service="tpu", method="nodes.create", field="name", count=1)
+    p = tpuctl(env, "up", "--accelerator", "v3-8", "--zone", ZONE, "--name", "odd", "--yes")
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert len(errors) == 1 and "unexpected ValueError" in errors[0], p.stderr
+    assert "removed what this run created: " in errors[0] and "tpu/europe-west4-a/odd" in errors[0]
+    assert everything(pc) == []
 
 
 async def _connect(port: int, key: asyncssh.SSHKey):

@@ -337,6 +337,25 @@ def test_multi_host_slice_is_a_mig_with_a_workload_policy_and_one_resource(pc, c
     assert everything(pc) == [] and slice_parts(pc) == [] and parts() == []
 
 
+def test_a_slices_hosts_name_their_mig_by_project_number_and_up_still_finds_them(pc, cloud):
+    # Compute writes `created-by` and `instance-template` with the project's number (gcpdiag: "note how it
+    # uses a project number and not a project id"); tpuctl knows the id, so it must find the hosts through the
+    # MIG itself, not by comparing that path.
+    result = prov.apply(pc, make_plan(pc, accelerator="tpu7x-16"), deadline_s=FAST_DEADLINE)
+    r = result.get(prov.Kind.TPU)
+    assert (r.detail["api"], len(r.workers), r.state) == ("compute-mig", 2, prov.State.READY)
+    number = pc.projects.get_project(name=f"projects/{pc.project}").name.rsplit("/", 1)[-1]
+    assert number.isdigit() and number != pc.project
+    for inst in pc.instances.list(project=pc.project, zone=ZONE):
+        meta = compute_tpu.metadata_of(inst)
+        assert meta["created-by"] == f"projects/{number}/zones/{ZONE}/instanceGroupManagers/x1"
+        assert meta["instance-template"] == f"projects/{number}/regions/us-central1/instanceTemplates/x1-tpl"
+    [run] = prov.status(pc, "x1")
+    assert [x.kind for x in run.resources].count(prov.Kind.TPU) == 1 and run.workers == 2
+    prov.down(pc, "x1", delete_bucket=True)
+    assert everything(pc) == [] and slice_parts(pc) == []
+
+
 def test_a_slice_without_capacity_is_rolled_back_whole(pc, cloud):
     # The MIG keeps retrying; its managed instances report the stockout in lastAttempt, which tpuctl reads.
     cloud.faults.add("capacity", service="compute", method="instances.insert", zone=ZONE)

@@ -93,6 +93,30 @@ class CloudError(TpuctlError):
     """The cloud API failed in a way retries did not fix."""
 
 
+class Unexpected(TpuctlError):
+    """Something tpuctl did not expect was raised (a response without a field it needs, a client's own
+    error): a bug of tpuctl's, or an answer of the API it does not understand. Reported like any error."""
+
+    default_hint = "this is a tpuctl bug or an API answer it does not understand: please report it with the command"
+
+    @classmethod
+    def of(cls, exc: BaseException) -> TpuctlError:
+        """`exc` itself when it is a TpuctlError already, else one line naming its type, its text (cut at 300
+        characters) and where it was raised (the innermost frame), so a report points at the code."""
+        if isinstance(exc, TpuctlError):
+            return exc
+        where = ""
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            code = tb.tb_frame.f_code
+            where = f" (in {code.co_name}, {code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno})"
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 300 else text[:297] + "..."
+        return cls(f"unexpected {type(exc).__name__}: {text}{where}")
+
+
 class WaitTimeout(TpuctlError):
     """An operation did not finish before its deadline."""
 

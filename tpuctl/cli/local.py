@@ -158,10 +158,12 @@ def status_command(as_json: bool, state_dir: Path | None) -> None:
 @click.option("--node", help="preempt / kill-worker / drop-ssh: the TPU node or VM name")
 @click.option("--worker", type=click.IntRange(min=0), help="kill-worker: the worker index")
 @click.option("--after", type=click.FloatRange(min=0), help="preempt: seconds from now")
+@click.option("--field", help="odd-response: the response field to leave out (dotted, e.g. networkEndpoints)")
+@click.option("--empty", is_flag=True, default=None, help="odd-response: answer the field as an empty list instead")
 @_state_dir_option
 def fault_command(kind: str, state_dir: Path | None, after: float | None, **options) -> None:
     """Inject a fault (capacity, quota, unavailable, stuck, preempt, kill-worker, drop-ssh, repair,
-    no-guest-attributes, preempt-creating); `list`; `clear`."""
+    no-guest-attributes, preempt-creating, odd-response); `list`; `clear`."""
     info = _running(_dir(state_dir))
     if kind == "list":
         console.emit_json(_admin(info, "GET", "faults")["faults"])
