@@ -22,7 +22,7 @@ SECTIONS = (
     "Local cloud",
 )
 
-COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs", "doctor", "templates", "export")
+COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs", "doctor", "templates", "export", "board")
 
 
 class SectionedGroup(click.Group):
