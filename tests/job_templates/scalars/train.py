@@ -28,7 +28,8 @@ def main() -> int:
         values = {"loss": 10.0 / step, "mlm_accuracy": step / max_steps, "learning_rate": 1e-3 * step / max_steps,
                   "examples_per_sec": 100.0}
         print(f"step={step} " + " ".join(f"{k}={v:g}" for k, v in values.items()), flush=True)
-        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=k, simple_value=v)
+                                             for k, v in values.items()])
         writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
         writer.flush()
     writer.close()
