@@ -9,6 +9,12 @@ which TensorBoard shows as one run named by the tpuctl run) and copies what chan
 files only grow, and GCS rewrites an object whole, so a changed object is downloaded again whole and swapped in
 atomically; TensorBoard goes on reading from its offset.
 
+Beside each run's own scalars, a companion TensorBoard run `RUN/tpuctl-record` shows the run's record: for each
+TPU incarnation (a recovery recreates the node) its billed hours, cost and whether it was preempted (a Spot TPU
+that stopped billing while it existed, as tpuctl.cost infers it), from this machine's ledger, and the run's
+status.json with its total cost as text, at the training step it reached. It is written locally, append-only
+(TensorBoard reads event files forward), afresh each time a board starts.
+
 TensorBoard runs as a child process bound to 127.0.0.1 (`python -m tensorboard.main`); `serve` blocks until
 `stop` is set or TensorBoard exits, and always stops it.
 """
@@ -84,6 +90,90 @@ def sources(clients: Clients, runs: list[str], *, bucket: str | None = None) -> 
                    local=root / name) for name, where in found]
 
 
+RECORD = "tpuctl-record"
+
+
+class Record:
+    """The run's record as TensorBoard events in `src.local/RECORD`, appended as it changes."""
+
+    def __init__(self, clients: Clients, src: Source):
+        # TensorBoard's RecordWriter on a plain file: its EventFileWriter would import TensorFlow (seconds, and
+        # TensorFlow's log lines on tpuctl's stderr) for tf.io.gfile.
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self.clients, self.src = clients, src
+        folder = src.local / RECORD
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.iterdir():  # an earlier board's record: this one starts over, before TensorBoard reads it
+            old.unlink()
+        self.file = open(folder / f"events.out.tfevents.{int(time.time())}.tpuctl", "wb")  # noqa: SIM115 - close()
+        self.writer = RecordWriter(self.file)
+        self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self.nodes_written = 0
+        self.last_text = ""
+
+    def add_event(self, event) -> None:
+        self.writer.write(event.SerializeToString())
+
+    def update(self, now: float | None = None) -> None:
+        """Append what changed. Raises TpuctlError when status.json cannot be read."""
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.plugins.scalar.summary_v2 import scalar_pb
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        from tpuctl import catalog as catalog_mod
+        from tpuctl import cost, ledger
+
+        from . import cluster
+
+        now = time.time() if now is None else now
+        run, prices = self.src.run, catalog_mod.load()
+        try:
+            entries = [e for e in ledger.Ledger().entries() if e.run == run and e.project == self.clients.project]
+        except OSError:
+            entries = []
+        nodes = sorted((e for e in entries if e.kind == "tpu"), key=lambda e: e.created)
+
+        def summary(*parts) -> summary_pb2.Summary:
+            return summary_pb2.Summary(value=[v for part in parts for v in part.value])
+
+        for i, node in enumerate(nodes[self.nodes_written:], start=self.nodes_written):
+            if node.deleted is None:
+                break  # an incarnation's numbers are final once it is gone
+            preempted = node.billed_until is not None and node.spot
+            self.add_event(event_pb2.Event(wall_time=node.deleted, step=i, summary=summary(
+                scalar_pb("tpuctl/recoveries", float(i)),
+                scalar_pb("tpuctl/tpu_hours", cost.lifetime_hours(node, since=0.0, now=now)),
+                scalar_pb("tpuctl/tpu_cost_usd", cost.accrued(node, prices, now=now)),
+                scalar_pb("tpuctl/preempted", 1.0 if preempted else 0.0))))
+            self.nodes_written = i + 1
+        status = cluster.read_status(self.clients, self.src.bucket, run) or {}
+        total = cost.accrued_by_run(entries, prices, now=now).get(run, 0.0)
+        rows = "\n".join(
+            f"| {i} | {n.accelerator} | {'spot' if n.spot else 'on-demand'} | {_when(n.created)} | "
+            f"{_when(n.deleted) if n.deleted else 'up'} | {'yes' if n.billed_until and n.spot else 'no'} | "
+            f"{cost.accrued(n, prices, now=now):.4f} |" for i, n in enumerate(nodes))
+        text = (f"**{run}**: {status.get('state', 'unknown')}, step {status.get('step')}, "
+                f"{max(len(nodes) - 1, 0)} recovery(ies), about ${total:.4f} "
+                "(this machine's ledger)\n\n"
+                "| TPU | accelerator | provisioning | created | deleted | preempted | USD |\n"
+                "|---|---|---|---|---|---|---|\n" + rows)
+        if text != self.last_text:
+            step = int(status.get("step") or 0)
+            self.add_event(event_pb2.Event(wall_time=now, step=step, summary=summary(
+                scalar_pb("tpuctl/cost_usd", total), text_pb("tpuctl/record", text))))
+            self.last_text = text
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
 class Mirror:
     """Copies what changed under each source's prefix into its local directory."""
 
@@ -108,10 +198,11 @@ class Mirror:
 
     def _copy(self, src: Source, blob) -> int:
         rel = PurePosixPath(blob.name[len(src.prefix):])
-        # The bucket is writable by the TPU's service account: a name must not climb out of the mirror.
-        if not rel.parts or rel.is_absolute() or ".." in rel.parts or blob.name.endswith("/"):
+        # The bucket is writable by the TPU's service account: a name must not climb out of the mirror (nor
+        # into the record tpuctl writes beside it).
+        if not rel.parts or rel.is_absolute() or ".." in rel.parts or rel.parts[0] == RECORD or blob.name.endswith("/"):
             if rel.parts and not blob.name.endswith("/"):
-                self.on_event(Warn(f"skipped gs://{src.bucket}/{blob.name}: its name leaves {src.url}"))
+                self.on_event(Warn(f"skipped gs://{src.bucket}/{blob.name}: a name tpuctl does not mirror"))
             return 0
         key, version = (src.bucket, blob.name), (blob.generation, blob.size)
         target = src.local.joinpath(*rel.parts)
@@ -193,6 +284,9 @@ def serve(clients: Clients, runs: list[str], *, port: int | None = None, bucket:
         src.local.mkdir(parents=True, exist_ok=True)  # an empty run shows up, and fills in once it trains
     mirror = Mirror(clients, found, on_event)
     mirror.sync()  # the first failure is the caller's: a wrong bucket or no access must not pass for "no events"
+    records = [Record(clients, src) for src in found]
+    for record in records:
+        record.update()
     for src in found:
         if not any(p.is_file() for p in src.local.rglob("*")):
             on_event(Note(f"run {src.run}: no TensorBoard files in {src.url} yet; they appear as it trains"))
@@ -206,10 +300,14 @@ def serve(clients: Clients, runs: list[str], *, port: int | None = None, bucket:
                 raise TpuctlError(f"TensorBoard exited ({proc.returncode}): {' / '.join(tail)[-400:]}")
             try:
                 mirror.sync()
+                for record in records:
+                    record.update()
                 failures = 0
-            except TpuctlError as exc:
+            except (TpuctlError, OSError) as exc:  # OSError: requests' connection errors, a full disk
                 failures = min(failures + 1, 5)
                 on_event(Warn(f"sync from the bucket failed, retrying: {exc}"))
     finally:
         _stop(proc)
+        for record in records:
+            record.close()
     return logdir

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_env, new_project, tpuctl
+from test_run import run_preempted_at
 
 SCALARS = Path(__file__).parent / "job_templates" / "scalars"
 TAGS = {"loss", "mlm_accuracy", "learning_rate", "examples_per_sec"}
@@ -22,7 +23,9 @@ TAGS = {"loss", "mlm_accuracy", "learning_rate", "examples_per_sec"}
 @pytest.fixture(scope="module")
 def finished(localcloud, tmp_path_factory):
     """Two runs of the scalars template (it logs as the BERT template does), trained and torn down; their
-    buckets are kept. Yields (home, project, {run: max_steps}, the last run's Outcome)."""
+    buckets are kept. board-b's Spot TPU is preempted once (at step 12) and the run recovers: the template
+    does not resume, so its second incarnation logs every step again. Yields (home, project,
+    {run: max_steps}, the last run's Outcome)."""
     from google.auth.credentials import AnonymousCredentials
 
     from tpuctl import spec as spec_mod
@@ -32,15 +35,17 @@ def finished(localcloud, tmp_path_factory):
     home, project = tmp_path_factory.mktemp("board"), new_project()
     clients = build(project=project, credentials=AnonymousCredentials(), endpoint=localcloud.endpoint,
                     storage_host=localcloud.storage_host, local=True)
-    runs = {"board-a": 20, "board-b": 10}
+    runs = {"board-a": 20, "board-b": 40}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TPUCTL_HOME", str(home / "home"))  # the CLI's home in cli_env: the ledger is shared
         for run, steps in runs.items():
             spec = spec_mod.from_mapping({
                 "name": run, "zone": "us-central1-a", "accelerator": "v3-8", "provisioning": "spot",
-                "job": {"template": str(SCALARS), "config": {"trainer": {"max_steps": steps, "log_every": 5}}}})
-            outcome = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=0.5)).run()
-            assert outcome.state == "succeeded", outcome
+                "job": {"template": str(SCALARS), "config": {"trainer": {
+                    "max_steps": steps, "log_every": 5, "step_seconds": 0.05 if run == "board-a" else 0.1}}}})
+            pipeline = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=0.5))
+            outcome = pipeline.run() if run == "board-a" else run_preempted_at(pipeline, localcloud, 12)
+            assert outcome.state == "succeeded" and outcome.recoveries == (run == "board-b"), outcome
     yield home, project, runs, outcome
 
 
@@ -49,7 +54,12 @@ def _get(url: str):
         return json.loads(r.read())
 
 
-@pytest.mark.slow  # two pipeline runs and a TensorBoard: ~40 s on 2 cores
+@pytest.mark.slow  # two pipeline runs and a TensorBoard: ~70 s on 2 cores
+def _scalars(url: str, run: str, tag: str) -> list:
+    """[[wall_time, step, value], ...] as TensorBoard's scalars dashboard fetches them."""
+    return _get(f"{url}/data/plugin/scalars/scalars?" + urllib.parse.urlencode({"run": run, "tag": tag}))
+
+
 def test_board_shows_each_runs_scalars_at_the_steps_it_logged_and_stops_on_ctrl_c(finished, cloud):
     home, project, runs, _ = finished
     proc = subprocess.Popen([sys.executable, "-m", "tpuctl", "board", *runs, "--port", "0", "--interval", "1",
@@ -65,18 +75,31 @@ def test_board_shows_each_runs_scalars_at_the_steps_it_logged_and_stops_on_ctrl_
         deadline, tags = time.monotonic() + 90, {}
         while time.monotonic() < deadline:  # TensorBoard loads the logdir in the background
             tags = _get(f"{url}/data/plugin/scalars/tags")
-            if all(TAGS <= set(tags.get(run, {})) for run in runs):
+            if all(TAGS <= set(tags.get(run, {})) and f"{run}/tpuctl-record" in tags for run in runs):
                 break
             time.sleep(1)
-        assert set(tags) == set(runs), tags  # one TensorBoard run per tpuctl run, named by it
+        # One TensorBoard run per tpuctl run, named by it, and beside it the run's record.
+        assert set(tags) == {*runs, *(f"{run}/tpuctl-record" for run in runs)}, tags
         for run, max_steps in runs.items():
             assert TAGS <= set(tags[run]), tags
+            logged = list(range(5, max_steps + 1, 5))
             for tag in TAGS:
-                query = urllib.parse.urlencode({"run": run, "tag": tag})
-                points = _get(f"{url}/data/plugin/scalars/scalars?{query}")
-                assert [step for _, step, _ in points] == list(range(5, max_steps + 1, 5)), (run, tag, points)
-            loss = _get(f"{url}/data/plugin/scalars/scalars?" + urllib.parse.urlencode({"run": run, "tag": "loss"}))
-            assert [round(v, 4) for _, _, v in loss] == [round(10.0 / s, 4) for s in range(5, max_steps + 1, 5)]
+                points = _scalars(url, run, tag)
+                steps = [step for _, step, _ in points]
+                # The preempted run logged its first steps twice, once per incarnation.
+                assert (steps == logged) if run == "board-a" else (sorted(set(steps)) == logged), (run, tag, points)
+            loss = {s: round(v, 4) for _, s, v in _scalars(url, run, "loss")}
+            assert loss == {s: round(10.0 / s, 4) for s in logged}
+        # The record: board-b's first TPU was preempted and cost something; its successor finished the run.
+        preempted = _scalars(url, "board-b/tpuctl-record", "tpuctl/preempted")
+        assert [(s, v) for _, s, v in preempted] == [(0, 1.0), (1, 0.0)]
+        assert [s for _, s, _ in _scalars(url, "board-b/tpuctl-record", "tpuctl/recoveries")] == [0, 1]
+        assert [(s, v) for _, s, v in _scalars(url, "board-a/tpuctl-record", "tpuctl/preempted")] == [(0, 0.0)]
+        (_, step, usd), = _scalars(url, "board-b/tpuctl-record", "tpuctl/cost_usd")
+        assert step == 40 and usd > 0
+        text = _get(f"{url}/data/plugin/text/text?" + urllib.parse.urlencode(
+            {"run": "board-b/tpuctl-record", "tag": "tpuctl/record"}))
+        assert "board-b</strong>: succeeded, step 40, 1 recovery(ies)" in text[-1]["text"], text
         port = url.rsplit(":", 1)[1]
         taken = tpuctl(cli_env(cloud, home, project), "board", "board-a", "--port", port)
         assert taken.returncode == 2 and taken.stderr.startswith(f"error: port: port {port} is in use"), taken.stderr
