@@ -205,7 +205,7 @@ CLOUD_COMMANDS = {
     "doctor": ("--accelerator", "v3-8", "--zone", "europe-west4-a"),
     "run": (str(Path(__file__).parents[1] / "examples" / "bert-tiny.yaml"), "--dry-run"),
     "ssh": ("r1",), "logs": ("r1",), "job status": ("r1",), "job cancel": ("r1",),
-    "export": ("r1", "--format", "hf", "--out", "hf-out"),
+    "export": ("r1", "--format", "hf", "--out", "hf-out"), "board": ("r1",),
 }
 
 

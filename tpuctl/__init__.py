@@ -1,7 +1,7 @@
 """tpuctl: from a laptop to a trained model on Cloud TPUs and back to a zero bill.
 
 The Python API (see README, "From Python"): `tpuctl.up`, `tpuctl.run`, `tpuctl.down`, `tpuctl.status`,
-`tpuctl.gc`, `tpuctl.fit`, `tpuctl.local.start()/stop()`; events in `tpuctl.events`, errors in `tpuctl.errors`.
+`tpuctl.gc`, `tpuctl.fit`, `tpuctl.board`, `tpuctl.local.start()/stop()`; events in `tpuctl.events`, errors in `tpuctl.errors`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ __version__ = "0.1.0"
 
 # Loaded on first use (PEP 562): `import tpuctl` happens for every `tpuctl.*` module, the workers' guest
 # code and the local cloud included, which must not pay for (or need) pydantic and the spec machinery.
-_API = ("Run", "up", "run", "down", "status", "gc", "fit")
+_API = ("Run", "up", "run", "down", "status", "gc", "fit", "board")
 __all__ = [*_API, "local", "events", "errors", "__version__"]
 
 if TYPE_CHECKING:
     from tpuctl import errors, events, local
-    from tpuctl.api import Run, down, fit, gc, run, status, up
+    from tpuctl.api import Run, board, down, fit, gc, run, status, up
 
 
 def __getattr__(name: str) -> Any:

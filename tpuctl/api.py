@@ -287,3 +287,16 @@ def gc(*, dry_run: bool = False, idle_s: float | None = 3600.0, budget_usd: floa
                            buckets=buckets)
     return gc_mod.run(connect(project, cloud), policy, dry_run=dry_run, catalog=catalog.load(),
                       ledger=ledger.Ledger(), lock=paths.gc_lock(), confirm=ask)
+
+
+def board(runs: str | list[str], *, port: int | None = None, bucket: str | None = None, interval_s: float = 10.0,
+          stop: threading.Event | None = None, on_event: EventSink | None = None, project: str | None = None,
+          cloud: str | None = None) -> Path:
+    """TensorBoard on 127.0.0.1 over the runs' TensorBoard files (mirrored from their buckets every `interval_s`),
+    as `tpuctl board`. Blocks until `stop` is set; `on_event` gets `tpuctl.jobs.board.BoardReady` (url, logdir)
+    once it serves. Returns the logdir."""
+    from tpuctl.jobs import board as board_mod
+
+    sink = on_event or ignore
+    return board_mod.serve(connect(project, cloud, on_event=sink), [runs] if isinstance(runs, str) else list(runs),
+                           port=port, bucket=bucket, interval_s=interval_s, stop=stop, on_event=sink)

@@ -23,7 +23,7 @@ SECTIONS = (
 )
 
 COMMAND_MODULES: tuple[str, ...] = ("data", "costs", "local", "provision", "jobs", "doctor", "templates", "export",
-                                   "fit")
+                                   "fit", "board")
 
 
 class SectionedGroup(click.Group):

@@ -45,7 +45,7 @@ def _summary(o) -> None:
     if d["model_url"]:
         console.info(f"  artifacts: {d['model_url']}/ ({len(o.artifacts)} files)"
                      + (f", copied to {o.downloaded}" if o.downloaded else ""))
-        console.info(f"  TensorBoard: {d['tensorboard']}")
+        console.info(f"  TensorBoard: tpuctl board {o.run}")
 
 
 @click.command("run")

@@ -1,0 +1,128 @@
+"""`tpuctl board`: the real TensorBoard on finished local-cloud runs, read through its HTTP API as a browser would."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, new_project, tpuctl
+from test_run import run_preempted_at
+
+SCALARS = Path(__file__).parent / "job_templates" / "scalars"
+TAGS = {"loss", "mlm_accuracy", "learning_rate", "examples_per_sec"}
+
+
+@pytest.fixture(scope="module")
+def finished(localcloud, tmp_path_factory):
+    """Two runs of the scalars template (it logs as the BERT template does), trained and torn down; their
+    buckets are kept. board-b's Spot TPU is preempted once (at step 12) and the run recovers: the template
+    does not resume, so its second incarnation logs every step again. Yields (home, project,
+    {run: max_steps}, the last run's Outcome)."""
+    from google.auth.credentials import AnonymousCredentials
+
+    from tpuctl import spec as spec_mod
+    from tpuctl.jobs.pipeline import Pipeline, RunOptions
+    from tpuctl.provision.clients import build
+
+    home, project = tmp_path_factory.mktemp("board"), new_project()
+    clients = build(project=project, credentials=AnonymousCredentials(), endpoint=localcloud.endpoint,
+                    storage_host=localcloud.storage_host, local=True)
+    runs = {"board-a": 20, "board-b": 40}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPUCTL_HOME", str(home / "home"))  # the CLI's home in cli_env: the ledger is shared
+        for run, steps in runs.items():
+            spec = spec_mod.from_mapping({
+                "name": run, "zone": "us-central1-a", "accelerator": "v3-8", "provisioning": "spot",
+                "job": {"template": str(SCALARS), "config": {"trainer": {
+                    "max_steps": steps, "log_every": 5, "step_seconds": 0.05 if run == "board-a" else 0.1}}}})
+            pipeline = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=0.5))
+            outcome = pipeline.run() if run == "board-a" else run_preempted_at(pipeline, localcloud, 12)
+            assert outcome.state == "succeeded" and outcome.recoveries == (run == "board-b"), outcome
+    yield home, project, runs, outcome
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.slow  # two pipeline runs and a TensorBoard: ~70 s on 2 cores
+def _scalars(url: str, run: str, tag: str) -> list:
+    """[[wall_time, step, value], ...] as TensorBoard's scalars dashboard fetches them."""
+    return _get(f"{url}/data/plugin/scalars/scalars?" + urllib.parse.urlencode({"run": run, "tag": tag}))
+
+
+def test_board_shows_each_runs_scalars_at_the_steps_it_logged_and_stops_on_ctrl_c(finished, cloud):
+    home, project, runs, _ = finished
+    proc = subprocess.Popen([sys.executable, "-m", "tpuctl", "board", *runs, "--port", "0", "--interval", "1",
+                             "--json"], env=cli_env(cloud, home, project), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.poll() is not None else "no line"
+        ready = json.loads(line)
+        url = ready["url"].rstrip("/")
+        assert url.startswith("http://127.0.0.1:") and ready["runs"] == list(runs)
+        assert Path(ready["logdir"]).is_relative_to(home / "home" / "board")
+        deadline, tags = time.monotonic() + 90, {}
+        while time.monotonic() < deadline:  # TensorBoard loads the logdir in the background
+            tags = _get(f"{url}/data/plugin/scalars/tags")
+            if all(TAGS <= set(tags.get(run, {})) and f"{run}/tpuctl-record" in tags for run in runs):
+                break
+            time.sleep(1)
+        # One TensorBoard run per tpuctl run, named by it, and beside it the run's record.
+        assert set(tags) == {*runs, *(f"{run}/tpuctl-record" for run in runs)}, tags
+        for run, max_steps in runs.items():
+            assert TAGS <= set(tags[run]), tags
+            logged = list(range(5, max_steps + 1, 5))
+            for tag in TAGS:
+                points = _scalars(url, run, tag)
+                steps = [step for _, step, _ in points]
+                # The preempted run logged its first steps twice, once per incarnation.
+                assert (steps == logged) if run == "board-a" else (sorted(set(steps)) == logged), (run, tag, points)
+            loss = {s: round(v, 4) for _, s, v in _scalars(url, run, "loss")}
+            assert loss == {s: round(10.0 / s, 4) for s in logged}
+        # The record: board-b's first TPU was preempted and cost something; its successor finished the run.
+        preempted = _scalars(url, "board-b/tpuctl-record", "tpuctl/preempted")
+        assert [(s, v) for _, s, v in preempted] == [(0, 1.0), (1, 0.0)]
+        assert [s for _, s, _ in _scalars(url, "board-b/tpuctl-record", "tpuctl/recoveries")] == [0, 1]
+        assert [(s, v) for _, s, v in _scalars(url, "board-a/tpuctl-record", "tpuctl/preempted")] == [(0, 0.0)]
+        (_, step, usd), = _scalars(url, "board-b/tpuctl-record", "tpuctl/cost_usd")
+        assert step == 40 and usd > 0
+        text = _get(f"{url}/data/plugin/text/text?" + urllib.parse.urlencode(
+            {"run": "board-b/tpuctl-record", "tag": "tpuctl/record"}))
+        assert "board-b</strong>: succeeded, step 40, 1 recovery(ies)" in text[-1]["text"], text
+        port = url.rsplit(":", 1)[1]
+        taken = tpuctl(cli_env(cloud, home, project), "board", "board-a", "--port", port)
+        assert taken.returncode == 2 and taken.stderr.startswith(f"error: port: port {port} is in use"), taken.stderr
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        with pytest.raises(OSError):  # TensorBoard went with it
+            urllib.request.urlopen(url, timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_board_of_a_run_without_a_bucket_is_one_line_and_starts_nothing(cloud, tmp_path):
+    r = tpuctl(cli_env(cloud, tmp_path), "board", "no-such-run", "--port", "0")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: run: run no-such-run has no bucket in project"), r.stderr
+    assert not (tmp_path / "home" / "board").exists() or not any((tmp_path / "home" / "board").rglob("*"))
+
+
+def test_the_end_of_tpuctl_run_says_how_to_look(finished, cli_stderr):
+    from tpuctl.cli.jobs import _summary
+
+    _summary(finished[3])
+    assert "  TensorBoard: tpuctl board board-b" in cli_stderr.getvalue().splitlines()
