@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 import time
@@ -256,3 +257,47 @@ def cli_stderr(monkeypatch):
     buf = io.StringIO()
     monkeypatch.setattr(console.err, "file", buf)
     return buf
+
+
+@pytest.fixture(autouse=True)
+def keras_dtype_policy_unchanged():
+    """Keras' dtype policy is process-global: a test that leaves it changed (mixed_bfloat16 after an in-process
+    train.run) silently changes the numerics of every test after it (issue 33). The leaking test errors here and
+    the policy is put back, so the failure points at the leak, not at whichever test happens to run next."""
+    def policy():
+        keras = sys.modules.get("keras")  # never imports Keras: it fixes its backend at import
+        return keras.config.dtype_policy().name if keras else None
+
+    before = policy()
+    yield
+    after = policy()
+    if before is None and after is not None:
+        before = sys.modules["keras"].config.floatx()  # Keras' default policy, before anything set one
+    if after != before:
+        sys.modules["keras"].config.set_dtype_policy(before)
+        pytest.fail(f"the test left Keras' global dtype policy at {after} (it was {before}); restore it")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--order", default="", metavar="reverse|random:SEED",
+                     help="run the tests in another order, to show that none depends on what ran before it: "
+                          "reverse (the last test first) or random:SEED (the files in a seeded random order)")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping of tests by parametrized fixture: both orders keep it
+def pytest_collection_modifyitems(config, items):
+    order = config.getoption("order")
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("random:") and order[7:].isdigit():
+        files = list(dict.fromkeys(item.path for item in items))
+        random.Random(int(order[7:])).shuffle(files)
+        rank = {path: i for i, path in enumerate(files)}
+        items.sort(key=lambda item: rank[item.path])  # stable: a file's tests keep their order and module fixtures
+    elif order:
+        raise pytest.UsageError(f"--order: {order!r} is not reverse or random:SEED (e.g. random:7)")
+
+
+def pytest_report_header(config):
+    if config.getoption("order"):
+        return f"test order: {config.getoption('order')} (rerun with the same --order to reproduce)"

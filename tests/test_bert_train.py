@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -88,8 +89,11 @@ def test_export_has_model_vocab_config_and_metrics(first_run, data_dir):
     assert logits.shape == (2, 20, vocab_size), "the vocabulary projection runs at the 20 masked slots only"
 
 
-def test_resume_continues_step_count_and_loss_curve(first_run, data_dir):
-    model_dir, first_lines, _ = first_run
+def test_resume_continues_step_count_and_loss_curve(first_run, data_dir, tmp_path):
+    # A copy: training on to step 80 in first_run's own model_dir would change its export under the tests that
+    # share it, which then passed only when they ran before this one.
+    model_dir = Path(shutil.copytree(first_run[0], tmp_path / "model"))
+    first_lines = first_run[1]
     assert {p.name for p in (model_dir / "checkpoints").glob("ckpt-*.npz")} == {"ckpt-30.npz", "ckpt-60.npz"}
     lines: list[str] = []
     metrics = train.run(tiny(data_dir, model_dir, max_steps=80), log=lines.append)

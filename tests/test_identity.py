@@ -73,14 +73,17 @@ def test_oslogin_project_ignores_ssh_keys_metadata_and_admits_imported_keys(clou
     assert not can_login(port, "alice", key)  # metadata keys are ignored on an OS Login guest
 
     oslogin = oslogin_v1.OsLoginServiceClient(transport="rest", **kw)
+    # The account's profile is the session cloud's, across projects: keys other tests imported stay in it.
+    before = [k.key for k in oslogin.get_login_profile(request={"name": f"users/{ACCOUNT}", "project_id": project})
+              .ssh_public_keys.values()]
     profile = oslogin.import_ssh_public_key(request={"parent": f"users/{ACCOUNT}", "ssh_public_key": {"key": public(key)},
                                                      "project_id": project}).login_profile
     user = profile.posix_accounts[0].username
     assert user == "ann_lee_example_com" and profile.posix_accounts[0].primary
-    assert [k.key for k in profile.ssh_public_keys.values()] == [public(key)]
+    assert sorted(k.key for k in profile.ssh_public_keys.values()) == sorted([*before, public(key)])
     assert can_login(port, user, key) and not can_login(port, "alice", key)
     again = oslogin.get_login_profile(request={"name": f"users/{ACCOUNT}", "project_id": project})
-    assert again.posix_accounts[0].username == user and len(again.ssh_public_keys) == 1
+    assert again.posix_accounts[0].username == user and len(again.ssh_public_keys) == len(before) + 1
 
 
 def test_an_ssh_keys_line_admits_its_user_only(cloud, kw):

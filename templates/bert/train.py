@@ -123,8 +123,22 @@ def run(cfg: BertConfig, *, log=None, objective: Objective = MASKED_LM) -> dict:
     Blocks for the whole training. `log(line)` receives the progress lines (default: print to stdout).
     On workers 1..N-1 of a multi-host TPU slice it returns {} at once (worker 0 drives the slice).
     Raises ConfigError / DataError for a config or data that cannot work, AcceleratorError if the
-    requested accelerator is missing.
+    requested accelerator is missing. Keras' dtype policy, which training sets process-wide (mixed_bfloat16 on
+    TPU), is put back as it was when it returns or raises: a caller that goes on in the same process (a
+    notebook, the tests) keeps its own numerics.
     """
+    keras = sys.modules.get("keras")  # not imported here: _train sets KERAS_BACKEND before Keras' first import
+    policy = keras.config.dtype_policy() if keras else None
+    try:
+        return _train(cfg, log, objective)
+    finally:
+        keras = sys.modules.get("keras")
+        if keras is not None:
+            keras.config.set_dtype_policy(policy or keras.config.floatx())  # floatx: Keras' default policy
+
+
+def _train(cfg: BertConfig, log, objective: Objective) -> dict:
+    """run's training, which leaves its dtype policy set."""
     emit = log or (lambda line: print(line, flush=True))
     rt = cfg.runtime
     if not rt.data_dir or not rt.model_dir:
