@@ -39,11 +39,11 @@ os.environ["TPUCTL_WORKER_PYTHON"] = "host"
 # (tpuctl fit compiles for TPU topologies without a TPU backend).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# tpuctl probes the metadata server once a Google project is named, as google.auth does. Off Google Cloud nothing
-# answers there, and tests send traffic to loopback only: any probe a test does not aim itself lands on a closed
-# local port (the metadata-server tests set their own address).
+# tpuctl probes the metadata server (GCE_METADATA_IP) once a Google project is named, as google.auth does. Off
+# Google Cloud nothing answers there, and tests send traffic to loopback only: any probe a test does not aim itself
+# lands on a closed local port (the metadata-server tests set their own address). GCE_METADATA_HOST stays unset:
+# the template's guest code takes it to mean "on a TPU VM".
 os.environ.setdefault("GCE_METADATA_IP", "127.0.0.1:9")
-os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
 
 # Operation futures poll every 10-50 ms instead of the library's 1-20 s.
 FAST_POLLING = polling.DEFAULT_POLLING.with_delay(initial=0.01, maximum=0.05).with_timeout(60)
