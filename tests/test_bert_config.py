@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -141,7 +142,17 @@ def test_tf_load_time_variables_follow_the_tpu_vm_recipes(monkeypatch, tpu, libt
     assert env == expected
 
 
-def test_libtpu_is_looked_up_where_tf_and_jax_look(monkeypatch, tmp_path):
+@pytest.fixture
+def without_pip_libtpu(monkeypatch):
+    """A TPU VM image without the pip libtpu package (this machine may have it: the test extra installs the TPU
+    compiler for `tpuctl fit`). Returns the real find_spec, to put the package lookup back."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "libtpu" else real(name, *args))
+    return real
+
+
+def test_libtpu_is_looked_up_where_tf_and_jax_look(monkeypatch, tmp_path, without_pip_libtpu):
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
     monkeypatch.setattr(strategy, "SYSTEM_LIBTPU", (str(tmp_path / "lib" / "libtpu.so"),))
     path, tried = strategy.find_libtpu()
@@ -153,6 +164,7 @@ def test_libtpu_is_looked_up_where_tf_and_jax_look(monkeypatch, tmp_path):
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "libtpu.so").write_bytes(b"")
+    monkeypatch.setattr(importlib.util, "find_spec", without_pip_libtpu)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     assert strategy.find_libtpu()[0] == str(package / "libtpu.so")
 
@@ -162,7 +174,8 @@ def test_libtpu_is_looked_up_where_tf_and_jax_look(monkeypatch, tmp_path):
     assert strategy.find_libtpu() == (str(override), [])
 
 
-def test_a_tpu_vm_without_chips_fails_loudly_unless_a_cpu_rehearsal_is_asked_for(monkeypatch, tmp_path):
+def test_a_tpu_vm_without_chips_fails_loudly_unless_a_cpu_rehearsal_is_asked_for(monkeypatch, tmp_path,
+                                                                               without_pip_libtpu):
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
     monkeypatch.setattr(strategy, "SYSTEM_LIBTPU", (str(tmp_path / "libtpu.so"),))
     monkeypatch.delenv(strategy.CPU_REHEARSAL_VAR, raising=False)
@@ -178,7 +191,7 @@ def test_a_tpu_vm_without_chips_fails_loudly_unless_a_cpu_rehearsal_is_asked_for
     assert strategy._check_tpu_host(POD, "tpuctl-r1") is True
 
 
-def test_tpu_chips_without_libtpu_fail_loudly(monkeypatch, tmp_path):
+def test_tpu_chips_without_libtpu_fail_loudly(monkeypatch, tmp_path, without_pip_libtpu):
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
     monkeypatch.setattr(strategy, "SYSTEM_LIBTPU", (str(tmp_path / "libtpu.so"),))
     _machine(monkeypatch, vm=ONE_HOST, devices=True)
