@@ -308,3 +308,29 @@ def test_gpt2_tiny_runs_end_to_end_on_the_local_cloud(cloud, tmp_path, monkeypat
     assert {"hf/model.safetensors", "hf/config.json", "hf/vocab.json", "hf/merges.txt", "hf/tokenizer.json",
             "hf/tokenizer_config.json"} <= set(o.artifacts)
     assert {"export/model.keras", "export/vocab.json", "export/merges.txt", "export/metrics.json"} <= set(o.artifacts)
+
+
+# Hugging Face's gpt2-medium/-large/-xl config.json (OpenAI's GPT-2 sizes) and GPT2LMHeadModel.num_parameters()
+# of each (tied lm_head, so counted once): the 355M, 774M and 1.5B of OpenAI's model cards.
+PUBLISHED = {"gpt2-medium": (24, 1024, 16, 354_823_168), "gpt2-large": (36, 1280, 20, 774_030_080),
+             "gpt2-xl": (48, 1600, 25, 1_557_611_200)}
+
+
+def test_the_larger_gpt2_presets_have_the_published_sizes_and_export_as_them(prepared):
+    """No model is built (gpt2-xl is 6 GB of float32): the count is checked against the variables export.py
+    expects model.py to create, whose names and shapes the end-to-end export checks on a real checkpoint."""
+    from click.testing import CliRunner
+
+    from tpuctl.cli import cli
+    from tpuctl.templates.gpt2 import export
+
+    listed = json.loads(CliRunner().invoke(cli, ["templates", "--json"]).output)
+    listed = {r["preset"]: r["parameters"] for r in listed if r["template"] == "gpt2"}
+    for preset, (n_layer, n_embd, n_head, count) in PUBLISHED.items():
+        task = vars(config.build({"preset": preset}).task)
+        shapes = export._keras_shapes(task)
+        assert sum(int(np.prod(s)) for s in shapes.values()) == config.parameter_count(preset) == count, preset
+        assert listed[preset] == count
+        hf = export.hf_config(task, prepared[1])
+        assert (hf["n_layer"], hf["n_embd"], hf["n_head"], hf["vocab_size"], hf["n_positions"], hf["n_inner"]) == (
+            n_layer, n_embd, n_head, 50257, 1024, 4 * n_embd), preset

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import shlex
 import subprocess
@@ -18,8 +19,13 @@ import pytest
 from conftest import load_chaos
 import yaml
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tpuctl import catalog as catalog_mod
+from tpuctl import spec as spec_mod
+from tpuctl.catalog import region_of
+from tpuctl.errors import BadInput
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -76,75 +82,312 @@ def _assert_rejected(stack, result, fields: tuple[str, ...], tmp: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ spec files
 
-def _bad_spec():
-    """(field the error must name, spec mapping)."""
+# The rules come from their sources, not from the code under test: the catalog's data (Google's types, their
+# zones, runtimes and provisioning models), Google's naming rules (RFC 1035 resource names; Cloud Storage
+# bucket names, cloud.google.com/storage/docs/buckets#naming; labels, cloud.google.com/compute/docs/labeling-
+# resources), the README's duration grammar and Google's bounds (a flex-start TPU runs 30s to 7d and waits at most
+# 2h: tpu/docs/request-using-flex-start, compute/docs/instances/limit-vm-runtime; soft delete 0 or 7d to 90d:
+# storage/docs/soft-delete), and two limits of tpuctl's own, marked. Valid specs are built from them and must
+# plan; each invalid spec is a valid one with exactly one rule broken, so it must be refused with one error
+# naming that field.
+CATALOG = catalog_mod.Catalog(catalog_mod.embedded_data())
+TYPES = CATALOG.accelerators()
+ALL_ZONES = sorted({z for t in TYPES for z in t.zones})
+ALL_RUNTIMES = sorted({r for t in TYPES for r in t.runtimes})
+PROVISIONING = ("on-demand", "spot", "preemptible", "queued", "flex-start")
+RUN_NAME_MAX = 40  # tpuctl's own limit on a run name: room for the VM and bucket names made from it
+LOWER, DIGITS = "abcdefghijklmnopqrstuvwxyz", "0123456789"
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+DAY = 86400
+# The fields `up` takes as flags too.
+FLAGS = {"name": "--name", "accelerator": "--accelerator", "zone": "--zone", "ttl": "--ttl", "bucket": "--bucket",
+         "service_account": "--service-account", "runtime_version": "--runtime-version"}
+
+
+def _chars_except(allowed: str):
+    """Any character but `allowed` (surrogates cannot be written to a file; "/" is the bucket's own separator,
+    stripped from `gs://name/`)."""
+    return st.characters(blacklist_categories=("Cs",), blacklist_characters=allowed + "/")
+
+
+def _rfc1035(max_len: int):
+    """Names Google takes for TPU nodes and Compute instances: a lowercase letter, then letters, digits or -,
+    not ending in -."""
+    return st.from_regex(rf"[a-z]([-a-z0-9]{{0,{max_len - 2}}}[a-z0-9])?", fullmatch=True)
+
+
+def _bad_rfc1035(max_len: int, *, prefixed: bool = False):
+    """Names breaking exactly one RFC 1035 rule. `prefixed`: the name follows `RUN-` (a VM's), so a leading
+    digit or - is allowed there."""
+    good = _rfc1035(max_len)
+    cases = [
+        good.map(lambda s: s + "-"),  # ends with -
+        st.tuples(good, st.integers(0, 60), _chars_except(LOWER + DIGITS + "-")).map(
+            lambda a: a[0][:a[1]] + a[2] + a[0][a[1]:]),  # a character outside [a-z0-9-], uppercase included
+        st.from_regex(rf"[a-z][a-z0-9]{{{max_len},{max_len + 30}}}", fullmatch=True),  # too long
+    ]
+    if not prefixed:
+        cases.append(st.tuples(st.sampled_from(DIGITS + "-"), good).map("".join))  # not starting with a letter
+    return st.one_of(cases)
+
+
+def _google_like(name: str) -> bool:
+    return name.startswith("goog") or re.search(r"g[o0]{2}g[l1]e", name) is not None
+
+
+def _bucket():
+    """Cloud Storage names: 3-63 of [a-z0-9_-] (dotted: parts of 1-63, 222 in all), a letter or digit at both
+    ends, not an IP address, not starting with goog, not containing google or a close misspelling."""
+    plain = st.from_regex(r"[a-z0-9][a-z0-9_-]{1,61}[a-z0-9]", fullmatch=True)
+    dotted = st.lists(st.from_regex(r"[a-z0-9]([a-z0-9_-]{0,20}[a-z0-9])?", fullmatch=True), min_size=2,
+                      max_size=4).map(".".join)
+    return st.one_of(plain, dotted).filter(lambda n: not _google_like(n) and not re.fullmatch(r"[\d.]+", n))
+
+
+def _bad_bucket():
+    good = _bucket()
     return st.one_of(
-        st.tuples(st.just("accelerator"), hostile.map(lambda v: {**VALID, "accelerator": v})),
-        st.tuples(st.just("zone"), hostile.filter(lambda v: v.strip(", ") and "," not in v)
-                  .map(lambda v: {**VALID, "zone": v})),
-        st.tuples(st.just("provisioning"), hostile.map(lambda v: {**VALID, "provisioning": v})),
-        st.tuples(st.just("ttl"), hostile.map(lambda v: {**VALID, "ttl": v})),
-        st.tuples(st.just("name"), hostile.map(lambda v: {**VALID, "name": v})),
-        st.tuples(st.just("bucket"), hostile.filter(lambda v: v != "auto").map(lambda v: {**VALID, "bucket": v})),
-        st.tuples(st.just("labels"), st.tuples(hostile, hostile).map(lambda kv: {**VALID, "labels": {kv[0]: kv[1]}})),
-        st.tuples(st.just("service_account"), hostile.filter(lambda v: v != "default")
-                  .map(lambda v: {**VALID, "service_account": v})),
-        st.tuples(st.just("runtime_version"), hostile.map(lambda v: {**VALID, "runtime_version": v})),
-        st.tuples(st.just("job.max_recoveries"), st.integers(max_value=-1).map(
-            lambda v: {**VALID, "job": {"max_recoveries": v}})),
-        st.tuples(st.just("vms"), hostile
-                  .map(lambda v: {**VALID, "vms": [{"name": v}]})),
-        st.tuples(st.just("unknown"), st.from_regex(r"[a-z]{3,12}", fullmatch=True)
-                  .filter(lambda k: k not in {"name", "project", "zone", "zones", "accelerator", "bucket", "labels",
-                                              "ttl", "vms", "tags", "job", "network", "subnet", "provisioning"})
-                  .map(lambda k: {**VALID, k: "x"})),
+        st.from_regex(r"[a-z0-9]{1,2}", fullmatch=True),  # too short
+        st.from_regex(r"[a-z0-9]{64,90}", fullmatch=True),  # too long without dots
+        st.tuples(st.from_regex(r"[a-z0-9]{64,70}", fullmatch=True), good).map(".".join),  # a part too long
+        st.tuples(good, st.sampled_from("-_.")).map("".join),  # not ending in a letter or digit
+        st.tuples(st.sampled_from("-_."), good).map("".join),  # not starting with one
+        st.tuples(good, st.integers(1, 60), _chars_except(LOWER + DIGITS + "-_.")).map(
+            lambda a: a[0][:a[1]] + a[2] + a[0][a[1]:]).filter(lambda n: not n.startswith("gs:")),
+        st.tuples(good, good).map("..".join),  # an empty dot-separated part
+        st.tuples(*[st.integers(0, 255)] * 4).map(lambda ip: ".".join(map(str, ip))),  # an IP address
+        good.map(lambda n: "goog" + n),
+        st.tuples(good, st.sampled_from(["google", "g00gle", "go0gle"])).map(  # Google's example misspelling
+            lambda a: a[0][:3] + a[1] + a[0][3:]),
     )
 
 
-def _is_valid(spec: dict) -> bool:
+def _duration(low_s: float, high_s: float):
+    """A duration in the README's grammar ("90m", "1h30m", "3600" or a number of seconds) within bounds."""
+    def text(s: int):
+        parts, rest = [], s
+        for u, size in sorted(UNITS.items(), key=lambda kv: -kv[1]):
+            if rest >= size:
+                parts.append(f"{rest // size}{u}")
+                rest %= size
+        return "".join(parts)
+
+    seconds = st.integers(int(math.ceil(low_s)), int(high_s))
+    return st.one_of(seconds, seconds.map(str), seconds.map(text))
+
+
+def _not_a_duration():
+    """Zero, negative, not finite, or text that is not digits with units of s, m, h, d, w."""
+    return st.one_of(
+        st.integers(max_value=0), st.floats(max_value=0, allow_nan=False), st.sampled_from([math.nan, math.inf]),
+        st.tuples(st.integers(1, 99), st.sampled_from(sorted(set(LOWER) - set(UNITS)))).map(
+            lambda a: f"{a[0]}{a[1]}"),  # a unit that is not one
+        st.tuples(st.sampled_from(sorted(UNITS)), st.integers(1, 99)).map(lambda a: f"{a[0]}{a[1]}"),
+        st.sampled_from(sorted(UNITS)).map(lambda u: f"0{u}"),
+        st.text(max_size=20).filter(lambda v: not any(c.isdigit() for c in v)),  # no number at all
+    )
+
+
+def _labels():
+    key = st.from_regex(r"[a-z][a-z0-9_-]{0,62}", fullmatch=True).filter(lambda k: not k.startswith("tpuctl-"))
+    return st.dictionaries(key, st.from_regex(r"[a-z0-9_-]{0,63}", fullmatch=True), max_size=3)
+
+
+def _bad_labels():
+    good_key = st.from_regex(r"[a-z][a-z0-9_-]{0,30}", fullmatch=True)
+    ascii_bad = st.sampled_from(sorted(set(map(chr, range(32, 127))) - set(LOWER + DIGITS + "_-")))
+    return st.one_of(
+        # a key not starting with a letter
+        st.tuples(st.sampled_from(DIGITS + "_-"), good_key).map(lambda a: {"".join(a): "x"}),
+        st.tuples(good_key, ascii_bad).map(lambda a: {a[0] + a[1]: "x"}),  # a key character outside the set
+        st.tuples(good_key, ascii_bad).map(lambda a: {a[0]: "v" + a[1]}),  # a value character outside it
+        good_key.map(lambda k: {(k * 64)[:64]: "x"}),  # a key over 63
+        good_key.map(lambda k: {k: "v" * 64}),  # a value over 63
+        st.just({f"k{i}": "v" for i in range(65)}),  # more than 64 labels
+        st.sampled_from(["tpuctl-run", "tpuctl-owner", "tpuctl-created", "tpuctl-expires"]).map(
+            lambda k: {k: "x"}),  # tpuctl's own labels
+    )
+
+
+def _service_account():
+    return st.from_regex(r"[a-z][a-z0-9-]{4,28}[a-z0-9]@[a-z][a-z0-9-]{4,28}[a-z0-9]\.iam\.gserviceaccount\.com",
+                         fullmatch=True)
+
+
+def _bad_service_account():
+    good = _service_account()
+    return st.one_of(good.map(lambda e: e.replace("@", "")), good.map(lambda e: e.replace("@", "@@")),
+                     good.map(lambda e: e.split(".")[0]),  # a domain without a dot
+                     st.tuples(good, st.sampled_from(" \t\n")).map(lambda a: a[0].replace("@", a[1] + "@")))
+
+
+@st.composite
+def valid_specs(draw, flags_only: bool = False, provisioning: str | None = None,
+                api: str | None = None) -> tuple[dict, catalog_mod.AcceleratorType]:
+    """A spec every rule allows, with the type it asks for. `flags_only`: on-demand, and only what `up`'s
+    flags can say; `provisioning`: of this model; `api`: a type this API makes."""
+    provisioning = "on-demand" if flags_only else provisioning
+    # tpuctl's own limit: it makes flex-start Compute Engine TPUs single-host only so far.
+    t = draw(st.sampled_from([t for t in TYPES if provisioning in (None, *t.provisioning) and api in (None, t.api)
+                              and not (provisioning == "flex-start" and t.api == "compute" and t.multi_host)]))
+    provisioning = provisioning or draw(st.sampled_from(t.provisioning))
+    if provisioning == "flex-start" and t.api == "compute" and t.multi_host:
+        provisioning = "on-demand"
+    zones = (t.flex_start_zones or t.zones) if provisioning == "flex-start" else t.zones
+    zone = draw(st.sampled_from(sorted(zones)))
+    spec = {"name": draw(_rfc1035(RUN_NAME_MAX)), "accelerator": t.name, "provisioning": provisioning}
+    failover = [z for z in zones if z != zone and region_of(z) == region_of(zone)]
+    spec["zone"] = [zone, draw(st.sampled_from(failover))] if failover and draw(st.booleans()) else zone
+    if provisioning == "flex-start":
+        spec["max_run_duration"] = draw(_duration(30, 7 * DAY))
+    if provisioning in ("flex-start", "queued") and draw(st.booleans()):
+        spec["valid_until"] = draw(_duration(1, 2 * 3600 if provisioning == "flex-start" else 30 * DAY))
+    optional = {"ttl": _duration(1, 30 * DAY), "bucket": st.one_of(st.just("auto"), _bucket(),
+                                                                   _bucket().map(lambda b: f"gs://{b}/")),
+                "labels": _labels(), "service_account": st.one_of(st.just("default"), _service_account()),
+                "runtime_version": st.just(t.default_runtime),
+                "bucket_soft_delete": st.one_of(st.sampled_from(["0s", "off"]), _duration(7 * DAY, 90 * DAY)),
+                "vms": _rfc1035(62 - len(spec["name"])).map(lambda n: [{"name": n}]) if len(spec["name"]) < 61
+                else st.just([])}
+    if flags_only:
+        optional = {k: v for k, v in optional.items() if k in FLAGS}
+    for key in draw(st.lists(st.sampled_from(sorted(optional)), unique=True, max_size=len(optional))):
+        spec[key] = draw(optional[key])
+    return spec, t
+
+
+def _invalid_for(spec: dict, t: catalog_mod.AcceleratorType) -> dict:
+    """field -> strategy of copies of `spec` (a valid spec of type `t`) with exactly one of that field's rules
+    broken. Flex-start's fields hold only together: a change of provisioning drops or adds them to match."""
+    def put(key: str):
+        return lambda v: {**spec, key: v}
+
+    names = {x.name for x in TYPES}
+    no_wait = {k: v for k, v in spec.items() if k not in ("max_run_duration", "valid_until")}
+    flex = spec["provisioning"] == "flex-start"
+    cases = {
+        "name": _bad_rfc1035(RUN_NAME_MAX).map(put("name")),
+        "accelerator": st.one_of(
+            hostile.filter(lambda v: v.strip().lower() not in names),
+            st.tuples(st.sampled_from(sorted({x.generation for x in TYPES})), st.integers(0, 9000))
+            .map(lambda a: f"{a[0]}-{a[1]}").filter(lambda v: v not in names)).map(put("accelerator")),
+        # A zone not offering the type, zone-shaped or any text; for flex-start where Google sells it in some of
+        # the type's zones, one of the others.
+        "zone": st.sampled_from(sorted(set(t.zones) - set(t.flex_start_zones))).map(put("zone"))
+        if flex and t.flex_start_zones else
+        st.one_of(st.sampled_from(sorted(set(ALL_ZONES) - set(t.zones))),
+                  st.from_regex(r"[a-z]{2,8}-[a-z]{3,9}[0-9]-[a-z]", fullmatch=True),
+                  hostile.filter(lambda v: "," not in v))
+        .filter(lambda z: z.strip() not in t.zones).map(put("zone")),
+        # Not a provisioning model, or one Google does not sell (or tpuctl does not make) for this type.
+        "provisioning": st.one_of(
+            hostile.filter(lambda v: v not in PROVISIONING).map(lambda v: {**no_wait, "provisioning": v}),
+            *[st.just({**no_wait, "provisioning": p, **({"max_run_duration": "4h"} if p == "flex-start" else {})})
+              for p in PROVISIONING if p not in t.provisioning
+              or (p == "flex-start" and t.api == "compute" and t.multi_host)]),
+        "runtime_version": st.one_of(
+            st.sampled_from(sorted(set(ALL_RUNTIMES) - set(t.runtimes))),
+            hostile.filter(lambda v: v not in t.runtimes)).map(put("runtime_version")),
+        "ttl": _not_a_duration().map(put("ttl")),
+        "bucket": _bad_bucket().map(put("bucket")),
+        "labels": _bad_labels().map(put("labels")),
+        "service_account": _bad_service_account().map(put("service_account")),
+        "bucket_soft_delete": st.one_of(_duration(1, 7 * DAY - 1), _duration(90 * DAY + 1, 400 * DAY))
+                              .map(put("bucket_soft_delete")),
+        "job.max_recoveries": st.integers(max_value=-1).map(lambda v: {**spec, "job": {"max_recoveries": v}}),
+        # The VM's name follows the run's and a -: together at most 63.
+        "vms.0.name": _bad_rfc1035(63 - len(spec["name"]) - 1, prefixed=True)
+                      .map(lambda v: {**spec, "vms": [{"name": v}]}),
+        "unknown": st.from_regex(r"[a-z][a-z_]{2,12}", fullmatch=True)
+                   .filter(lambda k: k not in {*spec_mod.RunSpec.model_fields, "zone"}).map(lambda k: {**spec, k: "x"}),
+        # Flex-start needs a run length of 30s to 7d, which nothing else takes; a wait for capacity (valid_until)
+        # is for flex-start (at most 2h) and queued only.
+        "max_run_duration": st.one_of(
+            _duration(1, 29), _duration(7 * DAY + 1, 60 * DAY), _not_a_duration()).map(put("max_run_duration"))
+ if flex else _duration(30, 7 * DAY).map(put("max_run_duration")),
+        "valid_until": (_duration(2 * 3600 + 1, 30 * DAY) if flex else _not_a_duration()
+                        if spec["provisioning"] == "queued" else _duration(1, DAY)).map(put("valid_until")),
+    }
+    if flex:
+        cases["max_run_duration"] = st.one_of(cases["max_run_duration"],
+                                              st.just({k: v for k, v in spec.items() if k != "max_run_duration"}))
+    return cases
+
+
+FIELDS = ("name", "accelerator", "zone", "provisioning", "runtime_version", "ttl", "bucket", "labels",
+          "service_account", "bucket_soft_delete", "job.max_recoveries", "vms.0.name", "unknown", "max_run_duration",
+          "valid_until")
+# (field, what the valid spec broken is): the rules of flex-start, queued and Compute Engine TPUs need one.
+CASES = [(f, {}) for f in FIELDS] + [
+    ("zone", {"provisioning": "flex-start"}), ("provisioning", {"provisioning": "flex-start"}),
+    ("max_run_duration", {"provisioning": "flex-start"}), ("valid_until", {"provisioning": "flex-start"}),
+    ("valid_until", {"provisioning": "queued"}), ("provisioning", {"api": "compute"})]
+
+
+@st.composite
+def invalid_specs(draw, field: str, flags_only: bool = False, **base) -> tuple[str, dict]:
+    """(the field the error must name, a valid spec (`base`: valid_specs' choices) with one of `field`'s rules
+    broken)."""
+    spec, t = draw(valid_specs(flags_only, **base))
+    bad = draw(_invalid_for(spec, t)[field])
+    return (next(k for k in bad if k not in spec) if field == "unknown" else field), bad
+
+
+def _plan(spec: dict):
     from tpuctl import provision
-    from tpuctl import spec as spec_mod
-    from tpuctl.errors import BadInput
 
-    try:
-        provision.plan(spec_mod.from_mapping(spec), project=chaos.PROJECT, owner="hostile")
-        return True
-    except BadInput:
-        return False
+    return provision.plan(spec_mod.from_mapping(spec), project=chaos.PROJECT, owner="hostile")
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
-@given(case=_bad_spec())
-def test_invalid_spec_file_exits_2_naming_the_field_and_creates_nothing(stack, tmp_path, case):
-    field, spec = case
-    if _is_valid(spec):  # hypothesis may draw a value that happens to be valid (e.g. ttl "5m")
-        return
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec, allow_unicode=True))
-    result = _invoke(stack, ["up", str(path), "--yes"])
-    # The unknown-key case names the key itself; vms errors name the VM's field path.
-    fields = (next(k for k in spec if k not in VALID),) if field == "unknown" else (
-        "vms.0.name",) if field == "vms" else (field,)
-    if field == "labels":
-        fields = ("labels", f"labels.{next(iter(spec['labels']))}")
-    _assert_rejected(stack, result, fields, tmp_path)
+def _assert_plan_refuses(spec: dict, field: str) -> None:
+    with pytest.raises(BadInput) as refused:
+        _plan(spec)
+    assert refused.value.field == field or refused.value.field.startswith(f"{field}."), (field, refused.value)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.too_slow])
-@given(option=st.sampled_from(["--name", "--accelerator", "--zone", "--ttl", "--bucket", "--service-account",
-                               "--runtime-version"]),
-       value=hostile.filter(lambda v: not v.startswith("-") and "\x00" not in v))
-def test_invalid_cli_arguments_exit_2_naming_the_field_and_create_nothing(stack, tmp_path, option, value):
-    field = option[2:].replace("-", "_")
-    args = {"--name": "ok-run", "--accelerator": "v3-8", "--zone": "us-central1-a", option: value}
-    spec = {k[2:].replace("-", "_"): v for k, v in args.items()}
-    if _is_valid(spec):
-        return
-    argv = ["up", "--yes"] + [x for kv in args.items() for x in kv]
-    result = _invoke(stack, argv)
-    _assert_rejected(stack, result, (field, field.replace("_", "-"), "zone" if field == "zone" else field), tmp_path)
+@settings(max_examples=100, deadline=None)
+@given(case=valid_specs())
+def test_specs_every_rule_allows_are_planned_as_given(case):
+    spec, t = case
+    plan = _plan(spec)
+    zones = [spec["zone"]] if isinstance(spec["zone"], str) else spec["zone"]
+    assert (plan.run, plan.accelerator.name, plan.zones, plan.provisioning) == (
+        spec["name"], t.name, tuple(zones), spec["provisioning"])
+    if spec.get("bucket", "auto") != "auto":
+        assert plan.bucket == spec["bucket"].removeprefix("gs://").rstrip("/")
+    assert spec.get("labels", {}).items() <= plan.labels.items()
+
+
+@pytest.mark.parametrize("broken,base", CASES, ids=["-".join([f, *b.values()]) for f, b in CASES])
+def test_invalid_spec_file_exits_2_naming_the_field_and_creates_nothing(stack, tmp_path, broken, base):
+    @settings(max_examples=12, deadline=None)
+    @given(case=invalid_specs(broken, **base))
+    def check(case):
+        field, spec = case
+        _assert_plan_refuses(spec, field)
+        path = tmp_path / "spec.yaml"
+        path.write_text(yaml.safe_dump(spec, allow_unicode=True))
+        _assert_rejected(stack, _invoke(stack, ["up", str(path), "--yes"]), (field,), tmp_path)
+
+    check()
+
+
+@pytest.mark.parametrize("broken", sorted(FLAGS))
+def test_invalid_cli_arguments_exit_2_naming_the_field_and_create_nothing(stack, tmp_path, broken):
+    # Click reads a value starting with - as a flag, and no argv word holds a NUL.
+    @settings(max_examples=8, deadline=None)
+    @given(case=invalid_specs(broken, flags_only=True).filter(
+        lambda c: all(not str(v).startswith("-") and "\x00" not in str(v) for v in c[1].values())))
+    def check(case):
+        field, spec = case
+        _assert_plan_refuses(spec, field)  # first: `up` on a spec that plans would create it, slowly
+        argv = ["up", "--yes"]
+        for key, value in spec.items():
+            if key != "provisioning":  # on-demand, the default
+                argv += [FLAGS[key], ",".join(value) if isinstance(value, list) else str(value)]
+        _assert_rejected(stack, _invoke(stack, argv), (field, FLAGS[field][2:]), tmp_path)
+
+    check()
 
 
 def test_vm_name_with_newline_still_gives_a_one_line_error(stack, tmp_path):
