@@ -1,7 +1,8 @@
 """Save on the preemption notice (templates/README.md "Save on notice"), on TensorFlow and JAX.
 
-`python -m bert.train` as a worker starts it, with `checkpoint_every` far beyond the run: SIGUSR1 (the agent's
-request on the metadata server's notice) writes a checkpoint at the next step boundary and training goes on;
+`python -m bert.train` as a worker starts it, with `checkpoint_every` far beyond the run: the save request file
+(the agent writes it on the metadata server's notice) gets a checkpoint at the next step boundary and training
+goes on;
 SIGTERM (the guest's shutdown) writes one at the step reached and ends the process as SIGTERM would. No step is
 lost: the last checkpoint is the last step the process trained.
 """
@@ -53,7 +54,9 @@ def test_a_notice_saves_the_step_reached_and_sigterm_loses_none(data_dir, tmp_pa
                     "steps_per_execution": 1, "log_every": 1, "warmup_steps": 5, "shuffle_buffer": 64},
         "runtime": {"data_dir": data_dir, "model_dir": str(model_dir), "framework": framework, "seed": 1}}))
     # Off Google Cloud: no metadata server address at all (the session's closed port reads as a broken one).
-    env = {k: v for k, v in _worker_env().items() if not k.startswith("GCE_METADATA")}
+    request = tmp_path / "save-request"
+    env = {**{k: v for k, v in _worker_env().items() if not k.startswith("GCE_METADATA")},
+           "TPUCTL_SAVE_REQUEST": str(request)}
     errors = open(tmp_path / "stderr.txt", "w")  # a file: a pipe nobody reads could stall the program
     proc = subprocess.Popen([sys.executable, "-m", "bert.train", "--config", str(cfg), "--replicas", "2"], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
@@ -61,9 +64,9 @@ def test_a_notice_saves_the_step_reached_and_sigterm_loses_none(data_dir, tmp_pa
     deadline = time.monotonic() + 240
     try:
         noticed_at = int(_lines_until(proc, STEP, seen, deadline)[1])
-        proc.send_signal(signal.SIGUSR1)
+        request.write_text("instance/preempted=TRUE\n")
         first = int(_lines_until(proc, SAVED, seen, deadline)[1])
-        assert first >= noticed_at
+        assert first >= noticed_at and not request.exists()  # taken
         # Training goes on after the save the agent asked for.
         reached = int(_lines_until(proc, re.compile(rf"^step=({first + 2}) "), seen, deadline)[1])
         proc.send_signal(signal.SIGTERM)

@@ -22,11 +22,13 @@ class Monitor(keras.callbacks.Callback):
 
     `checkpoint(step) -> path` and `writer` are None on JAX processes other than 0: they train, process 0 writes.
 
-    A save asked for by a notice (`notices()`: SIGUSR1, the agent's; SIGTERM, the guest's shutdown) happens at
-    the first step boundary after it (one execution of `steps_per_execution` steps at worst); after SIGTERM's
-    the process ends as SIGTERM would have ended it. With `processes` > 1 (JAX multi-host) the hosts agree on
-    every boundary whether any of them was notified (one small all-gather per execution), so all save the same
-    step: the idea of jax's `multihost_utils.reached_preemption_sync_point`, without its SIGTERM-only notifier.
+    A save asked for by a notice (the contract's, templates/README.md "Save on notice": the file that
+    `TPUCTL_SAVE_REQUEST` names appears, the agent's answer to the metadata server's notice; or SIGTERM, the
+    guest's shutdown, while `notices()` is in force) happens at the first step boundary after it (one execution
+    of `steps_per_execution` steps at worst); after SIGTERM's the process ends as SIGTERM would have ended it.
+    With `processes` > 1 (JAX multi-host) the hosts agree at every boundary whether any of them was notified
+    (one small all-gather per execution), so all save the same step: the idea of jax's
+    `multihost_utils.reached_preemption_sync_point`, without its SIGTERM-only notifier.
     """
 
     def __init__(self, checkpoint, schedule, global_batch, log_every, checkpoint_every, writer, emit, start, *,
@@ -62,26 +64,32 @@ class Monitor(keras.callbacks.Callback):
             self.window_step, self.window_time = step, now
         if step % self.checkpoint_every == 0:
             self.save(step)
-        requested = self._noticed()
-        if requested:
+        requested, stop = self._noticed()
+        if requested or stop:
             if self.saved_step != step:
                 self.save(step)
-            if signal.SIGTERM in requested:
+            if stop:
                 self.emit(f"stopped step={step} reason=sigterm")
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)  # end as the shutdown's SIGTERM would have
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    def _noticed(self) -> set[int]:
-        """The notices taken since the last boundary; on several processes, those of any of them."""
-        requested = self.notice.take()
+    def _noticed(self) -> tuple[bool, bool]:
+        """(a save was requested, SIGTERM came) since the last boundary; on several processes, by any of them."""
+        request = os.environ.get(SAVE_REQUEST_VAR)
+        requested = False
+        if request and os.path.exists(request):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(request)  # taken: the next request is a new file
+            requested = True
+        stop = self.notice.take()
         if self.processes < 2:
-            return requested
+            return requested, stop
         import numpy as np
         from jax.experimental import multihost_utils
 
-        mine = np.array([signal.SIGUSR1 in requested, signal.SIGTERM in requested], np.int32)
-        anyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2).max(axis=0)
-        return {s for s, flag in zip((signal.SIGUSR1, signal.SIGTERM), anyone) if flag}
+        anyone = np.asarray(multihost_utils.process_allgather(np.array([requested, stop], np.int32)))
+        requested, stop = (bool(flag) for flag in anyone.reshape(-1, 2).max(axis=0))
+        return requested, stop
 
     def save(self, step: int) -> None:
         self.saved_step = step
@@ -90,40 +98,40 @@ class Monitor(keras.callbacks.Callback):
             self.emit(f"checkpoint step={step} path={self.checkpoint(step)}")
 
 
-class _Notice:
-    """The save requests the process received (signal numbers), set by the handlers `notices()` installs."""
+# The template contract's save request (templates/README.md, "Save on notice"): the path of a file whose
+# appearance asks for a checkpoint at the next step boundary (the agent writes it on the metadata server's
+# preemption or maintenance notice); the guest's shutdown SIGTERM asks for one too, then the end.
+SAVE_REQUEST_VAR = "TPUCTL_SAVE_REQUEST"
+
+
+class _Shutdown:
+    """Whether SIGTERM came while `notices()` was in force: its handler notes it, the boundary takes it."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._pending: set[int] = set()
+        self._event = threading.Event()
 
-    def note(self, signum, frame=None) -> None:
-        with self._lock:
-            self._pending.add(signum)
+    def note(self, signum=None, frame=None) -> None:
+        self._event.set()
 
-    def take(self) -> set[int]:
-        with self._lock:
-            pending, self._pending = self._pending, set()
-        return pending
+    def take(self) -> bool:
+        came = self._event.is_set()
+        self._event.clear()
+        return came
 
 
-NOTICE = _Notice()
-# The template contract's save request (templates/README.md, "Save on notice"): the agent's SIGUSR1 on the
-# metadata server's preemption or maintenance notice; SIGTERM, the guest's shutdown (Spot: 30 s before power off).
-NOTICE_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+NOTICE = _Shutdown()
 
 
 @contextlib.contextmanager
 def notices():
-    """While training: a notice signal asks for a checkpoint at the next step boundary instead of ending the
-    process at once. Outside the main thread (Python delivers signals only there) nothing changes."""
+    """While training: SIGTERM asks for a checkpoint at the next step boundary, then the end, instead of ending
+    the process at once. Outside the main thread (Python delivers signals only there) nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    NOTICE.take()  # a notice that came before this training belongs to no step of it
-    previous = {sig: signal.signal(sig, NOTICE.note) for sig in NOTICE_SIGNALS}
+    NOTICE.take()  # a SIGTERM noted before this training belongs to no step of it
+    previous = signal.signal(signal.SIGTERM, NOTICE.note)
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signal.signal(signal.SIGTERM, previous)

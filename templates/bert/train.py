@@ -4,7 +4,8 @@ Reads one config file (config.py), the prepared data's manifest (refusing data t
 config or with the checkpoints already in `model_dir`), resolves the strategy (strategy.py), restores the
 latest checkpoint if any, trains to `trainer.max_steps` and exports. Safe to kill at any moment: checkpoints
 are written atomically every `trainer.checkpoint_every` steps, at the end, and at the next step boundary after
-a notice (SIGUSR1: save and go on; SIGTERM: save and end by SIGTERM; templates/README.md "Save on notice"), and a rerun with the same
+a notice (the file `TPUCTL_SAVE_REQUEST` names appears: save and go on; SIGTERM: save, then end by SIGTERM;
+templates/README.md "Save on notice"), and a rerun with the same
 config resumes from the latest one (step counter, optimizer state and the loss curve continue; the data
 order does not, it is reshuffled). A rerun after completion only re-exports.
 
