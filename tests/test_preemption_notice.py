@@ -11,6 +11,7 @@ import time
 
 from google.cloud import tpu_v2
 
+from test_jobs_harness import storage  # noqa: F401 - the emulated bucket fixture
 from test_localcloud_tpu import _alive, _create
 
 from localcloud.workers import TERM_GRACE_S
@@ -64,3 +65,56 @@ def test_a_preempted_guest_reads_the_notice_gets_sigterm_and_runs_until_the_powe
     while _alive(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(int(pid))
+
+
+def test_the_agent_turns_the_metadata_notice_into_a_save_and_loses_no_step_to_the_shutdown(tmp_path, storage):
+    """The worker agent (bundled, run as on a worker) follows instance/preempted: when it turns TRUE the program
+    checkpoints at its next step (checkpoint_every is far beyond the run); the shutdown's SIGTERM then gets a
+    checkpoint of the very last step, which the agent syncs to the bucket before it ends."""
+    import os
+    import signal
+    import subprocess
+    import tarfile
+
+    from test_jobs import PYTHON, _blob_text, _job, _ship
+    from tpuctl.jobs import bundle as bundles
+
+    from localcloud.metadata import MetadataServer, guest_tree
+
+    notice = {"preempted": False}
+    server = MetadataServer()
+    host = server.attach("node", 1, lambda index: guest_tree(
+        project="test-project", number="123", zone="us-central1-a", name="t1v-n-0-w-0", instance_id="1",
+        attributes={}, service_account=("sa@test-project.iam.gserviceaccount.com", ["cloud-platform"]),
+        preempted=notice["preempted"]))[0]
+    run = "notice"
+    b = _ship(tmp_path, storage, _job(run, storage, workers=1, trainer={
+        "max_steps": 100000, "checkpoint_every": 100000, "step_seconds": 0.05}))
+    home = tmp_path / "w0"
+    with tarfile.open(b.path) as tar:
+        tar.extractall(home / "bundle", filter="data")
+    log = home / "job.log"
+    proc = subprocess.Popen([PYTHON, str(home / "bundle" / bundles.AGENT_NAME), "run", "--bundle",
+                             str(home / "bundle"), "--worker", "0"], start_new_session=True,
+                            env={**os.environ, "STORAGE_EMULATOR_HOST": storage.host, "GCE_METADATA_HOST": host,
+                                 "GCE_METADATA_IP": host},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        reached = int(_line(log, "step=5", deadline)[0].split("=")[1])
+        notice["preempted"] = True
+        saved = int(_line(log, "checkpoint", deadline)[1].split("=")[1])
+        assert saved >= reached
+        assert "tpuctl agent: notice: instance/preempted=TRUE" in log.read_text()
+        _line(log, f"step={saved + 3}", deadline)
+        os.killpg(proc.pid, signal.SIGTERM)  # the guest's shutdown: every process
+        assert proc.wait(timeout=30) == 143
+    finally:
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        server.close()
+    lines = log.read_text().splitlines()
+    trained = max(int(line.split()[0].split("=")[1]) for line in lines if line.startswith("step="))
+    last = [line for line in lines if line.startswith("checkpoint step=")][-1]
+    assert last.startswith(f"checkpoint step={trained} ")  # steps lost: 0
+    assert _blob_text(storage, f"runs/{run}/model/checkpoint") == f"ckpt-{trained}.json"
