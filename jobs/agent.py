@@ -633,7 +633,8 @@ class Agent:
     def _watch(self, path: str, quiet: str) -> None:
         """Follow metadata `path` until the agent stops; a value other than `quiet` is a notice. An unreachable
         metadata server (briefly, or none at all off Google Cloud) is asked again, backing off up to a minute."""
-        host = os.environ.get("GCE_METADATA_HOST") or "metadata.google.internal"
+        # Where google-auth (GCE_METADATA_HOST) or JAX (GCE_METADATA_IP) would look; a real VM sets neither.
+        host = os.environ.get("GCE_METADATA_HOST") or os.environ.get("GCE_METADATA_IP") or "metadata.google.internal"
         url = f"http://{host}/computeMetadata/v1/{path}"
         etag, delay = None, 1.0  # None: not read yet (the first read answers at once)
         while not self._stop.is_set():
