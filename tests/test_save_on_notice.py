@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from test_bert_backends import data_dir  # noqa: E402,F401 - the shared prepared corpus fixture
+from test_bert_backends import data_dir  # noqa: E402,F401 - the shared prepared corpus fixture (skips without jax)
 from test_bert_train import _worker_env  # noqa: E402
 
 from tpuctl.templates.bert import checkpoints  # noqa: E402
@@ -43,8 +43,7 @@ def _lines_until(proc, pattern: re.Pattern, seen: list[str], deadline: float) ->
     raise AssertionError(f"the program ended before {pattern.pattern}: {seen[-20:]}\n{errors}")
 
 
-@pytest.mark.parametrize("framework", ["tensorflow", pytest.param("jax", marks=pytest.mark.skipif(
-    not __import__("importlib").util.find_spec("jax"), reason="no jax"))])
+@pytest.mark.parametrize("framework", ["tensorflow", "jax"])
 def test_a_notice_saves_the_step_reached_and_sigterm_loses_none(data_dir, tmp_path, framework):  # noqa: F811
     model_dir = tmp_path / "model"
     cfg = tmp_path / "config.json"
