@@ -12,8 +12,8 @@ Afterwards it checks, from the local cloud's own inventory (`/_localcloud/status
 
 - leaked: a tpuctl resource of the scenario's run still present after the scenario's cleanup, or (after an
   exit 130) a resource the interrupted command promised to remove before any cleanup ran;
-- lost checkpoints: a checkpoint object seen in the bucket during the job missing at the end with nothing newer
-  there, or a resumed job restoring a step below the last checkpoint it had written (the step count went backwards);
+- lost checkpoints: a checkpoint object seen in the bucket during the job missing at the end, or a resumed
+  job restoring a step below the last checkpoint it had written (the step count went backwards);
 - wrong exit codes: the exit code (0 ok/recovered, 2 refused by the preflight, 3 capacity or quota, 130
   interrupted, -9 killed) or the error line does not match the injected fault. A create that never finishes, or a queued resource waiting for
   capacity, is the user pressing Ctrl-C 1-3 s in (exit 130).
@@ -22,6 +22,7 @@ The last four lines are `leaked: N`, `lost checkpoints: N`, `wrong exit codes: N
 when a job was preempted, `steps lost per preemption: median M, worst W`: the preempted job's periodic
 checkpoints lie beyond its end, so it resumes from the notice's save, and a step it trained before the
 preemption that the resumed job trains again is lost (each preempt-mid-job line shows its `steps_lost=N`).
+A checkpoint the agent rotated away once a newer one was in the bucket is not a lost checkpoint.
 
 Provisioning is always a real `tpuctl up SPEC --yes` process and every job scenario a real `tpuctl run SPEC
 --yes` process (exit codes and error lines are the CLI's own; recovery from preemption, worker death and SSH
