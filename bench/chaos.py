@@ -19,7 +19,11 @@ Afterwards it checks, from the local cloud's own inventory (`/_localcloud/status
   capacity or quota, 130 interrupted, -9 killed) or the error line does not match the injected fault. A create that never finishes, or a queued resource waiting for
   capacity, is the user pressing Ctrl-C 1-3 s in (exit 130).
 
-The last four lines are `leaked: N`, `lost checkpoints: N`, `wrong exit codes: N`, `scenarios: N`.
+The last four lines are `leaked: N`, `lost checkpoints: N`, `wrong exit codes: N`, `scenarios: N`; before them,
+when a job was preempted, `steps lost per preemption: median M, worst W`: the preempted job's periodic
+checkpoints lie beyond its end, so it resumes from the notice's save, and a step it trained before the
+preemption that the resumed job trains again is lost (each preempt-mid-job line shows its `steps_lost=N`).
+A checkpoint the agent rotated away once a newer one was in the bucket is not a lost checkpoint.
 
 Provisioning is always a real `tpuctl up SPEC --yes` process and every job scenario a real `tpuctl run SPEC
 --yes` process (exit codes and error lines are the CLI's own; recovery from preemption, worker death and SSH
@@ -36,6 +40,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -241,6 +246,15 @@ class JobRecord:
     checkpoints_seen: set[str] = field(default_factory=set)
     last_checkpoint_step: int = 0
     restored: list[tuple[int, int]] = field(default_factory=list)  # (last checkpoint step before, step restored)
+    # The last step worker 0 trained before the fault, from its log in the bucket (the agent syncs it at the
+    # preemption notice), until the resumed job's log replaces it.
+    reached: int = 0
+
+    @property
+    def steps_lost(self) -> int | None:
+        """Steps trained before the fault that the resumed job trains again (None: it did not resume, or the
+        preempted job's log was never seen)."""
+        return max(0, self.reached - self.restored[0][1]) if self.restored and self.reached else None
 
 
 def _ckpt_step(name: str) -> int | None:
@@ -316,6 +330,7 @@ class Outcome:
     leaked: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    steps_lost: int | None = None  # preempt-mid-job: steps the preemption cost (JobRecord.steps_lost)
 
     @property
     def wrong_exit(self) -> bool:
@@ -329,8 +344,9 @@ class Outcome:
             flags.append(f"LOST {self.lost}")
         if self.wrong_exit:
             flags.append(f"WRONG EXIT {self.exit_code} (expected {self.expected}) {self.message[:160]!r}")
+        lost = "" if self.steps_lost is None else f"steps_lost={self.steps_lost} "
         return (f"#{self.index:03d} {self.shape:6s} {self.provisioning:9s} {self.fault:19s} cleanup={self.cleanup:4s} "
-                f"exit={self.exit_code} {self.seconds:5.1f}s " + ("; ".join(flags) or "ok"))
+                f"exit={self.exit_code} {self.seconds:5.1f}s {lost}" + ("; ".join(flags) or "ok"))
 
 
 @dataclass(frozen=True)
@@ -472,7 +488,9 @@ def run_scenario(stack: Stack, s: Scenario) -> Outcome:
             stack.admin("POST", f"projects/{PROJECT}", {"tpu_quotas": {q: 0 for q in quotas.known_ids()}})
         if s.uses_run:
             _arm_request_faults(stack, s)
-            out.exit_code, out.message, _, out.lost = _tpuctl_run_with_fault(stack, s)
+            out.exit_code, out.message, record, out.lost = _tpuctl_run_with_fault(stack, s)
+            if s.fault == "preempt-mid-job":
+                out.steps_lost = record.steps_lost
             if out.exit_code == EXIT["interrupted"]:
                 # `tpuctl run` tears its TPU down even on Ctrl-C/SIGTERM; the bucket stays (it holds checkpoints).
                 out.leaked += [f"after interrupted run: {k}" for k in _settle(stack, s.run) if not k.startswith("buckets/")]
@@ -616,9 +634,13 @@ def _tpuctl_run_with_fault(stack: Stack, s: Scenario) -> tuple[int, str, JobReco
     checkpoint problems)."""
     from tpuctl.provision.labels import auto_bucket
 
+    # A preemption strikes a job whose periodic checkpoints are beyond its end: whatever it resumes from is the
+    # preemption notice's save (templates/README.md "Save on notice"), and the steps it trains again are lost.
+    trainer = {"max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.05}
+    if s.fault == "preempt-mid-job":
+        trainer.update(checkpoint_every=1000, step_seconds=0.2)
     spec_path = write_spec(stack, s.run, s.accelerator, s.zones, s.provisioning, extra={"job": {
-        "template": str(STANDIN), "max_recoveries": 3,
-        "config": {"trainer": {"max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.05}}}})
+        "template": str(STANDIN), "max_recoveries": 3, "config": {"trainer": trainer}}})
     bucket = auto_bucket(PROJECT, s.run)
     record = JobRecord()
     proc = subprocess.Popen(run_command(spec_path), env=child_env(stack, "chaos"), stdout=subprocess.PIPE,
@@ -632,6 +654,14 @@ def _tpuctl_run_with_fault(stack: Stack, s: Scenario) -> tuple[int, str, JobReco
         ckpts = [n for n in names if _ckpt_step(n) is not None]
         record.checkpoints_seen.update(ckpts)
         record.last_checkpoint_step = max([record.last_checkpoint_step, *(_ckpt_step(n) for n in ckpts)])
+        if s.fault == "preempt-mid-job":
+            try:
+                log = stack.clients.storage.bucket(bucket).blob(f"runs/{s.run}/logs/worker-0.log").download_as_text()
+            except Exception:  # noqa: BLE001 - not there (yet, or any more)
+                return
+            if "restored step=" not in log:  # the preempted job's log, not yet the resumed one's
+                steps = [int(m.group(1)) for m in re.finditer(r"^(?:checkpoint )?step=(\d+)", log, re.M)]
+                record.reached = max([record.reached, *steps])
 
     at_step = 5 + 5 * int(s.phase * 4)  # 5, 10, 15 or 20 of 30
     before = 0
@@ -651,7 +681,7 @@ def _tpuctl_run_with_fault(stack: Stack, s: Scenario) -> tuple[int, str, JobReco
             if not struck and first_seen is not None and time.monotonic() - first_seen >= s.phase * 6:
                 proc.send_signal(SIGNALS[s.fault])
                 struck = True
-        elif not struck and record.last_checkpoint_step >= at_step:
+        elif not struck and (record.reached if s.fault == "preempt-mid-job" else record.last_checkpoint_step) >= at_step:
             before = record.last_checkpoint_step
             if s.fault == "preempt-mid-job":
                 stack.admin("POST", "preempt", {"node": s.run})
@@ -681,7 +711,10 @@ def _tpuctl_run_with_fault(stack: Stack, s: Scenario) -> tuple[int, str, JobReco
         now = set()
         if record.checkpoints_seen:
             problems.append(f"bucket unreadable: {type(exc).__name__}")
-    problems += sorted(record.checkpoints_seen - now)
+    # Lost: seen, gone, and nothing newer in its place (the agent rotates older checkpoints away once a newer
+    # one is complete, which a job slow enough to be seen at several checkpoints shows).
+    newest = max([0, *(_ckpt_step(n) or 0 for n in now)])
+    problems += sorted(n for n in record.checkpoints_seen - now if _ckpt_step(n) > newest)
     for w in range(s.hosts):
         try:
             log = stack.clients.storage.bucket(bucket).blob(f"runs/{s.run}/logs/worker-{w}.log").download_as_text()
@@ -749,8 +782,11 @@ class Totals:
         self.wrong += int(o.wrong_exit)
 
     def summary(self) -> list[str]:
-        return [f"leaked: {self.leaked}", f"lost checkpoints: {self.lost}", f"wrong exit codes: {self.wrong}",
-                f"scenarios: {self.scenarios}"]
+        lost = sorted(o.steps_lost for o in self.outcomes if o.steps_lost is not None)
+        steps = [f"steps lost per preemption: median {statistics.median(lost)}, worst {lost[-1]} "
+                 f"({len(lost)} preemptions)"] if lost else []
+        return [*steps, f"leaked: {self.leaked}", f"lost checkpoints: {self.lost}",
+                f"wrong exit codes: {self.wrong}", f"scenarios: {self.scenarios}"]
 
 
 def scenarios(n: int, seed: int, faults: tuple[str, ...] = FAULTS) -> Iterator[Scenario]:

@@ -17,6 +17,13 @@ program writes gs:// itself and the agent only heartbeats and copies logs. Every
 aggregates them: {"state": running|succeeded|failed, "heartbeat", "step", "exit_code", "workers"}, merged into
 what the laptop wrote there (see `merge_json`).
 `exit_code` (local file) is written last: when it exists, logs and checkpoints are in the bucket.
+
+Preemption notices: the agent watches the guest's metadata server (`instance/preempted`, `instance/maintenance-event`,
+`?wait_for_change=true`) and on a notice writes the save request file the program finds through
+`TPUCTL_SAVE_REQUEST` (templates/README.md, "Save on notice"): the program checkpoints at its next step boundary.
+The guest's shutdown then SIGTERMs every process (the program too: it saves, if it has not, and ends); the agent
+forwards its own SIGTERM to the program and syncs the checkpoint to the bucket before the power goes off (30 s
+after the shutdown starts on a Spot VM: compute.v1 `Scheduling.skipGuestOsShutdown`).
 """
 
 from __future__ import annotations
@@ -33,11 +40,20 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 STEP = re.compile(rb"\bstep=(\d+)")
 PATH_KEYS = ("data_dir", "model_dir", "export_dir")
 CANCEL_MARKER = "cancelled"  # written by a cancel (jobs/remote.py, the bootstrap's relaunch) before its SIGTERM
+# The guest's notices (metadata path -> its value while nothing is coming): a Spot preemption sets `preempted`
+# TRUE (compute/docs/instances/create-use-spot, "Detect preemption"); `maintenance-event` leaves NONE before host
+# maintenance (compute/docs/metadata/getting-live-migration-notice; TPU VMs are Compute Engine VMs,
+# tpu/docs/prepare-for-maintenance). Read with `?wait_for_change=true` (compute/docs/metadata/querying-metadata).
+NOTICES = {"instance/preempted": "FALSE", "instance/maintenance-event": "NONE"}
+SAVE_REQUEST_VAR = "TPUCTL_SAVE_REQUEST"  # the template contract's save request file (templates/README.md)
+SAVE_REQUEST = "save-request"
+WAIT_S = 300  # one wait_for_change request's timeout_sec: the watch asks again after it
 
 
 def _emulated() -> bool:
@@ -528,6 +544,7 @@ class Agent:
         self._log_size = -1
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self.save_request = self.home / SAVE_REQUEST
 
     def say(self, message: str) -> None:
         """The agent's own notes go into the job's log, where `tpuctl logs` and the bucket copy show them."""
@@ -612,6 +629,36 @@ class Agent:
             except Exception as exc:  # a flaky bucket must not kill training; the next beat retries
                 self.say(f"sync failed: {type(exc).__name__}: {exc}")
 
+    # --- notices
+    def _watch(self, path: str, quiet: str) -> None:
+        """Follow metadata `path` until the agent stops; a value other than `quiet` is a notice. An unreachable
+        metadata server (briefly, or none at all off Google Cloud) is asked again, backing off up to a minute."""
+        # Where google-auth (GCE_METADATA_HOST) or JAX (GCE_METADATA_IP) would look; a real VM sets neither.
+        host = os.environ.get("GCE_METADATA_HOST") or os.environ.get("GCE_METADATA_IP") or "metadata.google.internal"
+        url = f"http://{host}/computeMetadata/v1/{path}"
+        etag, delay = None, 1.0  # None: not read yet (the first read answers at once)
+        while not self._stop.is_set():
+            query = "" if etag is None else \
+                f"?wait_for_change=true&timeout_sec={WAIT_S}" + (f"&last_etag={etag}" if etag else "")
+            request = urllib.request.Request(url + query, headers={"Metadata-Flavor": "Google"})
+            try:
+                with urllib.request.urlopen(request, timeout=WAIT_S + 30) as answer:
+                    value, etag = answer.read().decode().strip(), answer.headers.get("ETag") or ""
+            except (OSError, ValueError):
+                self._stop.wait(delay)
+                delay = min(2 * delay, 60.0)
+                continue
+            delay = 1.0
+            if value != quiet:
+                self.notice(f"{path}={value}")
+
+    def notice(self, what: str) -> None:
+        """Ask the program for a checkpoint at its next step boundary (the contract's request file)."""
+        self.say(f"notice: {what}: asking the program to checkpoint at its next step")
+        tmp = self.save_request.with_suffix(".tmp")
+        tmp.write_text(what + "\n")
+        tmp.replace(self.save_request)  # whole, never half-written, when the program looks
+
     # --- process
     def _on_term(self, signum, frame) -> None:
         self.terminated = True
@@ -638,10 +685,14 @@ class Agent:
         argv = [sys.executable, "-u", "-m", self.job["module"], "--config", str(work), *self.job.get("args", [])]
         env = {**os.environ, **{str(k): str(v) for k, v in (self.job.get("env") or {}).items()},
                "PYTHONPATH": os.pathsep.join(p for p in (str(self.bundle), os.environ.get("PYTHONPATH")) if p),
-               "TPUCTL_RUN": self.job["run"], "TPUCTL_WORKER": str(self.worker)}
+               "TPUCTL_RUN": self.job["run"], "TPUCTL_WORKER": str(self.worker),
+               SAVE_REQUEST_VAR: str(self.save_request)}
+        self.save_request.unlink(missing_ok=True)  # a request of a previous boot's notice was for its program
         self.publish()
         beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
         beat.start()
+        for path, quiet in NOTICES.items():
+            threading.Thread(target=self._watch, args=(path, quiet), daemon=True, name=f"watch {path}").start()
         if self.terminated:
             self.say("cancelled before the program started")
             code = -signal.SIGTERM

@@ -9,7 +9,10 @@ What a request sees follows Google's metadata server (sources in localcloud/READ
 ping google-auth sends; every answer carries the `Metadata-Flavor: Google` response header google-auth checks;
 a directory ending in `/` lists its entries (sub-directories with a trailing `/`), `?recursive=true` returns
 it as JSON (keys camelCased outside `attributes/`, as Google does); a directory without the `/` redirects to
-it; `.../token` returns `{"access_token", "expires_in", "token_type"}` JSON.
+it; `.../token` returns `{"access_token", "expires_in", "token_type"}` JSON. Every answer carries an `ETag`
+of its content; `?wait_for_change=true` holds the request until the content differs from `last_etag` (or,
+without one, from what it was when the request came), or `timeout_sec` passed, and answers it then
+(compute/docs/metadata/querying-metadata, "Wait for updates").
 
 The answers come from a callable per worker (`tree(index)`), called at each request under the caller's lock,
 so metadata patched through the API is what the guest reads next. A tree is nested dicts: a `str` is a text
@@ -18,10 +21,12 @@ value, a `Json` a JSON value that recursive listings leave out (as they leave ou
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
@@ -35,6 +40,7 @@ FLAVOR = ("Metadata-Flavor", "Google")
 _NUMERIC = frozenset({"id", "numeric-project-id"})
 _ACCEPT_POLL_S = 0.5
 _CONN_TIMEOUT_S = 30.0
+_CHANGE_POLL_S = 0.05  # how often a held wait_for_change request looks at its value again
 
 
 @dataclass(frozen=True)
@@ -60,12 +66,13 @@ def service_account_dir(email: str, scopes: list[str], token: str | None = None)
 
 def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: str, attributes: dict[str, str],
                service_account: tuple[str, list[str]] | None, tokens: Any = None,
-               machine_type: str | None = None) -> Tree:
+               machine_type: str | None = None, preempted: bool = False) -> Tree:
     """The paths a Compute Engine guest (a TPU VM worker is one) reads; see the module docstring.
 
     `instance/hostname` is the VM's internal zonal DNS name, NAME.ZONE.c.PROJECT.internal. `instance/machine-type`
     (`projects/NUMBER/machineTypes/TYPE`, compute/docs/metadata/predefined-metadata-keys) is served for a
     Compute Engine instance (`machine_type`); a TPU API node's VM has no machine type any source shows.
+    `preempted`: the guest is in a preemption's notice (`instance/preempted` TRUE).
     """
     accounts: Tree = {}
     if service_account is not None:
@@ -77,12 +84,18 @@ def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: 
     return {
         # maintenance-event and preempted are what a guest polls for a coming maintenance or a Spot preemption
         # (compute/docs/metadata/getting-live-migration-notice; compute/docs/instances/spot): NONE and FALSE
-        # while neither is coming. localcloud gives no notice period, so they never change.
+        # while neither is coming; preempted is TRUE during a preemption's notice.
         "instance": {"attributes": dict(attributes), "hostname": f"{name}.{zone}.c.{project}.internal",
-                     "id": instance_id, "maintenance-event": "NONE", "name": name, "preempted": "FALSE",
+                     "id": instance_id, "maintenance-event": "NONE", "name": name,
+                     "preempted": "TRUE" if preempted else "FALSE",
                      "zone": f"projects/{number}/zones/{zone}", "service-accounts": accounts, **instance},
         "project": {"attributes": {}, "numeric-project-id": number, "project-id": project},
     }
+
+
+def _etag(body: str) -> str:
+    """An ETag of an answer's content: the same content, the same tag (Google's are 16 hex digits too)."""
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 def _camel(key: str) -> str:
@@ -143,28 +156,50 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(403, f"Your client does not have permission to get URL {url.path} from this server. "
                             "Missing Metadata-Flavor:Google header.\n", "text/html; charset=UTF-8")
             return
-        tree = self.listener.answer()
+        query = parse_qs(url.query)
+        answer = self._answer(url, query)
+        if query.get("wait_for_change", ["false"])[-1].lower() == "true" and answer[0] == 200:
+            answer = self._changed(url, query, answer)
+        status, body, content_type, headers = answer
+        self._send(status, body, content_type, headers)
+
+    def _answer(self, url, query) -> tuple[int, str, str, dict[str, str]]:
+        """(status, body, content type, headers) for the path as the tree is now."""
         parts = [p for p in url.path[len(ROOT):].split("/") if p] if url.path.startswith(ROOT) else []
-        node: Any = tree
+        node: Any = self.listener.answer()
         for part in parts:
             node = node.get(part) if isinstance(node, dict) else None
             if node is None:
-                self._send(404, "Not Found\n", "text/html; charset=UTF-8")
-                return
-        query = parse_qs(url.query)
+                return 404, "Not Found\n", "text/html; charset=UTF-8", {}
         recursive = query.get("recursive", ["false"])[-1].lower() == "true"
         if isinstance(node, Json):
-            self._send(200, json.dumps(node.value), "application/json")
+            body, content_type = json.dumps(node.value), "application/json"
         elif isinstance(node, str):
-            self._send(200, node)
+            body, content_type = node, "application/text"
         elif not url.path.endswith("/"):
-            self._send(301, "", headers={"Location": url.path + "/" + (f"?{url.query}" if url.query else "")})
+            return 301, "", "application/text", {"Location": url.path + "/" + (f"?{url.query}" if url.query else "")}
         elif recursive:
             value = _recursive(node, parts[-1] if parts else "", "attributes" in parts)
-            self._send(200, json.dumps(value), "application/json")
+            body, content_type = json.dumps(value), "application/json"
         else:
-            entries = [k + ("/" if isinstance(v, dict) else "") for k, v in node.items()]
-            self._send(200, "".join(e + "\n" for e in entries))
+            body = "".join(k + ("/" if isinstance(v, dict) else "") + "\n" for k, v in node.items())
+            content_type = "application/text"
+        return 200, body, content_type, {"ETag": _etag(body)}
+
+    def _changed(self, url, query, answer):
+        """`answer` once its ETag differs from `last_etag` (default: its own now), or at `timeout_sec`
+        (default: the connection's own timeout); a path that stops answering 200 answers at once."""
+        try:
+            timeout = min(float(query.get("timeout_sec", [_CONN_TIMEOUT_S])[-1]), _CONN_TIMEOUT_S)
+        except ValueError:
+            return 400, "Invalid timeout_sec\n", "text/html; charset=UTF-8", {}
+        last = query.get("last_etag", [answer[3]["ETag"]])[-1]
+        deadline = time.monotonic() + timeout
+        while answer[0] == 200 and answer[3]["ETag"] == last and time.monotonic() < deadline \
+                and not self.listener.closed:
+            time.sleep(_CHANGE_POLL_S)
+            answer = self._answer(url, query)
+        return answer
 
     do_HEAD = do_GET
 
@@ -186,6 +221,10 @@ class _Listener:
 
     def answer(self) -> Tree:
         return self._tree(self._index) or {}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
 
     def _accept(self) -> None:
         while not self._closed.is_set():

@@ -17,6 +17,7 @@ import uuid
 from . import facts
 from . import metadata as guest
 from .core import CODE_OF, ApiError, World, check_labels, now_rfc3339, parse_duration, parse_time
+from .workers import TERM_GRACE_S
 
 # Simulated latencies in seconds (divided by the world's speed).
 CREATE_S, DELETE_S, STOP_S, START_S, UPDATE_S = 180.0, 90.0, 60.0, 90.0, 5.0
@@ -27,6 +28,12 @@ QR_ACCEPT_S, QR_TICK_S, QR_DELETE_S = 2.0, 10.0, 5.0
 # "You are not charged for TPUs if they are preempted in the first minute after you create them"
 # (tpu/docs/preemptible): wall-clock seconds, like every billed time.
 PREEMPT_FREE_S = 60.0
+# A preempted guest gets an ACPI G2 Soft Off (its OS shuts down: SIGTERM to its processes) and 30 s before the
+# G3 Mechanical Off on a Spot VM (compute.v1 `Scheduling.skipGuestOsShutdown`; a TPU VM is a Compute Engine
+# VM, tpu/docs/prepare-for-maintenance), its metadata server's `instance/preempted` TRUE meanwhile
+# (compute/docs/instances/create-use-spot, "Detect preemption"). Simulated seconds, but never shorter than the
+# real seconds a process gets to end on any stop (workers.TERM_GRACE_S): a save takes real time at any speed.
+PREEMPT_NOTICE_S = 30.0
 
 _ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 # queuedResourceId and nodeSpec.nodeId "Should follow the `^[A-Za-z0-9_.~+%-]+$` regex format" (tpu v2 discovery).
@@ -124,7 +131,7 @@ class TpuService:
         self.queued: dict[str, dict] = {}      # full QR name -> record
         self.ops: dict[str, dict] = {}         # full operation name -> Operation body
         for action in ("create_done", "create_failed", "delete_done", "stop_done", "start_done", "update_done",
-                       "preempt", "repair_done", "qr_accept", "qr_tick", "qr_delete_done", "qr_expire"):
+                       "preempt", "power_off", "repair_done", "qr_accept", "qr_tick", "qr_delete_done", "qr_expire"):
             world.actions[f"tpu.{action}"] = getattr(self, f"_{action}")
 
     # ---------------------------------------------------------------------------------- persistence
@@ -353,7 +360,7 @@ class TpuService:
             return guest.guest_tree(
                 project=project, number=number, zone=zone, name=hosts[index], instance_id=f"{node['id']}{index}",
                 attributes=attributes, service_account=(email, list(account.get("scope") or DEFAULT_SCOPES)),
-                tokens=self.w.tokens)
+                tokens=self.w.tokens, preempted=bool(rec.get("preempted")))
 
     def _stop_workers(self, rec: dict) -> None:
         rec["endpoints"] = []
@@ -646,7 +653,13 @@ class TpuService:
                                 error=("INVALID_ARGUMENT", f"{PREEMPTED_UPDATE} [EID: 0x73013519f5b7feb2]"))
             rec["node"]["state"] = "PREEMPTED"
             rec["node"].pop("health", None)
-            self._stop_workers(rec)
+            # The notice: the guests read preempted=TRUE and their processes get SIGTERM; they run on (no SSH)
+            # until the power goes off (`_power_off`).
+            rec["preempted"] = True
+            rec["endpoints"] = []
+            self.w.workers.shut_down_guests(rec["worker_key"])
+            grace = max(self.w.latency(PREEMPT_NOTICE_S), TERM_GRACE_S)
+            self.w.scheduler.at(time.time() + grace, "tpu.power_off", node=node)
             self.w.meter.end(node)
             if time.time() - parse_time(rec["node"]["createTime"]) <= PREEMPT_FREE_S:
                 self.w.meter.forgive(node)
@@ -654,6 +667,13 @@ class TpuService:
             if qr and qr["qr"]["state"]["state"] == "ACTIVE":
                 self._qr_state(qr, "SUSPENDED", initiator=qr["qr"]["state"].get("stateInitiator", "SERVICE"))
             self.w.changed()
+
+    def _power_off(self, node: str) -> None:
+        """The end of a preemption's notice: whatever still runs on the guests dies."""
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            if rec is not None and rec["node"]["state"] == "PREEMPTED":
+                self._stop_workers(rec)
 
     def repair(self, node: str, state: str = "REPAIRING", sim_seconds: float = REPAIR_S) -> None:
         """Put a READY node through host maintenance now: REPAIRING (or RESTARTING) with health

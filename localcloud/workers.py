@@ -49,7 +49,7 @@ LOOPBACK = "127.0.0.1"
 _PROC = Path("/proc")
 
 # Long enough for a training script to flush a checkpoint on SIGTERM, short enough for tests at speed 1000.
-_TERM_GRACE_S = 2.0
+TERM_GRACE_S = 2.0
 _KILL_DEADLINE_S = 5.0
 _CALL_TIMEOUT_S = 60.0
 _CHUNK = 1 << 16
@@ -144,7 +144,7 @@ def _kill_marked(owned: Callable[[bytes], bool]) -> None:
     """
     pids = _marked_pids(owned)
     _signal_all(pids, signal.SIGTERM)
-    grace_end = time.monotonic() + _TERM_GRACE_S
+    grace_end = time.monotonic() + TERM_GRACE_S
     while pids and time.monotonic() < grace_end:
         time.sleep(0.05)
         pids = _marked_pids(owned)
@@ -561,6 +561,20 @@ class WorkerPool:
                     worker.drop_connections()
 
             self._call(drop())
+
+    def shut_down_guests(self, key: str) -> None:
+        """The guests of ``key`` begin an OS shutdown (ACPI G2 Soft Off): their SSH servers stop and every
+        process the workers started gets SIGTERM, as systemd sends it, and runs on until ``stop_node`` (the
+        power off) kills what is left. Nothing happens for a node that is not running."""
+        with self._lock:
+            workers = self._nodes.get(key, [])
+
+            async def shutdown() -> None:
+                await asyncio.gather(*(w.shutdown() for w in workers))
+
+            self._call(shutdown())
+            owned = frozenset(marker(w.dir).encode() for w in workers)
+            _signal_all(_marked_pids(owned.__contains__), signal.SIGTERM)
 
     def stop_node(self, key: str) -> None:
         """Stop every worker of ``key`` and kill every process it started, detached ones too. Idempotent."""

@@ -24,6 +24,11 @@ the template (`tpuctl.templates.NAME.MODULE` for a built-in, the directory itsel
 is imported as installed. A directory with a `train.py`
 and no `template.json` is a program-only template: entry `NAME.train`, no presets, BERT's data preparation.
 
+At run time the program's duties (templates/README.md, "Writing your own") include, optionally, the save on a
+preemption notice: a checkpoint at the next step boundary when the file `TPUCTL_SAVE_REQUEST` names appears
+(the worker agent's answer to the metadata server's notice, jobs/agent.py) or SIGTERM comes (the guest's
+shutdown, 30 s before a Spot VM's power off).
+
 `jobs/` and the CLI reach templates only through `find()` / `builtins()` and the `Template` they return.
 Loading reads files and imports the hooks' modules (light: no TensorFlow); it creates nothing.
 """

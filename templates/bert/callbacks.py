@@ -1,7 +1,12 @@
-"""The training callback: progress lines, TensorBoard scalars and checkpoints (formats in train.py)."""
+"""The training callback: progress lines, TensorBoard scalars and checkpoints (formats in train.py), and the
+save on a preemption notice (templates/README.md, "Save on notice")."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
 import time
 
 import keras
@@ -16,11 +21,21 @@ class Monitor(keras.callbacks.Callback):
     that access copies the whole training state back into the model's variables.
 
     `checkpoint(step) -> path` and `writer` are None on JAX processes other than 0: they train, process 0 writes.
+
+    A save asked for by a notice (the contract's, templates/README.md "Save on notice": the file that
+    `TPUCTL_SAVE_REQUEST` names appears, the agent's answer to the metadata server's notice; or SIGTERM, the
+    guest's shutdown, while `notices()` is in force) happens at the first step boundary after it (one execution
+    of `steps_per_execution` steps at worst); after SIGTERM's the process ends as SIGTERM would have ended it.
+    With `processes` > 1 (JAX multi-host) the hosts agree at every boundary whether any of them was notified
+    (one small all-gather per execution), so all save the same step: the idea of jax's
+    `multihost_utils.reached_preemption_sync_point`, without its SIGTERM-only notifier.
     """
 
     def __init__(self, checkpoint, schedule, global_batch, log_every, checkpoint_every, writer, emit, start, *,
-                 accuracy: str = "mlm_accuracy"):
+                 accuracy: str = "mlm_accuracy", processes: int = 1):
         super().__init__()
+        self.processes = processes
+        self.notice = NOTICE
         self.accuracy = accuracy  # the compiled accuracy metric's name, as it appears in the progress line
         self.checkpoint, self.schedule, self.global_batch = checkpoint, schedule, global_batch
         self.log_every, self.checkpoint_every, self.writer, self.emit = log_every, checkpoint_every, writer, emit
@@ -49,9 +64,74 @@ class Monitor(keras.callbacks.Callback):
             self.window_step, self.window_time = step, now
         if step % self.checkpoint_every == 0:
             self.save(step)
+        requested, stop = self._noticed()
+        if requested or stop:
+            if self.saved_step != step:
+                self.save(step)
+            if stop:
+                self.emit(f"stopped step={step} reason=sigterm")
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # end as the shutdown's SIGTERM would have
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def _noticed(self) -> tuple[bool, bool]:
+        """(a save was requested, SIGTERM came) since the last boundary; on several processes, by any of them."""
+        request = os.environ.get(SAVE_REQUEST_VAR)
+        requested = False
+        if request and os.path.exists(request):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(request)  # taken: the next request is a new file
+            requested = True
+        stop = self.notice.take()
+        if self.processes < 2:
+            return requested, stop
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        anyone = np.asarray(multihost_utils.process_allgather(np.array([requested, stop], np.int32)))
+        requested, stop = (bool(flag) for flag in anyone.reshape(-1, 2).max(axis=0))
+        return requested, stop
 
     def save(self, step: int) -> None:
         self.saved_step = step
         self.model  # noqa: B018 - the property syncs JAX's training state into the variables the checkpoint reads
         if self.checkpoint is not None:
             self.emit(f"checkpoint step={step} path={self.checkpoint(step)}")
+
+
+# The template contract's save request (templates/README.md, "Save on notice"): the path of a file whose
+# appearance asks for a checkpoint at the next step boundary (the agent writes it on the metadata server's
+# preemption or maintenance notice); the guest's shutdown SIGTERM asks for one too, then the end.
+SAVE_REQUEST_VAR = "TPUCTL_SAVE_REQUEST"
+
+
+class _Shutdown:
+    """Whether SIGTERM came while `notices()` was in force: its handler notes it, the boundary takes it."""
+
+    def __init__(self):
+        self._event = threading.Event()
+
+    def note(self, signum=None, frame=None) -> None:
+        self._event.set()
+
+    def take(self) -> bool:
+        came = self._event.is_set()
+        self._event.clear()
+        return came
+
+
+NOTICE = _Shutdown()
+
+
+@contextlib.contextmanager
+def notices():
+    """While training: SIGTERM asks for a checkpoint at the next step boundary, then the end, instead of ending
+    the process at once. Outside the main thread (Python delivers signals only there) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    NOTICE.take()  # a SIGTERM noted before this training belongs to no step of it
+    previous = signal.signal(signal.SIGTERM, NOTICE.note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

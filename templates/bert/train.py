@@ -3,7 +3,9 @@
 Reads one config file (config.py), the prepared data's manifest (refusing data that disagrees with the
 config or with the checkpoints already in `model_dir`), resolves the strategy (strategy.py), restores the
 latest checkpoint if any, trains to `trainer.max_steps` and exports. Safe to kill at any moment: checkpoints
-are written atomically every `trainer.checkpoint_every` steps and at the end, and a rerun with the same
+are written atomically every `trainer.checkpoint_every` steps, at the end, and at the next step boundary after
+a notice (the file `TPUCTL_SAVE_REQUEST` names appears: save and go on; SIGTERM: save, then end by SIGTERM;
+templates/README.md "Save on notice"), and a rerun with the same
 config resumes from the latest one (step counter, optimizer state and the loss curve continue; the data
 order does not, it is reshuffled). A rerun after completion only re-exports.
 
@@ -14,6 +16,7 @@ spaces); the first word says what the line is:
     step=120 loss=6.1234 mlm_accuracy=0.0412 learning_rate=0.00012 examples_per_sec=812.3
     checkpoint step=200 path=/model/checkpoints/ckpt-200
     done step=200 loss=5.9876 mlm_accuracy=0.0833 export_dir=/model/export
+    stopped step=130 reason=sigterm     (after the checkpoint a SIGTERM asked for; the process then ends by SIGTERM)
     idle worker=3 reason=pod-slice-driven-by-worker-0     (TF: workers 1..N-1 of a multi-host TPU slice; exit 0)
 
 `runtime.framework` picks the Keras backend (tensorflow: one TF client drives the slice; jax: every host runs
@@ -162,7 +165,7 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
         raise ConfigError("runtime.framework", f"{rt.framework} asked, but Keras was already imported with "
                           f"the {keras.backend.backend()} backend in this process; run the trainer in a fresh one")
     from . import checkpoints
-    from .callbacks import Monitor
+    from .callbacks import Monitor, notices
     from .data import join
     from .model import WarmupLinearDecay
 
@@ -204,7 +207,7 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
         if writer else None
     monitor = Monitor(save, schedule, global_batch, tr.log_every, tr.checkpoint_every,
                       tf.summary.create_file_writer(join(rt.model_dir, "tensorboard")) if writer else None,
-                      emit, start, accuracy=objective.accuracy)
+                      emit, start, accuracy=objective.accuracy, processes=resolved.processes)
     if start < tr.max_steps:
         def dataset_for(ctx):
             return objective.dataset(cfg, manifest, ctx.get_per_replica_batch_size(global_batch), ctx)
@@ -214,8 +217,9 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
                                                              resolved.processes))
         else:
             dataset = strategy.distribute_datasets_from_function(dataset_for)
-        trainer.fit(dataset, epochs=1, steps_per_epoch=tr.max_steps - start, callbacks=[monitor], verbose=0,
-                  shuffle=False)
+        with notices():
+            trainer.fit(dataset, epochs=1, steps_per_epoch=tr.max_steps - start, callbacks=[monitor], verbose=0,
+                        shuffle=False)
     if monitor.saved_step != tr.max_steps and start < tr.max_steps:
         monitor.save(tr.max_steps)
     # loss/accuracy are None only when a previous process trained to the end but died before exporting.

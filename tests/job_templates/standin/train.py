@@ -6,11 +6,14 @@ latest checkpoint. Same command line and config shape as the BERT template:
 Echoes its extra arguments and TPUCTL_TEST_* environment as JSON so tests can check they arrived verbatim,
 and HOME, where a shell that wrongly ran a hostile `$(touch PWNED)` would have left its file.
 `trainer.fail_at_step` + `trainer.fail_worker` make one worker exit 3 at that step.
+Honours the template contract's save on notice (templates/README.md): the file TPUCTL_SAVE_REQUEST names, or
+SIGTERM, gets a checkpoint at the next step boundary; after SIGTERM's it ends by SIGTERM.
 """
 
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,19 +38,28 @@ def main() -> int:
         print(f"restored step={step}", flush=True)
     max_steps = int(trainer.get("max_steps", 20))
     every = int(trainer.get("checkpoint_every", 5))
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    request = os.environ.get("TPUCTL_SAVE_REQUEST")
     for step in range(step + 1, max_steps + 1):
         time.sleep(float(trainer.get("step_seconds", 0.05)))
         if step == trainer.get("fail_at_step") and worker == int(trainer.get("fail_worker", 0)):
             print(f"worker {worker}: boom at step {step}", flush=True)
             return 3
         print(f"step={step} loss={10.0 / step:.3f} examples_per_sec=100.0", flush=True)
-        if step % every == 0 or step == max_steps:
+        requested = bool(request) and os.path.exists(request)
+        if requested:
+            os.remove(request)
+        if step % every == 0 or step == max_steps or requested or stop:
             name = f"ckpt-{step}.json"
             (model_dir / name).write_text(json.dumps({"step": step}))
             tmp = model_dir / "checkpoint.tmp"
             tmp.write_text(name)
             tmp.replace(index)
             print(f"checkpoint step={step} path={model_dir / name}", flush=True)  # as the BERT template does
+        if stop:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
     export = Path(config["runtime"].get("export_dir") or model_dir / "export")
     export.mkdir(parents=True, exist_ok=True)
     (export / "final.json").write_text(json.dumps({"step": max_steps}))
