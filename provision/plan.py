@@ -149,7 +149,7 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
         runtime, framework = choice.runtime_version, choice.framework
     for z in zones:
         catalog.check(t.name, z, runtime, framework or None)
-    run = spec.name or default_run_name(spec, owner)
+    run = default_run_name(spec, owner) if spec.name is None else spec.name  # "" is a name, and a bad one
     L.check_name(run, field="name", max_len=40)
     bucket = L.auto_bucket(project, run) if spec.bucket == "auto" else spec.bucket.removeprefix("gs://").rstrip("/")
     L.check_bucket_name(bucket)

@@ -69,6 +69,7 @@ def test_failover_zones_same_region_first():
     ({"accelerator": "v3-32", "runtime_version": "tpu-vm-tf-2.17.0-pjrt"}, "runtime_version"),  # pod needs -pod
     ({"name": "Bad_Name"}, "name"),
     ({"name": "1abc"}, "name"),
+    ({"name": ""}, "name"),  # an empty name is a bad name, not "pick one for me"
     ({"bucket": "my-google-bucket"}, "bucket"),
     ({"bucket": "ab"}, "bucket"),
     ({"service_account": "not-an-email"}, "service_account"),
