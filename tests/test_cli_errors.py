@@ -186,14 +186,16 @@ def test_down_of_an_invalid_name_is_bad_input(env, pc):
     _one_error(tpuctl(env, "down", "No_Such", "--yes"), 2, "error: run: ")
 
 
-def test_down_of_a_run_that_does_not_exist_exits_2_and_suggests_the_closest_run(jobless):
+def test_down_of_a_run_that_does_not_exist_exits_2_and_suggests_the_closest_run(jobless, monkeypatch):
     """A script tearing down the wrong name must learn it: exit 2 (a run that does not exist), not 0."""
     for extra in ((), ("--json",)):
         p = tpuctl(jobless, "down", "r2", "--yes", *extra)
         assert "tpuctl-run=r2" in _one_error(p, 2, "error: run: ") and "did you mean r1" in p.stderr, p.stderr
+    for name in ("TPUCTL_API_ENDPOINT", "STORAGE_EMULATOR_HOST", "TPUCTL_HOME"):  # the same cloud, not a new one
+        monkeypatch.setenv(name, jobless[name])
     with pytest.raises(NotFound) as e:  # the library as the CLI
         tpuctl_api.down("r2", project=jobless["TPUCTL_PROJECT"], cloud="local")
-    assert e.value.field == "run"
+    assert e.value.field == "run" and "did you mean r1" in e.value.hint
 
 
 # ---------------------------------------------------------------------------------- no credentials
