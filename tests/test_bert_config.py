@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,7 @@ def test_libtpu_is_looked_up_where_tf_and_jax_look(monkeypatch, tmp_path, withou
     (package / "__init__.py").write_text("")
     (package / "libtpu.so").write_bytes(b"")
     monkeypatch.setattr(importlib.util, "find_spec", without_pip_libtpu)
+    monkeypatch.delitem(sys.modules, "libtpu", raising=False)  # loaded already (the compiler): find_spec answers it
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     assert strategy.find_libtpu()[0] == str(package / "libtpu.so")
 
