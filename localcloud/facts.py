@@ -182,9 +182,10 @@ TPU_MACHINE_TYPES: dict[str, TpuMachineType] = {
     "tpu7x-standard-4t": TpuMachineType("tpu7x-standard-4t", "tpu7x", 4, 224, 960 * 1024, ("us-central1-c",),
                                         ("STANDARD", "SPOT", "FLEX_START")),
 }
-# No published TPU7x price was reachable on 2026-11-23: localcloud bills an estimate of twice v5p's us-central1
-# per-chip price (spot likewise), the same assumption tpuctl's catalog states; flex-start bills on-demand.
-TPU_PRICES["us-central1"]["tpu7x"] = (8.40, 1.672)
+# cloud.google.com/tpu/pricing lists TPU7x (Ironwood) in us-central1 (Iowa) at 12.00 per chip-hour on demand, as
+# public notes quote it (retrieved 2026-09-24 and 2026-09-25); no source gives a spot price: 6.00 (half) is an
+# estimate, the same figures tpuctl's catalog states; flex-start bills on-demand.
+TPU_PRICES["us-central1"]["tpu7x"] = (12.00, 6.00)
 # Flex-start VMs run for at most 7 days (tpu/docs/request-using-flex-start); maxRunDuration is at least 30 s.
 FLEX_START_MAX_RUN_S = (30, 7 * 86400)
 # How long a flex-start VM insert may wait for capacity (`params.requestValidForDuration`): "persist in a queue

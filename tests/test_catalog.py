@@ -85,14 +85,45 @@ def test_prices(cat):
     assert cat.tpu_price_per_hour("v3-8", "europe-west4-a", spot=True) == pytest.approx(4 * 0.561)
     # No sampled spot price in europe-west4 for v2: the on-demand price stands in (errs high).
     assert cat.tpu_price_per_hour("v2-8", "europe-west4-a", spot=True) == pytest.approx(4 * 1.2375)
-    # No price at all for v2 in asia-east1: the dearest known region stands in.
-    assert cat.tpu_price_per_hour("v2-8", "asia-east1-c", spot=False) == pytest.approx(4 * 1.2375)
+    # asia-east1 (a v2 zone) has its own billing price since 2026-11-28; before, the dearest known region's
+    # 1.2375 stood in and the estimate erred low.
+    assert cat.tpu_price_per_hour("v2-8", "asia-east1-c", spot=False) == pytest.approx(4 * 1.305)
+    # No price at all for v2 in us-west4: the dearest known region stands in, for spot too (errs high).
+    assert cat.tpu_price_per_hour("v2-8", "us-west4-a", spot=False) == pytest.approx(4 * 1.305)
+    assert cat.tpu_price_per_hour("v2-8", "us-west4-a", spot=True) == pytest.approx(4 * 1.2375)
     assert cat.vm_price_per_hour("e2-standard-2", "us-central1-a") == pytest.approx(0.067)
     assert cat.vm_price_per_hour("n1-standard-1", "europe-west4-a") > 0.0475
     assert cat.storage_price_per_gb_month("us-central1") == pytest.approx(0.020)
     with pytest.raises(BadInput) as err:
         cat.vm_price_per_hour("e2-standard-3", "us-central1")
     assert err.value.field == "machine_type" and "e2-standard-2" in str(err.value)
+
+
+def test_multi_host_v2_v3_slices_bill_googles_pod_prices(cat):
+    """Billing Catalog 'Tpu-v2 Pod' / 'Tpu-v3 Pod' SKUs: a v2-32 bills 24.00/h in us-central1 where four v2-8s
+    bill 18.00 (catalog_data.json `price_sources`); single-host slices and generations without pod SKUs keep the
+    chip price."""
+    assert cat.tpu_price_per_hour("v2-32", "us-central1-a", spot=False) == pytest.approx(16 * 1.50)
+    assert cat.tpu_price_per_hour("v2-32", "us-central1-a", spot=True) == pytest.approx(16 * 0.3825)
+    assert cat.tpu_price_per_hour("v3-32", "europe-west4-a", spot=True) == pytest.approx(16 * 0.66)
+    assert cat.tpu_price_per_hour("v3-8", "europe-west4-a", spot=False) == pytest.approx(4 * 2.20)
+    assert cat.tpu_price_per_hour("v5p-16", "us-east5-a", spot=False) == pytest.approx(8 * 4.20)
+    # A region without a pod price: the dearest pod price known errs high.
+    assert cat.tpu_price_per_hour("v2-32", "us-west4-a", spot=False) == pytest.approx(16 * 1.50)
+    shown = catalog.accelerator_json(cat.accelerator("v2-32"), cat)["price_per_hour_by_region"]
+    assert shown["us-central1"] == {"on_demand": 24.0, "spot": 6.12}
+
+
+def test_every_generation_names_its_price_source_and_tpu7x_is_googles_list_price(cat):
+    for gen in cat.generations():
+        source = cat.price_source(gen)
+        assert "2026-" in source and ("http" in source or "billing copy" in source), (gen, source)
+    # Google's pricing page (quoted, retrieved 2026-09-24/25): 12.00 on demand; 8.40 was the 1-year commitment.
+    assert cat.tpu_price_per_hour("tpu7x-8", "us-central1-c", spot=False) == pytest.approx(4 * 12.00)
+    assert "ESTIMATE" in cat.price_source("tpu7x")
+    # A v5e zone (us-west4-a) now bills its own region's price, not the dearest region's (europe-west4).
+    assert cat.tpu_price_per_hour("v5litepod-8", "us-west4-a", spot=False) == pytest.approx(8 * 1.20)
+    assert cat.tpu_price_per_hour("v5litepod-8", "us-west4-a", spot=True) == pytest.approx(8 * 0.48)
 
 
 def test_region_of():
@@ -113,6 +144,10 @@ def test_refresh_cache_wins_over_embedded_prices_and_bad_cache_is_ignored(tmp_pa
     assert cat.tpu_price_per_hour("v3-8", "europe-west4-a", spot=True) == pytest.approx(4 * 0.561)
     assert cat.tpu_prices("v3")["asia-east1"].spot == 0.5
     assert "test" in cat.prices_from
+    # The overlay keeps the embedded pod price the cache did not name, and says where each price came from.
+    assert cat.tpu_price_per_hour("v3-32", "europe-west4-a", spot=False) == pytest.approx(16 * 2.00)
+    assert cat.price_source("v3").startswith("test fetched 2026-11-23") and "billing copy" in cat.price_source("v3")
+    assert cat.price_source("v5e") == catalog.embedded_data()["price_sources"]["v5e"]
     paths.catalog_cache().write_text("{not json")
     assert catalog.load().tpu_price_per_hour("v3-8", "europe-west4-a", spot=False) == pytest.approx(8.8)
 

@@ -36,7 +36,7 @@ def invoke(*args):
 
 def test_refresh_pulls_billing_skus_into_the_cache_which_then_wins(env):
     before = catalog.load()
-    assert "asia-east1" not in before.tpu_prices("v2")  # not in the embedded sample
+    assert "asia-east1" not in before.tpu_prices("v5e")  # not in the embedded table; localcloud sells it
     out = json.loads(invoke("catalog", "refresh", "--json"))
     assert out["skus_read"] > out["prices_set"] > 0 and out["path"] == str(paths.catalog_cache())
     after = catalog.load()
@@ -48,8 +48,11 @@ def test_refresh_pulls_billing_skus_into_the_cache_which_then_wins(env):
             assert p.on_demand == pytest.approx(on_demand)
             if spot is not None:
                 assert p.spot == pytest.approx(spot)
-    show = json.loads(invoke("catalog", "show", "v2-8", "--json"))
-    assert show["price_per_hour_by_region"]["asia-east1"]["on_demand"] == pytest.approx(4 * 1.2375)
+    show = json.loads(invoke("catalog", "show", "v5litepod-8", "--json"))
+    on_demand, spot = facts.TPU_PRICES["asia-east1"]["v5e"]
+    assert show["price_per_hour_by_region"]["asia-east1"] == {"on_demand": pytest.approx(8 * on_demand),
+                                                              "spot": pytest.approx(8 * spot)}
+    assert "Billing Catalog" in show["price_source"]
     # Refreshing again is idempotent.
     assert json.loads(invoke("catalog", "refresh", "--json"))["tpu_prices_per_chip_hour"] == out["tpu_prices_per_chip_hour"]
 
@@ -65,11 +68,27 @@ def test_device_priced_skus_are_converted_to_chip_prices():
 
     n, prices = catalog.prices_from_skus([
         sku("Tpu-v3 running in Americas", 8.0), sku("Preemptible Tpu-v3 running in Americas", 2.4),
-        sku("Tpu-v3 Pod running in Americas", 99.0), sku("TpuV5e chip running in us-central1", 1.2),
+        sku("Tpu-v3 Pod running in Americas", 8.0), sku("TpuV5e chip running in us-central1", 1.2),
+        sku("Tpu-v4 Pod running in Americas", 12.88, region="us-central2"),
         sku("E2 Instance Core running in Americas", 0.02)])
-    assert n == 5
-    assert prices == {"v3": {"us-central1": {"on_demand": 2.0, "spot": 0.6}},
+    assert n == 6
+    # A v3 pod SKU prices multi-host slices apart; v4 is sold by pod SKUs only (per 8-core device = 4 chips).
+    assert prices == {"v3": {"us-central1": {"on_demand": 2.0, "spot": 0.6, "pod": {"on_demand": 2.0}}},
+                      "v4": {"us-central2": {"on_demand": 3.22}},
                       "v5e": {"us-central1": {"on_demand": 1.2}}}
+    assert catalog.RefreshResult(path=None, skus_read=n, prices=prices).prices_set == 5
+
+
+def test_refreshed_pod_prices_overlay_the_embedded_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    catalog.write_json_atomic(paths.catalog_cache(), {"source": "test", "tpu_prices_per_chip_hour": {
+        "v2": {"us-central1": {"pod": {"on_demand": 1.75}}, "us-east1": {"pod": {"on_demand": 1.6, "spot": 0.4}}}}})
+    cat = catalog.load()
+    assert cat.tpu_price_per_hour("v2-32", "us-central1-a", spot=False) == pytest.approx(16 * 1.75)
+    assert cat.tpu_price_per_hour("v2-32", "us-central1-a", spot=True) == pytest.approx(16 * 0.3825)  # embedded
+    assert cat.tpu_price_per_hour("v2-8", "us-central1-b", spot=False) == pytest.approx(4 * 1.125)  # embedded
+    # A region priced only by pod SKUs: its pod price is the best estimate for a single device too.
+    assert cat.tpu_price_per_hour("v2-8", "us-east1-b", spot=True) == pytest.approx(4 * 0.4)
 
 
 def test_cost_reports_live_runs_by_run_owner_and_type(cloud, env):

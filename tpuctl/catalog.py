@@ -6,7 +6,8 @@ lays that cache over the embedded prices. Shapes (chips, cores, hosts, topology)
 per-generation rules rather than listed, so the rules are written once and tested once.
 
 Prices a table lacks (a region without a sampled price) are estimated with the highest price known for the
-generation: a cost estimate may err high, never low.
+generation: a cost estimate may err high, never low. Multi-host v2/v3 slices bill Google's separate pod SKUs
+where the table has them (`pod`). Each generation's figures name their source and date (`price_sources`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ COMPUTE_SERVICE = "services/6F81-5844-456A"
 _SKU_GENERATIONS = (("tpuv5e", "v5e"), ("tpuv5p", "v5p"), ("tpuv6e", "v6e"), ("tpu7x", "tpu7x"),
                     ("tpu-v2", "v2"), ("tpu-v3", "v3"), ("tpu-v4", "v4"))
 _CHIPS_PER_DEVICE_SKU = {"v2": 4, "v3": 4, "v4": 4}
+# v2/v3 multi-host slices bill separate "Pod" SKUs; every v4 slice is a pod slice and v4 is sold by pod SKUs only
+# (cloud.google.com/tpu/pricing: "With Cloud TPU v4, all configurations consist of Pod slices").
+_POD_PRICED = ("v2", "v3")
 # TPU VM images with TensorFlow are named tpu-vm-tf-X.Y.Z[-pod][-pjrt|-se] (cloud.google.com/tpu/docs/runtimes).
 TF_RUNTIME_PREFIX = "tpu-vm-tf-"
 
@@ -79,6 +83,18 @@ class AcceleratorType:
 class Price:
     on_demand: float
     spot: float | None
+    pod: Price | None = None  # what a multi-host slice bills per chip, where Google prices pods apart (v2, v3)
+
+    @classmethod
+    def from_json(cls, p: Mapping[str, Any]) -> Price:
+        return cls(p["on_demand"], p.get("spot"), cls.from_json(p["pod"]) if p.get("pod") else None)
+
+    def per_chip(self, *, spot: bool, pod: bool) -> float:
+        """Spot falls back to on-demand where no spot price is known, a pod to the single-device price:
+        both err high or are exact."""
+        if pod and self.pod is not None:
+            return self.pod.per_chip(spot=spot, pod=False)
+        return self.spot if spot and self.spot is not None else self.on_demand
 
 
 def region_of(zone: str) -> str:
@@ -131,8 +147,10 @@ def _prod(xs: Iterable[int]) -> int:
 class Catalog:
     """Accelerator types, zones, runtimes and prices; immutable once loaded."""
 
-    def __init__(self, data: Mapping[str, Any], *, prices_from: str | None = None):
+    def __init__(self, data: Mapping[str, Any], *, prices_from: str | None = None,
+                 refreshed: frozenset[str] = frozenset()):
         self._data = data
+        self._refreshed = refreshed  # generations whose prices the refresh cache overlaid
         self.as_of: str = data["as_of"]
         self.source: str = "; ".join(data["sources"]) if prices_from is None else (
             f"prices: {prices_from}; shapes and runtimes: embedded catalog as of {data['as_of']}")
@@ -234,29 +252,35 @@ class Catalog:
 
     @cached_property
     def _tpu_prices(self) -> dict[str, dict[str, Price]]:
-        return {gen: {region: Price(p["on_demand"], p.get("spot")) for region, p in regions.items()}
+        return {gen: {region: Price.from_json(p) for region, p in regions.items()}
                 for gen, regions in self._data["tpu_prices_per_chip_hour"].items()}
 
     def tpu_prices(self, generation: str) -> dict[str, Price]:
         """Sampled per-chip-hour prices of a generation by region (after any refresh overlay)."""
         return dict(self._tpu_prices.get(generation, {}))
 
-    def chip_price_per_hour(self, generation: str, region: str, spot: bool) -> float:
+    def price_source(self, generation: str) -> str:
+        """Where a generation's prices come from, with the date of the copy read."""
+        embedded = self._data.get("price_sources", {}).get(generation, f"embedded catalog as of {self.as_of}")
+        if generation in self._refreshed:
+            return f"{self.prices_from}; regions it did not price: {embedded}"
+        return embedded
+
+    def chip_price_per_hour(self, generation: str, region: str, spot: bool, *, pod: bool = False) -> float:
+        """USD per chip-hour; `pod` for a multi-host slice, which v2/v3 bill at their pod SKUs."""
         by_region = self._tpu_prices.get(generation)
         if not by_region:
             raise BadInput(f"no prices for TPU generation {generation!r}", field="accelerator")
         p = by_region.get(region)
         if p is None:
             # Unknown region: take the dearest known one so the estimate errs high.
-            p = max(by_region.values(), key=lambda x: x.on_demand)
-        if spot and p.spot is not None:
-            return p.spot
-        return p.on_demand
+            return max(x.per_chip(spot=spot, pod=pod) for x in by_region.values())
+        return p.per_chip(spot=spot, pod=pod)
 
     def tpu_price_per_hour(self, accelerator: str, region: str, spot: bool) -> float:
         """USD per hour for the whole slice (chips x per-chip price)."""
         t = self.accelerator(accelerator)
-        return t.chips * self.chip_price_per_hour(t.generation, region_of(region), spot)
+        return t.chips * self.chip_price_per_hour(t.generation, region_of(region), spot, pod=t.multi_host)
 
     def vm_price_per_hour(self, machine_type: str, region: str) -> float:
         base = self._data["vm_prices_per_hour_us_central1"]
@@ -283,9 +307,10 @@ class Catalog:
 
 def accelerator_json(t: AcceleratorType, cat: Catalog) -> dict[str, Any]:
     """A type plus its prices, as `catalog list/show --json` prints it."""
+    billed = {region: p.pod if t.multi_host and p.pod else p for region, p in cat.tpu_prices(t.generation).items()}
     prices = {region: {"on_demand": round(t.chips * p.on_demand, 4),
                        "spot": None if p.spot is None else round(t.chips * p.spot, 4)}
-              for region, p in cat.tpu_prices(t.generation).items()}
+              for region, p in billed.items()}
     return {"name": t.name, "generation": t.generation, "api_type": t.api_type, "api": t.api,
             "machine_type": t.machine_type, "provisioning": list(t.provisioning),
             "flex_start_zones": list(t.flex_start_zones or (t.zones if "flex-start" in t.provisioning else ())),
@@ -293,7 +318,8 @@ def accelerator_json(t: AcceleratorType, cat: Catalog) -> dict[str, Any]:
             "hosts": t.hosts, "topology": t.topology, "zones": list(t.zones),
             "single_tenant_zones": list(t.single_tenant_zones), "runtimes": list(t.runtimes),
             "usable_runtimes": list(t.usable_runtimes),
-            "default_runtime": t.default_runtime, "tensorflow": t.tensorflow, "price_per_hour_by_region": prices}
+            "default_runtime": t.default_runtime, "tensorflow": t.tensorflow, "price_per_hour_by_region": prices,
+            "price_source": cat.price_source(t.generation)}
 
 
 def _pod_twin(runtime: str) -> str | None:
@@ -318,17 +344,25 @@ def load(cache: Path | None = None) -> Catalog:
     except (OSError, ValueError):
         return Catalog(data)
     prices = data["tpu_prices_per_chip_hour"]
-    for gen, regions in cached.get("tpu_prices_per_chip_hour", {}).items():
-        if gen not in data["generations"]:
-            continue
-        for region, p in regions.items():
-            prev = prices.setdefault(gen, {}).get(region, {})
-            prices[gen][region] = {"on_demand": p.get("on_demand", prev.get("on_demand")),
-                                   "spot": p.get("spot", prev.get("spot"))}
-            if prices[gen][region]["on_demand"] is None:  # a spot-only SKU for a region we had no price for
-                prices[gen][region]["on_demand"] = prices[gen][region]["spot"]
+    refreshed = frozenset(gen for gen in cached.get("tpu_prices_per_chip_hour", {}) if gen in data["generations"])
+    for gen in refreshed:
+        by_region = prices.setdefault(gen, {})
+        for region, p in cached["tpu_prices_per_chip_hour"][gen].items():
+            by_region[region] = _overlay(by_region.get(region, {}), p)
     return Catalog(data, prices_from=f"{cached.get('source', 'Cloud Billing Catalog API')} "
-                                     f"fetched {cached.get('fetched_at', '?')}")
+                                     f"fetched {cached.get('fetched_at', '?')}", refreshed=refreshed)
+
+
+def _overlay(prev: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """A refreshed region price over the embedded one: each kind the SKUs priced wins, the rest stays."""
+    out = {"on_demand": new.get("on_demand", prev.get("on_demand")), "spot": new.get("spot", prev.get("spot"))}
+    if out["on_demand"] is None:  # a spot-only SKU for a region we had no price for
+        out["on_demand"] = out["spot"]
+    if new.get("pod") or prev.get("pod"):
+        out["pod"] = _overlay(prev.get("pod") or {}, new.get("pod") or {})
+    if out["on_demand"] is None and "pod" in out:  # pod SKUs only: the best estimate of a single device's price
+        out["on_demand"], out["spot"] = out["pod"]["on_demand"], out["pod"]["spot"]
+    return out
 
 
 # -- refresh from the Cloud Billing Catalog API ------------------------------------------------------------
@@ -338,11 +372,12 @@ def load(cache: Path | None = None) -> Catalog:
 class RefreshResult:
     path: Path
     skus_read: int
-    prices: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
+    prices: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
 
     @property
     def prices_set(self) -> int:
-        return sum(len(kinds) for regions in self.prices.values() for kinds in regions.values())
+        return sum(len(kinds) - ("pod" in kinds) + len(kinds.get("pod", {}))
+                   for regions in self.prices.values() for kinds in regions.values())
 
 
 def _sku_generation(description: str) -> str | None:
@@ -353,22 +388,22 @@ def _sku_generation(description: str) -> str | None:
     return None
 
 
-def prices_from_skus(skus: Iterable[Any]) -> tuple[int, dict[str, dict[str, dict[str, float]]]]:
+def prices_from_skus(skus: Iterable[Any]) -> tuple[int, dict[str, dict[str, dict[str, Any]]]]:
     """Per-chip-hour prices by generation, region and kind from billing SKUs (proto-plus `Sku` objects).
 
     Returns (SKUs read, prices). Only TPU SKUs count; VM SKUs are priced per vCPU and GB, not per machine
     type, so VM prices stay the embedded ones.
 
-    Pod SKUs (multi-host v2/v3/v4) are skipped: the catalog keeps one price per generation and region, and
-    the single-device SKU is what a v2-8/v3-8 bills at.
+    v2/v3 "Pod" SKUs price their multi-host slices and land under `pod`; v4 is sold by pod SKUs only, which
+    are its price.
     """
-    out: dict[str, dict[str, dict[str, float]]] = {}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
     n = 0
     for sku in skus:
         n += 1
         desc = sku.description or ""
         gen = _sku_generation(desc)
-        if gen is None or "pod" in desc.lower().replace("litepod", "") or not sku.pricing_info:
+        if gen is None or not sku.pricing_info:
             continue
         rates = sku.pricing_info[0].pricing_expression.tiered_rates
         if not rates:
@@ -378,8 +413,10 @@ def prices_from_skus(skus: Iterable[Any]) -> tuple[int, dict[str, dict[str, dict
         if "chip" not in desc.lower():
             price /= _CHIPS_PER_DEVICE_SKU.get(gen, 1)
         kind = "spot" if ("preemptible" in desc.lower() or "spot" in desc.lower()) else "on_demand"
+        pod = gen in _POD_PRICED and "pod" in desc.lower().replace("litepod", "")
         for region in sku.service_regions:
-            out.setdefault(gen, {}).setdefault(region, {})[kind] = round(price, 6)
+            entry = out.setdefault(gen, {}).setdefault(region, {})
+            (entry.setdefault("pod", {}) if pod else entry)[kind] = round(price, 6)
     return n, out
 
 

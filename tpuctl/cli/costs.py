@@ -59,6 +59,8 @@ def catalog_list(generation: str | None, region: str, as_json: bool) -> None:
     console.table(("type", "api", "chips", "cores", "hosts", "topology", f"$/h {region}", "spot $/h", "default runtime"),
                   rows)
     console.note(f"prices: {cat.prices_from}; regions without a sampled price show the dearest known one")
+    if generation:
+        console.note(f"{generation} price source: {cat.price_source(generation)}")
 
 
 @catalog_group.command("show")
@@ -88,6 +90,7 @@ def catalog_show(accelerator: str, as_json: bool) -> None:
                   [(r, _money(p["on_demand"]), _money(p["spot"]))
                    for r, p in data["price_per_hour_by_region"].items()])
     console.note(f"prices: {cat.prices_from}")
+    console.note(f"price source: {data['price_source']}")
 
 
 def _clients(project: str | None, cloud: str | None):
