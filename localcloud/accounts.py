@@ -96,16 +96,19 @@ def _sku(service: str, description: str, family: str, group: str, usage: str, re
 def all_skus() -> list[dict]:
     """Every SKU localcloud sells: TPU chip-hours (on-demand and Preemptible), VMs, Standard storage."""
     out = []
-    for region, gens in sorted(facts.TPU_PRICES.items()):
-        for gen, (on_demand, spot) in sorted(gens.items()):
-            if gen not in _TPU_SKU:  # TPU7x: no published SKU was found; its meter price is an estimate
-                continue
-            service, label = _TPU_SKU[gen]
-            for usage, price, prefix in (("OnDemand", on_demand, ""), ("Preemptible", spot, "Preemptible ")):
-                if price is None:
+    # v2/v3 multi-host slices have their own "Pod" SKUs (the billing copy's "Tpu-v2 Pod" / "Tpu-v3 Pod"; the exact
+    # description wording here is inferred, per chip as the device SKUs are served).
+    for table, kind in ((facts.TPU_PRICES, ""), (facts.TPU_POD_PRICES, " Pod")):
+        for region, gens in sorted(table.items()):
+            for gen, (on_demand, spot) in sorted(gens.items()):
+                if gen not in _TPU_SKU:  # TPU7x: no published SKU was found; its meter price is an estimate
                     continue
-                out.append(_sku(service, f"{prefix}{label} chip running in {region}", "Compute", "TPU", usage,
-                                region, price, "h", "hour", "s", 3600))
+                service, label = _TPU_SKU[gen]
+                for usage, price, prefix in (("OnDemand", on_demand, ""), ("Preemptible", spot, "Preemptible ")):
+                    if price is None:
+                        continue
+                    out.append(_sku(service, f"{prefix}{label}{kind} chip running in {region}", "Compute", "TPU",
+                                    usage, region, price, "h", "hour", "s", 3600))
     for mt, (_, _, _, usd) in sorted(facts.MACHINE_TYPES.items()):
         for region in ("us-central1", "europe-west4"):
             out.append(_sku(COMPUTE_SERVICE, f"{mt} instance running in {region}", "Compute", mt.split("-")[0].upper(),

@@ -135,16 +135,24 @@ def runtimes_in_zone(zone: str) -> list[str]:
     return sorted({r for gen, zones in ZONES_BY_GENERATION.items() if zone in zones for r in RUNTIMES_BY_GENERATION[gen]})
 
 
-# USD per chip-hour: (on-demand, spot); None where the region does not sell that generation.
+# USD per chip-hour: (on-demand, spot); None where the region does not sell that generation. Figures: Google's
+# billing price list (Cloud Billing Catalog SKUs) as skypilot-org/skypilot-catalog catalogs/v8/gcp/vms.csv
+# copies it (read 2026-11-28), v2/v3/v4 device SKUs divided by their 4 chips.
 TPU_PRICES: dict[str, dict[str, tuple[float, float | None]]] = {
     "us-central1": {"v2": (1.125, 0.3375), "v3": (2.00, 0.51), "v5e": (1.20, 0.245), "v5p": (4.20, 0.836), "v6e": (2.70, 0.544)},
     "us-central2": {"v4": (3.22, 0.92)},
-    "us-east1": {"v3": (2.00, 0.60), "v5e": (1.20, 0.245), "v5p": (4.20, 0.836), "v6e": (2.70, 0.544)},
+    "us-east1": {"v5e": (1.20, 0.245), "v5p": (4.20, 0.836), "v6e": (2.70, 0.544)},
     "us-east5": {"v5e": (1.20, 0.60), "v5p": (4.20, 1.68), "v6e": (2.70, 1.215)},
-    "us-west4": {"v5e": (1.20, 0.245)},
+    "us-west4": {"v5e": (1.20, 0.48)},
     "europe-west4": {"v2": (1.2375, None), "v3": (2.20, 0.561), "v5e": (1.56, 0.445), "v5p": (4.2525, 1.348), "v6e": (2.97, 1.037)},
-    "asia-east1": {"v2": (1.2375, None), "v5e": (1.56, 0.445)},
+    "asia-east1": {"v2": (1.305, 0.3915)},
     "asia-northeast1": {"v5e": (1.541, 0.424), "v6e": (3.24, 0.944)},
+}
+# v2 and v3 multi-host slices bill apart, per chip, at the "Tpu-v2 Pod" / "Tpu-v3 Pod" SKUs (same copy; Google's
+# older tpu/pricing page: "TPU Pod type pricing for clusters of TPU devices", separate from single devices).
+TPU_POD_PRICES: dict[str, dict[str, tuple[float, float | None]]] = {
+    "us-central1": {"v2": (1.50, 0.3825)},
+    "europe-west4": {"v2": (1.50, 0.3825), "v3": (2.00, 0.66)},
 }
 
 # name -> (vCPUs, memory MB, shared core, USD/h on demand). One price for every region (simplification).
@@ -328,9 +336,10 @@ def region_of(zone: str) -> str:
     return zone.rsplit("-", 1)[0]
 
 
-def tpu_price(generation: str, region: str, spot: bool) -> float | None:
-    """USD per chip-hour, or None where the region does not sell it."""
-    pair = TPU_PRICES.get(region, {}).get(generation)
+def tpu_price(generation: str, region: str, spot: bool, *, pod: bool = False) -> float | None:
+    """USD per chip-hour, or None where the region does not sell it; `pod` for a multi-host slice, which v2 and
+    v3 bill at their pod SKUs."""
+    pair = (pod and TPU_POD_PRICES.get(region, {}).get(generation)) or TPU_PRICES.get(region, {}).get(generation)
     if pair is None:
         return None
     return pair[1] if spot else pair[0]

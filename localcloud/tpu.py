@@ -226,7 +226,9 @@ class TpuService:
         t = facts.TPU_TYPES[rec["type"]]
         region = facts.region_of(rec["zone"])
         # Where no spot price is published (v2 outside us-central1) the on-demand price bounds the bill.
-        price = facts.tpu_price(t.generation, region, spot) or facts.tpu_price(t.generation, region, False) or 0.0
+        pod = t.hosts > 1
+        price = (facts.tpu_price(t.generation, region, spot, pod=pod)
+                 or facts.tpu_price(t.generation, region, False, pod=pod) or 0.0)
         sku = f"tpu/{t.name}/{rec['zone']}/{'spot' if spot else 'on-demand'}"
         self.w.meter.begin(node["name"], "tpu", sku, price * t.chips)
 

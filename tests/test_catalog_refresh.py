@@ -35,8 +35,6 @@ def invoke(*args):
 
 
 def test_refresh_pulls_billing_skus_into_the_cache_which_then_wins(env):
-    before = catalog.load()
-    assert "asia-east1" not in before.tpu_prices("v5e")  # not in the embedded table; localcloud sells it
     out = json.loads(invoke("catalog", "refresh", "--json"))
     assert out["skus_read"] > out["prices_set"] > 0 and out["path"] == str(paths.catalog_cache())
     after = catalog.load()
@@ -48,10 +46,16 @@ def test_refresh_pulls_billing_skus_into_the_cache_which_then_wins(env):
             assert p.on_demand == pytest.approx(on_demand)
             if spot is not None:
                 assert p.spot == pytest.approx(spot)
-    show = json.loads(invoke("catalog", "show", "v5litepod-8", "--json"))
-    on_demand, spot = facts.TPU_PRICES["asia-east1"]["v5e"]
-    assert show["price_per_hour_by_region"]["asia-east1"] == {"on_demand": pytest.approx(8 * on_demand),
-                                                              "spot": pytest.approx(8 * spot)}
+    for region, gens in facts.TPU_POD_PRICES.items():  # and every pod price, under `pod`
+        for gen, (on_demand, spot) in gens.items():
+            pod = after.tpu_prices(gen)[region].pod
+            assert (pod.on_demand, pod.spot) == (pytest.approx(on_demand), pytest.approx(spot))
+    # A multi-host v2 slice is shown at the pod SKU's price, a v2-8 at the device's.
+    show = json.loads(invoke("catalog", "show", "v2-32", "--json"))
+    on_demand, spot = facts.TPU_POD_PRICES["us-central1"]["v2"]
+    chips = show["chips"]
+    assert show["price_per_hour_by_region"]["us-central1"] == {"on_demand": pytest.approx(chips * on_demand),
+                                                               "spot": pytest.approx(chips * spot)}
     assert "Billing Catalog" in show["price_source"]
     # Refreshing again is idempotent.
     assert json.loads(invoke("catalog", "refresh", "--json"))["tpu_prices_per_chip_hour"] == out["tpu_prices_per_chip_hour"]

@@ -47,6 +47,10 @@ def test_accrued_cost_matches_the_meter_within_1_percent(cloud, clients, cat, tm
     tpu.create_node(clients, tpu.NodeRequest(name="cheap", zone="us-central1-b", accelerator="v2-8",
                                              runtime_version="tpu-vm-tf-2.17.0-pjrt", labels=labels,
                                              service_account="", spot=True), deadline_s=30)
+    # A multi-host v2 slice bills the pod SKU's per-chip price on both sides, not the v2-8's.
+    tpu.create_node(clients, tpu.NodeRequest(name="pod", zone="us-central1-a", accelerator="v2-32",
+                                             runtime_version="tpu-vm-tf-2.17.0-pod-pjrt", labels=labels,
+                                             service_account=""), deadline_s=30)
     vm.create(clients, vm.VmRequest(name="driver", zone="us-central1-a", machine_type="e2-standard-2", disk_gb=10,
                                     image="projects/debian-cloud/global/images/family/debian-12", labels=labels,
                                     service_account=""), deadline_s=30)
@@ -59,7 +63,7 @@ def test_accrued_cost_matches_the_meter_within_1_percent(cloud, clients, cat, tm
     later = now + 3600
     ours = {e.name: cost.accrued(e, cat, now=later) for e in gc.cost_entries(clients, now=now, ledger=ledger)}
     meter = metered(cloud, clients, later)
-    assert set(ours) == {"big", "cheap", "driver"} and set(meter) == set(ours)
+    assert set(ours) == {"big", "cheap", "pod", "driver"} and set(meter) == set(ours)
     for name in ours:
         assert ours[name] == pytest.approx(meter[name], rel=0.01), name
 
@@ -73,7 +77,7 @@ def test_accrued_cost_matches_the_meter_within_1_percent(cloud, clients, cat, tm
     entries = gc.cost_entries(clients, now=now, ledger=ledger)
     meter = metered(cloud, clients, later)
     ours = {e.name: cost.accrued(e, cat, now=later) for e in entries}
-    for name in ("cheap", "driver"):
+    for name in ("cheap", "pod", "driver"):
         assert ours[name] == pytest.approx(meter[name], rel=0.01), name
     # The deleted slice lived about a second: compare billed seconds. tpuctl closes it when the delete
     # operation is seen done, the meter when deletion finished: a poll interval apart at most.
@@ -81,7 +85,7 @@ def test_accrued_cost_matches_the_meter_within_1_percent(cloud, clients, cat, tm
     assert abs(ours["big"] - meter["big"]) / rate < 0.5
     assert meter["big"] / rate > 1.0
     rep = cost.report(entries, cat, since=now - 3600, now=later, by="run")
-    assert [r.key for r in rep.rows] == ["metered"] and rep.rows[0].live == 2
+    assert [r.key for r in rep.rows] == ["metered"] and rep.rows[0].live == 3
     assert rep.total_usd == pytest.approx(sum(meter.values()), rel=0.01)
 
 
