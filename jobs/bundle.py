@@ -23,7 +23,9 @@ from tpuctl.templates import contract
 
 from .remote import check_run_name
 
-AGENT_NAME = "tpuctl_agent.py"
+# The worker agent ships as this package (every module of `tpuctl.jobs.agent`, under this name: the worker has no
+# tpuctl), run as `python -m tpuctl_agent` with the bundle on its path (templates/bootstrap.sh.tmpl).
+AGENT_PACKAGE = "tpuctl_agent"
 _SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache", ".mypy_cache"}
 
 
@@ -102,6 +104,12 @@ def _files_under(root: Path) -> list[Path]:
                   if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts) and p.suffix != ".pyc")
 
 
+def agent_modules() -> list:
+    """The agent package's modules (importlib.resources traversables), sorted: the bundle carries all of them."""
+    return sorted((m for m in resources.files("tpuctl.jobs.agent").iterdir() if m.name.endswith(".py")),
+                  key=lambda m: m.name)
+
+
 def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequence[Path] = (),
           packages: Sequence[Path] = ()) -> Bundle:
     """Pack the bundle into `out_dir`. Pure and deterministic; user files land under `files/`; `packages` (the
@@ -128,7 +136,8 @@ def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequenc
     # gzip with mtime 0 and no file name: byte-identical output for identical input.
     with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz, tarfile.open(fileobj=gz, mode="w") as tar:
         _add_bytes(tar, "job.json", json.dumps(doc, sort_keys=True, indent=1).encode())
-        _add_bytes(tar, AGENT_NAME, resources.files("tpuctl.jobs").joinpath("agent.py").read_bytes())
+        for module in agent_modules():
+            _add_bytes(tar, f"{AGENT_PACKAGE}/{module.name}", module.read_bytes())
         for root in (template_dir, *packages):
             for p in _files_under(root):
                 _add_bytes(tar, f"{root.name}/{p.relative_to(root).as_posix()}", p.read_bytes())

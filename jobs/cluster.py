@@ -21,7 +21,7 @@ from tpuctl.provision import Kind, Resource, State
 if TYPE_CHECKING:
     from tpuctl.provision import Clients
 
-from . import agent
+from .agent import storage as agent_storage
 from .keys import KeyPair, ensure_keypair
 from .remote import check_run_name
 from .launch import targets_from_workers
@@ -125,7 +125,7 @@ def read_status(clients: Clients, bucket: str, run: str) -> dict | None:
 
 
 def _status_name(run: str) -> str:
-    return f"runs/{run}/{agent.STATUS}"
+    return f"runs/{run}/{agent_storage.STATUS}"
 
 
 def open_status(clients: Clients, bucket: str, run: str, *, recovering: bool, on_event: EventSink = ignore) -> None:
@@ -137,7 +137,7 @@ def open_status(clients: Clients, bucket: str, run: str, *, recovering: bool, on
 
 
 def update_status(clients: Clients, bucket: str, run: str, *, on_event: EventSink = ignore, **fields) -> dict:
-    """Merge `fields` into status.json, never losing what the agents write meanwhile (`agent.merge_json`).
+    """Merge `fields` into status.json, never losing what the agents write meanwhile (`agent.storage.merge_json`).
     Best effort: a status write must never stop a teardown, so failures are a Warn event."""
     return _write_status(clients, bucket, run, {**fields, "heartbeat": int(time.time())}, on_event)
 
@@ -156,7 +156,7 @@ def _write_status(clients: Clients, bucket: str, run: str, fields: dict, on_even
         if replace:
             write_json(clients, bucket, _status_name(run), fields)
             return fields
-        return agent.merge_json(clients.storage.bucket(bucket), _status_name(run), fields) or {}
+        return agent_storage.merge_json(clients.storage.bucket(bucket), _status_name(run), fields) or {}
     except Exception as exc:  # noqa: BLE001 - see the callers: best effort
         on_event(Warn(f"could not update gs://{bucket}/{_status_name(run)}: {exc}"))
         return {}

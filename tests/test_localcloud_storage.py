@@ -415,9 +415,9 @@ def test_a_precondition_localcloud_does_not_emulate_is_refused_not_ignored(serve
 
 
 def test_concurrent_conditional_writers_never_lose_each_others_keys(server):
-    """Eight writers merge their own key into one JSON object at once (`jobs.agent.merge_json`: read,
+    """Eight writers merge their own key into one JSON object at once (`jobs.agent.storage.merge_json`: read,
     write if the generation is unchanged, read again on 412): every key is there at the end."""
-    from tpuctl.jobs.agent import merge_json
+    from tpuctl.jobs.agent.storage import merge_json
 
     bucket = _create(client(), "tpuctl-r1-merge")
     with ThreadPoolExecutor(8) as pool:
