@@ -42,10 +42,22 @@ class JobDescription:
     env: Mapping[str, str] = field(default_factory=dict)
     num_workers: int = 1
     heartbeat_s: float = 10.0
+    storage: str = "gcs"  # how the workers' programs reach the bucket: one of STORAGE_KINDS (`worker_storage`)
 
     @property
     def prefix(self) -> str:
         return f"runs/{self.run}"
+
+
+# The agent's storage (jobs/agent/storage.py): "gcs", Cloud Storage, which the program reads and writes itself;
+# "mirror", a storage emulator, which TensorFlow's gs:// filesystem cannot reach, so the agent mirrors the
+# program's gs:// locations to the worker's disk and back.
+STORAGE_KINDS = ("gcs", "mirror")
+
+
+def worker_storage(clients) -> str:
+    """The storage the workers of `clients`' cloud have: the local cloud's serve its storage emulator."""
+    return "mirror" if clients.local else "gcs"
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,9 @@ def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequenc
     if bad_env:
         raise BadInput(f"environment variable name(s) {bad_env!r} are not valid", field="job.env",
                        hint=ENV_NAME_RULE)
+    if job.storage not in STORAGE_KINDS:
+        raise BadInput(f"storage {job.storage!r} is not one of {', '.join(STORAGE_KINDS)}", field="job.storage",
+                       hint="see tpuctl.jobs.bundle.worker_storage")
     package = template_dir.name
     # A framework's own list where the template has one (bert: requirements-jax.txt for the JAX base images).
     framework = str(((job.config or {}).get("runtime") or {}).get("framework") or "")
@@ -129,7 +144,7 @@ def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequenc
     doc = {
         "run": job.run, "project": job.project, "bucket": job.bucket, "prefix": job.prefix, "module": job.module,
         "config": job.config, "args": list(job.args), "env": dict(job.env), "num_workers": job.num_workers,
-        "heartbeat_s": job.heartbeat_s,
+        "heartbeat_s": job.heartbeat_s, "storage": job.storage,
         "requirements": f"{package}/{requirements.name}" if requirements.is_file() else None,
     }
     raw = io.BytesIO()

@@ -29,7 +29,8 @@ def _job(run: str, storage, *, workers: int = 4, trainer: dict | None = None, ar
     config = bundles.job_config({"trainer": {"max_steps": 12, "checkpoint_every": 4, **(trainer or {})}},
                                 preset=None, bucket=storage.bucket_name, run=run, data_url=None)
     return bundles.JobDescription(run=run, project="test-project", bucket=storage.bucket_name, module="standin.train",
-                                  config=config, args=tuple(args), env=env or {}, num_workers=workers, heartbeat_s=0.5)
+                                  config=config, args=tuple(args), env=env or {}, num_workers=workers, heartbeat_s=0.5,
+                                  storage="mirror")
 
 
 def _ship(tmp_path, storage, job) -> bundles.Bundle:
@@ -543,11 +544,11 @@ def test_cancel_at_random_moments_of_checkpoint_writes_leaves_a_restorable_check
 
     from google.cloud.storage import Blob
 
-    from tpuctl.jobs.agent import storage as agent_storage
+    from tpuctl.jobs.agent.mirror import Mirror
 
     rng = random.Random(seed)
     job = {"project": "test-project", "bucket": storage.bucket_name, "prefix": "runs/r1"}
-    store = agent_storage.Store(job, 0, tmp_path / "mirror")
+    store = Mirror(job, 0, tmp_path / "mirror")
     url = f"gs://{storage.bucket_name}/runs/r1/model/checkpoints"
     writer = _TfCheckpointWriter(store.local(url))
     state = {"writing": True, "kill_after": None}
@@ -592,9 +593,9 @@ def test_cancel_at_random_moments_of_checkpoint_writes_leaves_a_restorable_check
 def test_a_restore_replaces_a_stale_pointer_of_the_same_size(tmp_path, storage):
     """After a preemption a worker's disk may still hold its own older checkpoint pointer: the bucket's newer
     one has the same size (ckpt-10.json vs ckpt-30.json) and must still win, or the worker resumes from 10."""
-    from tpuctl.jobs.agent import storage as agent_storage
+    from tpuctl.jobs.agent.mirror import Mirror
 
-    store = agent_storage.Store({"project": "test-project", "bucket": storage.bucket_name, "prefix": "runs/r1"}, 1,
+    store = Mirror({"project": "test-project", "bucket": storage.bucket_name, "prefix": "runs/r1"}, 1,
                         tmp_path / "mirror")
     url = f"gs://{storage.bucket_name}/runs/r1/model"
     bucket = storage.client().bucket(storage.bucket_name)
@@ -617,10 +618,10 @@ def test_the_laptops_verdict_outlives_a_stopping_agent_and_the_next_launch_start
     from types import SimpleNamespace
 
     from tpuctl.jobs import cluster
-    from tpuctl.jobs.agent import storage as agent_storage
+    from tpuctl.jobs.agent.mirror import Mirror
 
     laptop, bucket = SimpleNamespace(storage=storage.client()), storage.bucket_name
-    store = agent_storage.Store({"project": "test-project", "bucket": bucket, "prefix": "runs/r1"}, 0, tmp_path)
+    store = Mirror({"project": "test-project", "bucket": bucket, "prefix": "runs/r1"}, 0, tmp_path)
 
     def read() -> dict:
         return cluster.read_status(laptop, bucket, "r1")

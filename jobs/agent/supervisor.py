@@ -15,10 +15,9 @@ from pathlib import Path
 
 from . import notice
 from .install import tensorflow_version
-from .storage import Store, _emulated
+from .storage import open_storage
 
 STEP = re.compile(rb"\bstep=(\d+)")
-PATH_KEYS = ("data_dir", "model_dir", "export_dir")
 CANCEL_MARKER = "cancelled"  # written by a cancel (jobs/remote.py, the bootstrap's relaunch) before its SIGTERM
 
 
@@ -38,7 +37,7 @@ class Agent:
         self.job = json.loads((self.bundle / "job.json").read_text())
         self.worker = worker
         self.num_workers = int(self.job.get("num_workers") or 1)
-        self.store = Store(self.job, worker, self.home / "gcs")
+        self.store = open_storage(self.job, worker, self.home)
         self.step: int | None = None
         self.state = "running"
         self.exit_code: int | None = None
@@ -54,37 +53,6 @@ class Agent:
         with open(self.log_path, "ab") as log:  # O_APPEND: whole lines, interleaved safely
             log.write(f"tpuctl agent: {message}\n".encode())
 
-    # --- config paths
-    def _config(self) -> dict:
-        config = json.loads(json.dumps(self.job.get("config") or {}))
-        runtime = config.get("runtime") or {}
-        if _emulated():
-            for key in PATH_KEYS:
-                url = runtime.get(key)
-                if isinstance(url, str) and url.startswith("gs://"):
-                    runtime[key] = str(self.store.local(url))
-        return config
-
-    def _model_urls(self) -> list[str]:
-        runtime = (self.job.get("config") or {}).get("runtime") or {}
-        model = runtime.get("model_dir")
-        urls = [u for u in (model, runtime.get("export_dir")) if isinstance(u, str) and u.startswith("gs://")]
-        # An export directory under the model directory is synced with it.
-        return [u for u in urls if u == model or not model or not u.startswith(model.rstrip("/") + "/")]
-
-    def stage(self) -> None:
-        if not _emulated():
-            return
-        runtime = (self.job.get("config") or {}).get("runtime") or {}
-        data = runtime.get("data_dir")
-        if isinstance(data, str) and data.startswith("gs://"):
-            n = self.store.download_prefix(data)
-            self.say(f"data: {n} file(s) from {data}")
-        for url in self._model_urls():
-            n = self.store.download_prefix(url)
-            if n:
-                self.say(f"restored {n} file(s) from {url}")
-
     # --- status
     def _worker_doc(self) -> dict:
         return {"worker": self.worker, "state": self.state, "step": self.step, "heartbeat": int(time.time()),
@@ -92,9 +60,8 @@ class Agent:
 
     def publish(self, final: bool = False) -> None:
         with self._lock:
-            if self.worker == 0 and _emulated():
-                for url in self._model_urls():
-                    self.store.upload_dir(url)
+            if self.worker == 0:
+                self.store.sync()
             size = self.log_path.stat().st_size if self.log_path.exists() else -1
             if size != self._log_size or final:
                 self.store.put_file(f"logs/worker-{self.worker}.log", self.log_path)
@@ -157,9 +124,10 @@ class Agent:
         print(f"tpuctl agent: python={sys.version.split()[0]} tensorflow={tensorflow_version()} keras={keras}",
               flush=True)
         if not self.terminated:
-            self.stage()
+            self.store.stage(self.say)
         work = self.home / "config.json"
-        work.write_text(json.dumps(self._config(), indent=1))
+        config = json.loads(json.dumps(self.job.get("config") or {}))  # a copy: the storage may rewrite paths
+        work.write_text(json.dumps(self.store.program_config(config), indent=1))
         argv = [sys.executable, "-u", "-m", self.job["module"], "--config", str(work), *self.job.get("args", [])]
         env = {**os.environ, **{str(k): str(v) for k, v in (self.job.get("env") or {}).items()},
                "PYTHONPATH": os.pathsep.join(p for p in (str(self.bundle), os.environ.get("PYTHONPATH")) if p),
@@ -202,9 +170,8 @@ class Agent:
             if self.terminated:  # the SIGTERM came between the check in run() and the child's existence
                 self.child.send_signal(signal.SIGTERM)
             assert self.child.stdout is not None
-            emulated = _emulated()
             for line in iter(self.child.stdout.readline, b""):
-                log.write(self.store.as_urls(line) if emulated else line)
+                log.write(self.store.log_line(line))
                 m = STEP.search(line)
                 if m:
                     self.step = int(m.group(1))
