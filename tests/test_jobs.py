@@ -623,21 +623,21 @@ def test_the_laptops_verdict_outlives_a_stopping_agent_and_the_next_launch_start
     laptop, bucket = SimpleNamespace(storage=storage.client()), storage.bucket_name
     store = Mirror({"project": "test-project", "bucket": bucket, "prefix": "runs/r1"}, 0, tmp_path)
 
-    def read() -> dict:
+    def read():
         return cluster.read_status(laptop, bucket, "r1")
 
     cluster.open_status(laptop, bucket, "r1", recovering=False)
     store.merge_status({"state": "running", "step": 40, "exit_code": None})
     cluster.update_status(laptop, bucket, "r1", state="running", recovering=True)
     store.merge_status({"state": "failed", "step": 45, "exit_code": 143})  # the old job's last beat
-    assert read()["recovering"] is True and read()["step"] == 45
+    assert read().recovering is True and read().step == 45
     cluster.close_status(laptop, bucket, "r1", state="failed", ended="max_run_duration")
     store.merge_status({"state": "failed", "step": 46, "exit_code": 143})  # lands after the verdict
     doc = read()
-    assert doc["state"] == "failed" and doc["ended"] == "max_run_duration" and doc["final"] is True, doc
-    assert doc["step"] == 45 and doc["recovering"] is False, doc
+    assert doc.state == "failed" and doc.ended == "max_run_duration" and doc.final is True, doc
+    assert doc.step == 45 and doc.recovering is False, doc
 
     cluster.open_status(laptop, bucket, "r1", recovering=False)  # `tpuctl run --name r1` resumes
     store.merge_status({"state": "running", "step": 50, "exit_code": None})
     doc = read()
-    assert doc["state"] == "running" and doc["step"] == 50 and "final" not in doc and "ended" not in doc, doc
+    assert doc.state == "running" and doc.step == 50 and not doc.final and doc.ended is None, doc

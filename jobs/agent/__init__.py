@@ -9,14 +9,14 @@ pinned to the release the template is tested with for this interpreter's TensorF
 `keras_by_tensorflow`, by TF minor version): the runtime image's TensorFlow decides, never pip's newest
 Keras; a TensorFlow older than every tested one fails here, with what to use instead.
 
-`run`: wraps the training process. When storage is emulated (`STORAGE_EMULATOR_HOST`: TensorFlow cannot read
-gs:// from an emulator) it mirrors the config's gs:// data and model locations to local disk, restores the
+`run`: wraps the training process. When the bundle chose the `mirror` storage (a storage emulator, which
+TensorFlow's gs:// filesystem cannot read; `storage.py`) it mirrors the config's gs:// data and model locations to local disk, restores the
 latest checkpoint from the bucket before the start (resume after preemption), and worker 0 syncs the model
 directory (checkpoints, TensorBoard events, exports) back periodically and at exit. On a real TPU VM the
 program writes gs:// itself and the agent only heartbeats and copies logs. Every worker copies its log to
 `gs://BUCKET/runs/RUN/logs/worker-N.log` and its state to `.../workers/worker-N.json`; `.../status.json`
 aggregates them: {"state": running|succeeded|failed, "heartbeat", "step", "exit_code", "workers"}, merged into
-what the laptop wrote there (see `merge_json`).
+what the laptop wrote there (`storage.merge_status`; the record's schema is `status.py`).
 `exit_code` (local file) is written last: when it exists, logs and checkpoints are in the bucket.
 
 Preemption notices: the agent watches the guest's metadata server (`instance/preempted`, `instance/maintenance-event`,
@@ -29,7 +29,9 @@ after the shutdown starts on a Spot VM: compute.v1 `Scheduling.skipGuestOsShutdo
 Modules (all shipped; standard library only at import, google-cloud-storage imported where a bucket is used):
 - `__main__`: the command line (`prepare`, `run`).
 - `install`: `prepare`, the requirements installer.
-- `storage`: the run's bucket prefix and the storage a worker's program reads and writes.
+- `storage`: the storage interface (the run's bucket records, and what the program's storage needs), Cloud
+  Storage itself; `mirror`: the same for a storage emulator (a local mirror of the program's gs:// locations).
+- `status`: the status.json schema, shared with tpuctl.
 - `notice`: the metadata server's preemption and maintenance notices, turned into save requests.
 - `supervisor`: `run`, the process supervisor (staging, heartbeat, log copies, exit status).
 

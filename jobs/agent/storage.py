@@ -19,20 +19,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# status.json has two writers: worker 0's agent (the job's account: state, step, exit_code, heartbeat) and the
-# laptop's `tpuctl run` (recovering; and, when it decides how the run ended, `final` with its verdict). Keys the
-# agent does not write are never touched by it, and it leaves a final status alone.
-STATUS = "status.json"
+from .status import NAME, CorruptStatus, RunStatus
+
 RACE_ATTEMPTS = 10  # a read-modify-write, or a listing, that another writer keeps invalidating: tries
 
 
-def merge_json(bucket, name: str, fields: dict, *, unless=None) -> dict | None:
-    """Merge `fields` into the JSON object `name` of `bucket` (a google.cloud.storage Bucket) without losing
-    a concurrent writer's keys: read the object and its generation, write the merge only while that generation
-    is still the live one (`ifGenerationMatch`, 0 when there is no object yet), and read again on 412
+def update_object(bucket, name: str, change: Callable[[bytes | None], bytes | str | None]) -> bytes | str | None:
+    """Replace object `name` of `bucket` (a google.cloud.storage Bucket) by `change(its content, None when there is
+    none)` without losing a concurrent writer's change: read the object and its generation, write only while that
+    generation is still the live one (`ifGenerationMatch`, 0 when there is no object yet), and read again on 412
     (cloud.google.com/storage/docs/request-preconditions), after a jittered backoff. Returns what was written, or
-    None when `unless(current document)` says to leave it as it is. Blocks for a few requests (seconds at worst
-    under contention); idempotent. RuntimeError when it lost the race RACE_ATTEMPTS times."""
+    None when `change` returned None (leave it as it is). Blocks for a few requests (seconds at worst under
+    contention). RuntimeError when it lost the race RACE_ATTEMPTS times."""
     from google.api_core.exceptions import NotFound, PreconditionFailed
 
     for attempt in range(RACE_ATTEMPTS):
@@ -40,24 +38,38 @@ def merge_json(bucket, name: str, fields: dict, *, unless=None) -> dict | None:
             time.sleep(random.uniform(0, min(1.0, 0.05 * 2 ** attempt)))
         blob = bucket.blob(name)
         try:
-            current = json.loads(blob.download_as_bytes())
+            current = blob.download_as_bytes()
             generation = blob.generation  # from the download's x-goog-generation
         except NotFound:
-            current, generation = {}, 0
-        except ValueError:  # not JSON: replaced like a missing object, but only this generation of it
-            current, generation = {}, blob.generation
-        if not isinstance(current, dict):
-            current = {}
-        if unless is not None and unless(current):
+            current, generation = None, 0
+        content = change(current)
+        if content is None:
             return None
-        doc = {**current, **fields}
         try:
-            bucket.blob(name).upload_from_string(json.dumps(doc, sort_keys=True), content_type="application/json",
+            bucket.blob(name).upload_from_string(content, content_type="application/json",
                                                  if_generation_match=generation)
-            return doc
+            return content
         except PreconditionFailed:
-            continue  # another writer got in between: merge onto theirs
+            continue  # another writer got in between: change theirs
     raise RuntimeError(f"gs://{bucket.name}/{name} kept changing: {RACE_ATTEMPTS} writes lost the race")
+
+
+def merge_status(bucket, name: str, fields: dict, *, unless_final: bool = False) -> RunStatus | None:
+    """Merge `fields` (RunStatus field names) into the status record `name`, keeping every other field a
+    concurrent writer wrote (`update_object`). A missing or unreadable record is replaced by one of `fields`
+    (on a `running` record: its writers write a state when the run starts and when it ends). Returns the
+    record written, or None when `unless_final` and the record is final (the laptop's verdict)."""
+    def change(raw: bytes | None) -> str | None:
+        try:
+            current = RunStatus.from_json(raw) if raw is not None else None
+        except CorruptStatus:
+            current = None  # replaced like a missing object, but only this generation of it
+        if unless_final and current is not None and current.final:
+            return None
+        return (current or RunStatus(state="running")).merged(fields).to_json()
+
+    content = update_object(bucket, name, change)
+    return None if content is None else RunStatus.from_json(content)
 
 
 class Gcs:
@@ -98,7 +110,7 @@ class Gcs:
 
     def merge_status(self, fields: dict) -> None:
         """The job's account into status.json, unless the laptop has written its final verdict there."""
-        merge_json(self.bucket, f"{self.prefix}/{STATUS}", fields, unless=lambda doc: bool(doc.get("final")))
+        merge_status(self.bucket, f"{self.prefix}/{NAME}", fields, unless_final=True)
 
     def get_json(self, name: str) -> dict | None:
         from google.api_core.exceptions import NotFound
