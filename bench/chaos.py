@@ -284,7 +284,8 @@ class Job:
                                     preset=None, bucket=self.bucket, run=self.run, data_url=None)
         desc = bundles.JobDescription(run=self.run, project=PROJECT, bucket=self.bucket, module="standin.train",
                                       config=config, args=tuple(args), env=dict(env or {}),
-                                      num_workers=self.hosts, heartbeat_s=0.3)
+                                      num_workers=self.hosts, heartbeat_s=0.3,
+                                      storage=bundles.worker_storage(stack.clients))
         self.bundle = bundles.build(STANDIN, desc, stack.home / "bundles" / self.run)
         bundles.upload(stack.clients.storage, self.bucket, self.bundle)
 

@@ -7,7 +7,7 @@ Modules, bottom up:
 - `remote`: the worker-side layout and every command sent there, values `shlex.quote`d; renders
   `templates/bootstrap.sh.tmpl`.
 - `bundle`: template + resolved config + user files + the agent, as a reproducible tar.gz named by sha256.
-- `agent`: shipped in the bundle; wraps the training process on each worker (stage data and checkpoints
+- `agent/` (a package): shipped in the bundle; wraps the training process on each worker (stage data and checkpoints
   when storage is emulated, heartbeat + status.json, log copies to the bucket, exit status file).
 - `launch`: bootstrap all workers, poll their job state, cancel.
 - `logs`: worker-prefixed log streaming that resumes at the byte offset after a reconnect.

@@ -148,20 +148,20 @@ class Record:
                 scalar_pb("tpuctl/tpu_cost_usd", cost.accrued(node, prices, now=now)),
                 scalar_pb("tpuctl/preempted", 1.0 if preempted else 0.0))))
             self.nodes_written = i + 1
-        status = cluster.read_status(self.clients, self.src.bucket, run) or {}
+        status = cluster.read_status(self.clients, self.src.bucket, run)
+        state, step = (status.state, status.step) if status else ("unknown", None)
         total = cost.accrued_by_run(entries, prices, now=now).get(run, 0.0)
         rows = "\n".join(
             f"| {i} | {n.accelerator} | {'spot' if n.spot else 'on-demand'} | {_when(n.created)} | "
             f"{_when(n.deleted) if n.deleted else 'up'} | {'yes' if n.billed_until and n.spot else 'no'} | "
             f"{cost.accrued(n, prices, now=now):.4f} |" for i, n in enumerate(nodes))
-        text = (f"**{run}**: {status.get('state', 'unknown')}, step {status.get('step')}, "
+        text = (f"**{run}**: {state}, step {step}, "
                 f"{max(len(nodes) - 1, 0)} recovery(ies), about ${total:.4f} "
                 "(this machine's ledger)\n\n"
                 "| TPU | accelerator | provisioning | created | deleted | preempted | USD |\n"
                 "|---|---|---|---|---|---|---|\n" + rows)
         if text != self.last_text:
-            step = int(status.get("step") or 0)
-            self.add_event(event_pb2.Event(wall_time=now, step=step, summary=summary(
+            self.add_event(event_pb2.Event(wall_time=now, step=step or 0, summary=summary(
                 scalar_pb("tpuctl/cost_usd", total), text_pb("tpuctl/record", text))))
             self.last_text = text
         self.file.flush()

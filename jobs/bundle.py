@@ -23,7 +23,9 @@ from tpuctl.templates import contract
 
 from .remote import check_run_name
 
-AGENT_NAME = "tpuctl_agent.py"
+# The worker agent ships as this package (every module of `tpuctl.jobs.agent`, under this name: the worker has no
+# tpuctl), run as `python -m tpuctl_agent` with the bundle on its path (templates/bootstrap.sh.tmpl).
+AGENT_PACKAGE = "tpuctl_agent"
 _SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache", ".mypy_cache"}
 
 
@@ -40,10 +42,22 @@ class JobDescription:
     env: Mapping[str, str] = field(default_factory=dict)
     num_workers: int = 1
     heartbeat_s: float = 10.0
+    storage: str = "gcs"  # how the workers' programs reach the bucket: one of STORAGE_KINDS (`worker_storage`)
 
     @property
     def prefix(self) -> str:
         return f"runs/{self.run}"
+
+
+# The agent's storage (jobs/agent/storage.py): "gcs", Cloud Storage, which the program reads and writes itself;
+# "mirror", a storage emulator, which TensorFlow's gs:// filesystem cannot reach, so the agent mirrors the
+# program's gs:// locations to the worker's disk and back.
+STORAGE_KINDS = ("gcs", "mirror")
+
+
+def worker_storage(clients) -> str:
+    """The storage the workers of `clients`' cloud have: the local cloud's serve its storage emulator."""
+    return "mirror" if clients.local else "gcs"
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,12 @@ def _files_under(root: Path) -> list[Path]:
                   if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts) and p.suffix != ".pyc")
 
 
+def agent_modules() -> list:
+    """The agent package's modules (importlib.resources traversables), sorted: the bundle carries all of them."""
+    return sorted((m for m in resources.files("tpuctl.jobs.agent").iterdir() if m.name.endswith(".py")),
+                  key=lambda m: m.name)
+
+
 def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequence[Path] = (),
           packages: Sequence[Path] = ()) -> Bundle:
     """Pack the bundle into `out_dir`. Pure and deterministic; user files land under `files/`; `packages` (the
@@ -112,6 +132,9 @@ def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequenc
     if bad_env:
         raise BadInput(f"environment variable name(s) {bad_env!r} are not valid", field="job.env",
                        hint=ENV_NAME_RULE)
+    if job.storage not in STORAGE_KINDS:
+        raise BadInput(f"storage {job.storage!r} is not one of {', '.join(STORAGE_KINDS)}", field="job.storage",
+                       hint="see tpuctl.jobs.bundle.worker_storage")
     package = template_dir.name
     # A framework's own list where the template has one (bert: requirements-jax.txt for the JAX base images).
     framework = str(((job.config or {}).get("runtime") or {}).get("framework") or "")
@@ -121,14 +144,15 @@ def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequenc
     doc = {
         "run": job.run, "project": job.project, "bucket": job.bucket, "prefix": job.prefix, "module": job.module,
         "config": job.config, "args": list(job.args), "env": dict(job.env), "num_workers": job.num_workers,
-        "heartbeat_s": job.heartbeat_s,
+        "heartbeat_s": job.heartbeat_s, "storage": job.storage,
         "requirements": f"{package}/{requirements.name}" if requirements.is_file() else None,
     }
     raw = io.BytesIO()
     # gzip with mtime 0 and no file name: byte-identical output for identical input.
     with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz, tarfile.open(fileobj=gz, mode="w") as tar:
         _add_bytes(tar, "job.json", json.dumps(doc, sort_keys=True, indent=1).encode())
-        _add_bytes(tar, AGENT_NAME, resources.files("tpuctl.jobs").joinpath("agent.py").read_bytes())
+        for module in agent_modules():
+            _add_bytes(tar, f"{AGENT_PACKAGE}/{module.name}", module.read_bytes())
         for root in (template_dir, *packages):
             for p in _files_under(root):
                 _add_bytes(tar, f"{root.name}/{p.relative_to(root).as_posix()}", p.read_bytes())

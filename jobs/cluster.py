@@ -1,6 +1,6 @@
 """A run as the jobs layer sees it in the cloud: its TPU node, its workers' SSH targets, its bucket, and the
 two small JSON records kept there (`runs/RUN/launch.json`: what was launched; `runs/RUN/status.json`: how
-the job is doing, written by the worker agents and by `tpuctl run`).
+the job is doing, written by the worker agents and by `tpuctl run`; its schema is `agent/status.py`).
 
 Everything cloud-side goes through `tpuctl.provision`; this module adds no API calls of its own besides
 reading and writing those two objects.
@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING
 
 from tpuctl import provision
 from tpuctl.events import EventSink, Warn, ignore
-from tpuctl.errors import NotFound, from_google
+from tpuctl.errors import CloudError, NotFound, from_google
 from tpuctl.provision import Kind, Resource, State
 
 if TYPE_CHECKING:
     from tpuctl.provision import Clients
 
-from . import agent
+from .agent.status import CorruptStatus, RunStatus, object_name
+from .agent.storage import merge_status
 from .keys import KeyPair, ensure_keypair
 from .remote import check_run_name
 from .launch import targets_from_workers
@@ -87,15 +88,20 @@ def _blob(clients: Clients, bucket: str, name: str):
     return clients.storage.bucket(bucket).blob(name)
 
 
-def read_json(clients: Clients, bucket: str, name: str) -> dict | None:
+def _read(clients: Clients, bucket: str, name: str) -> bytes | None:
     from google.api_core import exceptions as gexc
 
     try:
-        return json.loads(_blob(clients, bucket, name).download_as_bytes())
+        return _blob(clients, bucket, name).download_as_bytes()
     except gexc.NotFound:
         return None
     except gexc.GoogleAPICallError as exc:
         raise from_google(exc, what=f"read gs://{bucket}/{name}") from exc
+
+
+def read_json(clients: Clients, bucket: str, name: str) -> dict | None:
+    raw = _read(clients, bucket, name)
+    return None if raw is None else json.loads(raw)
 
 
 def write_json(clients: Clients, bucket: str, name: str, doc: dict) -> None:
@@ -120,43 +126,45 @@ def load_launch(clients: Clients, bucket: str, run: str) -> LaunchRecord:
     return LaunchRecord(**doc)
 
 
-def read_status(clients: Clients, bucket: str, run: str) -> dict | None:
-    return read_json(clients, bucket, _status_name(run))
-
-
-def _status_name(run: str) -> str:
-    return f"runs/{run}/{agent.STATUS}"
+def read_status(clients: Clients, bucket: str, run: str) -> RunStatus | None:
+    """The run's status record, or None when there is none yet. CloudError, with what to do, when the object
+    is not a status record."""
+    name = object_name(run)
+    raw = _read(clients, bucket, name)
+    try:
+        return None if raw is None else RunStatus.from_json(raw)
+    except CorruptStatus as exc:
+        raise CloudError(f"gs://{bucket}/{name} is not a status record: {exc}",
+                         hint=f"the next `tpuctl run SPEC --name {run}` writes a new one; or delete it "
+                              f"(`gcloud storage rm gs://{bucket}/{name}`) to start the run's account afresh") from None
 
 
 def open_status(clients: Clients, bucket: str, run: str, *, recovering: bool, on_event: EventSink = ignore) -> None:
     """A launch starts a new account of the job: the last one's verdict (and its `final`) goes. Written before
     the workers start, so their agents merge into it; `recovering` stays set through a recovery's relaunch, so
     gc leaves the run alone until `update_status(recovering=False)` once the job runs again."""
-    _write_status(clients, bucket, run, {"state": "running", "recovering": recovering,
-                                         "heartbeat": int(time.time())}, on_event, replace=True)
+    fresh = RunStatus(state="running", recovering=recovering, heartbeat=int(time.time()))
+    try:
+        write_json(clients, bucket, object_name(run), fresh.to_doc())
+    except Exception as exc:  # noqa: BLE001 - best effort, as `update_status`
+        on_event(Warn(f"could not update gs://{bucket}/{object_name(run)}: {exc}"))
 
 
-def update_status(clients: Clients, bucket: str, run: str, *, on_event: EventSink = ignore, **fields) -> dict:
-    """Merge `fields` into status.json, never losing what the agents write meanwhile (`agent.merge_json`).
-    Best effort: a status write must never stop a teardown, so failures are a Warn event."""
-    return _write_status(clients, bucket, run, {**fields, "heartbeat": int(time.time())}, on_event)
+def update_status(clients: Clients, bucket: str, run: str, *, on_event: EventSink = ignore,
+                  **fields) -> RunStatus | None:
+    """Merge `fields` (RunStatus field names) into status.json, never losing what the agents write meanwhile
+    (`agent.storage.merge_status`); the record written. Best effort: a status write must never stop a
+    teardown, so failures are a Warn event (and None)."""
+    try:
+        return merge_status(clients.storage.bucket(bucket), object_name(run), {**fields, "heartbeat": int(time.time())})
+    except Exception as exc:  # noqa: BLE001 - see the docstring: best effort
+        on_event(Warn(f"could not update gs://{bucket}/{object_name(run)}: {exc}"))
+        return None
 
 
 def close_status(clients: Clients, bucket: str, run: str, *, state: str, on_event: EventSink = ignore,
-                 **fields) -> dict:
+                 **fields) -> RunStatus | None:
     """The laptop's verdict on how the run ended (`state` and why): marked `final`, so the agents of a job that is
     still stopping (or of a TPU Google is deleting) cannot overwrite it. The next launch opens a new account."""
     return update_status(clients, bucket, run, state=state, recovering=False, final=True, on_event=on_event,
                          **fields)
-
-
-def _write_status(clients: Clients, bucket: str, run: str, fields: dict, on_event: EventSink, *,
-                  replace: bool = False) -> dict:
-    try:
-        if replace:
-            write_json(clients, bucket, _status_name(run), fields)
-            return fields
-        return agent.merge_json(clients.storage.bucket(bucket), _status_name(run), fields) or {}
-    except Exception as exc:  # noqa: BLE001 - see the callers: best effort
-        on_event(Warn(f"could not update gs://{bucket}/{_status_name(run)}: {exc}"))
-        return {}

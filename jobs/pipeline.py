@@ -411,7 +411,7 @@ class Pipeline:
             description = bundles.JobDescription(
                 run=self.plan.run, project=self.project, bucket=self.plan.bucket, module=self.template.entry_module,
                 config=config, args=tuple(job.args), env=dict(job.env), num_workers=self.num_workers,
-                heartbeat_s=10.0 if not self.clients.local else 2.0)
+                heartbeat_s=10.0 if not self.clients.local else 2.0, storage=bundles.worker_storage(self.clients))
             from tpuctl import paths
 
             b = bundles.build(self.template.root, description, paths.home() / "bundles", packages=self.template.uses)

@@ -22,7 +22,6 @@ Buckets go only with `buckets=True` and only once their *own* TTL passed: they h
 from __future__ import annotations
 
 import fcntl
-import json
 import shlex
 import threading
 import time
@@ -37,6 +36,10 @@ from typing import Callable, Iterable, Iterator, Mapping
 from tpuctl.catalog import Catalog
 from tpuctl.cost import accrued_by_run
 from tpuctl.errors import BadInput, TpuctlError
+# status.json's record (its one schema, shared with the worker agents), named as gc has always called it.
+from tpuctl.jobs.agent.status import CorruptStatus
+from tpuctl.jobs.agent.status import RunStatus as JobStatus
+from tpuctl.jobs.agent.status import object_name as status_object
 from tpuctl.ledger import Entry, Ledger, entry_of, key_of
 from tpuctl.provision import labels as L
 from tpuctl.provision import list_resources, waits
@@ -58,26 +61,6 @@ class Reason(str, Enum):
 
 # Kinds that bill by the hour and go with their run. IAM bindings live and die with the bucket.
 COMPUTE_KINDS = (Kind.TPU, Kind.QUEUED, Kind.VM)
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    """The job's own account of itself, as the jobs layer writes it."""
-
-    state: str  # "running" | "succeeded" | "failed" | "cancelled" (`tpuctl job cancel`)
-    heartbeat: float | None  # unix seconds of the last sign of life
-    recovering: bool = False
-
-    @classmethod
-    def parse(cls, raw: bytes | str) -> JobStatus | None:
-        """None for anything that is not a status object (a half-written or foreign file decides nothing)."""
-        try:
-            d = json.loads(raw)
-            state = str(d["state"])
-            hb = d.get("heartbeat")
-            return cls(state=state, heartbeat=None if hb is None else float(hb), recovering=bool(d.get("recovering")))
-        except (ValueError, TypeError, KeyError):
-            return None
 
 
 @dataclass(frozen=True)
@@ -228,15 +211,16 @@ def scan(clients: Clients) -> list[Resource]:
     return [r for r in list_resources(clients) if ours(r)]
 
 
-def status_path(run: str) -> str:
-    return f"runs/{run}/status.json"
-
-
 def read_status(clients: Clients, bucket_name: str, run: str) -> JobStatus | None:
-    """The run's job status object, or None when there is none (no job yet, or no bucket)."""
-    blob = clients.storage.bucket(bucket_name).blob(status_path(run))
-    raw = waits.get_or_none(blob.download_as_bytes, what=f"read gs://{bucket_name}/{status_path(run)}")
-    return None if raw is None else JobStatus.parse(raw)
+    """The run's job status record, or None when there is none (no job yet, or no bucket) or the object is no
+    status record: a foreign or corrupt file decides nothing (and one run's must not stop gc for the others)."""
+    name = status_object(run)
+    raw = waits.get_or_none(clients.storage.bucket(bucket_name).blob(name).download_as_bytes,
+                            what=f"read gs://{bucket_name}/{name}")
+    try:
+        return None if raw is None else JobStatus.from_json(raw)
+    except CorruptStatus:
+        return None
 
 
 def statuses(clients: Clients, resources: Iterable[Resource]) -> dict[str, JobStatus | None]:

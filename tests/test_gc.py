@@ -71,7 +71,7 @@ def make_vm(clients, name, labels):
 def write_status(clients, run, state, heartbeat, recovering=False, owner="ann"):
     name = L.auto_bucket(clients.project, run)
     bucket.ensure(clients, name, "us-central1", run_labels(run, owner, ttl_s=30 * 86400))
-    clients.storage.bucket(name).blob(gc.status_path(run)).upload_from_string(
+    clients.storage.bucket(name).blob(gc.status_object(run)).upload_from_string(
         json.dumps({"state": state, "heartbeat": heartbeat, "recovering": recovering}),
         content_type="application/json")
 

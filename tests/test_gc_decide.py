@@ -115,14 +115,6 @@ def test_buckets_only_with_flag_and_own_ttl():
     assert deleted(gc.decide(rs, {}, {}, policy(buckets=True))) == ["bkt", "tpu"]
 
 
-def test_status_parse():
-    assert gc.JobStatus.parse(b'{"state": "running", "heartbeat": 5, "recovering": true}') == gc.JobStatus(
-        "running", 5.0, True)
-    assert gc.JobStatus.parse(b"{half") is None
-    assert gc.JobStatus.parse(b'{"heartbeat": 5}') is None
-    assert gc.JobStatus.parse(b"[1]") is None
-
-
 def test_record_is_json_ready():
     import json
 

@@ -29,7 +29,8 @@ def _job(run: str, storage, *, workers: int = 4, trainer: dict | None = None, ar
     config = bundles.job_config({"trainer": {"max_steps": 12, "checkpoint_every": 4, **(trainer or {})}},
                                 preset=None, bucket=storage.bucket_name, run=run, data_url=None)
     return bundles.JobDescription(run=run, project="test-project", bucket=storage.bucket_name, module="standin.train",
-                                  config=config, args=tuple(args), env=env or {}, num_workers=workers, heartbeat_s=0.5)
+                                  config=config, args=tuple(args), env=env or {}, num_workers=workers, heartbeat_s=0.5,
+                                  storage="mirror")
 
 
 def _ship(tmp_path, storage, job) -> bundles.Bundle:
@@ -262,8 +263,9 @@ def test_an_agent_cancelled_before_its_program_starts_records_143_and_starts_not
     with tarfile.open(b.path) as tar:
         tar.extractall(home / "bundle", filter="data")
     (home / "cancelled").touch()
-    proc = subprocess.run([PYTHON, str(home / "bundle" / bundles.AGENT_NAME), "run", "--bundle", str(home / "bundle"),
-                           "--worker", "0"], env={**os.environ, "STORAGE_EMULATOR_HOST": storage.host},
+    proc = subprocess.run([PYTHON, "-m", bundles.AGENT_PACKAGE, "run", "--bundle", str(home / "bundle"),
+                           "--worker", "0"], env={**os.environ, "STORAGE_EMULATOR_HOST": storage.host,
+                                                  "PYTHONPATH": str(home / "bundle")},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 143, proc.stderr
     assert (home / "exit_code").read_text().strip() == "143"
@@ -439,19 +441,19 @@ def test_a_new_launch_replaces_the_running_one(tmp_path, tpuctl_home, storage):
 
 
 def test_agent_prepare_skips_installed_requirements_and_caches(tmp_path, monkeypatch):
-    from tpuctl.jobs import agent
+    from tpuctl.jobs.agent import install
 
     bundle = tmp_path / "bundle"
     (bundle / "tpl").mkdir(parents=True)
     (bundle / "tpl" / "requirements.txt").write_text("# already here\npytest>=7\nasyncssh ; python_version >= '3'\n")
     (bundle / "job.json").write_text(json.dumps({"requirements": "tpl/requirements.txt"}))
     calls = []
-    monkeypatch.setattr(agent.subprocess, "run", lambda *a, **k: calls.append(a))
-    assert agent.prepare(bundle, tmp_path / "cache") == 0
+    monkeypatch.setattr(install.subprocess, "run", lambda *a, **k: calls.append(a))
+    assert install.prepare(bundle, tmp_path / "cache") == 0
     assert calls == [] and len(list((tmp_path / "cache").iterdir())) == 1
     (bundle / "tpl" / "requirements.txt").write_text("pytest<1\n")
-    monkeypatch.setattr(agent.subprocess, "run", lambda argv, **k: calls.append(argv) or subprocess.CompletedProcess(argv, 0))
-    assert agent.prepare(bundle, tmp_path / "cache") == 0
+    monkeypatch.setattr(install.subprocess, "run", lambda argv, **k: calls.append(argv) or subprocess.CompletedProcess(argv, 0))
+    assert install.prepare(bundle, tmp_path / "cache") == 0
     assert calls and calls[0][-1] == "pytest<1", "an installed version outside the specifier is installed"
 
 
@@ -542,11 +544,11 @@ def test_cancel_at_random_moments_of_checkpoint_writes_leaves_a_restorable_check
 
     from google.cloud.storage import Blob
 
-    from tpuctl.jobs import agent
+    from tpuctl.jobs.agent.mirror import Mirror
 
     rng = random.Random(seed)
     job = {"project": "test-project", "bucket": storage.bucket_name, "prefix": "runs/r1"}
-    store = agent.Store(job, 0, tmp_path / "mirror")
+    store = Mirror(job, 0, tmp_path / "mirror")
     url = f"gs://{storage.bucket_name}/runs/r1/model/checkpoints"
     writer = _TfCheckpointWriter(store.local(url))
     state = {"writing": True, "kill_after": None}
@@ -591,9 +593,9 @@ def test_cancel_at_random_moments_of_checkpoint_writes_leaves_a_restorable_check
 def test_a_restore_replaces_a_stale_pointer_of_the_same_size(tmp_path, storage):
     """After a preemption a worker's disk may still hold its own older checkpoint pointer: the bucket's newer
     one has the same size (ckpt-10.json vs ckpt-30.json) and must still win, or the worker resumes from 10."""
-    from tpuctl.jobs import agent
+    from tpuctl.jobs.agent.mirror import Mirror
 
-    store = agent.Store({"project": "test-project", "bucket": storage.bucket_name, "prefix": "runs/r1"}, 1,
+    store = Mirror({"project": "test-project", "bucket": storage.bucket_name, "prefix": "runs/r1"}, 1,
                         tmp_path / "mirror")
     url = f"gs://{storage.bucket_name}/runs/r1/model"
     bucket = storage.client().bucket(storage.bucket_name)
@@ -615,26 +617,27 @@ def test_the_laptops_verdict_outlives_a_stopping_agent_and_the_next_launch_start
     account that the new agents write to."""
     from types import SimpleNamespace
 
-    from tpuctl.jobs import agent, cluster
+    from tpuctl.jobs import cluster
+    from tpuctl.jobs.agent.mirror import Mirror
 
     laptop, bucket = SimpleNamespace(storage=storage.client()), storage.bucket_name
-    store = agent.Store({"project": "test-project", "bucket": bucket, "prefix": "runs/r1"}, 0, tmp_path)
+    store = Mirror({"project": "test-project", "bucket": bucket, "prefix": "runs/r1"}, 0, tmp_path)
 
-    def read() -> dict:
+    def read():
         return cluster.read_status(laptop, bucket, "r1")
 
     cluster.open_status(laptop, bucket, "r1", recovering=False)
     store.merge_status({"state": "running", "step": 40, "exit_code": None})
     cluster.update_status(laptop, bucket, "r1", state="running", recovering=True)
     store.merge_status({"state": "failed", "step": 45, "exit_code": 143})  # the old job's last beat
-    assert read()["recovering"] is True and read()["step"] == 45
+    assert read().recovering is True and read().step == 45
     cluster.close_status(laptop, bucket, "r1", state="failed", ended="max_run_duration")
     store.merge_status({"state": "failed", "step": 46, "exit_code": 143})  # lands after the verdict
     doc = read()
-    assert doc["state"] == "failed" and doc["ended"] == "max_run_duration" and doc["final"] is True, doc
-    assert doc["step"] == 45 and doc["recovering"] is False, doc
+    assert doc.state == "failed" and doc.ended == "max_run_duration" and doc.final is True, doc
+    assert doc.step == 45 and doc.recovering is False, doc
 
     cluster.open_status(laptop, bucket, "r1", recovering=False)  # `tpuctl run --name r1` resumes
     store.merge_status({"state": "running", "step": 50, "exit_code": None})
     doc = read()
-    assert doc["state"] == "running" and doc["step"] == 50 and "final" not in doc and "ended" not in doc, doc
+    assert doc.state == "running" and doc.step == 50 and not doc.final and doc.ended is None, doc

@@ -415,9 +415,12 @@ def test_a_precondition_localcloud_does_not_emulate_is_refused_not_ignored(serve
 
 
 def test_concurrent_conditional_writers_never_lose_each_others_keys(server):
-    """Eight writers merge their own key into one JSON object at once (`jobs.agent.merge_json`: read,
+    """Eight writers merge their own key into one JSON object at once (`jobs.agent.storage.update_object`: read,
     write if the generation is unchanged, read again on 412): every key is there at the end."""
-    from tpuctl.jobs.agent import merge_json
+    from tpuctl.jobs.agent.storage import update_object
+
+    def merge_json(bucket, name, fields):
+        return update_object(bucket, name, lambda raw: json.dumps({**json.loads(raw or b"{}"), **fields}))
 
     bucket = _create(client(), "tpuctl-r1-merge")
     with ThreadPoolExecutor(8) as pool:

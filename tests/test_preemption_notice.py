@@ -95,10 +95,10 @@ def test_the_agent_turns_the_metadata_notice_into_a_save_and_loses_no_step_to_th
     with tarfile.open(b.path) as tar:
         tar.extractall(home / "bundle", filter="data")
     log = home / "job.log"
-    proc = subprocess.Popen([PYTHON, str(home / "bundle" / bundles.AGENT_NAME), "run", "--bundle",
+    proc = subprocess.Popen([PYTHON, "-m", bundles.AGENT_PACKAGE, "run", "--bundle",
                              str(home / "bundle"), "--worker", "0"], start_new_session=True,
                             env={**os.environ, "STORAGE_EMULATOR_HOST": storage.host, "GCE_METADATA_HOST": host,
-                                 "GCE_METADATA_IP": host},
+                                 "GCE_METADATA_IP": host, "PYTHONPATH": str(home / "bundle")},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60

@@ -19,7 +19,7 @@ from conftest import FAST_POLLING, new_project, official_clients
 from tpuctl import catalog, spec as spec_mod
 from tpuctl import provision
 from tpuctl.errors import BadInput
-from tpuctl.jobs import agent
+from tpuctl.jobs.agent import install
 from tpuctl.localcloud import facts, runtimes
 from tpuctl.localcloud.cloud import LocalCloud
 
@@ -203,34 +203,34 @@ def test_the_bootstrap_pins_the_keras_the_template_is_tested_with_for_the_images
 
     tested = json.loads((REPO / "templates" / "bert" / "template.json").read_text())["keras_by_tensorflow"]
     assert set(tested) == {"2.15", "2.16", "2.17", "2.18"}  # every TF family Google ships a runtime for
-    assert agent.keras_requirement(tested, "2.15.0") == f"keras=={tested['2.15']}"  # over the bundled Keras 2
-    assert agent.keras_requirement(tested, "2.18.1") == f"keras=={tested['2.18']}"
-    assert agent.keras_requirement(tested, "2.21.0") is None  # newer than the table: requirements.txt's keras>=3
+    assert install.keras_requirement(tested, "2.15.0") == f"keras=={tested['2.15']}"  # over the bundled Keras 2
+    assert install.keras_requirement(tested, "2.18.1") == f"keras=={tested['2.18']}"
+    assert install.keras_requirement(tested, "2.21.0") is None  # newer than the table: requirements.txt's keras>=3
     with pytest.raises(ValueError, match="TensorFlow 2.14.1 is older than any this template is tested with"):
-        agent.keras_requirement(tested, "2.14.1")
+        install.keras_requirement(tested, "2.14.1")
 
 
 def test_installs_on_a_worker_keep_the_images_packages_at_their_versions(tmp_path):
     # google-cloud-storage's newest deps would pull a protobuf that shadows TF 2.15's own (seen in the
     # runtime matrix): every install is constrained to what the image had, except what it installs.
     (tmp_path / "image-constraints.txt").write_text("protobuf==4.25.9\nkeras==3.4.1\ntensorflow-cpu==2.17.0\n")
-    args = agent._keep_installed(tmp_path, ["keras==3.15.1", "Tensor_Board>=2.16"], tmp_path / "env")
+    args = install._keep_installed(tmp_path, ["keras==3.15.1", "Tensor_Board>=2.16"], tmp_path / "env")
     assert args[0] == "-c"
     assert Path(args[1]).read_text().split() == ["protobuf==4.25.9", "tensorflow-cpu==2.17.0"]
-    assert agent._keep_installed(tmp_path / "nowhere", ["keras"], tmp_path / "env") == []
+    assert install._keep_installed(tmp_path / "nowhere", ["keras"], tmp_path / "env") == []
 
 
 def test_installs_outside_a_venv_go_to_the_user_site_even_on_a_pep_668_image(tmp_path, monkeypatch):
     # TPU7x boots Ubuntu 24.04, whose python3 is EXTERNALLY-MANAGED: a plain `pip install --user` is refused there.
     import sysconfig
 
-    monkeypatch.setattr(agent.sys, "prefix", agent.sys.base_prefix)
+    monkeypatch.setattr(install.sys, "prefix", install.sys.base_prefix)
     monkeypatch.setattr(sysconfig, "get_path", lambda name, *a, **k: str(tmp_path))
-    assert agent._install_target() == ["--user"]
+    assert install._install_target() == ["--user"]
     (tmp_path / "EXTERNALLY-MANAGED").write_text("[externally-managed]\n")
-    assert agent._install_target() == ["--user", "--break-system-packages"]
-    monkeypatch.setattr(agent.sys, "prefix", str(tmp_path / "venv"))
-    assert agent._install_target() == []
+    assert install._install_target() == ["--user", "--break-system-packages"]
+    monkeypatch.setattr(install.sys, "prefix", str(tmp_path / "venv"))
+    assert install._install_target() == []
 
 
 # ------------------------------------------------------------------------------------------ image venvs

@@ -1,6 +1,6 @@
 """The job's storage calls act as the TPU VM's service account and meet the bucket's IAM policy, as on Google.
 
-The worker agent (`jobs/agent.py`, the code that fetches data, writes checkpoints, logs and status from each
+The worker agent (`jobs/agent/`, the code that fetches data, writes checkpoints, logs and status from each
 worker) runs here in-process with a metadata server answering Google's metadata protocol for one service
 account (its token minted by the local cloud, `cloud.tokens`), so its requests carry that account's token and
 the local cloud checks them against the bucket's policy. tpuctl's own grant must be enough, and less must fail.
@@ -16,7 +16,7 @@ import pytest
 from google.api_core import exceptions
 from google.auth.credentials import AnonymousCredentials
 
-from tpuctl.jobs import agent
+from tpuctl.jobs.agent.mirror import Mirror
 from tpuctl.provision import bucket as B
 from tpuctl.provision.clients import build
 
@@ -96,7 +96,7 @@ def _job(clients, bucket) -> dict:
     return {"project": clients.project, "bucket": bucket.name, "prefix": "runs/r1"}
 
 
-def _train_like_a_job(store: agent.Store, tmp_path) -> None:
+def _train_like_a_job(store: Mirror, tmp_path) -> None:
     """What a worker does with the bucket: read the data, write and rotate checkpoints, publish status."""
     assert store.download_prefix(f"gs://{store.bucket.name}/runs/r1/data") == 1
     model = store.local(f"gs://{store.bucket.name}/runs/r1/model")
@@ -114,13 +114,13 @@ def _train_like_a_job(store: agent.Store, tmp_path) -> None:
 
 def test_the_job_runs_with_exactly_tpuctls_grant(cloud, clients, pc, metadata, run_bucket, tmp_path):
     B.grant(pc, run_bucket.name, metadata, run="r1", region="europe-west4")
-    store = agent.Store(_job(clients, run_bucket), 0, tmp_path / "gcs")
+    store = Mirror(_job(clients, run_bucket), 0, tmp_path / "gcs")
     _train_like_a_job(store, tmp_path)
     assert run_bucket.blob("runs/r1/model/checkpoint").download_as_bytes() == b"ckpt-2 "
 
 
 def test_the_job_fails_without_a_grant(cloud, clients, metadata, run_bucket, tmp_path):
-    store = agent.Store(_job(clients, run_bucket), 0, tmp_path / "gcs")
+    store = Mirror(_job(clients, run_bucket), 0, tmp_path / "gcs")
     with pytest.raises(exceptions.Forbidden, match=f"{metadata} does not have storage.objects.list access"):
         _train_like_a_job(store, tmp_path)
 
@@ -130,7 +130,7 @@ def test_read_and_create_without_delete_is_not_enough(cloud, clients, metadata, 
     for role in ("roles/storage.objectViewer", "roles/storage.objectCreator"):
         policy.bindings.append({"role": role, "members": {f"serviceAccount:{metadata}"}})
     run_bucket.set_iam_policy(policy)
-    store = agent.Store(_job(clients, run_bucket), 0, tmp_path / "gcs")
+    store = Mirror(_job(clients, run_bucket), 0, tmp_path / "gcs")
     with pytest.raises(exceptions.Forbidden, match="storage.objects.delete"):
         _train_like_a_job(store, tmp_path)
 

@@ -300,7 +300,8 @@ def job_status(run, as_json, cloud, project) -> None:
     clients = _clients(project, cloud)
     found = provision.list_resources(clients, run)
     bucket = next((r.name for r in found if r.kind is Kind.BUCKET), None)
-    doc = {"run": run, "status": cluster.read_status(clients, bucket, run) if bucket else None, "workers": []}
+    status = cluster.read_status(clients, bucket, run) if bucket else None
+    doc = {"run": run, "status": status.to_doc() if status else None, "workers": []}
     if any(r.kind is Kind.TPU for r in found):
         _, key, targets = _fleet_for(clients, run, None)
 
@@ -314,25 +315,24 @@ def job_status(run, as_json, cloud, project) -> None:
     if as_json:
         console.emit_json(doc)
         return
-    st = doc["status"] or {}
-    step = st.get("step")
-    console.info(f"run {run}: {st.get('state', 'unknown')}, "
+    step = status.step if status else None
+    console.info(f"run {run}: {status.state if status else 'unknown'}, "
                  + (f"step {step}" if step is not None else "no step finished yet")
-                 + (f" ({why})" if (why := _why_it_ended(st)) else ""))
+                 + (f" ({why})" if status and (why := _why_it_ended(status)) else ""))
     console.table(("worker", "state", "exit code", "pid"),
                   [(w["index"], w["state"], w["exit_code"], w["pid"]) for w in doc["workers"]])
 
 
-def _why_it_ended(status: dict) -> str | None:
-    """What the status record says about how the job ended (or that a recovery is under way)."""
-    if status.get("recovering"):
+def _why_it_ended(status) -> str | None:
+    """What the status record (a RunStatus) says about how the job ended (or that a recovery is under way)."""
+    if status.recovering:
         return "recovering"
-    if status.get("ended") == "max_run_duration":
+    if status.ended == "max_run_duration":
         return "Google ended the flex-start TPU at its max run duration"
-    if status.get("interrupted"):
+    if status.interrupted:
         return "interrupted: `tpuctl run` was stopped"
-    if status.get("state") == "failed" and status.get("exit_code") is not None:
-        return f"exit code {status['exit_code']}"
+    if status.state == "failed" and status.exit_code is not None:
+        return f"exit code {status.exit_code}"
     return None
 
 
@@ -361,10 +361,10 @@ def job_cancel(run, as_json, cloud, project) -> None:
             return before, live
 
     before, live = asyncio.run(go())
-    record = (cluster.read_status(clients, where.bucket, run) if where.bucket else None) or {}
     if live and where.bucket:
-        record = cluster.close_status(clients, where.bucket, run, state="cancelled", on_event=console.report)
-    state = "cancelled" if live else record.get("state", "ended")
+        cluster.close_status(clients, where.bucket, run, state="cancelled", on_event=console.report)
+    record = None if live or not where.bucket else cluster.read_status(clients, where.bucket, run)
+    state = "cancelled" if live else (record.state if record else "ended")
     if as_json:
         console.emit_json({"run": run, "state": state, "cancelled_workers": live,
                            "workers": [s.__dict__ for s in before]})
