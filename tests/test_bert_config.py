@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tpuctl.templates.bert import config, guest, strategy
-from tpuctl.templates.bert.errors import AcceleratorError, ConfigError
+from tpuctl.templates.bert import config
+from tpuctl.templates.lmkit import guest, strategy
+from tpuctl.templates.lmkit.errors import AcceleratorError, ConfigError
 
 TEMPLATE = Path(config.__file__).parent
 
@@ -79,8 +80,8 @@ def test_template_json_declares_the_entry_module_data_contract_and_progress_form
 
 
 def test_template_code_imports_only_relatively():
-    """Shipped as a bare `bert` package: no `tpuctl` imports, no absolute `bert.` imports."""
-    for path in TEMPLATE.glob("*.py"):
+    """Shipped as bare `bert` and `lmkit` packages: no `tpuctl` imports, no absolute `bert.` imports."""
+    for path in [*TEMPLATE.glob("*.py"), *(TEMPLATE.parent / "lmkit").glob("*.py")]:
         text = path.read_text()
         assert not re.search(r"^\s*(from|import) (tpuctl|bert)\b", text, re.M), path.name
 

@@ -38,7 +38,8 @@ def test_builtins_declare_every_part():
         assert t.validate_config is not None and t.data is not None and t.outputs["checkpoints"]
         assert t.data.manifest == "manifest.json" and callable(t.data.prepare) and callable(t.data.upload)
     assert found["bert"].data.tokenizer == "wordpiece" and found["gpt2"].data.tokenizer == "byte-bpe"
-    assert [p.name for p in found["gpt2"].uses] == ["bert"]
+    assert [p.name for p in found["gpt2"].uses] == ["bert", "lmkit"]
+    assert [p.name for p in found["bert"].uses] == ["lmkit"]
 
 
 @pytest.mark.parametrize("part", sorted(contract.REQUIRED_PARTS))
