@@ -78,7 +78,7 @@ def keras_side(name: str, work: Path) -> dict:
     template = contract.find(template_name)
     task_mod = __import__(f"tpuctl.templates.{template_name}.config", fromlist=["build"])
     model_mod = __import__(f"tpuctl.templates.{template_name}.model", fromlist=["build_model"])
-    from tpuctl.templates.bert import checkpoints
+    from tpuctl.templates.lmkit import checkpoints
 
     import keras
 

@@ -10,7 +10,7 @@
     with XLA (`jit_compile`). Each side computes them as its own training does: keras-hub with what its
     `MaskedLM` and `CausalLM` `compile()` default to (Keras' `SparseCategoricalCrossentropy(from_logits=True)`,
     `SparseCategoricalAccuracy` and `AdamW`), tpuctl with what its templates train and compile (the objective's
-    `trainer`: BERT's model with bert/layers.py's `SparseSoftmaxCrossEntropy`, GPT-2's `CausalLMTrainer` whose
+    `trainer`: BERT's model with lmkit/layers.py's `SparseSoftmaxCrossEntropy`, GPT-2's `CausalLMTrainer` whose
     loss differentiates straight into the tied embedding; `TopOneAccuracy` and `AdamW`: the same values,
     gradients and updates in fewer passes; tested equal to Keras' in tests/test_template_layers.py and
     tests/test_gpt2.py). Both masked LMs project to the vocabulary
@@ -233,7 +233,7 @@ def train_worker(family: str, jit: bool, steps: int, rounds: int) -> dict:
         def on_train_begin(self, logs=None):
             self.ends = []
 
-    from bert.layers import AdamW, TopOneAccuracy
+    from lmkit.layers import AdamW, TopOneAccuracy
 
     if family == "bert":
         from bert.train import MASKED_LM as objective

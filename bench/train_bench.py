@@ -29,7 +29,7 @@ def measure(*, preset: str = "bert-tiny", batch: int = 64, steps: int = 30, voca
 
     from bert import config
     from bert.data import mask_tokens
-    from bert.layers import AdamW, SparseSoftmaxCrossEntropy
+    from lmkit.layers import AdamW, SparseSoftmaxCrossEntropy
     from bert.model import build_model
 
     cfg = config.build({"preset": preset})

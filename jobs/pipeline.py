@@ -44,8 +44,6 @@ from . import bundle as bundles
 from . import cluster, launch as launching, logs
 from .ssh import Fleet, Target
 
-STEP_LINE = re.compile(r"\bstep=(\d+)(?:.*?\bloss=(\S+))?(?:.*?\bexamples_per_sec=(\S+))?")
-MAX_STEPS = re.compile(r"\bmax_steps=(\d+)")  # the templates' start line names the target (an ETA's other half)
 TAIL_LINES = 20
 UNREACHABLE_POLLS = 3  # consecutive polls a READY node's worker may not answer before it counts as lost
 
@@ -135,11 +133,14 @@ def _number(text: str | None, previous: float | None) -> float | None:
 
 class _Stream:
     """Log sink: turns worker lines into WorkerLog and Metrics events, remembers each worker's last lines
-    and worker 0's metrics (the outcome's)."""
+    and worker 0's metrics (the outcome's). Which lines are progress is the template's (template.json `progress`,
+    contract.Progress)."""
 
-    def __init__(self, outcome: Outcome, emit: ev.EventSink = ev.ignore):
+    def __init__(self, outcome: Outcome, emit: ev.EventSink = ev.ignore,
+                 progress: contract.Progress = contract.Progress()):
         self.outcome = outcome
         self.emit = emit
+        self.progress = progress
         self.tails: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
         self.last_step_at: float | None = None
         self.max_steps: int | None = None
@@ -147,22 +148,25 @@ class _Stream:
 
     def __call__(self, worker: int, line: str) -> None:
         metrics = None
+        step_line = self.progress.step_line.match(line)
         with self.lock:
             self.tails[worker].append(line)
-            if worker == 0 and (target := MAX_STEPS.search(line)):
-                self.max_steps = int(target.group(1))
-            m = STEP_LINE.search(line)
-            if m and line.startswith(("step=", "done ")):
-                metrics = ev.Metrics(worker, int(m.group(1)), loss=_number(m.group(2), None),
-                                     examples_per_s=_number(m.group(3), None), max_steps=self.max_steps)
+            if worker == 0 and (start := self.progress.start_line.match(line)):
+                self.max_steps = int(start["max_steps"])
+            m = step_line or self.progress.done_line.match(line)
+            if m:
+                values = m.groupdict()
+                loss, rate = values.get("loss"), values.get("examples_per_sec")
+                metrics = ev.Metrics(worker, int(m["step"]), loss=_number(loss, None),
+                                     examples_per_s=_number(rate, None), max_steps=self.max_steps)
                 if worker == 0:
                     self.outcome.step = metrics.step
-                    self.outcome.loss = _number(m.group(2), self.outcome.loss)
-                    self.outcome.examples_per_sec = _number(m.group(3), self.outcome.examples_per_sec)
+                    self.outcome.loss = _number(loss, self.outcome.loss)
+                    self.outcome.examples_per_sec = _number(rate, self.outcome.examples_per_sec)
                     self.last_step_at = time.time()
         # Every worker trains the same steps: worker 0's progress lines stand for all, so a 64-host slice
         # does not log each step 64 times. Anything else (warnings, tracebacks) shows from every worker.
-        if worker == 0 or not line.startswith("step="):
+        if worker == 0 or not step_line:
             self.emit(ev.WorkerLog(worker, line))
         if metrics is not None:
             self.emit(metrics)
@@ -289,6 +293,7 @@ class Pipeline:
             # A directory relative to the spec wins over a built-in template of the same name; a template given
             # as a path is only ever looked for there.
             self.template = contract.find(self.spec.job.template, base_dir=self.spec_dir)
+            self.stream.progress = self.template.progress  # which worker lines are its progress
             self.plan = provision.plan(self.spec, project=self.project, frameworks=self.template.frameworks)
             check_runtime_tensorflow(self.template, self.plan.runtime_version, self.plan.accelerator.default_runtime)
             self.run_name = self.outcome.run = self.plan.run

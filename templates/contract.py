@@ -1,23 +1,8 @@
 """Templates as a contract: what a training template declares, in one typed place, and where templates are found.
 
-A template is a Python package directory. Its `template.json` declares every part the laptop side uses:
-
-    entry_module   the program the workers run: `python -m ENTRY --config CONFIG.json`, a module of this package
-    presets        named shapes {"NAME": {"description", "task": {...}, "trainer": {...}}}
-    config         the config schema: `validate` ("PKG.config:build", raises on a bad config), `default_preset`,
-                   and optionally `parameters` ("PKG.config:parameter_count", preset -> weights, for listings)
-    data           how a corpus becomes training data, or null when the template reads its own: `tokenizer`
-                   (kind), `manifest` (written last), `files`, and hooks `options`, `prepare`, `upload`, `error`,
-                   `spec_options` (spec `job.data` field -> options field)
-    outputs        what it writes: `checkpoints`, `tensorboard`, `export` (formats with {model_dir}/{export_dir})
-    exporters      optional: {"FORMAT": "MODULE:ATTR"}, `tpuctl export --format FORMAT` and `run --export`: the hook
-                   `(RunFiles, out_dir) -> [file names]` turns a run's checkpoint into that format on the laptop
-    frameworks     optional: what the workers can run (or one `framework`; default tensorflow), for the runtime image
-    keras_by_tensorflow  optional: TF minor version -> the Keras the template is tested with (the agent pins it)
-    uses           other built-in template packages shipped beside it in the bundle (shared code, not copies)
-    fit            optional: "MODULE:ATTR", `(config, devices=, vocab_size=) -> dict`: the workers' training step
-                   jitted with abstract state and batch for `devices` (a slice that need not be here), which
-                   `tpuctl fit` compiles for the TPU (bert/train.py `compile_target` says what the dict holds)
+A template is a Python package directory. Its `template.json` declares every part the laptop side uses, and
+nothing else: `FIELDS` below is its schema, with what each field is (templates/README.md has the same table). A
+field the schema does not know, or a required one that is missing, is refused in one line naming it.
 
 Hooks are "MODULE:ATTR" with MODULE inside the template ("config:build"; "PKG.config" also works), imported from
 the template (`tpuctl.templates.NAME.MODULE` for a built-in, the directory itself for a user's); any other name
@@ -35,30 +20,109 @@ Loading reads files and imports the hooks' modules (light: no TensorFlow); it cr
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
 import json
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tpuctl.errors import BadInput
 
 MANIFEST = "template.json"
-# The parts template.json must declare, and what each is, for the error that names a missing one.
-REQUIRED_PARTS = {
-    "entry_module": "the module the workers run (`python -m MODULE --config CONFIG.json`)",
-    "presets": "named model shapes, {} for none",
-    "config": "the config schema: {\"validate\": \"PKG.config:build\", \"default_preset\": ...}",
-    "data": "data preparation (tokenizer, prepare, upload hooks), or null",
-    "outputs": "what the program writes: checkpoints, tensorboard, export",
+# template.json's schema: section -> {field: what it is}; "" is the top level, "presets.NAME" each preset. A field
+# in REQUIRED must be declared; the others may be. Every field here is read by load() below.
+FIELDS: dict[str, dict[str, str]] = {
+    "": {
+        "name": "the template's name (default: the directory's)",
+        "description": "one line for `tpuctl templates`",
+        "entry_module": "the module the workers run (`python -m MODULE --config CONFIG.json`)",
+        "presets": "named model shapes, {} for none",
+        "config": "the config schema: {\"validate\": \"PKG.config:build\", \"default_preset\": ...}",
+        "data": "data preparation (tokenizer, prepare, upload hooks), or null",
+        "outputs": "what the program writes: checkpoints, tensorboard, export",
+        "progress": "the program's stdout lines tpuctl parses (regexes; default: Progress's)",
+        "exporters": "{\"FORMAT\": \"MODULE:ATTR\"}: hooks that turn a run's checkpoint into FORMAT on the laptop",
+        "frameworks": "the Keras backends the workers can run: tensorflow (default), jax",
+        "framework": "one framework (the older spelling of frameworks)",
+        "keras_by_tensorflow": "TF minor version -> the Keras the template is tested with (the agent pins it)",
+        "uses": "other built-in packages shipped beside it in the bundle (lmkit: the built-ins' shared code)",
+        "fit": "\"MODULE:ATTR\", (config, devices=, vocab_size=) -> dict: the step `tpuctl fit` compiles",
+    },
+    "presets.NAME": {
+        "description": "one line for `tpuctl templates`",
+        "task": "the preset's config task section",
+        "trainer": "the preset's config trainer section",
+    },
+    "config": {
+        "validate": "\"PKG.config:build\": raises ValueError (.field, .rule) on a bad config",
+        "default_preset": "the preset a spec without job.preset gets",
+        "parameters": "\"PKG.config:parameter_count\": preset -> weights, for listings",
+    },
+    "data": {
+        "tokenizer": "the tokenizer's kind, for listings",
+        "manifest": "the file written last: its presence means prepared",
+        "files": "the prepared directory's files (glob patterns)",
+        "options": "\"MODULE:ATTR\": the options class prepare takes",
+        "prepare": "\"MODULE:ATTR\": (corpus, out_dir, options, storage_client=, progress=) -> manifest",
+        "upload": "\"MODULE:ATTR\": (local_dir, url, storage_client=, progress=), idempotent",
+        "error": "\"MODULE:ATTR\": the exception prepare and upload raise on bad input",
+        "spec_options": "spec job.data field -> options field",
+    },
+    "outputs": {
+        "checkpoints": "where checkpoints go ({model_dir}/...)",
+        "tensorboard": "where TensorBoard files go, \"\" for none",
+        "export": "the export's place and files ({export_dir}: ...)",
+    },
+    "progress": {
+        "start_line": "regex of the start line, group max_steps (the ETA's target)",
+        "step_line": "regex of a step line, group step; optional loss, examples_per_sec",
+        "checkpoint_line": "regex of a checkpoint line, groups step and path",
+        "done_line": "regex of the last line, group step; optional loss",
+        "idle_line": "regex of an idle worker's line (a multi-host TensorFlow slice's workers 1..N-1)",
+    },
 }
-DATA_PARTS = ("tokenizer", "manifest", "files", "options", "prepare", "upload", "error", "spec_options")
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "": ("entry_module", "presets", "config", "data", "outputs"),
+    "config": ("validate",),
+    "data": tuple(FIELDS["data"]),
+    "outputs": tuple(FIELDS["outputs"]),
+}
 FIELD = "job.template"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the program prints that tpuctl parses (the worker's stdout, one event per line), as compiled regexes
+    matched at the start of a line. The defaults are the built-ins' shapes with any other fields: a
+    program-only template (or a template.json without `progress`) that prints `step=N loss=X ...` is followed."""
+
+    start_line: re.Pattern = re.compile(r"^start\b.*?\bmax_steps=(?P<max_steps>\d+)")
+    step_line: re.Pattern = re.compile(
+        r"^step=(?P<step>\d+)\b(?:.*?\bloss=(?P<loss>\S+))?(?:.*?\bexamples_per_sec=(?P<examples_per_sec>\S+))?")
+    checkpoint_line: re.Pattern = re.compile(r"^checkpoint step=(?P<step>\d+) path=(?P<path>\S+)$")
+    done_line: re.Pattern = re.compile(r"^done step=(?P<step>\d+)\b(?:.*?\bloss=(?P<loss>\S+))?")
+    idle_line: re.Pattern = re.compile(r"^idle worker=(?P<worker>\d+) reason=(?P<reason>\S+)$")
+
+    # The named groups each line must have: what tpuctl reads from it.
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "start_line": ("max_steps",), "step_line": ("step",), "checkpoint_line": ("step", "path"),
+        "done_line": ("step",), "idle_line": ("worker",)}
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where the program writes (formats with {model_dir} / {export_dir}; for people and listings)."""
+
+    checkpoints: str
+    tensorboard: str
+    export: str
 
 
 @dataclass(frozen=True)
@@ -123,7 +187,8 @@ class Template:
     validate_ref: str = ""  # the hook as declared, for hints
     parameter_count: Callable[[str], int] | None = None
     data: DataPrep | None = None
-    outputs: Mapping[str, str] = field(default_factory=dict)
+    outputs: Outputs | None = None  # None for a program-only template
+    progress: Progress = Progress()
     uses: tuple[Path, ...] = ()  # package directories shipped beside this one
     exporters: Mapping[str, Callable[..., list[str]]] = field(default_factory=dict)  # format -> hook (RunFiles)
     fit_target: Callable[..., dict] | None = None  # template.json `fit`: the step to compile ahead of time
@@ -221,24 +286,20 @@ def load(root: Path, *, builtin: bool = False) -> Template:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except ValueError as exc:
         raise _bad(root, f"{MANIFEST} is not JSON ({exc})") from exc
-    missing = [p for p in REQUIRED_PARTS if p not in meta]
-    if missing:
-        raise _bad(root, f"{MANIFEST} does not declare {missing[0]!r}: {REQUIRED_PARTS[missing[0]]}")
+    meta = _fields(root, "", meta)
     _check_entry(root, meta["entry_module"])
-    presets = {name: Preset(name=name, description=p.get("description", ""), task=p.get("task", {}),
-                            trainer=p.get("trainer", {})) for name, p in meta["presets"].items()}
-    config = meta["config"] or {}
-    if "validate" not in config:
-        raise _bad(root, f"{MANIFEST} config does not declare 'validate' (\"PKG.config:build\", raises on a bad config)")
+    presets = {}
+    for name, p in _object(root, "presets", meta["presets"]).items():
+        p = _fields(root, "presets.NAME", p, where=f"presets.{name}")
+        presets[name] = Preset(name=name, description=p.get("description", ""), task=p.get("task", {}),
+                               trainer=p.get("trainer", {}))
+    config = _fields(root, "config", meta["config"])
     default_preset = config.get("default_preset", "")
     if default_preset and default_preset not in presets:
         raise _bad(root, f"config.default_preset {default_preset!r} is not one of its presets")
     data = None
     if meta["data"] is not None:
-        d = meta["data"]
-        lacking = [p for p in DATA_PARTS if p not in d]
-        if lacking:
-            raise _bad(root, f"{MANIFEST} data does not declare {lacking[0]!r}")
+        d = _fields(root, "data", meta["data"])
         data = DataPrep(tokenizer=d["tokenizer"], manifest=d["manifest"], files=tuple(d["files"]),
                         options=_hook(root, builtin, d["options"], "data.options"),
                         prepare=_hook(root, builtin, d["prepare"], "data.prepare"),
@@ -257,9 +318,54 @@ def load(root: Path, *, builtin: bool = False) -> Template:
         validate_config=_hook(root, builtin, config["validate"], "config.validate"), validate_ref=config["validate"],
         parameter_count=(_hook(root, builtin, config["parameters"], "config.parameters")
                          if "parameters" in config else None),
-        data=data, outputs=dict(meta["outputs"] or {}), uses=tuple(uses),
-        exporters={fmt: _hook(root, builtin, ref, f"exporters.{fmt}") for fmt, ref in (meta.get("exporters") or {}).items()},
+        data=data, outputs=Outputs(**_fields(root, "outputs", meta["outputs"])),
+        progress=_progress(root, meta.get("progress")), uses=tuple(uses),
+        exporters={fmt: _hook(root, builtin, ref, f"exporters.{fmt}")
+                   for fmt, ref in _object(root, "exporters", meta.get("exporters") or {}).items()},
         fit_target=_hook(root, builtin, meta["fit"], "fit") if meta.get("fit") else None)
+
+
+def _object(root: Path, where: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise _bad(root, f"{MANIFEST} {where} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _fields(root: Path, section: str, value: Any, *, where: str | None = None) -> dict:
+    """`value`, the `section` of template.json, checked against FIELDS: an unknown field (a typo, or one this
+    tpuctl does not read) and a missing required one are refused, each naming the field."""
+    where = section if where is None else where
+    value = _object(root, where or "top level", value)
+    known = FIELDS[section]
+    prefix = f"{where}." if where else ""
+    for name in value:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            raise _bad(root, f"{MANIFEST} has an unknown field {prefix + name!r}"
+                             + (f" (did you mean {prefix + close[0]!r}?)" if close else ""),
+                       f"remove it; the fields of {where or 'the top level'} are {', '.join(known)} "
+                       "(templates/README.md)")
+    for name in REQUIRED.get(section, ()):
+        if name not in value:
+            raise _bad(root, f"{MANIFEST} {where + ' ' if where else ''}does not declare {name!r}: {known[name]}")
+    return value
+
+
+def _progress(root: Path, value: Any) -> Progress:
+    """template.json `progress` compiled; a field left out keeps Progress's default."""
+    if value is None:
+        return Progress()
+    patterns = {}
+    for name, text in _fields(root, "progress", value).items():
+        try:
+            patterns[name] = re.compile(text)
+        except (re.error, TypeError) as exc:
+            raise _bad(root, f"{MANIFEST} progress.{name} is not a regular expression ({exc})") from exc
+        lacking = [g for g in Progress.GROUPS[name] if g not in patterns[name].groupindex]
+        if lacking:
+            raise _bad(root, f"{MANIFEST} progress.{name} has no named group {lacking[0]!r}",
+                       f"capture it as (?P<{lacking[0]}>...)")
+    return Progress(**patterns)
 
 
 def _check_entry(root: Path, entry: Any) -> None:

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tpuctl.templates.bert import config, guest, strategy
-from tpuctl.templates.bert.errors import AcceleratorError, ConfigError
+from tpuctl.templates import contract
+from tpuctl.templates.bert import config
+from tpuctl.templates.lmkit import guest, strategy
+from tpuctl.templates.lmkit.errors import AcceleratorError, ConfigError
 
 TEMPLATE = Path(config.__file__).parent
 
@@ -70,17 +72,18 @@ def test_bad_configs_name_the_field(data, message):
 def test_template_json_declares_the_entry_module_data_contract_and_progress_format():
     meta = json.loads((TEMPLATE / "template.json").read_text())
     assert meta["entry_module"] == "bert.train" and (TEMPLATE / "train.py").is_file()
-    assert meta["data"]["manifest_format"] == "tpuctl-bert-mlm/1"
     assert meta["config"]["validate"] == "config:build"  # the host checks configs with the worker's schema
     assert set(meta["presets"]) == set(config.PRESETS) == {"bert-tiny", "bert-base", "bert-large"}
-    step = re.compile(meta["progress"]["step_line"])
-    assert step.match("step=120 loss=6.1234 mlm_accuracy=0.0412 learning_rate=0.00012 examples_per_sec=812.3")
-    assert (TEMPLATE / meta["requirements"]).is_file()
+    progress = contract.find("bert").progress
+    assert progress.step_line.match("step=120 loss=6.1234 mlm_accuracy=0.0412 learning_rate=0.00012 examples_per_sec=812.3")
+    start = progress.start_line.match("start backend=jax strategy=cpu processes=1 hosts=1 devices=8 per_replica_batch=8 "
+                                      "global_batch=64 step=0 max_steps=200 vocab_size=8000 seq_len=128")
+    assert start["max_steps"] == "200"
 
 
 def test_template_code_imports_only_relatively():
-    """Shipped as a bare `bert` package: no `tpuctl` imports, no absolute `bert.` imports."""
-    for path in TEMPLATE.glob("*.py"):
+    """Shipped as bare `bert` and `lmkit` packages: no `tpuctl` imports, no absolute `bert.` imports."""
+    for path in [*TEMPLATE.glob("*.py"), *(TEMPLATE.parent / "lmkit").glob("*.py")]:
         text = path.read_text()
         assert not re.search(r"^\s*(from|import) (tpuctl|bert)\b", text, re.M), path.name
 

@@ -11,7 +11,7 @@ from test_data_prepare import write_corpus  # noqa: E402
 
 from tpuctl.templates.bert import prepare as prep  # noqa: E402
 from tpuctl.templates.bert.data import make_dataset, mask_tokens, read_manifest  # noqa: E402
-from tpuctl.templates.bert.errors import DataError  # noqa: E402
+from tpuctl.templates.lmkit.errors import DataError  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(180)]
 

@@ -24,7 +24,7 @@ def check_gathered_head_matches_full_sequence() -> str:
 
     from tpuctl.templates.bert import config
     from tpuctl.templates.bert.data import mask_tokens
-    from tpuctl.templates.bert.layers import SparseSoftmaxCrossEntropy, TopOneAccuracy
+    from tpuctl.templates.lmkit.layers import SparseSoftmaxCrossEntropy, TopOneAccuracy
     from tpuctl.templates.bert.model import build_model
 
     keras.utils.set_random_seed(3)
@@ -51,7 +51,7 @@ def check_gathered_head_matches_full_sequence() -> str:
     assert full_weights.sum() == weights.sum() > 0
 
     def loss_and_accuracy(y, p, w, *, ours: bool):
-        """What the template compiles (bert/layers.py) or Keras' own."""
+        """What the template compiles (lmkit/layers.py) or Keras' own."""
         loss = (SparseSoftmaxCrossEntropy() if ours else keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, reduction="mean_with_sample_weight"))
         accuracy = TopOneAccuracy() if ours else keras.metrics.SparseCategoricalAccuracy()

@@ -23,7 +23,7 @@ from test_data_prepare import write_corpus  # noqa: E402
 
 from tpuctl.templates.bert import config, train  # noqa: E402
 from tpuctl.templates.bert import prepare as prep  # noqa: E402
-from tpuctl.templates.bert.errors import ConfigError, DataError  # noqa: E402
+from tpuctl.templates.lmkit.errors import ConfigError, DataError  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(300)]
 

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from tpuctl import console
 from tpuctl.cli import cli
 from tpuctl.templates.bert import prepare as prep
-from tpuctl.templates.bert.errors import DataError
+from tpuctl.templates.lmkit.errors import DataError
 from tpuctl.templates.bert.manifest import SPECIAL_TOKENS, Manifest
 
 pytestmark = pytest.mark.timeout(120)

@@ -151,7 +151,7 @@ def check_trainer() -> str:
     Returns the backend."""
     import keras
 
-    from tpuctl.templates.bert.layers import AdamW, SparseSoftmaxCrossEntropy, TopOneAccuracy
+    from tpuctl.templates.lmkit.layers import AdamW, SparseSoftmaxCrossEntropy, TopOneAccuracy
     from tpuctl.templates.gpt2.model import CausalLMTrainer, TokenLoss, build_model
 
     rng = np.random.default_rng(2)

@@ -56,7 +56,7 @@ def trained(request, corpus, tmp_path_factory) -> dict:
     template = contract.find(name)
     config = __import__(f"tpuctl.templates.{name}.config", fromlist=["build"])
     model_mod = __import__(f"tpuctl.templates.{name}.model", fromlist=["build_model"])
-    from tpuctl.templates.bert import checkpoints
+    from tpuctl.templates.lmkit import checkpoints
 
     root = tmp_path_factory.mktemp(f"hf-{name}")
     data_dir, model_dir = root / "data", root / "model"

@@ -24,7 +24,7 @@ pytest.importorskip("tensorflow")
 from test_bert_backends import data_dir  # noqa: E402,F401 - the shared prepared corpus fixture (skips without jax)
 from test_bert_train import _worker_env  # noqa: E402
 
-from tpuctl.templates.bert import checkpoints  # noqa: E402
+from tpuctl.templates.lmkit import checkpoints  # noqa: E402
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(300)]
 

@@ -1,4 +1,4 @@
-"""bert/layers.py on both Keras backends: SelfAttention is Keras MultiHeadAttention (same variables under the same
+"""lmkit/layers.py on both Keras backends: SelfAttention is Keras MultiHeadAttention (same variables under the same
 names, same outputs for a padding mask and for the causal mask), and Dropout on random bytes drops the rounded
 rate, keeps the expectation, draws a new mask per call and is the identity outside training, with either
 generator (the hash under XLA, TensorFlow's Philox without); the hash's bytes are uniform and independent
@@ -22,7 +22,7 @@ def check_layers() -> str:
     import keras
     import numpy as np
 
-    from tpuctl.templates.bert.layers import Dropout, SelfAttention, quantized_rate
+    from tpuctl.templates.lmkit.layers import Dropout, SelfAttention, quantized_rate
 
     keras.utils.set_random_seed(7)
     batch, length, hidden, heads = 3, 12, 16, 4
@@ -117,7 +117,7 @@ def check_gelu() -> None:
     import keras
     import numpy as np
 
-    from tpuctl.templates.bert.layers import gelu
+    from tpuctl.templates.lmkit.layers import gelu
 
     x = np.linspace(-9, 9, 721).astype("float32")
     phi = np.array([0.5 * (1 + math.erf(v / math.sqrt(2))) for v in x.astype("float64")])
@@ -158,7 +158,7 @@ def check_hashed_bytes() -> str:
     import keras
     import numpy as np
 
-    from tpuctl.templates.bert.layers import _hashed_bytes
+    from tpuctl.templates.lmkit.layers import _hashed_bytes
 
     n, rate = 1 << 16, 26 / 256
     seeds = [np.array(s, "uint32" if keras.backend.backend() == "jax" else "int64") for s in ((1, 2), (1, 3), (2, 2))]
@@ -186,7 +186,7 @@ def check_loss_and_accuracy() -> str:
     import keras
     import numpy as np
 
-    from tpuctl.templates.bert.layers import SparseSoftmaxCrossEntropy, TopOneAccuracy
+    from tpuctl.templates.lmkit.layers import SparseSoftmaxCrossEntropy, TopOneAccuracy
 
     rng = np.random.default_rng(5)
     batch, length, vocab = 4, 7, 300
@@ -250,7 +250,7 @@ def check_tied_loss() -> str:
     import numpy as np
     from keras import ops
 
-    from tpuctl.templates.bert.layers import TokenLoss, tied_softmax_cross_entropy
+    from tpuctl.templates.lmkit.layers import TokenLoss, tied_softmax_cross_entropy
 
     rng = np.random.default_rng(11)
     batch, length, width, vocab = 3, 8, 16, 300
@@ -318,7 +318,7 @@ def check_layer_norm() -> str:
     import keras
     import numpy as np
 
-    from tpuctl.templates.bert.layers import LayerNormalization
+    from tpuctl.templates.lmkit.layers import LayerNormalization
 
     x = (np.random.default_rng(2).normal(size=(3, 5, 64)) * 3 + 1).astype("float32")
     ours, theirs = (cls(epsilon=1e-12, name="norm") for cls in (LayerNormalization, keras.layers.LayerNormalization))
@@ -385,7 +385,7 @@ def test_adamw_is_keras_adamw_in_one_kernel_without_xla():
     import numpy as np
     import tensorflow as tf
 
-    from tpuctl.templates.bert.layers import AdamW
+    from tpuctl.templates.lmkit.layers import AdamW
 
     for jit in (False, True):
         got, want = ([v.numpy() for v in fit_small_model(cls, jit=jit)] for cls in (AdamW, keras.optimizers.AdamW))
@@ -413,7 +413,7 @@ def check_adamw_mirrored() -> str:
     import keras
     import numpy as np
 
-    from tpuctl.templates.bert.layers import AdamW
+    from tpuctl.templates.lmkit.layers import AdamW
 
     found = []
     for optimizer_class in (AdamW, keras.optimizers.AdamW):
@@ -478,7 +478,7 @@ def test_tpu_replicated_steps_take_the_xla_paths():
     import tensorflow as tf
     from tensorflow.python.tpu import tpu_replication
 
-    from tpuctl.templates.bert.layers import _compiled
+    from tpuctl.templates.lmkit.layers import _compiled
 
     seen = {}
 

@@ -35,13 +35,14 @@ def test_builtins_declare_every_part():
     assert {"bert", "gpt2"} <= set(found)
     for t in found.values():
         assert t.entry_module == f"{t.name}.train" and t.presets and t.default_preset in t.presets
-        assert t.validate_config is not None and t.data is not None and t.outputs["checkpoints"]
+        assert t.validate_config is not None and t.data is not None and t.outputs.checkpoints
         assert t.data.manifest == "manifest.json" and callable(t.data.prepare) and callable(t.data.upload)
     assert found["bert"].data.tokenizer == "wordpiece" and found["gpt2"].data.tokenizer == "byte-bpe"
-    assert [p.name for p in found["gpt2"].uses] == ["bert"]
+    assert [p.name for p in found["gpt2"].uses] == ["bert", "lmkit"]
+    assert [p.name for p in found["bert"].uses] == ["lmkit"]
 
 
-@pytest.mark.parametrize("part", sorted(contract.REQUIRED_PARTS))
+@pytest.mark.parametrize("part", sorted(contract.REQUIRED[""]))
 def test_a_template_missing_a_part_fails_naming_it(tmp_path, part):
     root = copy_template(tmp_path)
     meta = json.loads((root / "template.json").read_text())
@@ -60,6 +61,67 @@ def test_a_template_missing_a_data_hook_fails_naming_it(tmp_path, part):
     (root / "template.json").write_text(json.dumps(meta))
     with pytest.raises(BadInput, match=f"data does not declare {part!r}"):
         contract.find(str(root))
+
+
+@pytest.mark.parametrize("section, field", [("", "argv"), ("", "pod_slices"), ("config", "paths"),
+                                            ("data", "prepard"), ("outputs", "logs"), ("progress", "step"),
+                                            ("presets.bert-tiny", "layers")])
+def test_an_unknown_field_is_one_line_naming_it(tmp_path, section, field):
+    """template.json holds only what tpuctl reads: a field it does not know (a typo, or a part no code reads)
+    is refused, not silently ignored."""
+    root = copy_template(tmp_path)
+    meta = json.loads((root / "template.json").read_text())
+    target = meta
+    for key in filter(None, section.split(".", 1)):
+        target = target[key]
+    target[field] = "x"
+    (root / "template.json").write_text(json.dumps(meta))
+    with pytest.raises(BadInput) as e:
+        contract.find(str(root))
+    name = f"{section}.{field}" if section else field
+    assert e.value.field == "job.template" and f"unknown field {name!r}" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("field", ["progress.step_line", "outputs.export", "config.validate"])
+def test_a_missing_or_bad_field_is_one_line_naming_it(tmp_path, field):
+    root = copy_template(tmp_path)
+    meta = json.loads((root / "template.json").read_text())
+    section, name = field.split(".")
+    if section == "progress":  # optional, but a regex without the group tpuctl reads is refused
+        meta[section][name] = "^step=\\d+"
+    else:
+        del meta[section][name]
+    (root / "template.json").write_text(json.dumps(meta))
+    with pytest.raises(BadInput) as e:
+        contract.find(str(root))
+    assert e.value.field == "job.template" and field.split(".")[1] in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_field_is_documented_in_the_readme():
+    readme = (ROOT / "templates" / "README.md").read_text()
+    for section, fields in contract.FIELDS.items():
+        for name in fields:
+            assert f"`{name}`" in readme, f"{section}.{name}"
+
+
+def test_progress_lines_follow_the_template(tmp_path):
+    """The run's progress (step, loss, ETA target) comes from the template's own line formats, and a worker line
+    another template would take for a step is only a log line here."""
+    from tpuctl.jobs.pipeline import Outcome, _Stream
+
+    root = copy_template(tmp_path)
+    meta = json.loads((root / "template.json").read_text())
+    meta["progress"] = {"start_line": "^begin total=(?P<max_steps>\\d+)$",
+                        "step_line": "^it (?P<step>\\d+): (?P<loss>\\S+)$", "done_line": "^finished (?P<step>\\d+)$"}
+    (root / "template.json").write_text(json.dumps(meta))
+    events = []
+    stream = _Stream(Outcome(run="lines"), events.append, contract.find(str(root)).progress)
+    for line in ("begin total=40", "step=99 loss=0.1", "it 12: 0.75", "finished 40"):
+        stream(0, line)
+    metrics = [(e.step, e.loss, e.max_steps) for e in events if type(e).__name__ == "Metrics"]
+    assert metrics == [(12, 0.75, 40), (40, None, 40)]
+    assert (stream.outcome.step, stream.outcome.loss) == (40, 0.75)
 
 
 def test_a_hook_that_does_not_load_is_named(tmp_path):

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .shared import lmkit
+
+ConfigError = lmkit("errors").ConfigError
 
 
 @dataclass(frozen=True)

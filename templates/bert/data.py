@@ -17,7 +17,9 @@ import posixpath
 
 import tensorflow as tf
 
-from .errors import DataError
+from .shared import lmkit
+
+DataError = lmkit("errors").DataError
 from .manifest import FORMAT, MANIFEST_NAME, Manifest
 
 MASK_FRACTION = 0.8  # of the selected tokens: replaced by [MASK]

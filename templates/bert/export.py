@@ -28,8 +28,11 @@ import json
 from pathlib import Path
 
 from .manifest import FORMAT, MANIFEST_NAME, TOKENIZER_NAME, VOCAB_NAME, Manifest
-from .portable import INDEX, model_arrays, parse_index, step_of
+from .shared import lmkit
 from .train import RUN_STATE  # run.json: the task that model_dir was trained with (train.py is light to import)
+
+_portable = lmkit("portable")
+INDEX, model_arrays, parse_index, step_of = _portable.INDEX, _portable.model_arrays, _portable.parse_index, _portable.step_of
 
 LAYER_NORM_EPSILON = 1e-12  # model.py's LayerNormalization epsilon everywhere (the published BERT's)
 TYPE_VOCAB_SIZE = 2

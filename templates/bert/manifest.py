@@ -16,7 +16,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import DataError
+from .shared import lmkit
+
+DataError = lmkit("errors").DataError
 
 FORMAT = "tpuctl-bert-mlm/1"
 MANIFEST_NAME = "manifest.json"

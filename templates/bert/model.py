@@ -23,7 +23,11 @@ import keras
 from keras import layers, ops
 
 from .config import TaskConfig
-from .layers import Dropout, LayerNormalization, SelfAttention, gelu, tensorflow_without_xla
+from .shared import lmkit
+
+_layers = lmkit("layers")
+Dropout, LayerNormalization, SelfAttention = _layers.Dropout, _layers.LayerNormalization, _layers.SelfAttention
+gelu, tensorflow_without_xla = _layers.gelu, _layers.tensorflow_without_xla
 
 _INIT = {"class_name": "TruncatedNormal", "config": {"stddev": 0.02}}
 

@@ -48,7 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .errors import DataError
+from .shared import lmkit
+
+DataError = lmkit("errors").DataError
 from .manifest import FORMAT, MANIFEST_NAME, SPECIAL_TOKENS, TOKENIZER_NAME, VOCAB_NAME, Manifest, Shard
 
 READ_CHUNK = 4 << 20

@@ -45,7 +45,9 @@ import sys
 
 from . import config as config_mod
 from .config import BertConfig
-from .errors import ConfigError, TemplateError
+from .shared import lmkit
+
+ConfigError, TemplateError = lmkit("errors").ConfigError, lmkit("errors").TemplateError
 
 RUN_STATE = "run.json"
 
@@ -74,7 +76,7 @@ class Objective:
     def trainer(self, model):
         """(what `fit` trains, its loss): by default the model itself, with the vocabulary cross-entropy of its
         logits. Either way the variables are the model's, and the model is what is checkpointed and exported."""
-        from .layers import SparseSoftmaxCrossEntropy
+        SparseSoftmaxCrossEntropy = lmkit("layers").SparseSoftmaxCrossEntropy
 
         # Per-token loss x weight, summed, / sum of weights: the mean over the predicted tokens only.
         return model, SparseSoftmaxCrossEntropy(reduction="mean_with_sample_weight")
@@ -146,7 +148,7 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
     rt = cfg.runtime
     if not rt.data_dir or not rt.model_dir:
         raise ConfigError("runtime", "data_dir and model_dir are required")
-    from . import strategy as strategy_mod
+    strategy_mod = lmkit("strategy")
 
     jax_backend = rt.framework == "jax"
     if not jax_backend:
@@ -164,8 +166,8 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
     if keras.backend.backend() != rt.framework:
         raise ConfigError("runtime.framework", f"{rt.framework} asked, but Keras was already imported with "
                           f"the {keras.backend.backend()} backend in this process; run the trainer in a fresh one")
-    from . import checkpoints
-    from .callbacks import Monitor, notices
+    checkpoints = lmkit("checkpoints")
+    Monitor, notices = lmkit("callbacks").Monitor, lmkit("callbacks").notices
     from .data import join
     from .model import WarmupLinearDecay
 
@@ -328,7 +330,7 @@ def _compile(keras, model, loss, tr, schedule, objective: Objective, *, jit_comp
     examples' weights (BERT: the mask; GPT-2: all but each block's last position); slots built. In scope. The
     accuracy is Keras' on logits, computed in fewer passes, and the optimizer Keras' AdamW, in one kernel per
     variable without XLA (layers.py)."""
-    from .layers import AdamW, TopOneAccuracy
+    AdamW, TopOneAccuracy = lmkit("layers").AdamW, lmkit("layers").TopOneAccuracy
 
     optimizer = AdamW(
         learning_rate=schedule, weight_decay=tr.weight_decay, beta_1=tr.adam_beta_1, beta_2=tr.adam_beta_2,
@@ -345,7 +347,7 @@ def _compile(keras, model, loss, tr, schedule, objective: Objective, *, jit_comp
 
 def _local_copy(keras, model, cfg: BertConfig, vocab_size: int, objective: Objective):
     """The model with this host's copy of its (replicated) weights, outside the slice-wide distribution."""
-    from .checkpoints import host_value
+    host_value = lmkit("checkpoints").host_value
 
     keras.distribution.set_distribution(None)  # training is over: variables on this host's default device
     local = objective.build_model(cfg.task, vocab_size)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .shared import bert
+from .shared import bert, lmkit
 
 _bert_config = bert("config")
-ConfigError = bert("errors").ConfigError
+ConfigError = lmkit("errors").ConfigError
 TrainerConfig, RuntimeConfig = _bert_config.TrainerConfig, _bert_config.RuntimeConfig
 
 

@@ -3,7 +3,7 @@
 Pre-LayerNorm decoder blocks (LN -> causal self-attention -> residual, LN -> MLP with GPT-2's tanh GELU ->
 residual), learned positions, final LayerNorm, and logits from the token embedding itself (tied input/output
 embeddings, no output bias), as in the original GPT-2: the gpt2-small preset has exactly its 124,439,808 weights.
-Causal attention applies a fixed lower-triangular mask (bert/layers.py's SelfAttention, which also gives
+Causal attention applies a fixed lower-triangular mask (lmkit/layers.py's SelfAttention, which also gives
 dropout its random bytes): static shapes, no padding mask (the prepared blocks are full). Logits are float32
 under mixed_bfloat16 so the softmax cross-entropy is exact.
 """
@@ -16,9 +16,9 @@ import keras
 from keras import layers, ops
 
 from .config import TaskConfig
-from .shared import bert
+from .shared import lmkit
 
-_layers = bert("layers")
+_layers = lmkit("layers")
 Dropout, LayerNormalization, SelfAttention = _layers.Dropout, _layers.LayerNormalization, _layers.SelfAttention
 TokenLoss, tied_softmax_cross_entropy = _layers.TokenLoss, _layers.tied_softmax_cross_entropy
 

@@ -22,11 +22,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .shared import bert
+from .shared import bert, lmkit
 
 _bert = bert("prepare")
 _manifest = bert("manifest")
-DataError = bert("errors").DataError
+DataError = lmkit("errors").DataError
 Manifest, MANIFEST_NAME = _manifest.Manifest, _manifest.MANIFEST_NAME
 
 FORMAT = "tpuctl-gpt2-clm/1"

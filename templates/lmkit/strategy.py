@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 from . import guest
-from .config import RuntimeConfig
 from .errors import AcceleratorError
 
 PJRT_LIBTPU = "/lib/libtpu.so"
@@ -97,7 +96,7 @@ def find_libtpu() -> tuple[str | None, list[str]]:
     return None, tried
 
 
-def resolve(runtime: RuntimeConfig) -> Resolved:
+def resolve(runtime: Any) -> Resolved:
     """Pick and initialise the strategy. Blocks while a TPU system initialises. Raises AcceleratorError."""
     vm = None if runtime.replicas else guest.tpu_vm()
     tpu = "" if runtime.replicas else runtime.tpu or _tpu_from_env(vm)
@@ -119,7 +118,7 @@ def resolve(runtime: RuntimeConfig) -> Resolved:
     return Resolved(tf.distribute.get_strategy(), "cpu", 1, 1)
 
 
-def resolve_jax(runtime: RuntimeConfig) -> Resolved:
+def resolve_jax(runtime: Any) -> Resolved:
     """Initialise JAX (multi-host: blocks until every process reached the coordinator) and return a
     DataParallel distribution over all devices. Call before anything imports jax. Raises AcceleratorError."""
     vm = None if runtime.replicas else guest.tpu_vm()
