@@ -77,10 +77,11 @@ def resolve_template(template: str) -> Path:
 
 
 def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, run: str,
-               data_url: str | None, framework: str = "") -> dict:
+               data_url: str | None, framework: str = "", profile: str | None = None) -> dict:
     """The template's config: the user's overrides plus where to read and write. Model, TensorBoard events
     and exports live under `gs://BUCKET/runs/RUN/model/`, so the run's results outlive its TPU. `framework`
-    (the plan's choice, which fixed the TPU's runtime) becomes `runtime.framework`."""
+    (the plan's choice, which fixed the TPU's runtime) becomes `runtime.framework`; `profile` (job.profile, steps
+    FIRST-LAST to trace) becomes `runtime.profile`, given only when set: a template without it is not sent it."""
     config = json.loads(json.dumps(dict(overrides or {})))
     if preset:
         config.setdefault("preset", preset)
@@ -92,6 +93,8 @@ def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, ru
         runtime.setdefault("data_dir", data_url)
     if framework:
         runtime["framework"] = framework
+    if profile:
+        runtime["profile"] = profile
     config["runtime"] = runtime
     return config
 

@@ -354,12 +354,14 @@ class Pipeline:
         anything is created: a typo must not cost a TPU and leave a bucket behind."""
         job = self.spec.job
         config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
-                                    data_url=None)
+                                    data_url=None, profile=job.profile)
         try:
             self.template.check_config(config)
         except BadInput as exc:
             if exc.field == "job.config.preset" and "preset" not in job.config:  # it came from `job.preset`
                 raise BadInput(exc.message, field="job.preset", hint=exc.hint) from exc
+            if exc.field == "job.config.runtime.profile" and job.profile:  # it came from `job.profile`
+                raise BadInput(exc.message, field="job.profile", hint=exc.hint) from exc
             raise
 
     def up(self):
@@ -412,7 +414,7 @@ class Pipeline:
         with self.phase("upload"):
             job = self.spec.job
             config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
-                                        data_url=data_url, framework=self.plan.framework)
+                                        data_url=data_url, framework=self.plan.framework, profile=job.profile)
             description = bundles.JobDescription(
                 run=self.plan.run, project=self.project, bucket=self.plan.bucket, module=self.template.entry_module,
                 config=config, args=tuple(job.args), env=dict(job.env), num_workers=self.num_workers,

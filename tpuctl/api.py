@@ -161,23 +161,27 @@ def up(spec: SpecLike, *, on_event: EventSink | None = None, cloud: str | None =
 def run(spec: SpecLike, *, on_event: EventSink | None = None, cancel: threading.Event | None = None,
         confirm: Callable[[Plan], bool] | None = None, cloud: str | None = None,
         download: str | os.PathLike[str] | None = None, delete_bucket: bool = False,
-        max_recoveries: int | None = None, poll_s: float = 2.0, fit_check: bool = True) -> Outcome:
+        max_recoveries: int | None = None, poll_s: float = 2.0, fit_check: bool = True,
+        profile: str | None = None) -> Outcome:
     """Train the spec's job end to end (up, data, ship, train, collect) and tear the TPU and VMs down,
     whatever happens. Blocks until the end; returns the Outcome (`state` "succeeded").
 
     Setting `cancel` (from another thread) stops the run at its next check (within `poll_s` while training),
     tears down, and raises Interrupted. A failed job raises JobFailed; the Outcome so far is on the
     exception's `outcome` attribute in both cases. `confirm(plan)` returning False stops before anything is
-    created (BadInput); so does a job whose step does not fit the TPU's HBM (`fit_check`, see `fit`)."""
+    created (BadInput); so does a job whose step does not fit the TPU's HBM (`fit_check`, see `fit`).
+    `profile` ("FIRST-LAST", as `job.profile`, which it replaces): a profiler trace of those steps on worker 0
+    in the run's TensorBoard directory (`tpuctl board RUN`, profile tab)."""
     from tpuctl import provision
     from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
     r = resolve(spec, cloud=cloud, on_event=on_event or ignore)
+    run_spec = spec_mod.with_profile(r.spec, profile)
     cancel = cancel or threading.Event()
     options = RunOptions(yes=confirm is None, download=Path(download) if download else None,
                          delete_bucket=delete_bucket, max_recoveries=max_recoveries, poll_s=poll_s, cancel=cancel,
                          fit_check=fit_check)
-    pipeline = Pipeline(provision.connect(r.settings), r.spec, project=r.settings.project, spec_dir=r.spec_dir,
+    pipeline = Pipeline(provision.connect(r.settings), run_spec, project=r.settings.project, spec_dir=r.spec_dir,
                         options=options, on_event=on_event, confirm=confirm)
     try:
         return _outside_event_loop(pipeline.run, cancel)

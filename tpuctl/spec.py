@@ -42,6 +42,7 @@ _LEGACY_KEYS = ("tensorflow_version", "tensorflowVersion", "tpu_node", "api_vers
 # What a POSIX shell accepts as a variable name; anything else could not be exported on the workers.
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 ENV_NAME_RULE = "use letters, digits and underscores, not starting with a digit"
+PROFILE_STEPS = re.compile(r"^(\d+)\s*-\s*(\d+)$")  # job.profile, `--profile`: FIRST-LAST training steps
 _LEGACY_RUNTIME = re.compile(r"^(\d+\.\d+(\.\d+)?|nightly|pytorch-[\d.]+|tpu-vm-base-legacy)$")
 
 
@@ -121,6 +122,23 @@ class JobSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     # auto: TensorFlow where Google ships it (v2-v5p) and the template offers it, else JAX (tpuctl.frameworks)
     framework: Literal["auto", "tensorflow", "jax"] = "auto"
+    # "FIRST-LAST" (e.g. "100-110"): a profiler trace of those steps on worker 0, into the run's TensorBoard
+    # directory (the template's runtime.profile; it checks the range against its max_steps)
+    profile: str | None = None
+
+    @field_validator("profile", mode="before")
+    @classmethod
+    def _step_range(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        m = PROFILE_STEPS.match(str(v).strip())
+        if not m:
+            raise ValueError(f"{v!r} is not a range of steps; write FIRST-LAST, e.g. 100-110")
+        first, last = int(m[1]), int(m[2])
+        if not 1 <= first <= last:
+            raise ValueError(f"{v!r} is not a range of steps: FIRST must be at least 1 and at most LAST; write "
+                             f"e.g. {min(first, last) or 1}-{max(first, last)}")
+        return f"{first}-{last}"
 
     @field_validator("env")
     @classmethod
@@ -247,6 +265,14 @@ def with_framework(spec: RunSpec, framework: str | None) -> RunSpec:
     if framework is None:
         return spec
     return spec.model_copy(update={"job": (spec.job or JobSpec()).model_copy(update={"framework": framework})})
+
+
+def with_profile(spec: RunSpec, profile: str | None) -> RunSpec:
+    """`spec` with `job.profile` set (the `--profile` flag, which wins over the file), validated; None keeps it."""
+    if profile is None:
+        return spec
+    checked = from_mapping({"job": {"profile": profile}}).job.profile  # BadInput naming job.profile
+    return spec.model_copy(update={"job": (spec.job or JobSpec()).model_copy(update={"profile": checked})})
 
 
 def load(path: str | Path | None = None, *, overrides: Mapping[str, Any] | None = None,

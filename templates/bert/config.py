@@ -109,6 +109,17 @@ class RuntimeConfig:
     jit_compile: bool = False  # TPUs always compile; True on CPU/GPU rehearses XLA compatibility
     seed: int = 0
     framework: str = "tensorflow"
+    # "FIRST-LAST": a profiler trace of those training steps (the progress lines' numbering) into
+    # model_dir/tensorboard/plugins/profile/, for TensorBoard's profile tab (lmkit callbacks.Profile); "": none.
+    profile: str = ""
+
+    @property
+    def profile_steps(self) -> tuple[int, int] | None:
+        """`profile` as (first, last) steps; None when unset or not two step numbers (validate says which)."""
+        first, dash, last = self.profile.partition("-")
+        if not (dash and first.strip().isdigit() and last.strip().isdigit()):
+            return None
+        return int(first), int(last)
 
 
 @dataclass(frozen=True)
@@ -262,6 +273,10 @@ def validate(cfg: BertConfig) -> None:
         (tr.shuffle_buffer > 0, "trainer.shuffle_buffer", "must be > 0"),
         (rt.replicas >= 0, "runtime.replicas", "must be >= 0"),
         (rt.framework in FRAMEWORKS, "runtime.framework", "must be tensorflow or jax"),
+        (not rt.profile or (rt.profile_steps is not None and 1 <= rt.profile_steps[0] <= rt.profile_steps[1]
+                            <= tr.max_steps), "runtime.profile",
+         f"must be FIRST-LAST training steps with 1 <= FIRST <= LAST <= trainer.max_steps ({tr.max_steps}), "
+         "e.g. 20-25"),
         (rt.mixed_precision in ("auto", "float32", "mixed_bfloat16"),
          "runtime.mixed_precision", "must be auto, float32 or mixed_bfloat16"),
     ]

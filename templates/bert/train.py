@@ -167,7 +167,7 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
         raise ConfigError("runtime.framework", f"{rt.framework} asked, but Keras was already imported with "
                           f"the {keras.backend.backend()} backend in this process; run the trainer in a fresh one")
     checkpoints = lmkit("checkpoints")
-    Monitor, notices = lmkit("callbacks").Monitor, lmkit("callbacks").notices
+    Monitor, notices, Profile = lmkit("callbacks").Monitor, lmkit("callbacks").notices, lmkit("callbacks").Profile
     from .data import join
     from .model import WarmupLinearDecay
 
@@ -210,6 +210,10 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
     monitor = Monitor(save, schedule, global_batch, tr.log_every, tr.checkpoint_every,
                       tf.summary.create_file_writer(join(rt.model_dir, "tensorboard")) if writer else None,
                       emit, start, accuracy=objective.accuracy, processes=resolved.processes)
+    callbacks = [monitor]
+    if rt.profile_steps and writer:  # worker 0's trace (runtime.profile)
+        callbacks.append(Profile(rt.profile_steps, join(rt.model_dir, "tensorboard"), start, tr.steps_per_execution,
+                                 emit))
     if start < tr.max_steps:
         def dataset_for(ctx):
             return objective.dataset(cfg, manifest, ctx.get_per_replica_batch_size(global_batch), ctx)
@@ -220,7 +224,7 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
         else:
             dataset = strategy.distribute_datasets_from_function(dataset_for)
         with notices():
-            trainer.fit(dataset, epochs=1, steps_per_epoch=tr.max_steps - start, callbacks=[monitor], verbose=0,
+            trainer.fit(dataset, epochs=1, steps_per_epoch=tr.max_steps - start, callbacks=callbacks, verbose=0,
                         shuffle=False)
     if monitor.saved_step != tr.max_steps and start < tr.max_steps:
         monitor.save(tr.max_steps)

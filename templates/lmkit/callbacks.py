@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -135,3 +137,70 @@ def notices():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class Profile(keras.callbacks.Callback):
+    """A profiler trace of training steps `first`..`last` (the progress lines' numbering) into `logdir` (the
+    TensorBoard directory), as `plugins/profile/RUN_TIMESTAMP/HOST.xplane.pb`: where TensorBoard's profile plugin
+    (XProf) finds it. JAX's profiler (`jax.profiler.start_trace`) on the JAX backend, TensorFlow's
+    (`tf.profiler.experimental.start`) on TensorFlow: each records its own runtime's device activity.
+
+    Keras reports steps once per execution of `steps_per_execution` steps, so the trace spans whole executions,
+    from the one holding `first` to the one holding `last`; a resumed run traces what is left of the window.
+    The profiler writes to a local directory first (JAX's writer does not reach gs://), then the files are copied
+    under `logdir` with tf.io.gfile, which reaches gs:// and local paths alike."""
+
+    def __init__(self, steps: tuple[int, int], logdir: str, start: int, steps_per_execution: int, emit):
+        super().__init__()
+        self.first, self.last = steps
+        self.logdir, self.start, self.steps_per_execution, self.emit = logdir, start, steps_per_execution, emit
+        self.local: str | None = None  # the profiler's directory while tracing
+        self.traced = (0, 0)  # the first and the last step traced so far
+        self.done = False
+        self.jax = keras.backend.backend() == "jax"
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = self.start + batch + 1  # the first step of this execution
+        if self.local is None and not self.done and step <= self.last \
+                and step + self.steps_per_execution - 1 >= self.first:
+            self.local = tempfile.mkdtemp(prefix="tpuctl-profile-")
+            if self.jax:
+                import jax
+
+                jax.profiler.start_trace(self.local)
+            else:
+                tf.profiler.experimental.start(self.local)
+            self.traced = (step, step)
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self.start + batch + 1  # the last step of this execution
+        if self.local is not None:
+            self.traced = (self.traced[0], step)
+            if step >= self.last:
+                self.finish(logs)
+
+    def on_train_end(self, logs=None):
+        if self.local is not None:  # stopped before `last` (a notice): what was traced is still worth keeping
+            self.finish(logs)
+
+    def finish(self, logs) -> None:
+        """Stop the profiler once the traced steps really ran (JAX dispatches asynchronously), publish the trace."""
+        if self.jax:
+            import jax
+
+            jax.block_until_ready(logs)
+            jax.profiler.stop_trace()
+        else:
+            tf.profiler.experimental.stop()
+        local, self.local, self.done = self.local, None, True
+        copied = []
+        for root, _, files in os.walk(local):
+            rel = os.path.relpath(root, local).replace(os.sep, "/")
+            target = self.logdir.rstrip("/") + ("" if rel == "." else "/" + rel)
+            for name in files:
+                tf.io.gfile.makedirs(target)
+                tf.io.gfile.copy(os.path.join(root, name), f"{target}/{name}", overwrite=True)
+                copied.append(target)
+        shutil.rmtree(local, ignore_errors=True)
+        where = min(copied, key=len) if copied else self.logdir
+        self.emit(f"profile steps={self.traced[0]}-{self.traced[1]} path={where}")

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from tpuctl import config, console
+from tpuctl import spec as spec_mod
 from tpuctl.cli.spec_flags import SpecFlags, spec_options
 from tpuctl.errors import BadInput, NotFound, TpuctlError
 
@@ -64,13 +65,15 @@ def _summary(o) -> None:
 @click.option("--export", "export", multiple=True, metavar="FORMAT",
               help="also write the final model in this format of the template's (hf: Hugging Face) to model/FORMAT/")
 @click.option("--dry-run", is_flag=True, help="validate and show the plan; create nothing")
+@click.option("--profile", metavar="FIRST-LAST",
+              help="job.profile: trace these training steps on worker 0 (e.g. 100-110) for TensorBoard's profile tab")
 @click.option("--no-fit-check", "no_fit_check", is_flag=True,
               help="skip compiling the step for the TPU first (`tpuctl fit`)")
 @click.option("--json", "as_json", is_flag=True,
               help="print each event, then the summary, as one JSON object per line on stdout")
 @_cloud_options
 def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, migrate,
-                spec_flags: SpecFlags, export, dry_run, no_fit_check, as_json, cloud, project) -> None:
+                spec_flags: SpecFlags, export, dry_run, profile, no_fit_check, as_json, cloud, project) -> None:
     """Run a training job end to end: up, prepare data, ship, train on every worker, collect, tear down.
 
     The TPU and VMs are deleted whatever happens (success, failure, Ctrl-C, SIGTERM); the bucket with the
@@ -78,9 +81,10 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
     """
     from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
-    if attach and (spec_file or detach or dry_run or migrate or spec_flags.given):
+    if attach and (spec_file or detach or dry_run or migrate or spec_flags.given or profile):
+        given = (*spec_flags.given, *(("--profile",) if profile else ()))
         raise BadInput("--attach takes a run name and no spec, --detach, --dry-run, --migrate or spec-field flag"
-                       + (f" ({', '.join(spec_flags.given)})" if spec_flags.given else ""), field="attach",
+                       + (f" ({', '.join(given)})" if given else ""), field="attach",
                        hint="tpuctl run --attach RUN")
     if not attach and not spec_file:
         raise BadInput("no spec file given", field="spec", hint="tpuctl run examples/bert-tiny.yaml --yes")
@@ -109,6 +113,7 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
         # Flags > TPUCTL_* env > spec file > user config > gcloud config > defaults, as for `up`.
         spec, settings = resolve(spec_file, spec_flags, cloud=cloud, migrate=migrate, on_event=on_event, name=name,
                                  project=project)
+        spec = spec_mod.with_profile(spec, profile)  # the flag wins over the file's job.profile
         clients = None if dry_run else provision.connect(config.ensure_endpoint(settings, on_event=on_event))
         pipeline = Pipeline(clients, spec, project=settings.project, spec_dir=Path(spec_file).resolve().parent,
                             options=opts, on_event=on_event, confirm=confirm)
