@@ -202,14 +202,15 @@ def recovery_action(clients: Clients, zone: str, name: str, *, last: Resource | 
 
 def recover(clients: Clients, action: RecoveryAction, *, force: bool = True, deadline_s: float = DEFAULT_DEADLINE_S,
             progress: Callable[[State, str], None] | None = None,
-            cancel: threading.Event | None = None) -> Resource:
-    """Carry out `action` (from `recovery_action`) and return the TPU, READY; blocks until then.
+            cancel: threading.Event | None = None) -> Resource | RebuildFromPlan:
+    """Carry out `action` (from `recovery_action`); return the TPU, READY (blocks until then), or the
+    RebuildFromPlan it came to: nothing in the cloud can make that TPU again, the run's plan must (`up`).
 
     A TPU that is READY is returned untouched unless `force` (so two recoveries racing do one recreate; `force`
     when its workers were lost on a READY TPU). Wait waits up to its deadline and returns the TPU (`force`: then
     recreates it anyway); one that does not come back in time gets the driver's `otherwise`. Recreate and
-    Requeue make it again as it was, in its zone (CapacityError when the zone has none). RebuildFromPlan and
-    Ended raise NotFound: nothing here can make it again (`tpuctl run` runs the plan again, or stops)."""
+    Requeue make it again as it was, in its zone (CapacityError when the zone has none). Ended raises NotFound:
+    Google gave the TPU back as asked, and it is not requested again."""
     tpu = action.tpu
     if tpu is not None and tpu.state is State.READY and not force:
         return tpu
@@ -225,8 +226,10 @@ def recover(clients: Clients, action: RecoveryAction, *, force: bool = True, dea
     if isinstance(action, (Recreate, Requeue)):
         return shapes.of(tpu).recreate(clients, tpu.location, tpu.name, deadline_s=deadline_s, cancel=cancel,
                                        progress=progress)
-    why = action.why if isinstance(action, RebuildFromPlan) else f"TPU {tpu.name} in {tpu.location} has ended"
-    raise _NotFound(why, field="run", hint="run `tpuctl up` again with the run's spec")
+    if isinstance(action, Ended):
+        raise _NotFound(f"TPU {tpu.name} in {tpu.location} ended at {tpu.detail['ends']}, its max run duration",
+                        field="run", hint="run `tpuctl up` again with the run's spec")
+    return action
 
 
 def recreate_node(clients: Clients, zone: str, name: str, *, force: bool = False,
@@ -237,5 +240,8 @@ def recreate_node(clients: Clients, zone: str, name: str, *, force: bool = False
     READY; a READY one is returned untouched unless `force`; one under maintenance is waited for, up to
     REPAIR_DEADLINE_S, not deleted; a queued one is re-queued. NotFound when its shape is made again from the
     run's plan instead (it is gone, or a Compute Engine TPU)."""
-    return recover(clients, recovery_action(clients, zone, name), force=force, deadline_s=deadline_s,
-                   progress=progress, cancel=cancel)
+    got = recover(clients, recovery_action(clients, zone, name), force=force, deadline_s=deadline_s,
+                  progress=progress, cancel=cancel)
+    if isinstance(got, RebuildFromPlan):
+        raise _NotFound(got.why, field="run", hint="run `tpuctl up` again with the run's spec")
+    return got
