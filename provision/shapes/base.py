@@ -178,10 +178,15 @@ class Shape(ABC):
         """Whether anything of this shape is called `name` in `zone` (apply tries that zone first). Read-only."""
         return self.get(clients, zone, name) is not None
 
-    @abstractmethod
     def get(self, clients: Clients, zone: str, name: str) -> Resource | None:
         """The resource `name` in `zone` as this driver's API family shows it (the owning driver is
         `shapes.of(r)`), with its workers but no host keys; None when absent. Read-only."""
+        raw = self.read(clients, zone, name)
+        return None if raw is None else self.to_resource(clients, raw)
+
+    def read(self, clients: Clients, zone: str, name: str):
+        """The raw API object `name` in `zone`, or None (what `get` converts). Read-only."""
+        raise NotImplementedError(f"{self.name} reads whole resources only (`get`)")
 
     @abstractmethod
     def listed(self, clients: Clients, listing: Listing) -> list[Resource]:

@@ -49,9 +49,8 @@ class TpuNode(Shape):
         return tpu.create_node(clients, self.request(plan, zone, service_account), deadline_s=deadline_s,
                                cancel=cancel, progress=progress, on_issued=on_issued)
 
-    def get(self, clients, zone, name) -> Resource | None:
-        node = tpu.get_node(clients, zone, name)
-        return None if node is None else self.to_resource(clients, node)
+    def read(self, clients, zone, name):
+        return tpu.get_node(clients, zone, name)
 
     def to_resource(self, clients, raw) -> Resource:
         return tpu.to_resource(raw, local=clients.local)
@@ -61,7 +60,7 @@ class TpuNode(Shape):
                 if self.owns(r)]
 
     def _node(self, clients, zone: str, name: str):
-        node = tpu.get_node(clients, zone, name)
+        node = self.read(clients, zone, name)
         if node is None:
             raise NotFound(f"TPU node {name} does not exist in {zone}", field="run")
         return node

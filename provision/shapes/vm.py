@@ -31,9 +31,8 @@ class Vm(Shape):
                            network=Network.of_plan(plan))
         return vm.create(clients, req, deadline_s=deadline_s, cancel=cancel, on_issued=on_issued, progress=progress)
 
-    def get(self, clients, zone, name) -> Resource | None:
-        inst = vm.get(clients, zone, name)
-        return None if inst is None else self.to_resource(clients, inst)
+    def read(self, clients, zone, name):
+        return vm.get(clients, zone, name)
 
     def to_resource(self, clients, raw) -> Resource:
         return vm.to_resource(raw, project=clients.project)
