@@ -399,12 +399,16 @@ def down(clients: Clients, run: str, found: list[Resource], *, delete_bucket: bo
     from tpuctl.provision import inventory
 
     say = progress or (lambda key, state, detail: None)
-    queued_nodes = {(r.location, r.name) for r in found if r.kind is Kind.QUEUED}
     keep = [r for r in found if r.kind in (Kind.BUCKET, Kind.IAM) and not delete_bucket]
-    todo = [Undo.of(r) for r in found
-            if r not in keep and r.kind is not Kind.IAM
-            # A queued resource's force delete takes its node with it.
-            and not (r.kind is Kind.TPU and (r.location, r.name) in queued_nodes)]
+    todo: list[Undo] = []
+    for r in found:
+        undo = Undo.of(r)
+        # One delete per driver and name: a driver deletes all of it (a queued resource's force delete takes
+        # its node along, listed as a resource of its own).
+        if r not in keep and r.kind is not Kind.IAM and not any(
+                undo.shape is not None and (u.shape, u.location, u.name) == (undo.shape, undo.location, undo.name)
+                for u in todo):
+            todo.append(undo)
     try:
         _delete_in_order(clients, todo, say, done_detail="", pool_name=f"down-{run}", deadline_s=deadline_s)
     except KeyboardInterrupt:
