@@ -548,10 +548,14 @@ class Pipeline:
                  "from them on a new flex-start TPU (or raise max_run_duration, up to 7d)")
 
     def _recover(self, *, maintenance: bool = False) -> None:
-        """Bring the node back and relaunch (the job resumes from its checkpoint). A node seen under
-        maintenance (REPAIRING/RESTARTING) is waited for, not recreated: it is the same node after a reboot."""
+        """Bring the node back and relaunch (the job resumes from its checkpoint). How is the TPU's shape driver's
+        call (provision.recovery_action): a node under maintenance (REPAIRING/RESTARTING) is waited for, not
+        recreated (it is the same node after a reboot); one that Google ended at its max run duration is not
+        requested again."""
         rec = self.record
-        if self._tpu is not None and provision.run_ended(self._tpu):
+        action = provision.recovery_action(self.clients, rec.zone, rec.node, last=self._tpu)
+        if isinstance(action, provision.Ended):
+            self._tpu = action.tpu
             raise self._run_ended()
         if self.outcome.recoveries >= rec.max_recoveries:
             raise JobFailed(f"the TPU node was lost {self.outcome.recoveries + 1} time(s); max recoveries is "
@@ -561,39 +565,43 @@ class Pipeline:
         self.emit(ev.RecoveryStarted(attempt, rec.max_recoveries, "maintenance" if maintenance else "node lost"))
         ok = False
         try:
-            self._bring_back(maintenance=maintenance)
+            self._bring_back(action, maintenance=maintenance)
             ok = True
         finally:
             self.emit(ev.RecoveryEnded(attempt, ok))
 
-    def _bring_back(self, *, maintenance: bool) -> None:
+    def _bring_back(self, action: provision.RecoveryAction, *, maintenance: bool) -> None:
+        """Carry out `action` through provision.recover (wait, recreate or requeue in the node's zone); what that
+        cannot do (the driver's RebuildFromPlan, or no capacity left in the zone) deletes what is left and runs
+        `up` again, whose failover tries the plan's zones."""
         rec = self.record
         cluster.update_status(self.clients, rec.bucket, rec.run, state="running", recovering=True, on_event=self.emit)
         with self.phase("recover", f"attempt {self.outcome.recoveries} of {rec.max_recoveries}"):
+            # A lost node bills no more; its successor (same name) is a new ledger entry.
+            lost = [r for r in provision.list_resources(self.clients, rec.run)
+                    if r.kind is Kind.TPU and r.name == rec.node]
+            if not lost and self._tpu is not None:
+                lost = [self._tpu]  # Google deleted it (a Spot VM's termination action DELETE)
+            if maintenance:
+                self.emit(ev.Warn(f"TPU node {rec.node} is under maintenance: waiting for it to come back"))
+            else:
+                ledger.remember(lost, deleted=True, on_event=self.emit)
             try:
-                # A lost node bills no more; its successor (same name) is a new ledger entry.
-                lost = [r for r in provision.list_resources(self.clients, rec.run)
-                        if r.kind is Kind.TPU and r.name == rec.node]
-                if not lost and self._tpu is not None:
-                    lost = [self._tpu]  # Google deleted it (a Spot VM's termination action DELETE)
-                if maintenance:
-                    self.emit(ev.Warn(f"TPU node {rec.node} is under maintenance: waiting for it to come back"))
-                else:
-                    ledger.remember(lost, deleted=True, on_event=self.emit)
-                node = provision.recreate_node(self.clients, rec.zone, rec.node, force=not maintenance)
+                node = provision.recover(self.clients, action, force=not maintenance)
+            except CapacityError as exc:
+                node = provision.RebuildFromPlan(None, f"recreating {rec.node} in {rec.zone} failed ({exc})")
+            if isinstance(node, provision.RebuildFromPlan):
+                if self.plan is None:
+                    raise JobFailed(f"cannot recreate TPU node {rec.node}: {node.why}",
+                                    hint=f"run `tpuctl run SPEC --name {rec.run}` again to resume from the checkpoint")
+                self.emit(ev.Warn(f"{node.why}; trying the plan's zones"))
+                provision.delete_node(self.clients, rec.zone, rec.node)
+                self.up()
+            else:
                 if maintenance and any(r.created != node.created for r in lost):
                     ledger.remember(lost, deleted=True, on_event=self.emit)  # it never came back and was recreated
                 ledger.remember([node], on_event=self.emit)
                 self._tpu = node
-            except (NotFound, CapacityError) as exc:
-                if self.plan is None:
-                    raise JobFailed(f"cannot recreate TPU node {rec.node}: {exc}",
-                                    hint=f"run `tpuctl run SPEC --name {rec.run}` again to resume from the checkpoint") from exc
-                self.emit(ev.Warn(f"recreating {rec.node} in {rec.zone} failed ({exc}); trying the plan's zones"))
-                provision.delete_node(self.clients, rec.zone, rec.node)
-                self.up()
-                node = None
-            if node is not None:
                 self.zone, self.node = node.location, node.name
             self.record = rec = cluster.LaunchRecord(**{**rec.__dict__, "zone": self.zone, "node": self.node})
         self.launch(recovering=True)

@@ -14,19 +14,15 @@ raw protos never leave `tpuctl.provision`. Conventions, in the spirit of SkyPilo
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import datetime
 
-from tpuctl import catalog as _catalog
 from tpuctl.catalog import Catalog
 from tpuctl.errors import CapacityError, WaitTimeout
 from tpuctl.errors import NotFound as _NotFound
 from tpuctl.provision import bucket as _bucket
-from tpuctl.provision import compute_tpu as _compute_tpu
 from tpuctl.provision import inventory as _inventory
-from tpuctl.provision import oslogin as _oslogin
+from tpuctl.provision import shapes
 from tpuctl.provision import tpu as _tpu
 # Imported before `def apply` below: importing the submodule binds the package attribute `apply` to it,
 # and the function defined afterwards must win.
@@ -38,19 +34,19 @@ from tpuctl.provision.inventory import RunStatus
 from tpuctl.provision.plan import Plan, Step
 from tpuctl.provision.plan import make as _make_plan
 from tpuctl.provision.resources import Kind, Resource, State, Worker
+from tpuctl.provision.shapes.base import (REPAIR_DEADLINE_S, RUN_END_SLACK_S, Ended, RebuildFromPlan, Recreate,
+                                          RecoveryAction, Requeue, Wait, run_ended)
 from tpuctl.provision.waits import DEFAULT_DEADLINE_S
 from tpuctl.spec import RunSpec
 
 __all__ = [
-    "ApplyResult", "Clients", "DownResult", "Kind", "Plan", "ProgressFn", "Resource", "RunStatus", "State", "Step",
-    "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents", "connect", "delete_node",
+    "ApplyResult", "Clients", "DownResult", "Ended", "Kind", "Plan", "ProgressFn", "RebuildFromPlan", "Recreate",
+    "RecoveryAction", "Requeue", "Resource", "RunStatus", "State", "Step", "Wait",
+    "REPAIR_DEADLINE_S", "RUN_END_SLACK_S", "Worker", "add_ssh_key", "apply", "authorize_key", "bucket_contents",
+    "connect", "delete_node",
     "down", "get_node", "list_resources",
-    "plan", "recreate_node", "status", "wait_node_ready", "workers",
+    "plan", "recover", "recovery_action", "recreate_node", "run_ended", "status", "wait_node_ready", "workers",
 ]
-
-
-# How long a node under maintenance (REPAIRING, RESTARTING) is waited for before it is given up and recreated.
-REPAIR_DEADLINE_S = 1800.0
 
 
 def plan(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: str | None = None,
@@ -131,32 +127,21 @@ def bucket_contents(clients: Clients, bucket: str) -> _bucket.Contents:
 
 
 def get_node(clients: Clients, zone: str, name: str) -> Resource:
-    """The TPU node (or Compute Engine TPU) with its workers (no host keys). Read-only; NotFound if absent."""
-
-    node = _tpu.get_node(clients, zone, name)
-    if node is None:
-        return _compute_tpu_or_not_found(_compute_tpu.get, clients, zone, name)
-    return _tpu.to_resource(node, local=clients.local)
+    """The run's TPU `name` (whatever its shape) with its workers (no host keys). Read-only; NotFound if absent."""
+    return _find(clients, zone, name)[1]
 
 
-def _compute_tpu_or_not_found(lookup, clients: Clients, zone: str, name: str):
-    """`lookup` (compute_tpu.get or .workers) of a TPU the TPU API does not have; NotFound when Compute has none."""
-    found = lookup(clients, zone, name, catalog=_catalog.load())
+def _find(clients: Clients, zone: str, name: str) -> tuple[shapes.Shape, Resource]:
+    found = shapes.find(clients, zone, name)
     if found is None:
         raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
     return found
 
 
 def workers(clients: Clients, zone: str, name: str) -> tuple[Worker, ...]:
-    """The node's workers in index order, with SSH host keys from guest attributes where published.
-    A Compute Engine TPU (one instance, or a MIG slice) answers the same way. Read-only; NotFound if absent."""
-
-    node = _tpu.get_node(clients, zone, name)
-    if node is None:
-        return _compute_tpu_or_not_found(_compute_tpu.workers, clients, zone, name)
-    keys = _tpu.host_keys(clients, zone, name)
-    return tuple(replace(w, host_key=keys[w.index] if w.index < len(keys) else None)
-                 for w in _tpu.to_resource(node, local=clients.local).workers)
+    """The TPU's workers in index order, with SSH host keys from guest attributes where published, whatever its
+    shape (a TPU API node, a Compute Engine TPU VM, a MIG slice). Read-only; NotFound if absent."""
+    return _find(clients, zone, name)[0].workers(clients, zone, name)
 
 
 def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: str, *,
@@ -171,28 +156,14 @@ def add_ssh_key(clients: Clients, zone: str, name: str, user: str, public_key: s
 
 def authorize_key(clients: Clients, zone: str, name: str, user: str, public_key: str, *,
                   deadline_s: float = 300.0) -> str:
-    """Let `public_key` log in to the node's workers; returns the login name to use with it.
+    """Let `public_key` log in to the TPU's workers; returns the login name to use with it.
 
-    With OS Login on (`enable-oslogin` in the node's metadata, else the project's) the guest ignores `ssh-keys`:
+    With OS Login on (`enable-oslogin` in the TPU's metadata, else the project's) the guest ignores `ssh-keys`:
     the key goes into the caller's OS Login profile and the name is the profile's POSIX user. Otherwise
-    `user:public_key` goes into the node's `ssh-keys` metadata (blocking until applied) and the name is `user`.
+    `user:public_key` goes into the TPU's `ssh-keys` metadata (blocking until applied) and the name is `user`.
     Idempotent. BadInput at once, before any retry, when OS Login is on and cannot be used (account unknown).
     """
-
-    node = _tpu.get_node(clients, zone, name)
-    if node is None:
-        catalog = _catalog.load()
-        found = _compute_tpu.instances_of(clients, zone, name, catalog=catalog)
-        if found is None or not found[0]:
-            raise _NotFound(f"TPU node {name} does not exist in {zone}", field="run")
-        if _oslogin.enabled(_oslogin.project_metadata(clients), _compute_tpu.metadata_of(found[0][0])):
-            return _oslogin.login_user(clients, public_key)
-        _compute_tpu.add_ssh_key(clients, zone, name, user, public_key, catalog=catalog, deadline_s=deadline_s)
-        return user
-    if _oslogin.enabled(_oslogin.project_metadata(clients), dict(node.metadata)):
-        return _oslogin.login_user(clients, public_key)
-    _tpu.add_ssh_key(clients, zone, name, user, public_key, deadline_s=deadline_s)
-    return user
+    return _find(clients, zone, name)[0].authorize(clients, zone, name, user, public_key, deadline_s=deadline_s)
 
 
 def wait_node_ready(clients: Clients, zone: str, name: str, *, deadline_s: float = DEFAULT_DEADLINE_S,
@@ -205,77 +176,72 @@ def wait_node_ready(clients: Clients, zone: str, name: str, *, deadline_s: float
 
 def delete_node(clients: Clients, zone: str, name: str, *, deadline_s: float = 900.0,
                 progress: Callable[[State, str], None] | None = None) -> None:
-    """Delete one TPU node (its queued resource too, if it came from one); block until gone. Idempotent."""
-
-    node = _tpu.get_node(clients, zone, name)
-    if node is not None and node.queued_resource:
-        _tpu.delete_queued(clients, zone, node.queued_resource.rsplit("/", 1)[-1], deadline_s=deadline_s,
-                           progress=progress)
-    elif node is not None:
-        _tpu.delete_node(clients, zone, name, deadline_s=deadline_s, progress=progress)
-    else:
-        found = _compute_tpu.instances_of(clients, zone, name, catalog=_catalog.load())
-        if found is not None and found[1]:
-            _compute_tpu.delete_slice(clients, zone, name, deadline_s=deadline_s, progress=progress)
-        elif found is not None:
-            _compute_tpu.delete(clients, zone, name, deadline_s=deadline_s, progress=progress)
+    """Delete the TPU `name` (its queued resource, or its slice's MIG, template and policy too); block until
+    gone. Idempotent."""
+    found = shapes.find(clients, zone, name)
+    if found is not None:
+        found[0].delete(clients, zone, name, deadline_s=deadline_s, progress=progress)
 
 
-# Compute ends a VM at its max run duration, up to 30 s after the published moment
-# (compute/docs/instances/limit-vm-runtime), never before: only a laptop clock behind Google's can make it
-# look early. Allow that much.
-RUN_END_SLACK_S = 30.0
+def recovery_action(clients: Clients, zone: str, name: str, *, last: Resource | None = None) -> RecoveryAction:
+    """What brings back the TPU `name`, which its run lost (or saw under maintenance), as its shape's driver
+    decides from the TPU's state now: Wait, Recreate, Requeue, RebuildFromPlan or Ended. `last`: the TPU as
+    the caller last knew it (what a TPU that is gone was, and the end Google published for it). Read-only."""
+    found = shapes.find(clients, zone, name)
+    if found is None:
+        driver = shapes.of(last) if last is not None else None
+        if driver is None:
+            return RebuildFromPlan(last, f"TPU node {name} does not exist in {zone}; nothing to recreate from")
+        return driver.recovery_action(replace(last, state=State.DELETED))
+    driver, now = found
+    if last is not None and "ends" in last.detail and "ends" not in now.detail:
+        # Google published the end once (tpuctl saw it at create or in a listing); it holds for the TPU now.
+        now = replace(now, detail={**now.detail, "ends": last.detail["ends"]})
+    return driver.recovery_action(now)
 
 
-def run_ended(tpu: Resource, *, now: float | None = None) -> bool:
-    """True when Google ends `tpu` at a moment it published (a flex-start TPU's max run duration,
-    `detail["ends"]`) and that moment has come, within RUN_END_SLACK_S. Such a TPU is not lost: it was given
-    back as the user asked. Reads only the resource; no API call."""
+def recover(clients: Clients, action: RecoveryAction, *, force: bool = True, deadline_s: float = DEFAULT_DEADLINE_S,
+            progress: Callable[[State, str], None] | None = None,
+            cancel: threading.Event | None = None) -> Resource | RebuildFromPlan:
+    """Carry out `action` (from `recovery_action`); return the TPU, READY (blocks until then), or the
+    RebuildFromPlan it came to: nothing in the cloud can make that TPU again, the run's plan must (`up`).
 
-    try:
-        ends = datetime.fromisoformat(tpu.detail["ends"]).timestamp()
-    except (KeyError, ValueError):
-        return False
-    return (time.time() if now is None else now) >= ends - RUN_END_SLACK_S
+    A TPU that is READY is returned untouched unless `force` (so two recoveries racing do one recreate; `force`
+    when its workers were lost on a READY TPU). Wait waits up to its deadline and returns the TPU (`force`: then
+    recreates it anyway); one that does not come back in time gets the driver's `otherwise`. Recreate and
+    Requeue make it again as it was, in its zone (CapacityError when the zone has none). Ended raises NotFound:
+    Google gave the TPU back as asked, and it is not requested again."""
+    tpu = action.tpu
+    if tpu is not None and tpu.state is State.READY and not force:
+        return tpu
+    if isinstance(action, Wait):
+        try:
+            tpu = shapes.of(tpu).wait_ready(clients, tpu.location, tpu.name, cancel=cancel, progress=progress,
+                                            deadline_s=min(deadline_s, action.deadline_s))
+            if not force:
+                return tpu
+        except (WaitTimeout, CapacityError):
+            pass  # it did not come back in time (or settled PREEMPTED/FAILED)
+        action = action.otherwise
+    if isinstance(action, (Recreate, Requeue)):
+        return shapes.of(tpu).recreate(clients, tpu.location, tpu.name, deadline_s=deadline_s, cancel=cancel,
+                                       progress=progress)
+    if isinstance(action, Ended):
+        raise _NotFound(f"TPU {tpu.name} in {tpu.location} ended at {tpu.detail['ends']}, its max run duration",
+                        field="run", hint="run `tpuctl up` again with the run's spec")
+    return action
 
 
 def recreate_node(clients: Clients, zone: str, name: str, *, force: bool = False,
                   deadline_s: float = DEFAULT_DEADLINE_S, progress: Callable[[State, str], None] | None = None,
                   cancel: threading.Event | None = None) -> Resource:
-    """Preemption recovery: delete the node and create it again exactly as it was (same name, zone, type,
-    runtime, labels, metadata incl. ssh-keys, service account); block until READY and return it.
-
-    A node that is READY is returned untouched unless `force` (so two recoveries racing do one recreate).
-    A node under maintenance (REPAIRING/RESTARTING) is waited for, up to REPAIR_DEADLINE_S, not deleted.
-    A node from a queued resource is re-queued. NotFound when the node is gone (its definition went with it).
-    """
-
-    node = _tpu.get_node(clients, zone, name)
-    if node is None:
-        current = _compute_tpu.get(clients, zone, name, catalog=_catalog.load())
-        if current is not None and current.state is State.READY and not force:
-            return current
-        # A Compute Engine TPU is made again from the run's plan (`tpuctl run` deletes it and runs `up`).
-        raise _NotFound(f"TPU node {name} does not exist in {zone}; nothing to recreate from" if current is None
-                        else f"TPU VM {name} in {zone} is {current.state.value}: it is recreated from the run's plan",
-                        field="run", hint="run `tpuctl up` again with the run's spec")
-    current = _tpu.to_resource(node, local=clients.local)
-    if current.state is State.REPAIRING:
-        # Maintenance, a repair or a restart: Google brings the node back by itself. Deleting it would
-        # throw an on-demand node (and its place in the zone) away; wait for it instead.
-        try:
-            current = _tpu.wait_ready(clients, zone, name, deadline_s=min(deadline_s, REPAIR_DEADLINE_S),
-                                      cancel=cancel, progress=progress)
-            if not force:
-                return current
-        except (WaitTimeout, CapacityError):
-            pass  # it did not come back in time (or settled PREEMPTED/FAILED): recreate it below
-    if current.state is State.READY and not force:
-        return current
-    req = _tpu.request_of(node)
-    if node.queued_resource:
-        qr_name = node.queued_resource.rsplit("/", 1)[-1]
-        _tpu.delete_queued(clients, zone, qr_name, deadline_s=deadline_s, cancel=cancel, progress=progress)
-        return _tpu.create_queued(clients, req, deadline_s=deadline_s, cancel=cancel, progress=progress)
-    _tpu.delete_node(clients, zone, name, deadline_s=deadline_s, cancel=cancel, progress=progress)
-    return _tpu.create_node(clients, req, deadline_s=deadline_s, cancel=cancel, progress=progress)
+    """Preemption recovery in one call: `recover(recovery_action(...))`. The TPU is made again exactly as it
+    was (same name, zone, type, runtime, labels, metadata incl. ssh-keys, service account), blocking until
+    READY; a READY one is returned untouched unless `force`; one under maintenance is waited for, up to
+    REPAIR_DEADLINE_S, not deleted; a queued one is re-queued. NotFound when its shape is made again from the
+    run's plan instead (it is gone, or a Compute Engine TPU)."""
+    got = recover(clients, recovery_action(clients, zone, name), force=force, deadline_s=deadline_s,
+                  progress=progress, cancel=cancel)
+    if isinstance(got, RebuildFromPlan):
+        raise _NotFound(got.why, field="run", hint="run `tpuctl up` again with the run's spec")
+    return got

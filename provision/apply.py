@@ -16,10 +16,8 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from tpuctl.errors import CapacityError, CloudError, Interrupted, NameTaken, TpuctlError, Unexpected, capacity_hint
-from tpuctl import catalog as catalog_mod
 from tpuctl.ledger import Entry, entry_of
-from tpuctl.spec import FLEX_START_WAIT_S
-from tpuctl.provision import bucket, compute_tpu, preflight, tpu, vm
+from tpuctl.provision import bucket, preflight, shapes
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.plan import Plan
 from tpuctl.provision.resources import Kind, Resource, State
@@ -37,12 +35,12 @@ class Undo:
     name: str
     location: str
     service_account: str | None = None  # IAM: the member to revoke
-    api: str = ""  # "": the kind's own API; a TPU made by Compute Engine (TPU7x) says "compute" or "compute-mig"
+    shape: shapes.Shape | None = None  # the driver that deletes it; None: a bucket or its IAM binding
 
     @classmethod
     def of(cls, r: Resource) -> Undo:
         """How to delete an existing resource."""
-        return cls(r.kind, r.name, r.location, api=r.detail.get("api", ""))
+        return cls(r.kind, r.name, r.location, shape=shapes.of(r))
 
     @property
     def key(self) -> str:
@@ -260,72 +258,27 @@ def _service_account(clients: Clients, plan: Plan) -> str:
 
 def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted: list[str], say: ProgressFn,
               cancel: threading.Event, deadline_s: float) -> Resource:
-    """Create the node (or queued resource) in the first zone with capacity; adopt one from an earlier `up`."""
-    if plan.accelerator.api == compute_tpu.API:
-        return _compute_tpu_step(clients, plan, sa, created, adopted, say, cancel, deadline_s)
-    base = tpu.NodeRequest(
-        name=plan.run, zone=plan.zones[0], accelerator=plan.accelerator.name, runtime_version=plan.runtime_version,
-        labels=plan.labels, service_account=sa, spot=plan.provisioning == "spot",
-        preemptible=plan.provisioning == "preemptible", queued=plan.provisioning in ("queued", "flex-start"),
-        valid_until_s=plan.valid_until_s, network=plan.network, subnet=plan.subnet, tags=plan.tags,
-        internal_ips=plan.internal_ips,
-        max_run_duration_s=plan.max_run_duration_s if plan.provisioning == "flex-start" else None)
-    kind = Kind.QUEUED if base.queued else Kind.TPU
-    get, create = (tpu.get_queued, tpu.create_queued) if base.queued else (tpu.get_node, tpu.create_node)
-    return _failover(clients, plan, kind, "", created, adopted, say, cancel,
-                     lambda zone, on_issued: create(
-                         clients, base.in_zone(zone), deadline_s=deadline_s, cancel=cancel, on_issued=on_issued,
-                         progress=lambda s, d, k=Undo(kind, plan.run, zone).key: say(k, s.value, d)),
-                     exists=lambda zone: get(clients, zone, plan.run) is not None,
-                     what=plan.accelerator.name, hint=capacity_hint(plan.provisioning))
+    """Create the TPU (its shape's driver: a node, a queued resource, a Compute Engine VM or slice) in the first
+    zone with capacity; adopt one from an earlier `up`."""
+    return _failover(clients, plan, shapes.for_tpu(plan.accelerator, plan.provisioning), plan.run, sa, created,
+                     adopted, say, cancel, deadline_s, what=plan.accelerator.name, hint=capacity_hint(plan.provisioning))
 
 
-def _compute_tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted: list[str],
-                      say: ProgressFn, cancel: threading.Event, deadline_s: float) -> Resource:
-    """The TPU as a Compute Engine instance (TPU7x), in the first zone with capacity, adopting an earlier one."""
-    catalog = catalog_mod.load()
-    req = compute_tpu.TpuVmRequest(
-        name=plan.run, zone=plan.zones[0], machine_type=plan.accelerator.machine_type or "",
-        image=plan.runtime_version, labels=plan.labels, service_account=sa, provisioning=plan.provisioning,
-        max_run_duration_s=plan.max_run_duration_s, network=plan.network, subnet=plan.subnet, tags=plan.tags,
-        internal_ips=plan.internal_ips, capacity_wait_s=plan.valid_until_s or FLEX_START_WAIT_S)
-    t = plan.accelerator
+def _failover(clients: Clients, plan: Plan, shape: shapes.Shape, name: str, sa: str, created: _Created,
+              adopted: list[str], say: ProgressFn, cancel: threading.Event, deadline_s: float, *, what: str,
+              hint: str, ready: Callable[[Resource], str] = lambda r: f"{len(r.workers)} worker(s)") -> Resource:
+    """Create `name` with `shape`'s driver zone by zone (an existing one's zone first) until one has capacity.
 
-    def progress(zone: str):
-        return lambda s, d, k=Undo(Kind.TPU, plan.run, zone).key: say(k, s.value, d)
-
-    if t.multi_host:  # a MIG of t.hosts VMs with a workload policy of the slice's topology
-        return _failover(clients, plan, Kind.TPU, compute_tpu.API_MIG, created, adopted, say, cancel,
-                         lambda zone, on_issued: compute_tpu.create_slice(
-                             clients, req.in_zone(zone), hosts=t.hosts, topology=t.topology, catalog=catalog,
-                             deadline_s=deadline_s, cancel=cancel, progress=progress(zone), on_issued=on_issued),
-                         exists=lambda zone: compute_tpu.get_slice(clients, zone, plan.run) is not None,
-                         what=t.name, hint=capacity_hint(plan.provisioning))
-    return _failover(clients, plan, Kind.TPU, compute_tpu.API, created, adopted, say, cancel,
-                     lambda zone, on_issued: compute_tpu.create(
-                         clients, req.in_zone(zone), catalog=catalog, deadline_s=deadline_s, cancel=cancel,
-                         progress=progress(zone), on_issued=on_issued),
-                     exists=lambda zone: vm.get(clients, zone, plan.run) is not None,
-                     what=t.name, hint=capacity_hint(plan.provisioning))
-
-
-def _failover(clients: Clients, plan: Plan, kind: Kind, api: str, created: _Created, adopted: list[str],
-              say: ProgressFn, cancel: threading.Event, create: Callable[[str, Callable[[], None]], Resource], *,
-              exists: Callable[[str], bool], what: str, hint: str, name: str | None = None,
-              ready: Callable[[Resource], str] = lambda r: f"{len(r.workers)} worker(s)") -> Resource:
-    """Try `create(zone, on_issued)` zone by zone (an existing one's zone first) until one has capacity.
-
-    What `create` issued in a zone without capacity is deleted before the next zone is tried."""
-    name = name or plan.run
+    What the driver issued in a zone without capacity is deleted before the next zone is tried."""
     zones = list(plan.zones)
     for z in zones:
-        if exists(z):
+        if shape.exists(clients, z, name):
             zones.remove(z)
             zones.insert(0, z)
             break
     failures: list[str] = []
     for zone in zones:
-        undo = Undo(kind, name, zone, api=api)
+        undo = Undo(shape.kind, name, zone, shape=shape)
         issued = threading.Event()
 
         def on_issued(undo: Undo = undo, issued: threading.Event = issued) -> None:
@@ -333,7 +286,8 @@ def _failover(clients: Clients, plan: Plan, kind: Kind, api: str, created: _Crea
             created.add(undo)
 
         try:
-            r = create(zone, on_issued)
+            r = shape.create(clients, plan, name, zone, service_account=sa, deadline_s=deadline_s, cancel=cancel,
+                             progress=lambda s, d, k=undo.key: say(k, s.value, d), on_issued=on_issued)
         except CapacityError as exc:
             failed_at = time.time()  # what was issued ended with its failed create
             failures.append(f"{zone}: {exc.message}")
@@ -357,16 +311,7 @@ def _vm_step(clients: Clients, plan: Plan, spec, sa: str, created: _Created, ado
              cancel: threading.Event, deadline_s: float) -> Resource:
     """Create (or adopt) one VM in the first zone with capacity (ZONE_RESOURCE_POOL_EXHAUSTED fails over)."""
     name = plan.vm_name(spec)
-
-    def create(zone: str, on_issued: Callable[[], None]) -> Resource:
-        req = vm.VmRequest(name=name, zone=zone, machine_type=spec.machine_type, disk_gb=spec.disk_gb,
-                           image=spec.image, labels=plan.labels, service_account=sa, network=plan.network,
-                           subnet=plan.subnet, tags=plan.tags, internal_ips=plan.internal_ips)
-        return vm.create(clients, req, deadline_s=deadline_s, cancel=cancel, on_issued=on_issued,
-                         progress=lambda s, d, k=Undo(Kind.VM, name, zone).key: say(k, s.value, d))
-
-    return _failover(clients, plan, Kind.VM, "", created, adopted, say, cancel, create, name=name,
-                     exists=lambda zone: vm.get(clients, zone, name) is not None,
+    return _failover(clients, plan, shapes.VM, name, sa, created, adopted, say, cancel, deadline_s,
                      what=f"VM {name} ({spec.machine_type})", ready=lambda r: spec.machine_type,
                      hint="add zones with --zone (comma-separated, same region first) or give the VM another "
                           "machine_type")
@@ -377,19 +322,9 @@ def delete(clients: Clients, target: Undo, *, deadline_s: float = 900.0, cancel:
     """Delete one resource (an IAM target revokes its binding) and block until it is gone.
 
     Idempotent: NotFound, before or during, is done. `deadline_s` bounds the wait on each operation."""
-    if target.kind is Kind.TPU and target.api == compute_tpu.API_MIG:
-        compute_tpu.delete_slice(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel,
-                                 progress=progress)
-    elif target.kind is Kind.TPU and target.api == compute_tpu.API:
-        compute_tpu.delete(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel,
-                           progress=progress)
-    elif target.kind is Kind.TPU:
-        tpu.delete_node(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
-    elif target.kind is Kind.QUEUED:
-        tpu.delete_queued(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel,
-                          progress=progress)
-    elif target.kind is Kind.VM:
-        vm.delete(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
+    if target.shape is not None:
+        target.shape.delete(clients, target.location, target.name, deadline_s=deadline_s, cancel=cancel,
+                            progress=progress)
     elif target.kind is Kind.BUCKET:
         bucket.delete(clients, target.name, cancel=cancel, progress=progress)
     elif target.kind is Kind.IAM:
@@ -464,12 +399,16 @@ def down(clients: Clients, run: str, found: list[Resource], *, delete_bucket: bo
     from tpuctl.provision import inventory
 
     say = progress or (lambda key, state, detail: None)
-    queued_nodes = {(r.location, r.name) for r in found if r.kind is Kind.QUEUED}
     keep = [r for r in found if r.kind in (Kind.BUCKET, Kind.IAM) and not delete_bucket]
-    todo = [Undo.of(r) for r in found
-            if r not in keep and r.kind is not Kind.IAM
-            # A queued resource's force delete takes its node with it.
-            and not (r.kind is Kind.TPU and (r.location, r.name) in queued_nodes)]
+    todo: list[Undo] = []
+    for r in found:
+        undo = Undo.of(r)
+        # One delete per driver and name: a driver deletes all of it (a queued resource's force delete takes
+        # its node along, listed as a resource of its own).
+        if r not in keep and r.kind is not Kind.IAM and not any(
+                undo.shape is not None and (u.shape, u.location, u.name) == (undo.shape, undo.location, undo.name)
+                for u in todo):
+            todo.append(undo)
     try:
         _delete_in_order(clients, todo, say, done_detail="", pool_name=f"down-{run}", deadline_s=deadline_s)
     except KeyboardInterrupt:

@@ -10,9 +10,9 @@ and a zonal managed instance group (MIG) of N instances with that policy; the MI
 `created-by` metadata, which is how the slice is found again.
 
 Everything else reads these as one `Kind.TPU` resource each, with `detail["api"]` "compute" (one instance) or
-"compute-mig" (a slice: one worker per instance), so status, down, gc and cost treat them as TPU API nodes;
-and the jobs layer reaches their workers through the same node functions of `tpuctl.provision` (get, workers
-with host keys from guest attributes, ssh-keys metadata, delete). Raw protos stay in here.
+"compute-mig" (a slice: one worker per instance), which tells their shape drivers (provision/shapes/
+compute_tpu.py, mig_slice.py) which of them owns the resource; status, down, gc, cost and the jobs layer reach
+them through those drivers as they reach TPU API nodes. Raw protos stay in here.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tpuctl.errors import TpuctlError
 from tpuctl.provision import labels as L
 from tpuctl.provision import vm, waits
 from tpuctl.provision.clients import Clients
+from tpuctl.provision.network import Network
 from tpuctl.provision.resources import Kind, Resource, State, Worker
 
 API = "compute"
@@ -54,11 +55,8 @@ class TpuVmRequest:
     provisioning: str = "on-demand"  # on-demand | spot | flex-start
     max_run_duration_s: float | None = None  # flex-start: Compute deletes the instance after this long
     capacity_wait_s: float | None = None  # flex-start: how long the insert waits for capacity before it fails
-    network: str = "default"
-    subnet: str | None = None
-    tags: tuple[str, ...] = ()
+    network: Network = Network()
     metadata: Mapping[str, str] | None = None
-    internal_ips: bool = False  # no external address (an org policy may forbid them)
 
     def in_zone(self, zone: str) -> TpuVmRequest:
         return TpuVmRequest(**{**self.__dict__, "zone": zone})
@@ -93,11 +91,6 @@ GUEST_ATTRIBUTES_KEY = "enable-guest-attributes"
 
 
 def instance_proto(req: TpuVmRequest) -> compute_v1.Instance:
-    nic = compute_v1.NetworkInterface(
-        network=req.network if "/" in req.network else f"global/networks/{req.network}",
-        access_configs=[] if req.internal_ips else [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])
-    if req.subnet:
-        nic.subnetwork = req.subnet
     # The guest agent publishes the VM's SSH host keys as guest attributes only when `enable-guest-attributes`
     # is on, and gcloud reads them only then (ssh_utils.GetHostKeysFromGuestAttributes): without it every
     # worker's key would be trusted on first use. A value the user set is kept.
@@ -108,7 +101,7 @@ def instance_proto(req: TpuVmRequest) -> compute_v1.Instance:
         disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
             source_image=req.image, disk_size_gb=BOOT_DISK_GB,
             disk_type=f"zones/{req.zone}/diskTypes/{BOOT_DISK_TYPE}"))],
-        network_interfaces=[nic], tags=compute_v1.Tags(items=list(req.tags)),
+        network_interfaces=[req.network.compute_interface()], tags=req.network.compute_tags(),
         metadata=compute_v1.Metadata(items=items),
         scheduling=_scheduling(req), params=_params(req),
         service_accounts=[compute_v1.ServiceAccount(email=req.service_account, scopes=list(vm.SCOPES))])

@@ -8,11 +8,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from tpuctl import catalog as catalog_mod
-from tpuctl.provision import bucket, compute_tpu, tpu, vm
+from tpuctl.provision import bucket, shapes, tpu, vm
 from tpuctl.provision import labels as L
 from tpuctl.provision.clients import Clients
 from tpuctl.provision.resources import Kind, Resource, State
@@ -71,9 +70,10 @@ def resource_json(r: Resource) -> dict:
 
 
 def resources(clients: Clients, run: str | None = None, *, include_iam: bool = False) -> list[Resource]:
-    """Every tpuctl-labelled resource (of `run` when given): TPU nodes, queued resources, VMs, buckets.
+    """Every tpuctl-labelled resource (of `run` when given): what each shape driver finds in one listing of TPU
+    nodes, queued resources and instances, and the buckets.
 
-    Lists the four kinds concurrently; with `include_iam`, also the run's bindings on its buckets.
+    Lists the four concurrently; with `include_iam`, also the run's bindings on its buckets.
     Blocks for the API calls; retries 429/503.
     """
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -81,15 +81,8 @@ def resources(clients: Clients, run: str | None = None, *, include_iam: bool = F
         queued = pool.submit(tpu.list_queued, clients)
         vms = pool.submit(vm.list_all, clients, run)
         buckets = pool.submit(bucket.list_labelled, clients, run)
-        out = [tpu.to_resource(n, local=clients.local) for n in nodes.result() if L.matches(n.labels, run)]
-        out += [r for r in map(tpu.queued_to_resource, queued.result()) if L.matches(r.labels, run)]
-        out = _with_flex_start_ends(clients, out)
-        catalog = catalog_mod.load()
-        tpu_vms, slices, plain = compute_tpu.split(vms.result(), catalog)
-        out += [compute_tpu.to_resource(i, project=clients.project, catalog=catalog) for i in tpu_vms]
-        out += [compute_tpu.slice_to_resource(name, zone, members, project=clients.project, catalog=catalog)
-                for (zone, name), members in slices.items()]
-        out += [vm.to_resource(i, project=clients.project) for i in plain]
+        listing = shapes.Listing(nodes=nodes.result(), queued=queued.result(), instances=vms.result(), run=run)
+        out = [r for driver in shapes.DRIVERS for r in driver.listed(clients, listing)]
         out += [bucket.to_resource(b, project=clients.project) for b in buckets.result()]
     if include_iam:
         for b in [r for r in out if r.kind is Kind.BUCKET]:
@@ -97,19 +90,6 @@ def resources(clients: Clients, run: str | None = None, *, include_iam: bool = F
                                         region=b.location)
                     for role, m in bucket.bindings(clients, b.name)
                     if role in (bucket.ROLE, *bucket.FORMER_ROLES) and m.startswith("serviceAccount:")]
-    return out
-
-
-def _with_flex_start_ends(clients: Clients, found: list[Resource]) -> list[Resource]:
-    """Queued resources (and their nodes) marked flex-start with the time Google ends them (`detail["ends"]`),
-    which only TPU v2alpha1 shows: one GET per queued resource listed."""
-    extra = {(r.location, r.name): tpu.flex_start_detail(clients, r.location, r.name)
-             for r in found if r.kind is Kind.QUEUED}
-    out = []
-    for r in found:
-        qr = r.name if r.kind is Kind.QUEUED else r.detail.get("queued_resource", "").rsplit("/", 1)[-1]
-        detail = extra.get((r.location, qr)) if r.kind in (Kind.QUEUED, Kind.TPU) and qr else None
-        out.append(replace(r, detail={**r.detail, **detail}) if detail else r)
     return out
 
 

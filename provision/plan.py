@@ -16,27 +16,15 @@ from tpuctl import frameworks as frameworks_mod
 from tpuctl.catalog import AcceleratorType, Catalog, region_of
 from tpuctl.errors import BadInput
 from tpuctl.provision import labels as L
+from tpuctl.provision import shapes
 from tpuctl.provision.bucket import ROLE
 from tpuctl.provision.preflight import quota_checks
-from tpuctl.provision.resources import Kind
+from tpuctl.provision.resources import Kind, Step
 from tpuctl.spec import RunSpec, VmSpec, format_duration
 
 ALL_FRAMEWORKS = ("tensorflow", "jax")
 
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$")
-
-
-@dataclass(frozen=True)
-class Step:
-    """One node of the DAG: create `name` (of `kind`) after the steps named in `after`."""
-
-    key: str  # "bucket", "bucket-iam", "tpu", "vm:NAME"
-    kind: Kind
-    name: str
-    location: str  # zone (first choice) or region
-    after: tuple[str, ...] = ()
-    price_per_hour: float = 0.0
-    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,11 +119,8 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     if spec.provisioning not in t.provisioning:
         raise BadInput(f"{t.name} cannot be provisioned {spec.provisioning}", field="provisioning",
                        hint=f"{t.name} offers: {', '.join(t.provisioning)}")
-    if t.api == "compute" and t.multi_host and spec.provisioning == "flex-start":
-        # Flex-start slices come from MIG resize requests (tpu/docs/request-using-flex-start), not made here.
-        raise BadInput(f"{t.name} is a {t.hosts}-host Compute Engine slice; tpuctl makes flex-start TPU7x "
-                       f"single-host only so far", field="provisioning",
-                       hint=f"use {_single_host(catalog, t)} for flex-start, or on-demand or spot for {t.name}")
+    shape = shapes.for_tpu(t, spec.provisioning)
+    shape.check(t, spec.provisioning, catalog)
     if spec.provisioning == "flex-start" and t.flex_start_zones:
         outside = [z for z in zones if z not in t.flex_start_zones]
         if outside:
@@ -169,23 +154,15 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
 
     spot = spec.provisioning in ("spot", "preemptible")
     tpu_price = (price_fn or catalog.tpu_price_per_hour)(t.name, region, spot)
-    # Flex-start on a Cloud TPU API type is a queued resource (tpu/docs/request-using-flex-start).
-    tpu_kind = Kind.QUEUED if spec.queued or (spec.provisioning == "flex-start" and t.api != "compute") else Kind.TPU
     sa_text = "the project's default compute SA" if spec.service_account == "default" else spec.service_account
-    via = f", Compute Engine {t.machine_type}" if t.api == "compute" else ""
-    ends = f", deleted after {spec.max_run_duration}" if spec.max_run_duration else ""
     steps = [
         Step("bucket", Kind.BUCKET, bucket, region,
              detail=f"uniform access, public access prevention, {_soft_delete_text(spec.bucket_soft_delete_s)}"),
         Step("bucket-iam", Kind.IAM, bucket, region, after=("bucket",),
              detail=f"{ROLE.removeprefix('roles/storage.')} for {sa_text}, on this bucket only"),
-        Step("tpu", tpu_kind, run, zones[0], price_per_hour=tpu_price,
-             detail=f"{t.name} ({t.hosts} host{'s' if t.hosts > 1 else ''}){via}, {runtime}"
-                    + (f" ({framework})" if framework else "") + f", {spec.provisioning}{ends}"
-                    + (f", failover {', '.join(zones[1:])}" if len(zones) > 1 else "")),
-        *(Step(f"vm:{vm.name}", Kind.VM, f"{run}-{vm.name}", zones[0],
-               price_per_hour=catalog.vm_price_per_hour(vm.machine_type, region),
-               detail=f"{vm.machine_type}, {vm.disk_gb} GB") for vm in spec.vms),
+        *(step for driver in (shape, shapes.VM)
+          for step in driver.plan_steps(spec, t, run=run, zones=zones, runtime=runtime, framework=framework,
+                                        price_per_hour=tpu_price, catalog=catalog)),
     ]
     return Plan(run=run, project=project, zones=zones, region=region, accelerator=t, runtime_version=runtime,
                 provisioning=spec.provisioning, valid_until_s=spec.valid_until_s, bucket=bucket,
@@ -194,10 +171,6 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes),
                 max_run_duration_s=spec.max_run_duration_s, internal_ips=spec.internal_ips,
                 bucket_soft_delete_s=spec.bucket_soft_delete_s, framework=framework)
-
-
-def _single_host(catalog: Catalog, t: AcceleratorType) -> str:
-    return next((o.name for o in catalog.accelerators() if o.generation == t.generation and not o.multi_host), t.name)
 
 
 def _soft_delete_text(seconds: int) -> str:

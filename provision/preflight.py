@@ -41,26 +41,12 @@ from tpuctl.provision.clients import Clients
 
 SERVICES = ("tpu.googleapis.com", "compute.googleapis.com", "storage.googleapis.com", "iam.googleapis.com")
 # What `up` (TPU, bucket, bucket IAM, acting as the TPU's service account) and `down` need on the project.
-TPU_PERMISSIONS = ("tpu.nodes.create", "tpu.nodes.get", "tpu.nodes.delete", "tpu.nodes.update", "tpu.operations.get")
+# What every run needs besides its TPU's own permissions (each shape driver's `permissions`, provision/shapes/).
 PERMISSIONS = (
-    *TPU_PERMISSIONS,
     "storage.buckets.create", "storage.buckets.get", "storage.buckets.getIamPolicy", "storage.buckets.setIamPolicy",
     "iam.serviceAccounts.actAs",
 )
 EXTERNAL_IP_CONSTRAINT = "compute.vmExternalIpAccess"
-QUEUED_PERMISSIONS = ("tpu.queuedresources.create", "tpu.queuedresources.get", "tpu.queuedresources.delete")
-VM_PERMISSIONS = ("compute.instances.create", "compute.instances.delete", "compute.instances.get")
-# A TPU sold as a Compute Engine machine type (TPU7x) is an instance tpuctl writes ssh-keys metadata to
-# (provision/compute_tpu.py); a multi-host slice is also a regional instance template, a workload policy
-# (resource policy) and a managed instance group (compute/docs/tpus/create-tpu-mig-multi-host-slice). These
-# replace the tpu.* permissions.
-COMPUTE_TPU_PERMISSIONS = (*VM_PERMISSIONS, "compute.instances.setMetadata")
-MIG_PERMISSIONS = (
-    "compute.instanceTemplates.create", "compute.instanceTemplates.get", "compute.instanceTemplates.delete",
-    "compute.instanceTemplates.useReadOnly", "compute.instanceGroupManagers.create",
-    "compute.instanceGroupManagers.get", "compute.instanceGroupManagers.delete", "compute.resourcePolicies.create",
-    "compute.resourcePolicies.get", "compute.resourcePolicies.delete", "compute.resourcePolicies.use",
-)
 
 
 # The API each check calls: when it is disabled the check reports that, not the 403 it got.
@@ -97,8 +83,8 @@ class PreflightFailed(TpuctlError):
 def tpu_quota_id(accelerator: AcceleratorType, spot: bool) -> str | None:
     """The Cloud TPU API quota a slice of `accelerator` draws on; None for types
     provisioned through Compute Engine (TPU7x: their quota is Compute's)."""
-    gen = _QUOTA_GEN.get(accelerator.generation)
-    if gen is None or accelerator.api != "tpu-v2":
+    gen = _QUOTA_GEN.get(accelerator.generation)  # TPU7x and later have none: Compute Engine sells them
+    if gen is None:
         return None
     pre = "Preemptible" if spot else ""
     if accelerator.generation == "v5e":
@@ -154,20 +140,32 @@ class QuotaCheck:
 
 
 def quota_checks(accelerator: AcceleratorType, provisioning: str, zones: tuple[str, ...]) -> tuple[QuotaCheck, ...]:
-    """The quota each create of the zone failover list is checked against; () for a type with no known quota."""
-    preemptible = provisioning in PREEMPTIBLE_QUOTA
-    if accelerator.api == "compute":
-        if accelerator.generation not in _COMPUTE_QUOTA:
-            return ()
-        family, preemptible_id = _COMPUTE_QUOTA[accelerator.generation]
-        if provisioning == "flex-start":
-            ids = (preemptible_id, COMPUTE_FAMILY_QUOTA)
-        else:
-            ids = (preemptible_id,) if preemptible else (COMPUTE_FAMILY_QUOTA,)
-        return tuple(QuotaCheck(z, COMPUTE_QUOTA_SERVICE, ids, tuple(
-            {"region": region_of(z), **({"tpu_family": family} if q == COMPUTE_FAMILY_QUOTA else {})} for q in ids),
-            accelerator.chips) for z in zones)
-    quota = tpu_quota_id(accelerator, preemptible)
+    """The quota each create of the zone failover list is checked against (the TPU's shape driver knows which
+    API's quota it draws on); () for a type with no known quota."""
+    from tpuctl.provision import shapes
+
+    return shapes.for_tpu(accelerator, provisioning).quota_checks(accelerator, provisioning, zones)
+
+
+def compute_quota_checks(accelerator: AcceleratorType, provisioning: str,
+                         zones: tuple[str, ...]) -> tuple[QuotaCheck, ...]:
+    """Compute Engine's TPU quotas (per region, in chips) for a TPU sold as a machine type."""
+    if accelerator.generation not in _COMPUTE_QUOTA:
+        return ()
+    family, preemptible_id = _COMPUTE_QUOTA[accelerator.generation]
+    if provisioning == "flex-start":
+        ids = (preemptible_id, COMPUTE_FAMILY_QUOTA)
+    else:
+        ids = (preemptible_id,) if provisioning in PREEMPTIBLE_QUOTA else (COMPUTE_FAMILY_QUOTA,)
+    return tuple(QuotaCheck(z, COMPUTE_QUOTA_SERVICE, ids, tuple(
+        {"region": region_of(z), **({"tpu_family": family} if q == COMPUTE_FAMILY_QUOTA else {})} for q in ids),
+        accelerator.chips) for z in zones)
+
+
+def tpu_api_quota_checks(accelerator: AcceleratorType, provisioning: str,
+                         zones: tuple[str, ...]) -> tuple[QuotaCheck, ...]:
+    """The Cloud TPU API's quota (per zone) for a slice it creates."""
+    quota = tpu_quota_id(accelerator, provisioning in PREEMPTIBLE_QUOTA)
     if quota is None:
         return ()
     return tuple(QuotaCheck(z, QUOTA_SERVICE, (quota,), ({"region": region_of(z), "zone": z},),
@@ -299,14 +297,10 @@ def permissions_for(target: Target) -> tuple[str, ...]:
     """What `up` and `down` of `target` need on the project: a TPU sold as a Compute Engine machine type needs
     Compute Engine's permissions (a multi-host one its MIG's too) instead of the TPU API's, a queued or Cloud
     TPU flex-start one the queued-resource permissions."""
-    acc = target.accelerator
-    wanted: tuple[str, ...] = PERMISSIONS
-    if acc is not None and acc.api == "compute":
-        wanted = tuple(p for p in wanted if p not in TPU_PERMISSIONS) + COMPUTE_TPU_PERMISSIONS \
-            + (MIG_PERMISSIONS if acc.hosts > 1 else ())
-    elif target.queued or target.provisioning == "flex-start":
-        wanted += QUEUED_PERMISSIONS
-    return tuple(dict.fromkeys(wanted + (VM_PERMISSIONS if target.vms else ())))
+    from tpuctl.provision import shapes
+
+    tpu = shapes.for_tpu(target.accelerator, target.provisioning)
+    return tuple(dict.fromkeys((*tpu.permissions, *PERMISSIONS, *(shapes.VM.permissions if target.vms else ()))))
 
 
 def _permissions(clients: Clients, target: Target) -> Check:

@@ -67,3 +67,16 @@ class Resource:
     def key(self) -> str:
         """Stable display/identity key: `tpu/europe-west4-a/run1`."""
         return f"{self.kind.value}/{self.location}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of a plan's DAG: create `name` (of `kind`) after the steps named in `after`."""
+
+    key: str  # "bucket", "bucket-iam", "tpu", "vm:NAME"
+    kind: Kind
+    name: str
+    location: str  # zone (first choice) or region
+    after: tuple[str, ...] = ()
+    price_per_hour: float = 0.0
+    detail: str = ""

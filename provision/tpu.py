@@ -21,6 +21,7 @@ from tpuctl.errors import CapacityError, TpuctlError, from_google, quota_violati
 from tpuctl.provision import labels as L
 from tpuctl.provision import states, waits
 from tpuctl.provision.clients import Clients
+from tpuctl.provision.network import Network
 from tpuctl.provision.resources import Kind, Resource, State, Worker
 
 Progress = Callable[[State, str], None]
@@ -51,11 +52,8 @@ class NodeRequest:
     preemptible: bool = False
     queued: bool = False
     valid_until_s: float | None = None
-    network: str = "default"
-    subnet: str | None = None
-    tags: tuple[str, ...] = ()
+    network: Network = Network()
     metadata: Mapping[str, str] | None = None
-    internal_ips: bool = False
     max_run_duration_s: float | None = None  # flex-start (a queued resource): Google deletes the TPU after this
 
     def in_zone(self, zone: str) -> NodeRequest:
@@ -75,13 +73,10 @@ def queued_path(project: str, zone: str, name: str) -> str:
 
 
 def _node_proto(req: NodeRequest) -> tpu_v2.Node:
-    network = tpu_v2.NetworkConfig(network=req.network, enable_external_ips=not req.internal_ips)
-    if req.subnet:
-        network.subnetwork = req.subnet
     return tpu_v2.Node(
         accelerator_type=req.accelerator, runtime_version=req.runtime_version, labels=dict(req.labels),
         scheduling_config=tpu_v2.SchedulingConfig(spot=req.spot, preemptible=req.preemptible),
-        network_config=network, tags=list(req.tags), metadata=dict(req.metadata or {}),
+        network_config=req.network.tpu_config(), tags=list(req.network.tags), metadata=dict(req.metadata or {}),
         service_account=tpu_v2.ServiceAccount(email=req.service_account, scope=list(SCOPES)))
 
 
@@ -461,6 +456,4 @@ def request_of(node: tpu_v2.Node) -> NodeRequest:
     return NodeRequest(
         name=name, zone=zone, accelerator=node.accelerator_type, runtime_version=node.runtime_version,
         labels=dict(node.labels), service_account=node.service_account.email, spot=bool(sched.spot),
-        preemptible=bool(sched.preemptible), network=node.network_config.network or "default",
-        subnet=node.network_config.subnetwork or None, tags=tuple(node.tags), metadata=dict(node.metadata),
-        internal_ips=not node.network_config.enable_external_ips)
+        preemptible=bool(sched.preemptible), network=Network.of_node(node), metadata=dict(node.metadata))

@@ -18,6 +18,7 @@ from tpuctl.provision import labels as L
 from tpuctl.provision import states, waits
 from tpuctl.provision.resources import Kind, Resource, State
 from tpuctl.provision.clients import Clients
+from tpuctl.provision.network import Network
 
 Progress = Callable[[State, str], None]
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
@@ -36,23 +37,15 @@ class VmRequest:
     image: str
     labels: Mapping[str, str]
     service_account: str
-    network: str = "default"
-    subnet: str | None = None
-    tags: tuple[str, ...] = ()
-    internal_ips: bool = False
+    network: Network = Network()
 
 
 def _instance_proto(req: VmRequest) -> compute_v1.Instance:
-    nic = compute_v1.NetworkInterface(
-        network=req.network if "/" in req.network else f"global/networks/{req.network}",
-        access_configs=[] if req.internal_ips else [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])
-    if req.subnet:
-        nic.subnetwork = req.subnet
     return compute_v1.Instance(
         name=req.name, machine_type=f"zones/{req.zone}/machineTypes/{req.machine_type}", labels=dict(req.labels),
         disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
             source_image=req.image, disk_size_gb=req.disk_gb))],
-        network_interfaces=[nic], tags=compute_v1.Tags(items=list(req.tags)),
+        network_interfaces=[req.network.compute_interface()], tags=req.network.compute_tags(),
         service_accounts=[compute_v1.ServiceAccount(email=req.service_account, scopes=list(SCOPES))])
 
 

@@ -39,7 +39,9 @@ def tensorflow_supported(t: AcceleratorType) -> bool:
 
 
 def jax_runtime(t: AcceleratorType) -> str | None:
-    if t.api == "compute":
+    from tpuctl.provision import shapes  # the provisioning layer imports this module: import it when called
+
+    if shapes.for_tpu(t).boots_os_image:
         # Compute Engine TPUs (TPU7x) boot an accelerator OS image into which jax[tpu] is pip-installed, as on
         # the TPU API's base images (cloud.google.com/tpu/docs/tpu7x: JAX and PyTorch only).
         return t.default_runtime
