@@ -5,8 +5,9 @@ lines, the first step of each launch, each checkpoint save and restore and the l
 What the issue calls the run's phases are these marks: requested = `up`, capacity granted = the mark after it,
 workers ready = `workers_ready` (after every launch, recoveries' too), `first_step`, `checkpoint`,
 `restored`, preemption = `recover` (its detail says why: `lost` or `maintenance`), recovered = the next
-`first_step`, `teardown`, and the end (`done` or `failed`). The file is written whole at each transition (the
-pipeline is its only writer; `--attach` continues the one a detached run left).
+`first_step`, `teardown`, and the end (`done` or `failed`). A mark from a log line carries the time the line
+reached tpuctl (log lines carry no time; up to a poll interval late). The file is written whole at each
+transition and while watching (the pipeline is its only writer; `--attach` continues a detached run's).
 
 The time between the first mark and the end is split into categories that follow Google's ML Goodput
 Measurement library (https://github.com/AI-Hypercomputer/ml-goodput-measurement, README "Badput Breakdown
