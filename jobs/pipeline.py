@@ -834,19 +834,23 @@ class Pipeline:
         raises what failed, once the run is torn down."""
         failure: BaseException | None = None
         came_by = Verdict.OK
-        while self.state not in (RunState.DONE, RunState.FAILED):
-            state = self.state
-            try:
-                came_by = self._work(failure)[state](came_by)
-                self._enter(TRANSITIONS[state, came_by], came_by)
-            except BaseException as exc:
-                if state in NOTHING_UP:
-                    raise
-                if failure is not None:  # tearing down after a failure failed too
-                    raise exc from failure
-                failure = self._failed(exc)
-                came_by = Verdict.FAILED
-                self._enter(RunState.FAILED if self.billing.torn_down else RunState.TEARDOWN, came_by)
+        try:
+            while self.state not in (RunState.DONE, RunState.FAILED):
+                state = self.state
+                try:
+                    came_by = self._work(failure)[state](came_by)
+                    self._enter(TRANSITIONS[state, came_by], came_by)
+                except BaseException as exc:
+                    if state in NOTHING_UP:
+                        raise
+                    if failure is not None:  # tearing down after a failure failed too
+                        raise exc from failure
+                    failure = self._failed(exc)
+                    came_by = Verdict.FAILED
+                    self._enter(RunState.FAILED if self.billing.torn_down else RunState.TEARDOWN, came_by)
+        finally:
+            if not self.billing.torn_down and self.state not in (*NOTHING_UP, RunState.DONE):
+                self.teardown()  # a second Ctrl-C while the first was being recorded: TEARDOWN was not reached
         if failure is not None:
             raise failure
         return self.outcome
