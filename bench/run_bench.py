@@ -45,7 +45,7 @@ def one(index: int, *, poll_s: float, accelerator: str, home: Path) -> dict:
         p = Pipeline(clients, spec, options=RunOptions(yes=True, poll_s=poll_s))
         o = p.run()
         log = next(Path(cloud.state_dir).rglob(f"runs/bench-{index}/w0/job.log"))
-        return {"state": o.state, "worker_s": round(p.delete_requested_at - log.stat().st_mtime, 2),
+        return {"state": o.state, "worker_s": round(p.billing.delete_requested_at - log.stat().st_mtime, 2),
                 "laptop_s": o.last_step_to_delete_s, "phases": o.phases}
 
 

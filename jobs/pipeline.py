@@ -1,22 +1,27 @@
-"""`tpuctl run`: validate -> up -> prepare data -> upload -> ship -> launch -> stream -> collect -> tear down.
+"""`tpuctl run` as a state machine: validate -> up -> prepare data -> ship -> launch -> watch (-> recover ->
+watch) -> collect / tear down -> done or failed. `RunState` names the states, `TRANSITIONS` is the whole flow
+(one screen), `Pipeline.run` the loop that follows it, and each state's work is one method.
 
-The TPU and VMs are torn down in a `finally`: on success, job failure, any exception, Ctrl-C and SIGTERM
-(the CLI turns SIGTERM into KeyboardInterrupt). The bucket stays (it carries a TTL label) unless
-`delete_bucket`, or unless this invocation created it and failed before the job launched and before any
-prepared data landed in it: then it holds nothing worth keeping, and a failed run must not leave half of
-itself behind (prepared data is kept: a rerun finds it and skips the preparation). `detach` returns right
-after launch; `attach` picks a detached run up again.
+The TPU and VMs are torn down whenever anything after validation fails: on success, job failure, any
+exception, Ctrl-C and SIGTERM (the CLI turns SIGTERM into KeyboardInterrupt) the loop goes to TEARDOWN. The
+bucket stays (it carries a TTL label) unless `delete_bucket`, or unless this invocation created it and failed
+before the job launched and before any prepared data landed in it: then it holds nothing worth keeping, and a
+failed run must not leave half of itself behind (prepared data is kept: a rerun finds it and skips the
+preparation). `detach` returns right after launch; `attach` picks a detached run up again.
 
 Preemption: every `poll_s` the node's state is read; PREEMPTED, gone, or a worker that lost its job
 triggers recovery: status.json says `recovering: true` (so gc leaves the run alone), the node is recreated
 (same zone; if that fails, the plan's failover zones), the same bundle is launched again and the job resumes
 from the latest checkpoint in the bucket. `max_recoveries` bounds it.
+
+Every state entered is marked on the run's timeline (`tpuctl.jobs.timeline`: goodput and dollars by phase).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import glob
 import math
 import re
@@ -41,7 +46,7 @@ if TYPE_CHECKING:
     from tpuctl.provision import Clients, Plan
 
 from . import bundle as bundles
-from . import cluster, launch as launching, logs
+from . import cluster, launch as launching, logs, timeline as timelines
 from .ssh import Fleet, Target
 
 TAIL_LINES = 20
@@ -211,6 +216,100 @@ def _shielded(emit: ev.EventSink) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+# --- the run's states and transitions ------------------------------------------------------------------
+
+class RunState(enum.Enum):
+    """Where a run is. Each state but DONE and FAILED is one method of `Pipeline` (`Pipeline._work`)."""
+
+    VALIDATE = "validate"  # spec, template, plan, data and config checked; the caller confirms
+    ATTACH = "attach"  # --attach: a detached run's records, found in its bucket
+    UP = "up"  # TPU, VMs, bucket, IAM
+    PREPARE = "prepare"  # the corpus prepared into the bucket
+    SHIP = "ship"  # the job bundle uploaded
+    LAUNCH = "launch"  # the job started on every worker
+    WATCH = "watch"  # logs streamed, node and workers polled until the job ends or the node is lost
+    RECOVER = "recover"  # the node brought back (or waited for) and the job relaunched from its checkpoint
+    COLLECT = "collect"  # exports written, artifacts listed and downloaded
+    TEARDOWN = "teardown"  # TPU and VMs deleted (and the bucket, when asked or when it holds nothing)
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Verdict(enum.Enum):
+    """What a state's work found; with the state it picks the next one in TRANSITIONS."""
+
+    OK = "ok"
+    DRY_RUN = "dry run"
+    DETACHED = "detached"
+    SUCCEEDED = "succeeded"  # the job exited 0 on every worker (from TEARDOWN: its artifacts are still to collect)
+    DELETE_BUCKET = "succeeded, bucket to delete"
+    LOST = "lost"  # the node was preempted or is gone, or a worker lost its job
+    MAINTENANCE = "maintenance"  # the node is under maintenance: the same node comes back
+    HELD = "held"  # the TPU and VMs are still up
+    FAILED = "failed"  # a state raised; the error is re-raised once the run is torn down
+    # WATCH only, never a transition: it raises JobFailed (after stopping every worker) or Interrupted.
+    JOB_FAILED = "job failed"
+    STOPPED = "stopped"
+
+
+S, V = RunState, Verdict
+TRANSITIONS: dict[tuple[RunState, Verdict], RunState] = {
+    (S.VALIDATE, V.OK): S.UP,
+    (S.VALIDATE, V.DRY_RUN): S.DONE,  # planned; nothing created
+    (S.ATTACH, V.OK): S.WATCH,
+    (S.UP, V.OK): S.PREPARE,
+    (S.PREPARE, V.OK): S.SHIP,
+    (S.SHIP, V.OK): S.LAUNCH,
+    (S.LAUNCH, V.OK): S.WATCH,
+    (S.LAUNCH, V.DETACHED): S.DONE,  # --detach: the run goes on without us; nothing is torn down
+    (S.WATCH, V.LOST): S.RECOVER,
+    (S.WATCH, V.MAINTENANCE): S.RECOVER,
+    (S.RECOVER, V.OK): S.WATCH,  # recovery relaunched the job
+    (S.WATCH, V.SUCCEEDED): S.TEARDOWN,  # the TPU goes first: it bills by the second, the artifacts wait in the bucket
+    (S.TEARDOWN, V.SUCCEEDED): S.COLLECT,  # the status record says succeeded; now the artifacts
+    (S.WATCH, V.DELETE_BUCKET): S.COLLECT,  # --delete-bucket: collect while the bucket exists ...
+    (S.COLLECT, V.HELD): S.TEARDOWN,  # ... then tear it all down
+    (S.COLLECT, V.OK): S.DONE,
+    (S.TEARDOWN, V.OK): S.DONE,
+    (S.TEARDOWN, V.FAILED): S.FAILED,
+}
+# A state that raises goes to TEARDOWN (then FAILED, re-raising), or straight to FAILED when nothing is up: from
+# VALIDATE (nothing created), ATTACH (a detached run is left as it was), or once torn down.
+NOTHING_UP = frozenset({S.VALIDATE, S.ATTACH})
+
+
+@dataclass
+class BucketUse:
+    """What this invocation did with the run's bucket, which decides whether a failed run deletes it."""
+
+    created: bool = False  # this invocation made it (UP)
+    present: bool = False  # it exists, so the run's records can be written to it
+    data_url: str | None = None  # where the prepared data is (PREPARE)
+    holds_data: bool = False  # prepared data is in it (costly to make again)
+    launched: bool = False  # a job was started on the workers, so it may hold checkpoints
+
+    @property
+    def disposable(self) -> bool:
+        return self.created and not self.launched and not self.holds_data
+
+
+@dataclass
+class Billing:
+    """When this invocation's resources started billing and when their deletion was asked for."""
+
+    up_started: float | None = None
+    delete_requested_at: float | None = None
+    torn_down: bool = False
+
+
+def _leads_on(work: Callable[[], object]) -> Callable[[Verdict], Verdict]:
+    """A state whose work either raises or leads on to the next."""
+    def step(_: Verdict) -> Verdict:
+        work()
+        return Verdict.OK
+    return step
+
+
 # --- the pipeline ------------------------------------------------------------------------------------
 
 class Pipeline:
@@ -219,6 +318,10 @@ class Pipeline:
     Silent: it reports through `on_event` (see tpuctl.events) and never asks. Unless `options.yes`, the
     caller's `confirm(plan)` decides after validation whether anything is created; without either the run is
     refused before it creates anything.
+
+    What changes as it runs: `state`, `plan`/`template` (VALIDATE), the node as UP or RECOVER last
+    made it (`_tpu`, `zone`, `node`) and the `record` of its launch, `bucket_use` and `billing` (what teardown
+    and the cost need), `timeline`, and the `outcome` reported.
     """
 
     def __init__(self, clients: Clients | None, spec=None, *, project: str | None = None, spec_dir: Path | None = None,
@@ -236,20 +339,17 @@ class Pipeline:
         self.emit = _Serialized(on_event or ev.ignore)
         self.confirm = confirm
         self.cancel = options.cancel or threading.Event()
-        self.stream = _Stream(self.outcome, self.emit)
+        self.stream = _Stream(self.outcome, self._observe)
         self.cursor = logs.Cursor()
         self.zone = ""
         self.node = ""
         self.record: cluster.LaunchRecord | None = None
         self.template: contract.Template | None = None  # set by validate()
-        self.max_recoveries = 0
-        self.num_workers = 0  # set by up()
-        self._up_started: float | None = None
         self._tpu: provision.Resource | None = None  # the TPU as up/recovery last made it
-        self._created_bucket = False  # this invocation made the bucket (set by up())
-        self._launched = False  # a job was started on the workers, so the bucket may hold checkpoints
-        self._holds_data = False  # prepared data is in the bucket (costly to make again)
-        self.delete_requested_at: float | None = None
+        self.bucket_use = BucketUse()
+        self.billing = Billing()
+        self.timeline = timelines.Timeline()
+        self.state = RunState.ATTACH if options.attach else RunState.VALIDATE
 
     # -- phases
     @contextmanager
@@ -281,8 +381,9 @@ class Pipeline:
     def _report_cost(self) -> None:
         """An estimate while resources are up (the plan's price x time since up); teardown reports the
         ledger's figure, and after it nothing bills."""
-        if self._up_started is not None and self.delete_requested_at is None and self.outcome.price_per_hour is not None:
-            usd = self.outcome.price_per_hour * (time.time() - self._up_started) / 3600
+        up_started = self.billing.up_started
+        if up_started is not None and self.billing.delete_requested_at is None and self.outcome.price_per_hour is not None:
+            usd = self.outcome.price_per_hour * (time.time() - up_started) / 3600
             self.emit(ev.CostAccrued(round(usd, 4), self.outcome.price_per_hour))
 
     def validate(self):
@@ -299,8 +400,6 @@ class Pipeline:
             self.run_name = self.outcome.run = self.plan.run
             self.outcome.bucket = self.plan.bucket
             self.outcome.price_per_hour = round(self.plan.price_per_hour, 4)
-            self.max_recoveries = (self.opts.max_recoveries if self.opts.max_recoveries is not None
-                                   else self.spec.job.max_recoveries)
             self._check_data()
             self._check_config()
             for fmt in self.opts.export:  # a format the template cannot write is bad input, before anything exists
@@ -370,18 +469,18 @@ class Pipeline:
         from tpuctl.provision.apply import apply as apply_plan
 
         with self.phase("up"):
-            self._up_started = self._up_started or time.time()
+            self.billing.up_started = self.billing.up_started or time.time()
             result = apply_plan(self.clients, self.plan, progress=ev.resource_progress(self.emit), cancel=self.cancel,
                                 on_gone=lambda entries: ledger.remember_gone(entries, on_event=self.emit))
         ledger.remember(result.resources, on_event=self.emit)
         bucket = result.get(Kind.BUCKET)
-        self._created_bucket = bucket is not None and bucket.key in result.created
+        self.bucket_use.created = bucket is not None and bucket.key in result.created
+        self.bucket_use.present = bucket is not None
         tpu = result.get(Kind.TPU)
         if tpu is None:
             raise TpuctlError(f"up finished without a TPU node for run {self.plan.run}")
         self._tpu = tpu
         self.zone, self.node = tpu.location, tpu.name
-        self.num_workers = max(len(tpu.workers), self.plan.accelerator.hosts)
 
     def prepare_data(self) -> str | None:
         data = self.spec.job.data
@@ -394,7 +493,7 @@ class Pipeline:
             blob = self.clients.storage.bucket(self.plan.bucket).blob(f"runs/{self.plan.run}/data/{prep.manifest}")
             if blob.exists():
                 self.emit(ev.Note(f"prepared data already in {url}"))
-                self._holds_data = True
+                self.bucket_use.holds_data = True
                 return url
             corpus = [_corpus_path(c, self.spec_dir) for c in data.corpus]
             options = self._data_options()
@@ -402,7 +501,7 @@ class Pipeline:
                 with tempfile.TemporaryDirectory(prefix="tpuctl-data-") as staging:
                     manifest = prep.prepare(corpus, staging, options, storage_client=self.clients.storage)
                     prep.upload(staging, url, storage_client=self.clients.storage)
-                    self._holds_data = True
+                    self.bucket_use.holds_data = True
             except prep.error as exc:
                 raise BadInput(str(exc), field="job.data",
                                hint="corpus files must be UTF-8 text, one sentence or paragraph per line") from exc
@@ -411,13 +510,15 @@ class Pipeline:
         return url
 
     def ship(self, data_url: str | None) -> bundles.Bundle:
+        workers = max(len(self._tpu.workers), self.plan.accelerator.hosts)
+        max_recoveries = self.opts.max_recoveries if self.opts.max_recoveries is not None else self.spec.job.max_recoveries
         with self.phase("upload"):
             job = self.spec.job
             config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
                                         data_url=data_url, framework=self.plan.framework, profile=job.profile)
             description = bundles.JobDescription(
                 run=self.plan.run, project=self.project, bucket=self.plan.bucket, module=self.template.entry_module,
-                config=config, args=tuple(job.args), env=dict(job.env), num_workers=self.num_workers,
+                config=config, args=tuple(job.args), env=dict(job.env), num_workers=workers,
                 heartbeat_s=10.0 if not self.clients.local else 2.0, storage=bundles.worker_storage(self.clients))
             from tpuctl import paths
 
@@ -426,8 +527,8 @@ class Pipeline:
             self.emit(ev.Note(f"bundle {b.sha256[:16]} {'uploaded' if sent else 'unchanged, not uploaded'}"))
         self.record = cluster.LaunchRecord(
             run=self.plan.run, zone=self.zone, node=self.node, bucket=self.plan.bucket, bundle_object=b.object_name,
-            bundle_sha=b.sha256, python=self.opts.python, workers=self.num_workers,
-            max_recoveries=self.max_recoveries, launched=time.time())
+            bundle_sha=b.sha256, python=self.opts.python, workers=workers,
+            max_recoveries=max_recoveries, launched=time.time())
         return b
 
     def launch(self, *, recovering: bool = False) -> None:
@@ -435,7 +536,7 @@ class Pipeline:
         with self.phase("launch", f"{rec.workers} worker(s)"):
             key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
             cluster.open_status(self.clients, rec.bucket, rec.run, recovering=recovering, on_event=self.emit)
-            self._launched = True
+            self.bucket_use.launched = True
             bundle = bundles.Bundle(path=Path(), sha256=rec.bundle_sha, run=rec.run)
 
             async def go():
@@ -449,11 +550,12 @@ class Pipeline:
             if recovering:
                 cluster.update_status(self.clients, rec.bucket, rec.run, recovering=False, on_event=self.emit)
             self.cursor = logs.Cursor()  # a (re)launched job starts a fresh log on every worker
+        self.timeline.mark("workers_ready", at=time.time())
 
     # -- watching
-    async def _watch(self, targets: list[Target], key) -> tuple[str, launching.WorkerState | None]:
-        """Stream logs and poll until the job ends on every worker ("done"), fails on one ("failed"), or the
-        node/a worker is lost ("lost")."""
+    async def _watch(self, targets: list[Target], key) -> tuple[Verdict, launching.WorkerState | None]:
+        """Stream logs and poll until the job ends on every worker (SUCCEEDED), fails on one (JOB_FAILED), or the
+        node/a worker is lost (LOST, or MAINTENANCE while Google repairs it)."""
         rec = self.record
 
         async def stream(fleet: Fleet) -> None:
@@ -468,22 +570,25 @@ class Pipeline:
             try:
                 while True:
                     if self.cancel.is_set() or self.emit.failure is not None:
-                        return "stopped", None
+                        return Verdict.STOPPED, None
                     node = await asyncio.to_thread(cluster.node_state, self.clients, rec.zone, rec.node)
                     if node is None or node.state is not State.READY:
                         self.emit(ev.Warn(f"TPU node {rec.node} is {'gone' if node is None else node.state.value}"))
-                        return "repairing" if node is not None and node.state is State.REPAIRING else "lost", None
+                        repairing = node is not None and node.state is State.REPAIRING
+                        return Verdict.MAINTENANCE if repairing else Verdict.LOST, None
                     states = await launching.poll(fleet, rec.run)
                     failed = [s for s in states if s.done and s.exit_code != 0]
                     if failed:
-                        return "failed", failed[0]
+                        return Verdict.JOB_FAILED, failed[0]
                     if all(s.done for s in states):
-                        return "done", None
+                        return Verdict.SUCCEEDED, None
                     if any(s.state in ("lost", "absent") for s in states):
-                        return "lost", None
+                        return Verdict.LOST, None
                     unreachable = unreachable + 1 if any(s.state == "unreachable" for s in states) else 0
                     if unreachable >= UNREACHABLE_POLLS:
-                        return "lost", None
+                        return Verdict.LOST, None
+                    # Marks the streams made (first step, checkpoints), for `job status` while it trains.
+                    await asyncio.to_thread(self._save_timeline)
                     # The log streams end when every job process exited: poll at once then, not a tick later.
                     await asyncio.wait([follower], timeout=self.opts.poll_s)
             finally:
@@ -493,23 +598,27 @@ class Pipeline:
                 except (asyncio.TimeoutError, Exception):
                     follower.cancel()
 
-    def watch(self) -> None:
+    def watch(self) -> Verdict:
+        """Watch the launched job once: SUCCEEDED (DELETE_BUCKET), or LOST/MAINTENANCE for a recovery. A job that
+        failed on a worker raises JobFailed once the others are stopped; a cancelled run raises Interrupted."""
         rec = self.record
-        while True:
-            with self.phase("train"):
-                try:
-                    key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
-                except CapacityError as exc:  # preempted (or stopped) before our key could be added
-                    self.emit(ev.Warn(exc.message))
-                    verdict, failed = "lost", None
-                else:
-                    verdict, failed = asyncio.run(self._watch(targets, key))
-            if verdict == "done":
-                return
-            self._check_cancel()
-            if verdict == "failed":
-                self._fail(targets, key, failed)
-            self._recover(maintenance=verdict == "repairing")
+        with self.phase("train"):
+            try:
+                key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
+            except CapacityError as exc:  # preempted (or stopped) before our key could be added
+                self.emit(ev.Warn(exc.message))
+                verdict, failed = Verdict.LOST, None
+            else:
+                verdict, failed = asyncio.run(self._watch(targets, key))
+        if self.stream.last_step_at is not None:
+            self.timeline.mark("last_step", at=self.stream.last_step_at, step=self.outcome.step)
+        if verdict is Verdict.SUCCEEDED:
+            self.outcome.state = "succeeded"
+            return Verdict.DELETE_BUCKET if self.opts.delete_bucket else Verdict.SUCCEEDED
+        self._check_cancel()
+        if verdict is Verdict.JOB_FAILED:
+            self._fail(targets, key, failed)
+        return verdict
 
     def _fail(self, targets, key, failed: launching.WorkerState) -> None:
         rec = self.record
@@ -629,20 +738,20 @@ class Pipeline:
 
     def teardown(self) -> None:
         run = self.run_name
+        self.billing.torn_down = True  # once: whatever happens in it, it is not tried again
         if not run:
             return
         with self.phase("tear down", cancellable=False), _shielded(self.emit):
-            self.delete_requested_at = time.time()
+            self.billing.delete_requested_at = time.time()
             if self.stream.last_step_at is not None:
-                self.outcome.last_step_to_delete_s = round(self.delete_requested_at - self.stream.last_step_at, 2)
-            delete_bucket = self.opts.delete_bucket or (
-                self._created_bucket and not self._launched and not self._holds_data)
+                self.outcome.last_step_to_delete_s = round(self.billing.delete_requested_at - self.stream.last_step_at, 2)
+            delete_bucket = self.opts.delete_bucket or self.bucket_use.disposable
             gone = provision.down(self.clients, run, delete_bucket=delete_bucket, progress=ev.resource_progress(self.emit))
+            self.bucket_use.present = self.bucket_use.present and not delete_bucket
             ledger.remember(gone.deleted, deleted=True, on_event=self.emit)
-        if self._up_started is not None:
-            self.outcome.cost_usd = round(self._cost_since(self._up_started), 4)
+        if self.billing.up_started is not None:
+            self.outcome.cost_usd = round(self._cost_since(self.billing.up_started), 4)
             self.emit(ev.CostAccrued(self.outcome.cost_usd, self.outcome.price_per_hour or 0.0, final=True))
-
 
     def _cost_since(self, since: float) -> float:
         """What this invocation's resources cost: each one's own price over its own lifetime, recreated
@@ -653,16 +762,16 @@ class Pipeline:
             entries = []
         return cost.accrued_by_run(entries, catalog.load(), now=time.time(), since=since).get(self.run_name, 0.0)
 
-    # -- entry points
-    def run(self) -> Outcome:
+    # -- the states' work, and the loop that follows TRANSITIONS
+    def _validated(self) -> Verdict:
         self.validate()
         if self.opts.dry_run:
-            return self.outcome
+            return Verdict.DRY_RUN
         if not self.opts.yes and not (self.confirm is not None and self.confirm(self.plan)):
             raise BadInput(f"run {self.plan.run} was not confirmed; nothing was created", field="confirm")
-        return self._drive(fresh=True)
+        return Verdict.OK
 
-    def attach(self) -> Outcome:
+    def _attached(self) -> Verdict:
         with self.phase("attach"):
             where = cluster.locate(self.clients, self.run_name)
             if where.bucket is None:
@@ -670,54 +779,116 @@ class Pipeline:
             self.record = cluster.load_launch(self.clients, where.bucket, self.run_name)
             self.record = cluster.LaunchRecord(**{**self.record.__dict__, "zone": where.zone, "node": where.node})
             self.outcome.bucket = where.bucket
-            self._up_started = self.record.launched
-        return self._drive(fresh=False)
+            self.billing.up_started = self.record.launched
+            self.bucket_use.present = True
+            # The timeline goes on where the detached run left it (its laptop saw no steps since).
+            self.timeline = timelines.load(self.clients, where.bucket, self.run_name) or self.timeline
+        self.timeline.mark("attach", at=time.time())
+        return Verdict.OK
 
-    def _drive(self, *, fresh: bool) -> Outcome:
-        torn_down = False
+    def _prepared(self) -> None:
+        self.bucket_use.data_url = self.prepare_data()
+
+    def _launched(self) -> Verdict:
+        self.launch()
+        if self.opts.detach:
+            self.outcome.state = "detached"
+            return Verdict.DETACHED
+        return Verdict.OK
+
+    def _recovered(self, came_by: Verdict) -> Verdict:
+        self._recover(maintenance=came_by is Verdict.MAINTENANCE)
+        return Verdict.OK
+
+    def _collected(self) -> Verdict:
+        self.collect()
+        return Verdict.OK if self.billing.torn_down else Verdict.HELD
+
+    def _torn_down(self, failure: BaseException | None) -> Verdict:
+        self.teardown()
+        if failure is not None:
+            return Verdict.FAILED
+        if self.opts.delete_bucket:
+            return Verdict.OK  # collected before; the bucket and its status record are gone
+        cluster.close_status(self.clients, self.record.bucket, self.record.run, state="succeeded", exit_code=0,
+                             step=self.outcome.step, on_event=self.emit)
+        return Verdict.SUCCEEDED
+
+    def _work(self, failure: BaseException | None) -> dict[RunState, Callable[[Verdict], Verdict]]:
+        """Each state's work, given the verdict that led to it."""
+        return {S.VALIDATE: lambda _: self._validated(), S.ATTACH: lambda _: self._attached(),
+                S.UP: _leads_on(self.up), S.PREPARE: _leads_on(self._prepared),
+                S.SHIP: _leads_on(lambda: self.ship(self.bucket_use.data_url)), S.LAUNCH: lambda _: self._launched(),
+                S.WATCH: lambda _: self.watch(), S.RECOVER: self._recovered,
+                S.COLLECT: lambda _: self._collected(), S.TEARDOWN: lambda _: self._torn_down(failure)}
+
+    def _enter(self, state: RunState, came_by: Verdict) -> None:
+        """Mark the state on the timeline (a detached run's end is not the run's) and save it while the bucket
+        exists."""
+        self.state = state
+        what = "detached" if came_by is Verdict.DETACHED else state.value
+        self.timeline.mark(what, at=time.time(), detail=came_by.value)
+        self._save_timeline()
+
+    def _save_timeline(self) -> None:
+        if self.bucket_use.present:
+            self.timeline.save(self.clients, self.outcome.bucket, self.run_name, on_event=self.emit)
+
+    def _observe(self, event: ev.Event) -> None:
+        """The log streams' events, on their way to the caller: worker 0's first step of each launch and its
+        checkpoint saves and restores go on the timeline."""
+        if isinstance(event, ev.Metrics) and event.worker == 0:
+            self.timeline.first_step(event.step, at=event.at)
+        elif isinstance(event, ev.WorkerLog) and event.worker == 0 and (m := timelines.SAVE_LINE.match(event.line)):
+            self.timeline.mark(m.group(1), at=event.at, step=int(m.group(2)))
+        self.emit(event)
+
+    # -- entry points
+    def run(self) -> Outcome:
+        """Follow TRANSITIONS from VALIDATE (from ATTACH with `options.attach`) to DONE, or to FAILED: then it
+        raises what failed, once the run is torn down."""
+        failure: BaseException | None = None
+        came_by = Verdict.OK
         try:
-            if fresh:
-                self.up()
-                data_url = self.prepare_data()
-                self.ship(data_url)
-                self.launch()
-                if self.opts.detach:
-                    torn_down = True  # nothing to tear down: the run goes on without us
-                    self.outcome.state = "detached"
-                    return self.outcome
-            self.watch()
-            self.outcome.state = "succeeded"
-            if self.opts.delete_bucket:
-                self.collect()  # while the bucket still exists
-            # Otherwise the TPU goes first: artifacts are in the bucket already, and every second up is billed.
-            torn_down = True
-            self.teardown()
-            if not self.opts.delete_bucket:
-                cluster.close_status(self.clients, self.record.bucket, self.record.run, state="succeeded",
-                                     exit_code=0, step=self.outcome.step, on_event=self.emit)
-                self.collect()
-            return self.outcome
-        except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt) or self.cancel.is_set():
-                self.outcome.state = "interrupted"
-                if self.record is not None:
-                    cluster.close_status(self.clients, self.record.bucket, self.record.run, state="failed",
-                                         interrupted=True, on_event=self.emit)
-                raise
-            self.outcome.state = "failed"
-            if not isinstance(exc, Exception):  # SystemExit and the like: not a failure of the run to report
-                raise
-            # Any exception is reported as one of ours (one line, exit 1); the teardown below runs regardless.
-            error = Unexpected.of(exc)
-            if not isinstance(error, RunDurationEnded) and self._tpu is not None and provision.run_ended(self._tpu):
-                # Whatever broke when the TPU went (a launch, an SSH session), its end is the reason.
-                ended = self._run_ended()
-                self.outcome.error = str(ended)
-                raise ended from exc
-            self.outcome.error = str(error)
-            if error is exc:
-                raise
-            raise error from exc
+            while self.state not in (RunState.DONE, RunState.FAILED):
+                state = self.state
+                try:
+                    came_by = self._work(failure)[state](came_by)
+                    self._enter(TRANSITIONS[state, came_by], came_by)
+                except BaseException as exc:
+                    if state in NOTHING_UP:
+                        raise
+                    if failure is not None:  # tearing down after a failure failed too
+                        raise exc from failure
+                    failure = self._failed(exc)
+                    came_by = Verdict.FAILED
+                    self._enter(RunState.FAILED if self.billing.torn_down else RunState.TEARDOWN, came_by)
         finally:
-            if not torn_down:
-                self.teardown()
+            if not self.billing.torn_down and self.state not in (*NOTHING_UP, RunState.DONE):
+                self.teardown()  # a second Ctrl-C while the first was being recorded: TEARDOWN was not reached
+        if failure is not None:
+            raise failure
+        return self.outcome
+
+    attach = run  # `--attach RUN`: the same loop, from ATTACH
+
+    def _failed(self, exc: BaseException) -> BaseException:
+        """Record how the run failed; return what to raise once it is torn down."""
+        if isinstance(exc, KeyboardInterrupt) or self.cancel.is_set():
+            self.outcome.state = "interrupted"
+            if self.record is not None:
+                cluster.close_status(self.clients, self.record.bucket, self.record.run, state="failed",
+                                     interrupted=True, on_event=self.emit)
+            return exc
+        self.outcome.state = "failed"
+        if not isinstance(exc, Exception):  # SystemExit and the like: not a failure of the run to report
+            return exc
+        # Any exception is reported as one of ours (one line, exit 1).
+        error = Unexpected.of(exc)
+        if not isinstance(error, RunDurationEnded) and self._tpu is not None and provision.run_ended(self._tpu):
+            # Whatever broke when the TPU went (a launch, an SSH session), its end is the reason.
+            error = self._run_ended()
+        self.outcome.error = str(error)
+        if error is not exc:
+            error.__cause__ = exc
+        return error

@@ -166,12 +166,14 @@ def run_preempted_at(p: Pipeline, cloud, step: int, path=None):
         preempted.set()
 
 
-def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
+def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project, tmp_path):
     spec = spec_mod.from_mapping(_spec("pre-run", trainer={"max_steps": 40, "checkpoint_every": 5,
                                                            "step_seconds": 0.1}))
     seen: list = []
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5), on_event=seen.append)
+    started = time.time()
     o = run_preempted_at(p, cloud, 12)
+    wall = time.time() - started - o.phases["validate"]  # the timeline starts when the TPU is requested
     assert o.state == "succeeded" and o.recoveries == 1 and o.step == 40
     assert _zero(cloud, project)
     from tpuctl import events
@@ -193,6 +195,24 @@ def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project):
     assert nodes[0].deleted <= nodes[1].created
     expected = sum(cost.accrued(e, catalog.load(), now=time.time()) for e in nodes)
     assert o.cost_usd == pytest.approx(expected, rel=0.05, abs=1e-4) and o.cost_usd > 0
+    # Its goodput, from its timeline in the bucket: the phases add up to its wall time and its cost, the
+    # preemption's loss (steps after the restored checkpoint, the recovery) on its own, one recovery.
+    status = json.loads(_tpuctl(cloud, tmp_path, project, "job", "status", "pre-run", "--json").stdout)
+    by_phase = json.loads(_tpuctl(cloud, tmp_path, project, "cost", "pre-run", "--json").stdout)
+    assert status["recoveries"] == by_phase["recoveries"] == 1 and by_phase["ended"]
+    assert 0 < status["goodput"] == by_phase["goodput"] < 1
+    assert sum(by_phase["seconds"].values()) == pytest.approx(by_phase["wall_s"], abs=0.05)
+    assert by_phase["wall_s"] == pytest.approx(wall, abs=1.0)
+    assert sum(by_phase["usd"].values()) == pytest.approx(by_phase["total_usd"], abs=1e-5)
+    assert by_phase["total_usd"] == pytest.approx(o.cost_usd, abs=2e-4)
+    seconds, usd = by_phase["seconds"], by_phase["usd"]
+    # 40 steps of 0.1 s, a few lost: the rest is launching, recovering and tearing down. The first node, a spot
+    # one preempted in its first minute, cost nothing; the second bills from the recovery on.
+    assert 1 < seconds["productive"] < 4 and seconds["recovery"] > 1
+    assert by_phase["lost_to_preemption_usd"] == pytest.approx(usd["wasted_progress"] + usd["recovery"], abs=2e-6)
+    assert by_phase["lost_to_preemption_usd"] > 0
+    shown = _tpuctl(cloud, tmp_path, project, "cost", "pre-run")
+    assert "productive" in shown.stdout and "lost to preemption: $" in shown.stderr, shown.stderr
 
 
 def test_max_recoveries_zero_fails_on_preemption_and_tears_down(tpc, cloud, project):

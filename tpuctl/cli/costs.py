@@ -14,7 +14,7 @@ import click
 
 from tpuctl import catalog as catalog_mod
 from tpuctl import config, console, cost, paths
-from tpuctl.errors import BadInput, CloudError
+from tpuctl.errors import BadInput, CloudError, NotFound
 from tpuctl.config import settings
 from tpuctl.ledger import Ledger
 
@@ -120,24 +120,35 @@ def catalog_refresh(project: str | None, cloud: str | None, as_json: bool) -> No
 
 
 @click.command("cost")
+@click.argument("run", required=False)
 @click.option("--since", default="7d", show_default=True, help="window: 24h, 7d, 30d ...")
 @click.option("--by", type=click.Choice(cost.GROUPINGS), default="run", show_default=True, help="group rows by")
 @_project
 @_cloud
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
-def cost_command(since: str, by: str, project: str | None, cloud: str | None, as_json: bool) -> None:
-    """What tpuctl runs cost, by run, owner or type.
+@click.pass_context
+def cost_command(ctx: click.Context, run: str | None, since: str, by: str, project: str | None, cloud: str | None,
+                 as_json: bool) -> None:
+    """What tpuctl runs cost, by run, owner or type; with RUN, that run's dollars by phase.
 
     Live resources are found by their tpuctl labels; deleted ones come from the local ledger, including
     those an interrupted or failed `up` rolled back. Each counts the time it billed: a TPU while READY, a VM
     or TPU7x VM from RUNNING (nothing for a create that never got there); `resource-hours` are those hours.
+    A RUN's phases come from its timeline in its bucket (tpuctl/jobs/timeline.py says what each one is).
     """
     from tpuctl.provision import gc
 
+    for name in ("since", "by"):
+        if run and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
+            raise BadInput(f"--{name} does nothing with a RUN: its phases cover its whole life", field=name,
+                           hint=f"tpuctl cost {run}, or tpuctl cost --{name} ... for every run")
     window = cost.parse_duration(since, field="since")
     clients = _clients(project, cloud)
     now = time.time()
     entries = gc.cost_entries(clients, now=now)
+    if run:
+        _run_phases(clients, run, [e for e in entries if e.run == run], now=now, as_json=as_json)
+        return
     rep = cost.report(entries, catalog_mod.load(), since=now - window, now=now, by=by)
     if as_json:
         console.emit_json(rep.to_json())
@@ -148,6 +159,31 @@ def cost_command(since: str, by: str, project: str | None, cloud: str | None, as
                     f"{r.hours:.2f}", _money(r.usd), _money(r.usd_per_hour_now)) for r in rep.rows])
     console.info(f"total {_money(rep.total_usd)} over the last {since}; live resources bill "
                  f"{_money(rep.usd_per_hour_now)}/h now (prices: {rep.prices_from})")
+
+
+def _run_phases(clients, run: str, entries, *, now: float, as_json: bool) -> None:
+    """`tpuctl cost RUN`: the run's time and dollars by phase, from its timeline and its resources' billing."""
+    from tpuctl import provision
+    from tpuctl.jobs import timeline
+    from tpuctl.provision import Kind
+
+    bucket = next((r.name for r in provision.list_resources(clients, run) if r.kind is Kind.BUCKET), None)
+    marks = timeline.load(clients, bucket, run) if bucket else None
+    if marks is None:
+        raise NotFound(f"run {run} has no timeline" + (f" in gs://{bucket}/{timeline.name(run)}" if bucket else
+                                                      " (no bucket carries its labels)"), field="run",
+                       hint="runs started by `tpuctl run` keep one in their bucket; `tpuctl cost` lists every run")
+    acct = timeline.account(marks, now=now, entries=entries, catalog=catalog_mod.load())
+    if as_json:
+        console.emit_json({"run": run, **acct.to_json()})
+        return
+    console.table(("phase", "time", "share", "cost"),
+                  [(c, f"{acct.seconds[c]:.0f}s", f"{acct.seconds[c] / acct.wall_s:.0%}" if acct.wall_s else "-",
+                    _money(acct.usd[c])) for c in timeline.CATEGORIES if acct.seconds[c]])
+    console.info(f"lost to preemption: {_money(acct.lost_to_preemption_usd)} "
+                 f"({acct.recoveries} recovery(ies): recomputed steps and TPU time without training)")
+    console.info(f"total {_money(sum(acct.usd.values()))} over {acct.wall_s:.0f}s"
+                 + ("" if acct.ended else " so far") + (f"; goodput {acct.goodput:.0%}" if acct.goodput is not None else ""))
 
 
 def _outcome_line(o) -> str:

@@ -296,9 +296,12 @@ job_group.section = SECTION
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @_cloud_options
 def job_status(run, as_json, cloud, project) -> None:
-    """The job's state per worker (over SSH) and its status record in the bucket."""
+    """The job's state per worker (over SSH) and its status record in the bucket; from the run's timeline there,
+    its recoveries and its goodput (the share of the time it held a TPU that trained steps it kept)."""
+    import time
+
     from tpuctl import provision
-    from tpuctl.jobs import cluster, launch
+    from tpuctl.jobs import cluster, launch, timeline
     from tpuctl.jobs.ssh import Fleet
     from tpuctl.provision import Kind
 
@@ -317,6 +320,10 @@ def job_status(run, as_json, cloud, project) -> None:
         doc["workers"] = [s.__dict__ for s in asyncio.run(go())]
     if doc["status"] is None and not doc["workers"]:
         raise NotFound(f"run {run} has no job", field="run", hint="see `tpuctl list`")
+    marks = timeline.load(clients, bucket, run) if bucket else None
+    account = timeline.account(marks, now=time.time()) if marks is not None else None
+    doc["recoveries"] = account.recoveries if account else None
+    doc["goodput"] = account.to_json()["goodput"] if account else None
     if as_json:
         console.emit_json(doc)
         return
@@ -324,6 +331,8 @@ def job_status(run, as_json, cloud, project) -> None:
     console.info(f"run {run}: {status.state if status else 'unknown'}, "
                  + (f"step {step}" if step is not None else "no step finished yet")
                  + (f" ({why})" if status and (why := _why_it_ended(status)) else ""))
+    if doc["goodput"] is not None:
+        console.info(f"  goodput {doc['goodput']:.0%} after {doc['recoveries']} recovery(ies) (`tpuctl cost {run}`)")
     console.table(("worker", "state", "exit code", "pid"),
                   [(w["index"], w["state"], w["exit_code"], w["pid"]) for w in doc["workers"]])
 

@@ -1,0 +1,73 @@
+"""The run's states and transitions (jobs/pipeline.py) and the goodput read from its timeline (jobs/timeline.py),
+without a cloud: the whole-run check is test_run.py's preemption test."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpuctl import catalog, cost
+from tpuctl.jobs.pipeline import NOTHING_UP, TRANSITIONS, Verdict
+from tpuctl.jobs.pipeline import RunState as Step
+from tpuctl.jobs.timeline import Mark, Timeline, account, intervals
+from tpuctl.ledger import Entry
+
+
+def test_every_state_is_reachable_and_every_run_ends_torn_down_or_with_nothing_up():
+    reachable, todo = {Step.VALIDATE, Step.ATTACH}, [Step.VALIDATE, Step.ATTACH]
+    while todo:
+        here = todo.pop()
+        for (state, _), after in TRANSITIONS.items():
+            if state is here and after not in reachable:
+                reachable.add(after)
+                todo.append(after)
+    assert reachable == set(Step)
+    exits = {state for state, _ in TRANSITIONS}
+    assert exits == set(Step) - {Step.DONE, Step.FAILED}, "a state without a way on would hang the loop"
+    # DONE is reached without tearing down only when nothing was created (dry run) or on purpose (detach).
+    into_done = {(state, verdict) for (state, verdict), after in TRANSITIONS.items() if after is Step.DONE}
+    assert into_done == {(Step.VALIDATE, Verdict.DRY_RUN), (Step.LAUNCH, Verdict.DETACHED),
+                         (Step.COLLECT, Verdict.OK), (Step.TEARDOWN, Verdict.OK)}
+    assert {after for (state, _), after in TRANSITIONS.items() if state is Step.TEARDOWN} == {
+        Step.COLLECT, Step.DONE, Step.FAILED}
+    assert NOTHING_UP == {Step.VALIDATE, Step.ATTACH}
+
+
+def _preempted_run() -> Timeline:
+    """Up 10 s, prep 5, launch 5, steps 1..12 from t=25 to 37 (checkpoints at 5 and 10), lost at 40, recovered
+    (relaunched at 55, restored step 10, first step 11 at 60), steps to 30 at 79, job ends at 80, torn down at 90."""
+    marks = [Mark(0, "up"), Mark(10, "prepare"), Mark(12, "ship"), Mark(15, "launch"), Mark(20, "workers_ready"),
+             Mark(20, "watch"), Mark(25, "first_step", 1), Mark(29, "checkpoint", 5), Mark(34, "checkpoint", 10),
+             Mark(37, "last_step", 12), Mark(40, "recover", detail="lost"), Mark(55, "workers_ready"),
+             Mark(55, "watch", detail="ok"), Mark(58, "restored", 10), Mark(60, "first_step", 11),
+             Mark(79, "last_step", 30), Mark(80, "teardown", detail="succeeded"), Mark(88, "collect"),
+             Mark(90, "done")]
+    return Timeline(marks)
+
+
+def test_a_preempted_runs_time_splits_into_the_goodput_categories_and_adds_up():
+    spans = intervals(_preempted_run().marks, now=1000)
+    assert spans == [("provisioning", 0, 10), ("training_prep", 10, 12), ("training_prep", 12, 15),
+                     ("program_startup", 15, 20), ("program_startup", 20, 25), ("productive", 25, 34),
+                     ("wasted_progress", 34, 40), ("recovery", 40, 55), ("recovery", 55, 60), ("productive", 60, 79),
+                     ("other", 79, 80), ("teardown", 80, 88), ("teardown", 88, 90)]
+    # Two incarnations of a node: READY at 8 until lost at 38, READY again at 52 until deleted at 85 (on demand:
+    # a spot node preempted in its first minute would cost nothing).
+    nodes = [Entry(kind="tpu", name="n", project="p", location="europe-west4-a", run="r", owner="o", created=1,
+                   deleted=45, accelerator="v3-32", billed_from=8, billed_until=38),
+             Entry(kind="tpu", name="n", project="p", location="europe-west4-a", run="r", owner="o", created=46,
+                   deleted=85, accelerator="v3-32", billed_from=52)]
+    prices = catalog.load()
+    acct = account(_preempted_run(), now=1000, entries=nodes, catalog=prices)
+    assert acct.wall_s == 90 and sum(acct.seconds.values()) == 90 and acct.recoveries == 1 and acct.ended
+    assert acct.goodput == pytest.approx(28 / 80)
+    per_s = cost.hourly(nodes[0], prices) / 3600
+    assert sum(acct.usd.values()) == pytest.approx(sum(cost.accrued(e, prices, now=1000) for e in nodes))
+    assert acct.usd["provisioning"] == pytest.approx(2 * per_s) and acct.usd["teardown"] == pytest.approx(5 * per_s)
+    assert acct.lost_to_preemption_usd == pytest.approx((38 - 34 + 60 - 52) * per_s)
+
+
+def test_a_checkpoint_whose_line_died_with_the_node_is_placed_at_the_watchs_pace():
+    marks = [m for m in _preempted_run().marks if not (m.what == "checkpoint" and m.step == 10)]
+    spans = dict(((c, t0), t1) for c, t0, t1 in intervals(marks, now=1000))
+    # Steps 1..12 took 25 s..37 s: step 10 was reached at 25 + 12 * 9/11.
+    assert spans["productive", 25] == pytest.approx(25 + 12 * 9 / 11)
