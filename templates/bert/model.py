@@ -36,7 +36,8 @@ _INIT = {"class_name": "TruncatedNormal", "config": {"stddev": 0.02}}
 @keras.saving.register_keras_serializable(package="bert")
 class ReversibleEmbedding(layers.ReversibleEmbedding):
     """Keras' ReversibleEmbedding (tied input/output embeddings) with BERT's output bias on the logits, which
-    are float32 (the softmax cross-entropy's precision under mixed_bfloat16)."""
+    are float32 (the softmax cross-entropy's precision under mixed_bfloat16). Build it with `reverse_dtype` the
+    compute dtype: its embeddings are not autocast, so the projection would otherwise run in float32."""
 
     def build(self, input_shape=None):
         super().build(input_shape)
@@ -89,7 +90,8 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
     mask = keras.Input((L,), dtype="int32", name="input_mask")
     positions = keras.Input((task.predictions_per_seq,), dtype="int32", name="masked_positions")
     embedding = ReversibleEmbedding(vocab_size, h, embeddings_initializer=keras.initializers.get(_INIT),
-                                    name="token_embedding")
+                                    name="token_embedding",
+                                    reverse_dtype=keras.config.dtype_policy().compute_dtype)
     x = PositionEmbedding(L, initializer=keras.initializers.get(_INIT), name="position_embedding")(embedding(ids))
     x = LayerNormalization(epsilon=1e-12, name="embedding_norm")(x)
     x = Dropout(task.dropout)(x)

@@ -42,8 +42,10 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
     h, L, eps = task.hidden_size, task.seq_len, task.layer_norm_epsilon
     ids = keras.Input((L,), dtype="int32", name="input_ids")
     # Keras' ReversibleEmbedding: the token embedding, and with reverse=True its transpose maps hidden states to
-    # logits (tied, no output bias).
-    embedding = layers.ReversibleEmbedding(vocab_size, h, embeddings_initializer=_init(), name="token_embedding")
+    # logits (tied, no output bias), in the compute dtype (its embeddings are not autocast: without reverse_dtype
+    # the projection would run in float32 under mixed_bfloat16).
+    embedding = layers.ReversibleEmbedding(vocab_size, h, embeddings_initializer=_init(), name="token_embedding",
+                                           reverse_dtype=keras.config.dtype_policy().compute_dtype)
     x = PositionEmbedding(L, initializer=_init(0.01), name="position_embedding")(embedding(ids))
     x = Dropout(task.dropout)(x)
     for i in range(task.num_layers):
