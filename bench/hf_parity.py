@@ -99,7 +99,7 @@ def keras_side(name: str, work: Path) -> dict:
     randomize(model, seed=len(name))
     optimizer = keras.optimizers.AdamW()
     optimizer.build(model.trainable_variables)
-    checkpoints.save(str(model_dir / "checkpoints"), 7, model, optimizer, keep=1)
+    checkpoints.save(str(model_dir / "checkpoints"), 7, model, optimizer, keep=1, examples=0)
     (model_dir / "run.json").write_text(json.dumps({"vocab_sha256": manifest.vocab_sha256, "task": asdict(task)}))
     files = template.exporter("hf")(contract.RunFiles(model_dir=str(model_dir), data_dir=str(data_dir),
                                                       read=lambda url: Path(url).read_bytes()), out)

@@ -39,7 +39,8 @@ def measure(*, preset: str = "bert-tiny", batch: int = 64, steps: int = 30, voca
                   steps_per_execution=steps_per_execution, jit_compile=jit)
     ids = tf.constant(np.random.default_rng(0).integers(5, vocab, size=(batch, cfg.task.seq_len)), tf.int32)
     masked, positions, labels, weights = mask_tokens(ids, vocab_size=vocab, special_ids=[0, 1, 2, 3, 4], mask_id=4,
-                                                     rate=0.15, max_predictions=cfg.task.predictions_per_seq)
+                                                     rate=0.15, max_predictions=cfg.task.predictions_per_seq,
+                                                     seed=[0, 0])
     features = {"input_ids": masked, "input_mask": tf.ones_like(ids), "masked_positions": positions}
     ds = tf.data.Dataset.from_tensors((features, labels, weights))
     ds = ds.repeat().prefetch(2)

@@ -36,9 +36,9 @@ def _batch(rows=1024, seq_len=128, seed=0):
     return ids
 
 
-def _mask(ids, max_predictions=20):
+def _mask(ids, max_predictions=20, seed=(3, 0)):
     return mask_tokens(ids, vocab_size=VOCAB, special_ids=SPECIAL, mask_id=MASK, rate=0.15,
-                       max_predictions=max_predictions)
+                       max_predictions=max_predictions, seed=list(seed))
 
 
 def test_masking_selects_15_percent_of_real_tokens_split_80_10_10():
@@ -67,10 +67,12 @@ def test_masking_selects_15_percent_of_real_tokens_split_80_10_10():
     assert (masked[~selected] == ids[~selected]).all()
 
 
-def test_masks_are_drawn_afresh_each_time():
+def test_masks_are_drawn_afresh_for_each_batch_and_again_the_same_on_a_resume():
+    """Stateless draws keyed by (seed, batch index): each batch gets new masks, and a resumed run that reaches
+    the same batch masks it as the uninterrupted run did."""
     ids = _batch(rows=64)
-    a, b = _mask(ids)[1], _mask(ids)[1]
-    assert not bool(tf.reduce_all(a == b))
+    a, again, b = _mask(ids)[1], _mask(ids)[1], _mask(ids, seed=(3, 1))[1]
+    assert bool(tf.reduce_all(a == again)) and not bool(tf.reduce_all(a == b))
 
 
 def test_a_short_row_pads_its_prediction_slots_and_a_long_one_is_capped():

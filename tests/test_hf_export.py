@@ -70,7 +70,7 @@ def trained(request, corpus, tmp_path_factory) -> dict:
         v.assign(rng.normal(1.0 if v.path.endswith("/gamma") else 0.0, 0.1, v.shape).astype("float32"))
     optimizer = keras.optimizers.AdamW()
     optimizer.build(model.trainable_variables)
-    checkpoints.save(str(model_dir / "checkpoints"), 5, model, optimizer, keep=2)
+    checkpoints.save(str(model_dir / "checkpoints"), 5, model, optimizer, keep=2, examples=0)
     (model_dir / "run.json").write_text(json.dumps({"vocab_sha256": manifest.vocab_sha256, "task": asdict(task)}))
     ids = rng.integers(0, manifest.vocab_size, size=(2, task.seq_len)).astype("int32")
     inputs = {"input_ids": ids}

@@ -28,13 +28,16 @@ from .shared import lmkit
 _layers = lmkit("layers")
 Dropout, LayerNormalization, SelfAttention = _layers.Dropout, _layers.LayerNormalization, _layers.SelfAttention
 gelu, tensorflow_without_xla = _layers.gelu, _layers.tensorflow_without_xla
+PositionEmbedding = _layers.PositionEmbedding
 
 _INIT = {"class_name": "TruncatedNormal", "config": {"stddev": 0.02}}
 
 
 @keras.saving.register_keras_serializable(package="bert")
-class ReversibleEmbedding(layers.Embedding):
-    """Token embedding that also projects hidden states back to vocabulary logits (weight tying)."""
+class ReversibleEmbedding(layers.ReversibleEmbedding):
+    """Keras' ReversibleEmbedding (tied input/output embeddings) with BERT's output bias on the logits, which
+    are float32 (the softmax cross-entropy's precision under mixed_bfloat16). Build it with `reverse_dtype` the
+    compute dtype: its embeddings are not autocast, so the projection would otherwise run in float32."""
 
     def build(self, input_shape=None):
         super().build(input_shape)
@@ -43,9 +46,8 @@ class ReversibleEmbedding(layers.Embedding):
     def call(self, inputs, reverse=False):
         if not reverse:
             return super().call(inputs)
-        kernel = ops.cast(ops.transpose(self.embeddings), self.compute_dtype)
-        logits = ops.matmul(inputs, kernel) + ops.cast(self.output_bias, self.compute_dtype)
-        return ops.cast(logits, "float32")  # softmax cross-entropy in float32 under mixed_bfloat16
+        logits = super().call(inputs, reverse=True) + ops.cast(self.output_bias, self.compute_dtype)
+        return ops.cast(logits, "float32")
 
     # Embedding's own (quantisation-aware) save/load knows only `embeddings`; the generic one saves every variable.
     def save_own_variables(self, store):
@@ -58,25 +60,6 @@ class ReversibleEmbedding(layers.Embedding):
         if reverse:
             return keras.KerasTensor((*inputs.shape[:-1], self.input_dim), dtype="float32")
         return super().compute_output_spec(inputs)
-
-
-@keras.saving.register_keras_serializable(package="bert")
-class PositionEmbedding(layers.Layer):
-    """Adds a learned embedding per position; the sequence length is fixed (static shapes)."""
-
-    def __init__(self, seq_len: int, **kwargs):
-        super().__init__(**kwargs)
-        self.seq_len = seq_len
-
-    def build(self, input_shape):
-        self.positions = self.add_weight(shape=(self.seq_len, input_shape[-1]),
-                                         initializer=keras.initializers.get(_INIT), name="positions")
-
-    def call(self, x):
-        return x + ops.cast(self.positions, x.dtype)[None]
-
-    def get_config(self):
-        return {**super().get_config(), "seq_len": self.seq_len}
 
 
 @keras.saving.register_keras_serializable(package="bert")
@@ -107,8 +90,9 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
     mask = keras.Input((L,), dtype="int32", name="input_mask")
     positions = keras.Input((task.predictions_per_seq,), dtype="int32", name="masked_positions")
     embedding = ReversibleEmbedding(vocab_size, h, embeddings_initializer=keras.initializers.get(_INIT),
-                                    name="token_embedding")
-    x = PositionEmbedding(L, name="position_embedding")(embedding(ids))
+                                    name="token_embedding",
+                                    reverse_dtype=keras.config.dtype_policy().compute_dtype)
+    x = PositionEmbedding(L, initializer=keras.initializers.get(_INIT), name="position_embedding")(embedding(ids))
     x = LayerNormalization(epsilon=1e-12, name="embedding_norm")(x)
     x = Dropout(task.dropout)(x)
     for i in range(task.num_layers):

@@ -6,8 +6,9 @@ latest checkpoint if any, trains to `trainer.max_steps` and exports. Safe to kil
 are written atomically every `trainer.checkpoint_every` steps, at the end, and at the next step boundary after
 a notice (the file `TPUCTL_SAVE_REQUEST` names appears: save and go on; SIGTERM: save, then end by SIGTERM;
 templates/README.md "Save on notice"), and a rerun with the same
-config resumes from the latest one (step counter, optimizer state and the loss curve continue; the data
-order does not, it is reshuffled). A rerun after completion only re-exports.
+config resumes from the latest one exactly: step counter, optimizer state, dropout's random state and the data
+order continue where they stopped (the checkpoint holds the sequences consumed; data.py skips them), so N steps
+straight and N/2 + resume + N/2 give the same weights. A rerun after completion only re-exports.
 
 Output lines on stdout, one event per line, `key=value` fields separated by single spaces (values have no
 spaces); the first word says what the line is:
@@ -81,10 +82,12 @@ class Objective:
         # Per-token loss x weight, summed, / sum of weights: the mean over the predicted tokens only.
         return model, SparseSoftmaxCrossEntropy(reduction="mean_with_sample_weight")
 
-    def dataset(self, cfg, manifest, batch_size: int, input_context):
+    def dataset(self, cfg, manifest, batch_size: int, input_context, skip: int):
+        """Batches of `batch_size` for `input_context`'s pipeline, after its first `skip` sequences (a resume's)."""
         return self.module("data").make_dataset(
             cfg.runtime.data_dir, manifest, batch_size, mask_rate=cfg.task.mask_rate,
-            max_predictions=cfg.task.predictions_per_seq, shuffle_buffer=cfg.trainer.shuffle_buffer, input_context=input_context, seed=cfg.runtime.seed or None)
+            max_predictions=cfg.task.predictions_per_seq, shuffle_buffer=cfg.trainer.shuffle_buffer,
+            input_context=input_context, seed=cfg.runtime.seed, skip=skip)
 
     def data_files(self) -> tuple[str, ...]:
         """The prepared data's files the export carries (tokenizer, manifest)."""
@@ -192,8 +195,11 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
         optimizer = _compile(keras, trainer, loss, tr, schedule, objective,
                              jit_compile=jax_backend or (rt.jit_compile and resolved.kind != "tpu"))
         ckpt_dir = join(rt.model_dir, "checkpoints")
-        checkpoints.restore(checkpoints.latest(ckpt_dir), model, optimizer, processes=resolved.processes)
+        consumed = checkpoints.restore(checkpoints.latest(ckpt_dir), model, optimizer, processes=resolved.processes)
     start = int(checkpoints.host_value(optimizer.iterations))
+    # The sequences the run consumed before: the checkpoint's count (one from before the count: every step took a
+    # global batch, this one).
+    consumed = consumed if consumed is not None and consumed >= 0 else start * global_batch
     export_dir = rt.export_dir or join(rt.model_dir, "export")
     metrics_path = join(export_dir, "metrics.json")
     if checkpoints.process0(start >= tr.max_steps and tf.io.gfile.exists(metrics_path), resolved.processes):
@@ -205,8 +211,8 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
          f"global_batch={global_batch} step={start} max_steps={tr.max_steps} "
          f"vocab_size={manifest.vocab_size} seq_len={cfg.task.seq_len}")
 
-    save = (lambda step: checkpoints.save(ckpt_dir, step, model, optimizer, keep=tr.keep_checkpoints)) \
-        if writer else None
+    save = (lambda step: checkpoints.save(ckpt_dir, step, model, optimizer, keep=tr.keep_checkpoints,
+                                          examples=consumed + (step - start) * global_batch)) if writer else None
     monitor = Monitor(save, schedule, global_batch, tr.log_every, tr.checkpoint_every,
                       tf.summary.create_file_writer(join(rt.model_dir, "tensorboard")) if writer else None,
                       emit, start, accuracy=objective.accuracy, processes=resolved.processes)
@@ -215,8 +221,9 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
         callbacks.append(Profile(rt.profile_steps, join(rt.model_dir, "tensorboard"), start, tr.steps_per_execution,
                                  emit))
     if start < tr.max_steps:
-        def dataset_for(ctx):
-            return objective.dataset(cfg, manifest, ctx.get_per_replica_batch_size(global_batch), ctx)
+        def dataset_for(ctx):  # each pipeline took an equal share of every global batch
+            return objective.dataset(cfg, manifest, ctx.get_per_replica_batch_size(global_batch), ctx,
+                                     skip=consumed // ctx.num_input_pipelines)
 
         if jax_backend:  # this process's share: its hosts' files, its local devices' part of the global batch
             dataset = dataset_for(tf.distribute.InputContext(resolved.processes, resolved.process,

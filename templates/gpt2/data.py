@@ -31,12 +31,14 @@ def shift(ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 
 
 def make_dataset(data_dir: str, manifest: Manifest, batch_size: int, *, shuffle_buffer: int,
-                 input_context: tf.distribute.InputContext | None = None, seed: int | None = None) -> tf.data.Dataset:
-    """An infinite dataset of batches of `batch_size` blocks (per replica when `input_context` is given)."""
+                 input_context: tf.distribute.InputContext | None = None, seed: int = 0,
+                 skip: int = 0) -> tf.data.Dataset:
+    """An infinite dataset of batches of `batch_size` blocks (per replica when `input_context` is given), after
+    the first `skip` blocks of this pipeline (a resume's: bert/data.py `batches`)."""
 
-    def example(ids):
+    def example(ids, batch_seed):  # nothing random: the seed is for templates that draw (BERT's masks)
         labels, weights = shift(ids)
         return {"input_ids": ids}, labels, weights
 
     return _bert_data.batches(data_dir, manifest, batch_size, example, shuffle_buffer=shuffle_buffer,
-                              input_context=input_context, seed=seed)
+                              input_context=input_context, seed=seed, skip=skip)

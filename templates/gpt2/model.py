@@ -21,6 +21,7 @@ from .shared import lmkit
 _layers = lmkit("layers")
 Dropout, LayerNormalization, SelfAttention = _layers.Dropout, _layers.LayerNormalization, _layers.SelfAttention
 TokenLoss, tied_softmax_cross_entropy = _layers.TokenLoss, _layers.tied_softmax_cross_entropy
+PositionEmbedding = _layers.PositionEmbedding
 
 STDDEV = 0.02
 
@@ -35,48 +36,17 @@ def gelu_tanh(x):
     return keras.activations.gelu(x, approximate=True)
 
 
-@keras.saving.register_keras_serializable(package="gpt2")
-class TiedEmbedding(layers.Embedding):
-    """Token embedding that also maps hidden states to vocabulary logits with its transpose (weight tying)."""
-
-    def call(self, inputs, reverse=False):
-        if not reverse:
-            return super().call(inputs)
-        logits = ops.matmul(inputs, ops.cast(ops.transpose(self.embeddings), self.compute_dtype))
-        return ops.cast(logits, "float32")
-
-    def compute_output_spec(self, inputs, reverse=False):
-        if reverse:
-            return keras.KerasTensor((*inputs.shape[:-1], self.input_dim), dtype="float32")
-        return super().compute_output_spec(inputs)
-
-
-@keras.saving.register_keras_serializable(package="gpt2")
-class PositionEmbedding(layers.Layer):
-    """Learned absolute positions for a fixed context length, added to the token embeddings."""
-
-    def __init__(self, seq_len: int, **kwargs):
-        super().__init__(**kwargs)
-        self.seq_len = seq_len
-
-    def build(self, input_shape):
-        self.positions = self.add_weight(shape=(self.seq_len, input_shape[-1]), initializer=_init(0.01),
-                                         name="positions")
-
-    def call(self, x):
-        return x + ops.cast(self.positions, x.dtype)[None]
-
-    def get_config(self):
-        return {**super().get_config(), "seq_len": self.seq_len}
-
-
 def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
     """The causal LM for `task` (dtype policy: whatever is global when called). Creates variables: call in scope.
     Input {"input_ids": int32[B, L]}; output float32 logits [B, L, vocab]: position t predicts token t + 1."""
     h, L, eps = task.hidden_size, task.seq_len, task.layer_norm_epsilon
     ids = keras.Input((L,), dtype="int32", name="input_ids")
-    embedding = TiedEmbedding(vocab_size, h, embeddings_initializer=_init(), name="token_embedding")
-    x = PositionEmbedding(L, name="position_embedding")(embedding(ids))
+    # Keras' ReversibleEmbedding: the token embedding, and with reverse=True its transpose maps hidden states to
+    # logits (tied, no output bias), in the compute dtype (its embeddings are not autocast: without reverse_dtype
+    # the projection would run in float32 under mixed_bfloat16).
+    embedding = layers.ReversibleEmbedding(vocab_size, h, embeddings_initializer=_init(), name="token_embedding",
+                                           reverse_dtype=keras.config.dtype_policy().compute_dtype)
+    x = PositionEmbedding(L, initializer=_init(0.01), name="position_embedding")(embedding(ids))
     x = Dropout(task.dropout)(x)
     for i in range(task.num_layers):
         a = LayerNormalization(epsilon=eps, name=f"layer{i}_attention_norm")(x)
@@ -90,7 +60,10 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
         f = layers.Dense(h, kernel_initializer=residual, name=f"layer{i}_mlp_out")(f)
         x = x + Dropout(task.dropout)(f)
     x = LayerNormalization(epsilon=eps, name="final_norm")(x)
-    return keras.Model({"input_ids": ids}, embedding(x, reverse=True), name="gpt2_clm")
+    # The logits in the compute dtype, then float32 (an Activation of dtype float32 casts its input, as Keras'
+    # mixed-precision guide does for the last layer): the softmax cross-entropy's precision under mixed_bfloat16.
+    logits = layers.Activation("linear", dtype="float32", name="logits")(embedding(x, reverse=True))
+    return keras.Model({"input_ids": ids}, logits, name="gpt2_clm")
 
 
 class CausalLMTrainer(keras.Model):

@@ -46,10 +46,10 @@ class CausalLM(_bert_train.Objective):
         model_mod = self.module("model")
         return model_mod.CausalLMTrainer(model), model_mod.TokenLoss()
 
-    def dataset(self, cfg: Gpt2Config, manifest, batch_size: int, input_context):
+    def dataset(self, cfg: Gpt2Config, manifest, batch_size: int, input_context, skip: int):
         return self.module("data").make_dataset(
             cfg.runtime.data_dir, manifest, batch_size, shuffle_buffer=cfg.trainer.shuffle_buffer,
-            input_context=input_context, seed=cfg.runtime.seed or None)
+            input_context=input_context, seed=cfg.runtime.seed, skip=skip)
 
     def data_files(self) -> tuple[str, ...]:
         from .prepare import FILES, MANIFEST_NAME

@@ -2,7 +2,9 @@
 
 `model_dir/checkpoints/ckpt-STEP.npz` holds `model/PATH` and `optimizer/PATH` arrays (Keras 3 variable
 paths without the optimizer's own name, the same on TensorFlow and JAX; the optimizer's `iteration` is the
-step counter), written to `NAME.tmp` and renamed; then the index `checkpoint` (TensorFlow's CheckpointState
+step counter), `rng/I` (the model's random seed generators' states, dropout's, in the model's order: their
+paths are numbered per process) and `data/examples` (the global count of training sequences the run had
+consumed: where the data order goes on), so that a resume continues exactly where the run stopped; written to `NAME.tmp` and renamed; then the index `checkpoint` (TensorFlow's CheckpointState
 text) is rewritten the same way, last, so a reader that finds an index finds its file. tf.train.Checkpoint
 would tie the weights to TensorFlow; this format lets a model trained on one backend resume on the other. Local paths and gs:// through tf.io.gfile.
 """
@@ -34,10 +36,16 @@ def host_value(variable) -> np.ndarray:
     return host_array(variable.value)
 
 
+DATA_POSITION = "data/examples"
+
+
 def _variables(model, optimizer) -> dict:
     found = {f"model/{v.path}": v for v in model.weights}
     # An optimizer's path starts with its auto-generated, per-process unique name ("adam_w_1/..."): dropped.
     found.update({f"optimizer/{v.path.split('/', 1)[-1]}": v for v in optimizer.variables})
+    # The seed generators' states: variables of the model that are not weights.
+    weights = {id(v) for v in model.weights}
+    found.update({f"rng/{i}": v for i, v in enumerate(v for v in model.variables if id(v) not in weights)})
     return found
 
 
@@ -62,10 +70,12 @@ def latest(directory: str) -> str | None:
     return _join(directory, names[0]) if names else None
 
 
-def save(directory: str, step: int, model, optimizer, *, keep: int) -> str:
-    """Write `ckpt-STEP.npz`, then the index; drop checkpoints beyond the newest `keep`. Idempotent per step."""
+def save(directory: str, step: int, model, optimizer, *, keep: int, examples: int) -> str:
+    """Write `ckpt-STEP.npz` (with `examples`, the sequences consumed), then the index; drop checkpoints beyond
+    the newest `keep`. Idempotent per step."""
     buffer = io.BytesIO()
-    np.savez(buffer, **{name: host_value(v) for name, v in _variables(model, optimizer).items()})
+    np.savez(buffer, **{name: host_value(v) for name, v in _variables(model, optimizer).items()},
+             **{DATA_POSITION: np.int64(examples)})
     tf.io.gfile.makedirs(directory)
     name = f"ckpt-{step}.npz"
     _write_atomically(_join(directory, name), buffer.getvalue())
@@ -87,10 +97,11 @@ def process0(flag: bool, processes: int) -> bool:
     return bool(int(multihost_utils.broadcast_one_to_all(np.int32(flag))))
 
 
-def restore(path: str | None, model, optimizer, *, processes: int = 1) -> bool:
-    """Assign every model and optimizer variable from `path` (None: nothing to restore). Returns whether it
-    restored. Raises ConfigError when the file lacks a variable or holds another shape (another model; the
-    run.json check catches that first).
+def restore(path: str | None, model, optimizer, *, processes: int = 1) -> int | None:
+    """Assign every model and optimizer variable from `path` (None: nothing to restore). Returns the sequences
+    the run had consumed (None: nothing restored; -1: a checkpoint from before the data position was saved).
+    Raises ConfigError when the file lacks a variable or holds another shape (another model; the run.json check
+    catches that first); seed generator states a checkpoint lacks (an older one) keep their start.
 
     JAX on several hosts (`processes` > 1): process 0's view wins. It alone reads; whether it found a
     checkpoint and every value are broadcast to the others, so the hosts cannot start from different steps
@@ -106,14 +117,17 @@ def restore(path: str | None, model, optimizer, *, processes: int = 1) -> bool:
         from jax.experimental import multihost_utils
 
         if not process0(path is not None, processes):
-            return False
+            return None
         local = {name: stored.get(name, np.zeros(v.shape, v.dtype)) for name, v in variables.items()}
+        local[DATA_POSITION] = stored.get(DATA_POSITION, np.int64(-1))
         stored = multihost_utils.broadcast_one_to_all(local)
     elif path is None:
-        return False
+        return None
     for name, variable in variables.items():
+        if name.startswith("rng/") and name not in stored:
+            continue
         if name not in stored or tuple(stored[name].shape) != tuple(variable.shape):
             raise ConfigError("task", f"checkpoint {path} has no {name} of shape {tuple(variable.shape)}; "
                                       "it was written by another model")
         variable.assign(np.asarray(stored[name]))
-    return True
+    return int(stored.get(DATA_POSITION, -1))

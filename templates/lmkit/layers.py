@@ -464,3 +464,26 @@ class AdamW(keras.optimizers.AdamW):
             beta1_power=ops.power(beta_1, step), beta2_power=ops.power(beta_2, step),
             lr=ops.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2, epsilon=ops.cast(self.epsilon, dtype),
             grad=ops.cast(gradient, dtype))
+
+
+@keras.saving.register_keras_serializable(package="tpuctl")
+class PositionEmbedding(layers.Layer):
+    """Adds a learned embedding per position to x [B, L, H]; the sequence length is fixed (static shapes). The
+    one both templates use (keras-hub's PositionEmbedding would do, but keras-hub is not a dependency; Keras 3
+    core has none). Weight `positions` [seq_len, H]: checkpoints name it `position_embedding/positions`."""
+
+    def __init__(self, seq_len: int, initializer="glorot_uniform", **kwargs):
+        super().__init__(**kwargs)
+        self.seq_len = seq_len
+        self.initializer = keras.initializers.get(initializer)
+
+    def build(self, input_shape):
+        self.positions = self.add_weight(shape=(self.seq_len, input_shape[-1]), initializer=self.initializer,
+                                         name="positions")
+
+    def call(self, x):
+        return x + ops.cast(self.positions, x.dtype)[None]
+
+    def get_config(self):
+        return {**super().get_config(), "seq_len": self.seq_len,
+                "initializer": keras.initializers.serialize(self.initializer)}
