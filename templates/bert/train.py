@@ -183,6 +183,10 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
     keras.utils.set_random_seed(rt.seed)
 
     strategy = resolved.strategy
+    if jax_backend and resolved.kind == "tpu":
+        from .layers import use_tpu_kernels
+
+        use_tpu_kernels(strategy.device_mesh.backend_mesh)
     with strategy.scope():
         model = objective.build_model(cfg.task, manifest.vocab_size)
         trainer, loss = objective.trainer(model)
@@ -263,6 +267,9 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     trainer, loss = objective.trainer(model)
     _compile(keras, trainer, loss, tr, schedule, objective, jit_compile=True)
     mesh = Mesh(np.array(devices), ("batch",))
+    from .layers import use_tpu_kernels
+
+    use_tpu_kernels(mesh)  # compiled for a TPU, whatever this host's own devices are
     replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
 
     def batch(per_device: int):
