@@ -98,7 +98,8 @@ class CausalLMTrainer(keras.Model):
     logits, so that the loss differentiates straight into them and the tied embedding
     (layers.tied_softmax_cross_entropy) instead of through a [tokens, vocab] logits gradient. Compile it with
     `TokenLoss` (which reduces the per-token losses this computes) and metrics on the logits. Save, export and
-    serve the model it was made from: that one maps ids to logits."""
+    serve the model it was made from: that one maps ids to logits. On a TPU (layers.use_tpu_kernels) the loss and
+    accuracy come from the tied head a block of positions at a time (layers.blocked_softmax_cross_entropy)."""
 
     def __init__(self, model: keras.Model, **kwargs):
         super().__init__(model.inputs, {"logits": model.outputs[0], "hidden": model.get_layer("final_norm").output},
