@@ -44,7 +44,28 @@ def _required(message: str) -> int | None:
     return int(float(found.group(1)) * 1024 ** "_KMGT".index(found.group(2) or "_"))
 
 
-def main() -> int:
+def compile_point(target: dict, batch: int) -> dict:
+    """Compile `target`'s (a template's `fit` answer) step at per-device `batch`: the protocol's answer for
+    it, {"batch", "memory", "cost", "seconds"}, or {"batch", "oom", "message", "seconds"} when the compiler
+    refuses it over HBM. Raises whatever else the compile raises."""
+    started = time.monotonic()
+    try:
+        compiled = target["step"].lower(target["state"], target["batch"](batch)).compile()
+    except Exception as exc:  # jax's JaxRuntimeError; its status code leads its message
+        if not str(exc).startswith(OUT_OF_MEMORY):
+            raise
+        return {"batch": batch, "oom": _required(str(exc)), "message": str(exc).splitlines()[0][:300],
+                "seconds": round(time.monotonic() - started, 1)}
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # a list per device in older jax
+    return {"batch": batch, "memory": {k: int(getattr(memory, k)) for k in MEMORY},
+            "cost": {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))},
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+def compile_only() -> None:
+    """This process's environment for compiling for a TPU that is not here; before Keras or JAX is imported."""
     os.environ["KERAS_BACKEND"] = "jax"
     # The host runs the model's construction; the TPU is only a compile target (libtpu's topology API).
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -52,6 +73,10 @@ def main() -> int:
     # drives none, and without this a second compile on the machine (another user's, another test's) aborts.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def main() -> int:
+    compile_only()
     request = json.loads(sys.stdin.readline())
     from pathlib import Path
 
@@ -67,22 +92,7 @@ def main() -> int:
     _say({"model": {k: target[k] for k in ("per_device_batch", "max_steps", "params", "layers", "hidden",
                                           "seq_len", "precision")}, "state_bytes": int(state_bytes)})
     for line in sys.stdin:
-        batch = json.loads(line)["batch"]
-        started = time.monotonic()
-        try:
-            compiled = target["step"].lower(target["state"], target["batch"](batch)).compile()
-        except Exception as exc:  # jax's JaxRuntimeError; its status code leads its message
-            if not str(exc).startswith(OUT_OF_MEMORY):
-                raise
-            _say({"batch": batch, "oom": _required(str(exc)), "message": str(exc).splitlines()[0][:300],
-                  "seconds": round(time.monotonic() - started, 1)})
-            continue
-        memory = compiled.memory_analysis()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost  # a list per device in older jax
-        _say({"batch": batch, "memory": {k: int(getattr(memory, k)) for k in MEMORY},
-              "cost": {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0))},
-              "seconds": round(time.monotonic() - started, 1)})
+        _say(compile_point(target, json.loads(line)["batch"]))
     return 0
 
 

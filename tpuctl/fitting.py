@@ -295,6 +295,17 @@ def _largest(measure: Callable[[int], tuple[float, bool]], b0: int, cap: float, 
         budget -= 1
 
 
+def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per_chip: float) -> tuple[float, float]:
+    """(model FLOPs per chip per step, estimated step seconds) of `model` (its "params", "layers", "hidden",
+    "seq_len") at `per_chip_batch` on `chips` chips of `chip` moving `bytes_per_chip` per step (module
+    docstring: the roofline, plus the gradients' all-reduce)."""
+    seq = model["seq_len"]
+    model_flops = (6 * model["params"] + 12 * model["layers"] * model["hidden"] * seq) * per_chip_batch * seq
+    allreduce_s = (2 * (chips - 1) / chips * 4 * model["params"] / chip.allreduce_bytes_per_s
+                   if chips > 1 else 0.0)  # float32 gradients, ring all-reduce
+    return model_flops, max(model_flops / chip.peak_bf16_flops, bytes_per_chip / chip.hbm_bytes_per_s) + allreduce_s
+
+
 def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, model: dict, hbm: float,
               compiled_flops: float | None, bytes_per_chip: float, largest: tuple[int, str],
               versions: tuple, compiles: int, topology: str) -> Fit:
@@ -302,11 +313,7 @@ def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, 
     devices = accel.chips * chip.devices_per_chip
     per_chip_batch = per_device_batch * chip.devices_per_chip
     seq = model["seq_len"]
-    tokens_per_chip = per_chip_batch * seq
-    model_flops = (6 * model["params"] + 12 * model["layers"] * model["hidden"] * seq) * tokens_per_chip
-    allreduce_s = (2 * (accel.chips - 1) / accel.chips * 4 * model["params"] / chip.allreduce_bytes_per_s
-                   if accel.chips > 1 else 0.0)  # float32 gradients, ring all-reduce
-    step_s = max(model_flops / chip.peak_bf16_flops, bytes_per_chip / chip.hbm_bytes_per_s) + allreduce_s
+    model_flops, step_s = roofline(chip, accel.chips, model, per_chip_batch, bytes_per_chip)
     run_s = model["max_steps"] * step_s
     return Fit(
         fits=fits, method=method, accelerator=accel.name, topology=topology, chips=accel.chips,

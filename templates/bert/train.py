@@ -188,6 +188,8 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
     keras.utils.set_random_seed(rt.seed)
 
     strategy = resolved.strategy
+    if jax_backend and resolved.kind == "tpu":
+        lmkit("layers").use_tpu_kernels(strategy.device_mesh.backend_mesh)
     with strategy.scope():
         model = objective.build_model(cfg.task, manifest.vocab_size)
         trainer, loss = objective.trainer(model)
@@ -276,6 +278,7 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     trainer, loss = objective.trainer(model)
     _compile(keras, trainer, loss, tr, schedule, objective, jit_compile=True)
     mesh = Mesh(np.array(devices), ("batch",))
+    lmkit("layers").use_tpu_kernels(mesh)  # compiled for a TPU, whatever this host's own devices are
     replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
 
     def batch(per_device: int):

@@ -71,7 +71,8 @@ class CausalLMTrainer(keras.Model):
     logits, so that the loss differentiates straight into them and the tied embedding
     (layers.tied_softmax_cross_entropy) instead of through a [tokens, vocab] logits gradient. Compile it with
     `TokenLoss` (which reduces the per-token losses this computes) and metrics on the logits. Save, export and
-    serve the model it was made from: that one maps ids to logits."""
+    serve the model it was made from: that one maps ids to logits. On a TPU (layers.use_tpu_kernels) the loss and
+    accuracy come from the tied head a block of positions at a time (layers.blocked_softmax_cross_entropy)."""
 
     def __init__(self, model: keras.Model, **kwargs):
         super().__init__(model.inputs, {"logits": model.outputs[0], "hidden": model.get_layer("final_norm").output},
@@ -79,8 +80,21 @@ class CausalLMTrainer(keras.Model):
         self.embedding = model.get_layer("token_embedding")
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        per_token = tied_softmax_cross_entropy(y, y_pred["logits"], y_pred["hidden"], self.embedding.embeddings)
+        if _layers.tpu_target():
+            # The [tokens, vocab] logits never whole (blocked_softmax_cross_entropy), nor the logits output, which
+            # nothing reads (XLA drops it): the accuracy comes from the same blocks, handed to compute_metrics in
+            # y_pred (Keras' JAX trainer returns it from the differentiated function as it is, this dict).
+            per_token, y_pred["correct"] = _layers.blocked_softmax_cross_entropy(y, y_pred["hidden"],
+                                                                                self.embedding.embeddings)
+        else:
+            per_token = tied_softmax_cross_entropy(y, y_pred["logits"], y_pred["hidden"], self.embedding.embeddings)
         return super().compute_loss(x, y, per_token, sample_weight, training)
 
     def compute_metrics(self, x, y, y_pred, sample_weight=None):
-        return super().compute_metrics(x, y, y_pred["logits"], sample_weight)
+        if "correct" not in y_pred:
+            return super().compute_metrics(x, y, y_pred["logits"], sample_weight)
+        # The top-one metric on two-class logits [correct, 1 - correct] against label 0: its top one is label 0
+        # exactly where the token was predicted.
+        correct = y_pred["correct"]
+        return super().compute_metrics(x, ops.zeros_like(y), ops.stack([correct, 1.0 - correct], axis=-1),
+                                       sample_weight)

@@ -1,0 +1,223 @@
+"""tpuctl's templates against keras-hub's models as the TPU compiler sees them, on this CPU machine.
+
+    .venv/bin/python bench/tpu_compile.py [--accelerators v5litepod-4,v6e-4] [--models gpt2-small,bert-128,bert-512]
+                                          [--layers N] [--largest]
+
+For each model and accelerator, the training step of tpuctl's template (its `fit` target: the model, trainer,
+loss, AdamW, mixed_bfloat16 and data-parallel sharding the workers run) and that of keras-hub's model of the same
+sizes (`GPT2CausalLM`, `BertMaskedLM`, built from config, nothing downloaded: keras-hub's layers, attention and
+its loss, Keras' `SparseCategoricalCrossentropy`, with the same optimizer, precision, batch and sharding, via the
+template's `compile_target`) is compiled by libtpu for the slice's topology (templates/aot.py: the TPU is only a
+compile target). Per chip: HBM the program needs (arguments + temporaries + outputs - aliases), bytes accessed
+and FLOPs (the compiler's cost analysis), and tpuctl/fitting.py's roofline step-time estimate and MFU (model
+FLOPs: the template's 6·N·tokens plus attention, the same for both sides). `--largest` also searches the
+largest per-chip batch that fits (fitting's search, by compiling: minutes a point). Dropout 0 on both sides
+(GPT-2 practice since nanoGPT; splash attention has no dropout). `--layers N` compiles N-layer variants: minutes
+fewer per compile, to iterate; the figures to quote are the full models'.
+
+Compiles are cached in ~/.cache/tpuctl-bench/tpu_compile by side, model, topology, batch, the template's source
+(tpuctl's side) and the jax/libtpu/keras versions. keras-hub lives in bench/peers.py's virtualenv (it sees this
+interpreter's packages: the same jax, libtpu and Keras).
+
+Not compared: MaxText (the issue asks for its GPT-2 step). It is not a pip package of this Python: its
+repository pins jax versions of its own and Python >= 3.12 (jax 0.11+ here needs 3.12, the venv is 3.11), so
+its compiled step would come from another compiler than the templates'; not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+CACHE = Path.home() / ".cache" / "tpuctl-bench" / "tpu_compile"
+PROTOCOL = "tpu-compile-result "
+
+# name: (template, its config, vocabulary, per-chip batch). BERT's predictions per sequence as keras-hub's
+# masked-LM preprocessor picks them at mask rate 0.15 (20 at 128; 76 at 512).
+MODELS = {
+    "gpt2-small": ("gpt2", {"preset": "gpt2-small", "task": {"dropout": 0.0}}, 50257, 8),
+    "bert-128": ("bert", {"preset": "bert-base", "task": {"seq_len": 128, "max_predictions_per_seq": 20,
+                                                          "dropout": 0.0}}, 30522, 32),
+    "bert-512": ("bert", {"preset": "bert-base", "task": {"seq_len": 512, "max_predictions_per_seq": 76,
+                                                          "dropout": 0.0}}, 30522, 16),
+}
+SIDES = ("tpuctl", "keras-hub")
+
+
+# ------------------------------------------------------------------------------------ the compiling process
+
+def _keras_hub_objective(template: str):
+    """The template's objective with keras-hub's model of the same sizes, its inputs and Keras' loss."""
+    import keras
+    import keras_hub
+
+    base = (__import__("gpt2.train").train.CAUSAL_LM if template == "gpt2" else
+            __import__("bert.train").train.MASKED_LM)
+
+    class KerasHub(type(base)):
+        def build_model(self, task, vocab_size):
+            sizes = dict(vocabulary_size=vocab_size, num_layers=task.num_layers, num_heads=task.num_heads,
+                         hidden_dim=task.hidden_size, intermediate_dim=task.intermediate_size,
+                         dropout=task.dropout, max_sequence_length=task.seq_len)
+            if template == "gpt2":
+                return keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(**sizes), preprocessor=None)
+            return keras_hub.models.BertMaskedLM(keras_hub.models.BertBackbone(**sizes), preprocessor=None)
+
+        def trainer(self, model):  # what keras-hub's compile(loss="auto") picks
+            return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                     reduction="mean_with_sample_weight")
+
+        def batch_shapes(self, task, batch):
+            x, labels, weights = base.batch_shapes(task, batch)
+            seq = x["input_ids"]
+            x = {"token_ids": seq, "padding_mask": seq}
+            if template == "bert":
+                x.update(segment_ids=seq, mask_positions=base.batch_shapes(task, batch)[0]["masked_positions"])
+            return x, labels, weights
+
+    return KerasHub()
+
+
+def worker(side: str, model: str, topology: str, options: dict, batch: int, layers: int, templates: str) -> dict:
+    """Build `side`'s `model` and compile its step for `topology` at per-device `batch` (this process), the
+    templates' code (tpuctl's side; keras-hub's uses its training program) from `templates`."""
+    sys.path.insert(0, str(REPO / "templates"))
+    import aot
+
+    sys.path.insert(0, templates)
+    aot.compile_only()
+    from jax.experimental import topologies
+
+    template, config, vocab, _ = MODELS[model]
+    config = json.loads(json.dumps(config))
+    if layers:
+        config["task"]["num_layers"] = layers
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu", **options).devices
+    from bert.train import compile_target
+
+    objective = _keras_hub_objective(template) if side == "keras-hub" else (
+        __import__("gpt2.train").train.CAUSAL_LM if template == "gpt2" else __import__("bert.train").train.MASKED_LM)
+    target = compile_target(config, devices=devices, vocab_size=vocab, objective=objective)
+    state_bytes = sum(leaf.size * leaf.dtype.itemsize for group in target["state"] for leaf in group)
+    point = aot.compile_point(target, batch)
+    return {**point, "state_bytes": int(state_bytes),
+            "model": {k: target[k] for k in ("params", "layers", "hidden", "seq_len")}}
+
+
+# --------------------------------------------------------------------------------------------- the parent
+
+def _source_hash(templates: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(templates).rglob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compiled(side: str, model: str, accelerator: str, per_device_batch: int, layers: int, templates: str) -> dict:
+    """The worker's answer, from the cache or a fresh process (keras-hub's in the peers' virtualenv)."""
+    from tpuctl import catalog
+    from tpuctl.fitting import _version, compiler_versions, topology_of
+
+    topology, options = topology_of(catalog.load().accelerator(accelerator))
+    key = json.dumps([side, MODELS[model], topology, options, per_device_batch, layers, compiler_versions(),
+                      _version("keras"), _source_hash(templates) if side == "tpuctl" else None])
+    path = CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    python = sys.executable
+    if side == "keras-hub":
+        sys.path.insert(0, str(BENCH))
+        from peers import peers_python
+
+        python = str(peers_python())
+    print(f"  compiling {side} {model} for {topology} at per-device batch {per_device_batch}...", flush=True)
+    proc = subprocess.run([python, __file__, "--worker", json.dumps([side, model, topology, options,
+                                                                      per_device_batch, layers, templates])],
+                          capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(PROTOCOL)]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{side} {model} {topology} failed:\n{proc.stderr[-3000:]}")
+    answer = json.loads(lines[-1][len(PROTOCOL):])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(answer))
+    return answer
+
+
+def measure(side: str, model: str, accelerator: str, layers: int, largest: bool, templates: str) -> dict:
+    """One side's row: per-chip figures at the model's batch, the roofline estimate, the largest batch."""
+    from tpuctl import catalog
+    from tpuctl.fitting import CHIPS, _largest, _need, roofline
+
+    accel = catalog.load().accelerator(accelerator)
+    chip = CHIPS[accel.generation]
+    per_device = MODELS[model][3] // chip.devices_per_chip
+    point = compiled(side, model, accelerator, per_device, layers, templates)
+    need, fits = _need(point, point["state_bytes"])
+    cost = point.get("cost") or {"flops": 0.0, "bytes": need}
+    # Model FLOPs from tpuctl's model for both sides (the same architecture; keras-hub's BERT also carries a
+    # pooler and segment embeddings that the masked-LM loss never trains).
+    tpuctl_model = compiled("tpuctl", model, accelerator, per_device, layers, templates)["model"]
+    per_chip = per_device * chip.devices_per_chip
+    flops, step_s = roofline(chip, accel.chips, tpuctl_model, per_chip, cost["bytes"] * chip.devices_per_chip)
+    row = {"side": side, "batch": per_chip, "fits": fits, "hbm": need * chip.devices_per_chip,
+           "bytes": cost["bytes"] * chip.devices_per_chip, "flops": cost["flops"] * chip.devices_per_chip,
+           "model_flops": flops, "step_s": step_s, "mfu": flops / (step_s * chip.peak_bf16_flops),
+           "largest": None}
+    if largest:
+        cap = chip.hbm_bytes / chip.devices_per_chip
+
+        def at(batch: int) -> tuple[float, bool]:
+            p = compiled(side, model, accelerator, batch, layers, templates)
+            return _need(p, p["state_bytes"])
+
+        best, how = _largest(at, per_device, cap, point["state_bytes"], 2, grow=True)
+        row["largest"] = f"{best * chip.devices_per_chip} ({how})"
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accelerators", default="v5litepod-4",
+                        help="comma-separated types, e.g. v5litepod-4,v5p-8,v6e-4,tpu7x-8,v4-8")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--layers", type=int, default=0, help="compile N-layer variants (to iterate); 0: all")
+    parser.add_argument("--largest", action="store_true", help="also search the largest per-chip batch that fits")
+    parser.add_argument("--templates", default=str(REPO / "templates"),
+                        help="tpuctl's templates from this directory (e.g. an earlier commit's, for a before/after)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(PROTOCOL + json.dumps(worker(*json.loads(args.worker))), flush=True)
+        return 0
+    print(f"command: bench/tpu_compile.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print("| model | accelerator | side | batch/chip | HBM/chip GB | bytes/step GB | compiled TFLOP | model TFLOP "
+          "| est. step ms | est. MFU | largest batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    ratios = []
+    for model in args.models.split(","):
+        for accelerator in args.accelerators.split(","):
+            rows = {side: measure(side, model, accelerator, args.layers, args.largest, args.templates)
+                    for side in SIDES}
+            for r in rows.values():
+                print(f"| {model}{f' ({args.layers} layers)' if args.layers else ''} | {accelerator} | {r['side']} "
+                      f"| {r['batch']} | {r['hbm'] / 1e9:.2f}{'' if r['fits'] else ' (no fit)'} "
+                      f"| {r['bytes'] / 1e9:.1f} | {r['flops'] / 1e12:.2f} | {r['model_flops'] / 1e12:.2f} "
+                      f"| {r['step_s'] * 1e3:.1f} | {r['mfu']:.0%} | {r['largest'] or '-'} |", flush=True)
+            ours, theirs = rows["tpuctl"], rows["keras-hub"]
+            ratios.append(f"{model} {accelerator}: HBM {ours['hbm'] / theirs['hbm']:.2f}x (goal <= 0.6), est. step "
+                          f"{ours['step_s'] / theirs['step_s']:.2f}x (goal <= 0.75), bytes "
+                          f"{ours['bytes'] / theirs['bytes']:.2f}x, compiled FLOPs {ours['flops'] / theirs['flops']:.2f}x")
+    print("\ntpuctl / keras-hub:")
+    print("\n".join(ratios))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
