@@ -12,7 +12,6 @@ which the session fixture sets while the cloud lives). Build more with `official
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import subprocess
@@ -113,18 +112,6 @@ def official_clients(cloud: LocalCloud, project: str) -> OfficialClients:
         billing=billing_v1.CloudCatalogClient(**kw),
         storage=storage.Client(project=project, credentials=cred),
     )
-
-
-def load_chaos():
-    """bench/chaos.py (the local-cloud stack and job driver the reliability tests share), loaded once by path:
-    bench/ is not a package."""
-    if "tpuctl_bench_chaos" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "bench" / "chaos.py"
-        spec = importlib.util.spec_from_file_location("tpuctl_bench_chaos", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["tpuctl_bench_chaos"]
 
 
 def new_project() -> str:

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import load_chaos
+import cloud_stack
 import yaml
 from click.testing import CliRunner
 from hypothesis import given, settings
@@ -32,8 +32,6 @@ pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[1]
 
 
-chaos = load_chaos()
-
 VALID = {"name": "ok-run", "zone": "us-central1-a", "accelerator": "v3-8"}
 HOSTILE_TEXT = ["$(touch PWNED)", "`touch PWNED2`", "a; touch PWNED3", "x\ny", "it's", 'say "hi"', "--x=$HOME",
                 "*", "é漢字🙂", "a" * 300, "../../etc/passwd", "-rf", "a|b&c>d<e", "\x00nul", "${IFS}"]
@@ -47,7 +45,7 @@ hostile = st.one_of(st.sampled_from(HOSTILE_TEXT), st.text(min_size=1, max_size=
 
 @pytest.fixture(scope="module")
 def stack():
-    with chaos.Stack() as s:
+    with cloud_stack.Stack() as s:
         yield s
 
 
@@ -336,7 +334,7 @@ def invalid_specs(draw, field: str, flags_only: bool = False, **base) -> tuple[s
 def _plan(spec: dict):
     from tpuctl import provision
 
-    return provision.plan(spec_mod.from_mapping(spec), project=chaos.PROJECT, owner="hostile")
+    return provision.plan(spec_mod.from_mapping(spec), project=cloud_stack.PROJECT, owner="hostile")
 
 
 def _assert_plan_refuses(spec: dict, field: str) -> None:
@@ -427,10 +425,10 @@ def test_bootstrap_script_keeps_hostile_values_inside_their_quotes(tmp_path_fact
 def test_hostile_job_args_and_env_reach_a_local_cloud_worker_verbatim_and_execute_nothing(stack, tmp_path):
     args = [a for a in HOSTILE_TEXT if "\x00" not in a]
     env = {"TPUCTL_TEST_HOSTILE": "$(touch PWNED-env)\n`touch PWNED-env2`; touch PWNED-env3 é"}
-    result = chaos.up(stack, "hostile-job", "v3-8", ("us-central1-a",), "on-demand")
+    result = cloud_stack.up(stack, "hostile-job", "v3-8", ("us-central1-a",), "on-demand")
     try:
         assert result.exit_code == 0, result.message
-        job = chaos.Job(stack, "hostile-job", max_steps=3, checkpoint_every=3, args=tuple(args), env=env)
+        job = cloud_stack.Job(stack, "hostile-job", max_steps=3, checkpoint_every=3, args=tuple(args), env=env)
         states = job.run_to_end()
         assert [s.exit_code for s in states] == [0]
         log = stack.clients.storage.bucket(job.bucket).blob("runs/hostile-job/logs/worker-0.log").download_as_text()
@@ -442,7 +440,7 @@ def test_hostile_job_args_and_env_reach_a_local_cloud_worker_verbatim_and_execut
                  REPO, Path.cwd()]
         assert not [p for r in roots for p in r.rglob(f"{CANARY}*")]
     finally:
-        chaos.cleanup(stack, "hostile-job", "down")
+        cloud_stack.cleanup(stack, "hostile-job", "down")
     assert stack.live() == []
 
 
@@ -468,10 +466,10 @@ def test_tpuctl_run_with_hostile_job_fields_runs_them_as_data_or_refuses(stack, 
     """A real `tpuctl run`: hostile job values either reach the job verbatim (exit 0) or are refused with exit 2
     naming the job field before anything is created; nothing they spell is ever executed."""
     run = "hostile-run"
-    job = {"template": str(chaos.STANDIN), "config": {"trainer": {"max_steps": 2, "checkpoint_every": 2,
+    job = {"template": str(cloud_stack.STANDIN), "config": {"trainer": {"max_steps": 2, "checkpoint_every": 2,
                                                                   "step_seconds": 0.01}}, **job}
-    spec = chaos.write_spec(stack, run, "v3-8", ("us-central1-a",), "on-demand", extra={"job": job})
-    proc = subprocess.run(chaos.run_command(spec), env=chaos.child_env(stack, "hostile"), capture_output=True,
+    spec = cloud_stack.write_spec(stack, run, "v3-8", ("us-central1-a",), "on-demand", extra={"job": job})
+    proc = subprocess.run(cloud_stack.run_command(spec), env=cloud_stack.child_env(stack, "hostile"), capture_output=True,
                           text=True, cwd=tmp_path, timeout=240)
     try:
         errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
@@ -484,10 +482,10 @@ def test_tpuctl_run_with_hostile_job_fields_runs_them_as_data_or_refuses(stack, 
             assert next(json.loads(l[5:]) for l in log.splitlines() if l.startswith("args=")) == job["args"]
         assert not [p for r in (stack.home, tmp_path, REPO) for p in r.rglob(f"{CANARY}*")]
     finally:
-        chaos.cleanup(stack, run, "down")
+        cloud_stack.cleanup(stack, run, "down")
 
 
 def chaos_bucket(run: str) -> str:
     from tpuctl.provision.labels import auto_bucket
 
-    return auto_bucket(chaos.PROJECT, run)
+    return auto_bucket(cloud_stack.PROJECT, run)
