@@ -239,8 +239,11 @@ def _wait_line(proc: subprocess.Popen, needle: str, seen: list[str], timeout: fl
     raise AssertionError(f"no {needle!r} within {timeout}s: {''.join(seen)}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("phase", ["up", "upload", "launch", "train"])
+# Each phase once and each signal twice (one handler serves both), not all eight pairs: bench/chaos.py's sigint@run
+# and sigterm@run scenarios signal `tpuctl run` at random moments of every phase.
+@pytest.mark.parametrize("phase,sig", [("up", signal.SIGTERM), ("upload", signal.SIGINT), ("launch", signal.SIGTERM),
+                                       ("train", signal.SIGINT)], ids=["up-SIGTERM", "upload-SIGINT",
+                                                                       "launch-SIGTERM", "train-SIGINT"])
 def test_run_tears_down_on_signal_at_each_phase(cloud, project, tmp_path, phase, sig):
     spec = _spec_file(tmp_path, _spec("sig-run", accelerator="v3-8", trainer={"max_steps": 2000, "step_seconds": 0.05}))
     proc = _start(cloud, tmp_path, project, "run", str(spec), "--yes", "--poll", "0.5")
