@@ -54,6 +54,8 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
                             [PY, "bench/localcloud_soak.py"]),
         "chaos": ("chaos: leaked resources, lost checkpoints, wrong exit codes over seeded fault scenarios (goal 0/0/0)",
                   [PY, "bench/chaos.py", "--scenarios", str(chaos_scenarios), "--seed", str(chaos_seed)]),
+        "suite_time": ("Test suite time: the fast tier (`-m \"not slow\"`, goal < 5 min) and the whole suite (the README's "
+                       "command, goal < 25 min) on this machine, with its load", [PY, "bench/suite_time.py"]),
     }
 
 
@@ -163,6 +165,7 @@ HEADLINE_LINES = {
     "chaos": re.compile(r"^(leaked|lost checkpoints|wrong exit codes|scenarios): \d+$"),
     "runtime_matrix": re.compile(r"^tpu-vm-tf-\S+ tf=.*"),
     "peers": re.compile(r"^(train \S+ \S+:|prepare /|recipe /).*"),
+    "suite_time": re.compile(r"^(fast|suite): \d+ s .*"),
 }
 HEADLINE_KEYS = {
     "train_bench": ("steps_per_sec", "examples_per_sec"),

@@ -12,7 +12,7 @@ which the session fixture sets while the cloud lives). Build more with `official
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
 import random
 import subprocess
@@ -88,12 +88,25 @@ def in_fresh_interpreter(module: str, check: str, *, backend: str, timeout: floa
     """Run `module.check()` (a test module's function that raises on failure and returns the backend it ran on)
     in a fresh interpreter with KERAS_BACKEND=`backend` (also for what must precede TensorFlow's initialisation,
     such as splitting the CPU into logical devices). Returns what it returned; fails the test with its stderr."""
+    return _fresh(f"import {module} as t; print(t.{check}())", backend, timeout).split()[-1]
+
+
+def on_jax_each(module: str, checks: tuple[str, ...], timeout: float = 300) -> dict[str, str]:
+    """Several of `module`'s checks in ONE fresh interpreter with KERAS_BACKEND=jax (starting one with JAX and
+    Keras costs ~10 s on 2 cores): check -> the backend it returned, or the traceback it raised."""
+    code = (f"import json, traceback, {module} as t\nout = {{}}\nfor c in {checks!r}:\n    try:\n"
+            f"        out[c] = getattr(t, c)()\n    except Exception:\n        out[c] = traceback.format_exc()\n"
+            f"print(json.dumps(out))")
+    return json.loads(_fresh(code, "jax", timeout).splitlines()[-1])
+
+
+def _fresh(code: str, backend: str, timeout: float) -> str:
+    """stdout of `python -c code` in tests/ with KERAS_BACKEND=`backend`; fails the test with its stderr."""
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run([sys.executable, "-c", f"import {module} as t; print(t.{check}())"],
-                          cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.split()[-1]
+    return proc.stdout
 
 
 def official_clients(cloud: LocalCloud, project: str) -> OfficialClients:
@@ -113,18 +126,6 @@ def official_clients(cloud: LocalCloud, project: str) -> OfficialClients:
         billing=billing_v1.CloudCatalogClient(**kw),
         storage=storage.Client(project=project, credentials=cred),
     )
-
-
-def load_chaos():
-    """bench/chaos.py (the local-cloud stack and job driver the reliability tests share), loaded once by path:
-    bench/ is not a package."""
-    if "tpuctl_bench_chaos" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "bench" / "chaos.py"
-        spec = importlib.util.spec_from_file_location("tpuctl_bench_chaos", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["tpuctl_bench_chaos"]
 
 
 def new_project() -> str:

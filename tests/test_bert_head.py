@@ -72,6 +72,7 @@ def test_gathered_head_matches_the_full_sequence_head_on_tensorflow():
     assert check_gathered_head_matches_full_sequence() == "tensorflow"
 
 
+@pytest.mark.slow  # ~22 s (a fresh JAX interpreter); the same check on TensorFlow stays in the fast tier
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 def test_gathered_head_matches_the_full_sequence_head_on_jax():
     assert on_jax("test_bert_head", "check_gathered_head_matches_full_sequence") == "jax"

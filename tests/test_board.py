@@ -54,12 +54,12 @@ def _get(url: str):
         return json.loads(r.read())
 
 
-@pytest.mark.slow  # two pipeline runs and a TensorBoard: ~70 s on 2 cores
 def _scalars(url: str, run: str, tag: str) -> list:
     """[[wall_time, step, value], ...] as TensorBoard's scalars dashboard fetches them."""
     return _get(f"{url}/data/plugin/scalars/scalars?" + urllib.parse.urlencode({"run": run, "tag": tag}))
 
 
+@pytest.mark.slow  # two pipeline runs and a TensorBoard: ~70 s on 2 cores
 def test_board_shows_each_runs_scalars_at_the_steps_it_logged_and_stops_on_ctrl_c(finished, cloud):
     home, project, runs, _ = finished
     proc = subprocess.Popen([sys.executable, "-m", "tpuctl", "board", *runs, "--port", "0", "--interval", "1",
@@ -121,8 +121,10 @@ def test_board_of_a_run_without_a_bucket_is_one_line_and_starts_nothing(cloud, t
     assert not (tmp_path / "home" / "board").exists() or not any((tmp_path / "home" / "board").rglob("*"))
 
 
-def test_the_end_of_tpuctl_run_says_how_to_look(finished, cli_stderr):
+def test_the_end_of_tpuctl_run_says_how_to_look(cli_stderr):
     from tpuctl.cli.jobs import _summary
+    from tpuctl.jobs.pipeline import Outcome
 
-    _summary(finished[3])
+    # A finished run's outcome as the pipeline leaves it (it kept the bucket): formatting needs no slow run.
+    _summary(Outcome(run="board-b", state="succeeded", step=40, bucket="tpuctl-board-b", artifacts=["x"]))
     assert "  TensorBoard: tpuctl board board-b" in cli_stderr.getvalue().splitlines()

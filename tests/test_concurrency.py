@@ -12,14 +12,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import load_chaos
+import cloud_stack
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-chaos = load_chaos()
 
 OWNERS = ("ana", "bo", "cy", "dee")
 SHAPES = (("v2-8", "us-central1-b"), ("v3-8", "us-central1-a"), ("v5litepod-16", "us-east5-a"))
@@ -46,7 +44,7 @@ def _labelled(stack) -> list[tuple[str, str, dict]]:
 
 
 def test_twenty_parallel_ups_and_runs_four_owners_then_one_owners_gc(tmp_path):
-    with chaos.Stack() as stack:
+    with cloud_stack.Stack() as stack:
         runs = {}
         procs = {}
         jobs: set[str] = set()
@@ -57,8 +55,8 @@ def test_twenty_parallel_ups_and_runs_four_owners_then_one_owners_gc(tmp_path):
             runs[run] = owner
             # A short TTL: by the time gc runs every run has expired, so only the owner rule protects others.
             if i % 5 == 4:  # every fifth is a whole `tpuctl run` of the stand-in job
-                spec = chaos.write_spec(stack, run, accelerator, (zone,), "spot", ttl="20s", extra={"job": {
-                    "template": str(chaos.STANDIN),
+                spec = cloud_stack.write_spec(stack, run, accelerator, (zone,), "spot", ttl="20s", extra={"job": {
+                    "template": str(cloud_stack.STANDIN),
                     "config": {"trainer": {"max_steps": 5, "checkpoint_every": 5, "step_seconds": 0.02}}}})
                 jobs.add(run)
                 procs[run] = _tpuctl(stack, owner, "run", str(spec), "--yes", "--poll", "0.5")
@@ -109,5 +107,5 @@ def test_twenty_parallel_ups_and_runs_four_owners_then_one_owners_gc(tmp_path):
         assert others <= left, f"gc removed other owners' runs {sorted(others - left)}"
 
         for run in sorted(others):
-            chaos.cleanup(stack, run, "down")
+            cloud_stack.cleanup(stack, run, "down")
         assert stack.live() == []

@@ -189,6 +189,7 @@ def check_trainer() -> str:
     return keras.backend.backend()
 
 
+@pytest.mark.slow  # ~25 s; the same check on JAX stays in the fast tier
 @pytest.mark.tf
 def test_the_trainer_trains_as_the_cross_entropy_of_the_logits_on_tensorflow():
     pytest.importorskip("tensorflow")

@@ -1,4 +1,5 @@
-"""A Spot TPU's preemption notice, as a guest sees it on the local cloud, and the worker agent and a run acting on it.
+"""A Spot TPU's preemption notice, as a guest sees it on the local cloud, and the worker agent acting on it (a whole
+run resuming from the notice's save: test_run.py's preemption test).
 
 Google: the guest's metadata server says `instance/preempted` TRUE (a `wait_for_change` request returns then),
 its OS shuts down (SIGTERM to every process) and the power goes off 30 s later (localcloud/README.md,
@@ -12,7 +13,6 @@ import time
 from google.cloud import tpu_v2
 
 from test_jobs_harness import storage  # noqa: F401 - the emulated bucket fixture
-from test_run import project, tpc  # noqa: F401 - a fresh project on the session cloud, its clients
 from test_localcloud_tpu import _alive, _create
 
 from localcloud.workers import TERM_GRACE_S
@@ -120,20 +120,3 @@ def test_the_agent_turns_the_metadata_notice_into_a_save_and_loses_no_step_to_th
     assert last.startswith(f"checkpoint step={trained} ")  # steps lost: 0
     assert _blob_text(storage, f"runs/{run}/model/checkpoint") == f"ckpt-{trained}.json"
 
-
-def test_a_preempted_run_resumes_from_the_step_the_notice_saved(tpc, cloud, project):
-    """A whole run on the local cloud: a Spot TPU preempted mid-run, with checkpoint_every beyond the run, resumes
-    from the checkpoint the notice got (without it the run would start again from step 0)."""
-    from test_run import _spec, _text, _zero, run_preempted_at
-    from tpuctl import spec as spec_mod
-    from tpuctl.jobs.pipeline import Pipeline, RunOptions
-
-    spec = spec_mod.from_mapping(_spec("notice-run", accelerator="v3-8", trainer={
-        "max_steps": 40, "checkpoint_every": 1000, "step_seconds": 0.1}))
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
-    o = run_preempted_at(p, cloud, 12)
-    assert o.state == "succeeded" and o.recoveries == 1 and o.step == 40
-    assert _zero(cloud, project)
-    log = _text(tpc, o.bucket, "runs/notice-run/logs/worker-0.log")
-    restored = [int(line.split("=")[1]) for line in log.splitlines() if line.startswith("restored step=")]
-    assert restored and restored[0] >= 12, log[:2000]

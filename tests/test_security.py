@@ -17,14 +17,12 @@ from pathlib import Path
 
 import asyncssh
 import pytest
-from conftest import load_chaos
+import cloud_stack
 
 pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-chaos = load_chaos()
 
 RUN = "secure"
 # A credential the user has on their laptop; it must never travel anywhere.
@@ -41,7 +39,7 @@ def stack(tmp_path_factory):
     saved = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
     os.environ["GOOGLE_APPLICATION_CREDENTIALS"] = str(key_file)
     try:
-        with chaos.Stack() as s:
+        with cloud_stack.Stack() as s:
             yield s
     finally:
         if saved is None:
@@ -55,10 +53,10 @@ def deployed(stack):
     # Tripwire: any setIamPolicy on the TPU/Compute/Resource Manager endpoint (project or instance level)
     # matches this fault and increments its hit count.
     trip = stack.fault("unavailable", method="*setIamPolicy")
-    result = chaos.up(stack, RUN, "v3-8", ("us-central1-a",), "spot",
+    result = cloud_stack.up(stack, RUN, "v3-8", ("us-central1-a",), "spot",
                       extra={"vms": [{"name": "data", "machine_type": "e2-small"}]})
     assert result.exit_code == 0, result.message
-    job = chaos.Job(stack, RUN, max_steps=10, checkpoint_every=5)
+    job = cloud_stack.Job(stack, RUN, max_steps=10, checkpoint_every=5)
     states = job.run_to_end()
     assert [s.exit_code for s in states] == [0]
     # tpuctl's own commands against the run, so their log files (if any) exist to be scanned.
@@ -70,7 +68,7 @@ def deployed(stack):
 
 
 def _node(stack):
-    return stack.clients.tpu.get_node(name=f"projects/{chaos.PROJECT}/locations/us-central1-a/nodes/{RUN}")
+    return stack.clients.tpu.get_node(name=f"projects/{cloud_stack.PROJECT}/locations/us-central1-a/nodes/{RUN}")
 
 
 def _private_key_body(job) -> str:
@@ -97,7 +95,7 @@ def test_iam_only_on_the_run_bucket_only_for_the_tpu_service_account(stack, depl
 
     # The whole-run test's own run grants the same account on its bucket, when it ran first.
     for other in buckets:
-        if other["name"] not in (job.bucket, auto_bucket(chaos.PROJECT, "secure-run")):
+        if other["name"] not in (job.bucket, auto_bucket(cloud_stack.PROJECT, "secure-run")):
             members = {m for b in other["iam_policy"].get("bindings", []) for m in b["members"]}
             assert f"serviceAccount:{sa}" not in members, other["name"]
 
@@ -134,11 +132,11 @@ def test_no_credential_in_node_or_vm_metadata_labels_or_startup_scripts(stack, d
     node = _node(stack)
     texts = {f"node metadata {k}": v for k, v in node.metadata.items()}
     texts.update({f"node label {k}": f"{k}={v}" for k, v in node.labels.items()})
-    vm = stack.clients.instances.get(project=chaos.PROJECT, zone="us-central1-a", instance=f"{RUN}-data")
+    vm = stack.clients.instances.get(project=cloud_stack.PROJECT, zone="us-central1-a", instance=f"{RUN}-data")
     texts.update({f"vm metadata {i.key}": i.value for i in vm.metadata.items})
     texts.update({f"vm label {k}": f"{k}={v}" for k, v in vm.labels.items()})
     private = _private_key_body(job)
-    found = {where: chaos.secrets_in(text, (private, CANARY_KEY["private_key_id"])) for where, text in texts.items()}
+    found = {where: cloud_stack.secrets_in(text, (private, CANARY_KEY["private_key_id"])) for where, text in texts.items()}
     assert not {k: v for k, v in found.items() if v}
     for line in node.metadata.get("ssh-keys", "").splitlines():
         user, _, key = line.partition(":")
@@ -161,7 +159,7 @@ def test_no_credential_in_anything_written_to_the_bucket(stack, deployed):
         else:
             text = data.decode(errors="replace")
         scanned += "/logs/" in blob.name
-        hits = chaos.secrets_in(text, (private, CANARY_KEY["private_key_id"]))
+        hits = cloud_stack.secrets_in(text, (private, CANARY_KEY["private_key_id"]))
         if hits:
             bad[blob.name] = hits
     assert scanned >= 1, "the worker's log reached the bucket"
@@ -175,7 +173,7 @@ def test_no_credential_in_tpuctl_own_files(stack, deployed):
     files = [p for p in stack.home.rglob("*") if p.is_file() and p != job.key.private_path]
     assert files
     for p in files:
-        hits = chaos.secrets_in(p.read_bytes().decode(errors="replace"), (private, CANARY_KEY["private_key_id"]))
+        hits = cloud_stack.secrets_in(p.read_bytes().decode(errors="replace"), (private, CANARY_KEY["private_key_id"]))
         if hits:
             bad[str(p.relative_to(stack.home))] = hits
     assert not bad
@@ -208,24 +206,24 @@ def test_published_host_keys_are_enforced(stack, deployed):
 
 def test_a_whole_tpuctl_run_leaves_no_credential_in_its_bucket_or_tpuctl_home(stack, deployed):
     """The full pipeline (up, ship, train, tear down) as a user runs it, then everything it left is scanned."""
-    spec = chaos.write_spec(stack, "secure-run", "v3-8", ("us-central1-a",), "spot", extra={"job": {
-        "template": str(chaos.STANDIN), "env": {"TPUCTL_TEST_PLAIN": "not-a-secret"},
+    spec = cloud_stack.write_spec(stack, "secure-run", "v3-8", ("us-central1-a",), "spot", extra={"job": {
+        "template": str(cloud_stack.STANDIN), "env": {"TPUCTL_TEST_PLAIN": "not-a-secret"},
         "config": {"trainer": {"max_steps": 10, "checkpoint_every": 5, "step_seconds": 0.02}}}})
-    proc = subprocess.run(chaos.run_command(spec), env=chaos.child_env(stack, "secure"), capture_output=True,
+    proc = subprocess.run(cloud_stack.run_command(spec), env=cloud_stack.child_env(stack, "secure"), capture_output=True,
                           text=True, cwd=REPO, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     _, job, _ = deployed
     extra = (_private_key_body(job), CANARY_KEY["private_key_id"])
-    assert not chaos.secrets_in(proc.stdout + proc.stderr, extra)
+    assert not cloud_stack.secrets_in(proc.stdout + proc.stderr, extra)
     from tpuctl.provision.labels import auto_bucket
 
-    bucket = auto_bucket(chaos.PROJECT, "secure-run")
+    bucket = auto_bucket(cloud_stack.PROJECT, "secure-run")
     blobs = list(stack.clients.storage.list_blobs(bucket))
     assert any("/logs/" in b.name for b in blobs)
-    bad = {b.name: chaos.secrets_in(b.download_as_bytes().decode(errors="replace"), extra) for b in blobs
+    bad = {b.name: cloud_stack.secrets_in(b.download_as_bytes().decode(errors="replace"), extra) for b in blobs
            if not b.name.endswith(".tar.gz")}
     assert not {k: v for k, v in bad.items() if v}
-    home = {str(p): chaos.secrets_in(p.read_bytes().decode(errors="replace"), extra)
+    home = {str(p): cloud_stack.secrets_in(p.read_bytes().decode(errors="replace"), extra)
             for p in stack.home.rglob("*") if p.is_file() and p != job.key.private_path}
     assert not {k: v for k, v in home.items() if v}
     row = _bucket_row(stack, bucket)

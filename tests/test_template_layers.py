@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import in_fresh_interpreter, on_jax
+from conftest import in_fresh_interpreter, on_jax_each
 
 pytest.importorskip("tensorflow")
 
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(180)]
+
+JAX_CHECKS = ("check_layer_norm", "check_loss_and_accuracy", "check_tied_loss", "check_layers", "check_hashed_bytes")
+
+
+@pytest.fixture(scope="module")
+def jax_checks() -> dict[str, str]:
+    """Every check of this module on JAX, in one fresh interpreter (Keras fixes its backend at import) rather
+    than one each: check -> "jax", or the traceback it raised."""
+    return on_jax_each("test_template_layers", JAX_CHECKS)
 
 
 def check_layers() -> str:
@@ -350,8 +359,9 @@ def test_layer_norm_matches_keras_on_tensorflow():
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
-def test_layer_norm_matches_keras_on_jax():
-    assert on_jax("test_template_layers", "check_layer_norm") == "jax"
+@pytest.mark.timeout(400)  # whichever runs first starts the interpreter and waits for all of JAX_CHECKS
+def test_layer_norm_matches_keras_on_jax(jax_checks):
+    assert jax_checks["check_layer_norm"] == "jax"
 
 
 def fit_small_model(optimizer_class, *, jit: bool = False, scope=None) -> list:
@@ -439,8 +449,9 @@ def test_loss_and_accuracy_match_keras_on_tensorflow():
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
-def test_loss_and_accuracy_match_keras_on_jax():
-    assert on_jax("test_template_layers", "check_loss_and_accuracy") == "jax"
+@pytest.mark.timeout(400)  # whichever runs first starts the interpreter and waits for all of JAX_CHECKS
+def test_loss_and_accuracy_match_keras_on_jax(jax_checks):
+    assert jax_checks["check_loss_and_accuracy"] == "jax"
 
 
 def test_tied_loss_matches_keras_loss_through_the_logits_on_tensorflow():
@@ -448,8 +459,9 @@ def test_tied_loss_matches_keras_loss_through_the_logits_on_tensorflow():
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
-def test_tied_loss_matches_keras_loss_through_the_logits_on_jax():
-    assert on_jax("test_template_layers", "check_tied_loss") == "jax"
+@pytest.mark.timeout(400)  # whichever runs first starts the interpreter and waits for all of JAX_CHECKS
+def test_tied_loss_matches_keras_loss_through_the_logits_on_jax(jax_checks):
+    assert jax_checks["check_tied_loss"] == "jax"
 
 
 def test_layers_match_keras_on_tensorflow():
@@ -457,8 +469,9 @@ def test_layers_match_keras_on_tensorflow():
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
-def test_layers_match_keras_on_jax():
-    assert on_jax("test_template_layers", "check_layers") == "jax"
+@pytest.mark.timeout(400)  # whichever runs first starts the interpreter and waits for all of JAX_CHECKS
+def test_layers_match_keras_on_jax(jax_checks):
+    assert jax_checks["check_layers"] == "jax"
 
 
 def test_hashed_bytes_are_uniform_and_independent_on_tensorflow():
@@ -466,8 +479,9 @@ def test_hashed_bytes_are_uniform_and_independent_on_tensorflow():
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
-def test_hashed_bytes_are_uniform_and_independent_on_jax():
-    assert on_jax("test_template_layers", "check_hashed_bytes") == "jax"
+@pytest.mark.timeout(400)  # whichever runs first starts the interpreter and waits for all of JAX_CHECKS
+def test_hashed_bytes_are_uniform_and_independent_on_jax(jax_checks):
+    assert jax_checks["check_hashed_bytes"] == "jax"
 
 
 def test_tpu_replicated_steps_take_the_xla_paths():
