@@ -142,6 +142,10 @@ def batches(data_dir: str, manifest: Manifest, batch_size: int, example, *, shuf
         return example(ids, tf.stack([tf.constant(seed, tf.int64), index * pipelines + pipeline]))
 
     ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    # Infinite, and said so: flat_map over epochs hides it (cardinality unknown), and a tf.distribute strategy
+    # then plans for a partial last batch, splitting it unevenly, so each replica's batch dimension becomes None
+    # and the step's static shapes are lost.
+    ds = ds.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF  # sharded above
     return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
