@@ -106,10 +106,9 @@ class RunStatus:
         return cls.from_doc(doc)
 
     def to_doc(self) -> dict[str, Any]:
-        """The JSON object: `state`, `version` and the fields that differ from their default (unset reads as the
-        default again), over the unknown fields (a known one always wins)."""
-        known = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                 if f.name in ("state", "version") or (f.name != "extra" and getattr(self, f.name) != f.default)}
+        """The JSON object: every known field, defaults included (a reader of the raw object, a script or an
+        older tpuctl, finds each key), over the unknown fields (a known one always wins)."""
+        known = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         return {**self.extra, **known}
 
     def to_json(self) -> str:
