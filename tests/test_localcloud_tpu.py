@@ -133,7 +133,8 @@ def test_a_job_on_a_tpu_vm_without_chips_fails_loudly_unless_the_local_cloud_ask
     command = f"""cd {templates}
 probe() {{ python - <<'EOF'
 import os
-from bert import config, guest, strategy
+from bert import config
+from lmkit import guest, strategy
 vm = guest.tpu_vm()
 print(vm.node, vm.worker, len(vm.hosts))
 if os.environ.get("LOCALCLOUD_TPU_REHEARSAL"):
