@@ -127,7 +127,8 @@ class Choice:
 
 def choose(*, local: bool, runs: int, reader: Callable[[], str | None] = gs_reader) -> Choice:
     """Where TensorBoard reads the runs' events: their bucket itself, or tpuctl's mirror (module docstring).
-    `reader` (gs_reader) is asked only when the bucket could be read."""
+    `local`: the bucket is a storage emulator's (the local cloud). `reader` (gs_reader) is asked only when the
+    bucket could be read."""
     if local:
         return Choice("mirror", "the local cloud's storage emulator: TensorBoard's gs:// reader ignores "
                                 "STORAGE_EMULATOR_HOST")
@@ -440,7 +441,9 @@ def serve(clients: Clients, runs: list[str], *, port: int | None = None, bucket:
         raise BadInput("`tpuctl board` needs the Python package tensorboard", field="board",
                        hint="pip install 'tpuctl[train]' (or: pip install tensorboard)")
     found = sources(clients, runs, bucket=bucket)
-    choice = choose(local=clients.local, runs=len(found), reader=reader)
+    # The storage client follows STORAGE_EMULATOR_HOST whatever the target; TensorBoard's gs:// reader never does.
+    emulated = clients.local or bool(os.environ.get("STORAGE_EMULATOR_HOST"))
+    choice = choose(local=emulated, runs=len(found), reader=reader)
     direct = choice.source == "bucket"  # TensorBoard reads the bucket; the records go there too
     logdir = found[0].url if direct else str(found[0].local.parent)
     for src in found:
