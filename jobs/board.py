@@ -86,7 +86,6 @@ class BoardReady(Event):
     why: str = ""
 
 
-SOURCES = ("bucket", "mirror")
 GS_READERS = ("tensorflow", "gcsfs")
 # Which gs:// reader TensorBoard's Python loader gets here (see the module docstring): tensorboard.compat.tf is
 # TensorFlow when it imports, and then only its registered schemes count; else the stub gfile's fsspec fallback.
@@ -121,7 +120,7 @@ def gs_reader() -> str | None:
 
 @dataclass(frozen=True)
 class Choice:
-    source: str  # SOURCES
+    source: str  # "bucket" (TensorBoard reads gs:// itself) or "mirror"
     why: str
 
 
