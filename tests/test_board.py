@@ -182,8 +182,8 @@ def test_the_gs_reader_probe_finds_the_installed_tensorflows_gcs_filesystem():
     assert gs_reader() == "tensorflow"
 
 
-def test_reading_the_bucket_the_record_goes_next_to_the_runs_events_replacing_an_earlier_boards(cloud, tmp_path,
-                                                                                                  monkeypatch):
+def test_the_record_of_two_preemptions_goes_next_to_the_runs_events_when_tensorboard_reads_the_bucket(
+        cloud, tmp_path, monkeypatch):
     # Where TensorBoard reads gs:// itself (Google), it sees only the bucket: the board uploads the record there,
     # whole after each change, and a later board's record replaces the earlier one (TensorBoard would show both).
     from google.auth.credentials import AnonymousCredentials
@@ -198,6 +198,17 @@ def test_reading_the_bucket_the_record_goes_next_to_the_runs_events_replacing_an
     bucket = clients.storage.create_bucket(f"tpuctl-{project}", location="us-central1")
     src = Source(run="rec", bucket=bucket.name, prefix="runs/rec/model/tensorboard/", local=tmp_path / "rec")
     bucket.blob(f"{src.prefix}events.out.tfevents.1.worker0").upload_from_string(b"the run's own")
+    # A run preempted twice (at steps 15 and 30), resuming from its checkpoints, as the pipeline marks it.
+    t = time.time() - 600
+    marks = [(0, "up", None, ""), (60, "launch", None, ""), (61, "workers_ready", None, ""), (62, "watch", None, ""),
+             (90, "first_step", 1, ""), (150, "last_step", 15, ""), (151, "recover", None, "lost"),
+             (200, "launch", None, ""), (201, "workers_ready", None, ""), (202, "watch", None, ""),
+             (220, "first_step", 11, ""), (300, "last_step", 30, ""), (301, "recover", None, "maintenance"),
+             (350, "launch", None, ""), (351, "workers_ready", None, ""), (352, "watch", None, ""),
+             (360, "first_step", 26, ""), (500, "last_step", 50, ""), (501, "teardown", None, ""),
+             (520, "done", None, "")]
+    bucket.blob("runs/rec/timeline.json").upload_from_string(json.dumps({"v": 1, "marks": [
+        {"at": t + dt, "what": what, "step": step, "detail": detail} for dt, what, step, detail in marks]}))
     first = Record(clients, src, publish=True)
     first.update()
     first.close()
@@ -207,9 +218,29 @@ def test_reading_the_bucket_the_record_goes_next_to_the_runs_events_replacing_an
     objects = {b.name: b for b in clients.storage.list_blobs(bucket.name, prefix=src.prefix)}
     mine = f"{src.prefix}{RECORD}/{second.path.name}"
     assert sorted(objects) == [f"{src.prefix}events.out.tfevents.1.worker0", mine], sorted(objects)
-    assert objects[mine].download_as_bytes() == second.path.read_bytes()
+    published = objects[mine].download_as_bytes()
+    assert published == second.path.read_bytes()
+    # The preemptions at a glance: a count that steps up where each struck.
+    points = [(e.step, v.tensor.float_val[0]) for e in _events(published) for v in e.summary.value
+              if v.tag == "tpuctl/preemptions"]
+    assert points == [(0, 0.0), (15, 1.0), (30, 2.0)], points
+    text, = [v.tensor.string_val[0].decode() for e in _events(published) for v in e.summary.value
+             if v.tag == "tpuctl/timeline"]
+    assert text.startswith("goodput ") and "2 preemption(s)" in text and "| recover |  | maintenance |" in text
     size = second.path.stat().st_size
     second.update()  # nothing changed: nothing written, nothing sent again
     assert second.path.stat().st_size == size
     assert bucket.get_blob(mine).generation == objects[mine].generation
     second.close()
+
+
+def _events(data: bytes) -> list:
+    """The Events of a TFRecord file's bytes (length, its CRC, the record, its CRC; CRCs unchecked here)."""
+    from tensorboard.compat.proto import event_pb2
+
+    events, at = [], 0
+    while at < len(data):
+        length = int.from_bytes(data[at:at + 8], "little")
+        events.append(event_pb2.Event.FromString(data[at + 12:at + 12 + length]))
+        at += 12 + length + 4
+    return events
