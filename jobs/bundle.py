@@ -55,6 +55,14 @@ class JobDescription:
 STORAGE_KINDS = ("gcs", "mirror")
 
 
+def check_storage(kind: str) -> str:
+    """`kind` when it is one of STORAGE_KINDS; BadInput naming job.storage otherwise."""
+    if kind not in STORAGE_KINDS:
+        raise BadInput(f"storage {kind!r} is not one of {', '.join(STORAGE_KINDS)}", field="job.storage",
+                       hint="see tpuctl.jobs.bundle.worker_storage")
+    return kind
+
+
 def worker_storage(clients) -> str:
     """The storage the workers of `clients`' cloud have: the local cloud's serve its storage emulator."""
     return "mirror" if clients.local else "gcs"
@@ -65,6 +73,7 @@ class Bundle:
     path: Path
     sha256: str
     run: str
+    storage: str = "gcs"  # its job.json `storage`: the bootstrap fetches it with that storage's client
 
     @property
     def object_name(self) -> str:
@@ -135,9 +144,7 @@ def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequenc
     if bad_env:
         raise BadInput(f"environment variable name(s) {bad_env!r} are not valid", field="job.env",
                        hint=ENV_NAME_RULE)
-    if job.storage not in STORAGE_KINDS:
-        raise BadInput(f"storage {job.storage!r} is not one of {', '.join(STORAGE_KINDS)}", field="job.storage",
-                       hint="see tpuctl.jobs.bundle.worker_storage")
+    check_storage(job.storage)
     package = template_dir.name
     # A framework's own list where the template has one (bert: requirements-jax.txt for the JAX base images).
     framework = str(((job.config or {}).get("runtime") or {}).get("framework") or "")
@@ -174,7 +181,7 @@ def build(template_dir: Path, job: JobDescription, out_dir: Path, files: Sequenc
         tmp = path.with_suffix(".part")
         tmp.write_bytes(data)
         tmp.replace(path)
-    return Bundle(path=path, sha256=sha, run=job.run)
+    return Bundle(path=path, sha256=sha, run=job.run, storage=job.storage)
 
 
 def upload(storage_client, bucket: str, bundle: Bundle) -> bool:

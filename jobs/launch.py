@@ -50,7 +50,8 @@ async def launch(fleet: Fleet, *, run: str, project: str, bucket: str, bundle: B
     def command(t: Target) -> str:
         return remote.bootstrap_command(remote.bootstrap_script(
             run=run, worker=t.index, python=python, project=project, bucket=bucket,
-            bundle_object=bundle.object_name, bundle_sha=bundle.sha256, launch_id=launch_id))
+            bundle_object=bundle.object_name, bundle_sha=bundle.sha256, launch_id=launch_id,
+            storage=bundle.storage))
 
     results = await fleet.run_all(command, timeout_s=1800)
     failed = [r for r in results if r.exit_status != 0]

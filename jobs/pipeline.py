@@ -537,7 +537,8 @@ class Pipeline:
             key, targets = cluster.authorize(self.clients, rec.zone, rec.node)
             cluster.open_status(self.clients, rec.bucket, rec.run, recovering=recovering, on_event=self.emit)
             self.bucket_use.launched = True
-            bundle = bundles.Bundle(path=Path(), sha256=rec.bundle_sha, run=rec.run)
+            bundle = bundles.Bundle(path=Path(), sha256=rec.bundle_sha, run=rec.run,
+                                    storage=bundles.worker_storage(self.clients))
 
             async def go():
                 async with Fleet(targets, key, on_retry=lambda t, why: self.emit(ev.Note(f"worker {t.index}: waiting for ssh ({why})")),

@@ -47,12 +47,16 @@ def render(template: str, values: dict[str, object]) -> str:
 
 
 def bootstrap_script(*, run: str, worker: int, python: str, project: str, bucket: str, bundle_object: str,
-                     bundle_sha: str, launch_id: str) -> str:
+                     bundle_sha: str, launch_id: str, storage: str) -> str:
+    """The worker's bootstrap for one launch. `storage` is the bundle's (job.json `storage`, STORAGE_KINDS): the
+    bundle is fetched with the client that storage's agent uses. Raises BadInput for an unknown storage kind."""
+    from .bundle import check_storage  # bundle imports this module
+
     template = resources.files("tpuctl.templates").joinpath("bootstrap.sh.tmpl").read_text()
     return render(template, {
         "run": check_run_name(run), "worker": int(worker), "python": python, "project": project, "bucket": bucket,
         "bundle_object": bundle_object, "bundle_sha": bundle_sha, "launch_id": launch_id, "workdir": workdir(run, worker),
-        "env_cache": ENV_CACHE,
+        "env_cache": ENV_CACHE, "storage": check_storage(storage),
     })
 
 

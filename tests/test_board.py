@@ -71,6 +71,8 @@ def test_board_shows_each_runs_scalars_at_the_steps_it_logged_and_stops_on_ctrl_
         ready = json.loads(line)
         url = ready["url"].rstrip("/")
         assert url.startswith("http://127.0.0.1:") and ready["runs"] == list(runs)
+        # The local cloud's bucket is its emulator, which TensorBoard's gs:// reader cannot reach: the mirror.
+        assert ready["source"] == "mirror" and "STORAGE_EMULATOR_HOST" in ready["why"], ready
         assert Path(ready["logdir"]).is_relative_to(home / "home" / "board")
         deadline, tags = time.monotonic() + 90, {}
         while time.monotonic() < deadline:  # TensorBoard loads the logdir in the background
@@ -100,6 +102,23 @@ def test_board_shows_each_runs_scalars_at_the_steps_it_logged_and_stops_on_ctrl_
         text = _get(f"{url}/data/plugin/text/text?" + urllib.parse.urlencode(
             {"run": "board-b/tpuctl-record", "tag": "tpuctl/record"}))
         assert "board-b</strong>: succeeded, step 40, 1 recovery(ies)" in text[-1]["text"], text
+        # The timeline: the preemption where it struck (the step the watch last saw, 12 or a log line later),
+        # and at the last step the run's goodput and its seconds and dollars by phase, the lost ones included.
+        (_, s0, n0), (_, struck, n1) = _scalars(url, "board-b/tpuctl-record", "tpuctl/preemptions")
+        assert (s0, n0, n1) == (0, 0.0, 1.0) and 12 <= struck < 20, struck
+        assert [(s, v) for _, s, v in _scalars(url, "board-a/tpuctl-record", "tpuctl/preemptions")] == [(0, 0.0)]
+        tags_b = tags["board-b/tpuctl-record"]
+        assert {"tpuctl/goodput", "tpuctl/lost_to_preemption_usd", "tpuctl/phase_seconds/recovery",
+                "tpuctl/phase_usd/productive"} <= set(tags_b), tags_b
+        (_, step, goodput), = _scalars(url, "board-b/tpuctl-record", "tpuctl/goodput")
+        assert step == 40 and 0 < goodput < 1
+        (_, _, recovery_s), = _scalars(url, "board-b/tpuctl-record", "tpuctl/phase_seconds/recovery")
+        (_, _, lost_usd), = _scalars(url, "board-b/tpuctl-record", "tpuctl/lost_to_preemption_usd")
+        assert recovery_s > 0 and lost_usd > 0
+        phases = _get(f"{url}/data/plugin/text/text?" + urllib.parse.urlencode(
+            {"run": "board-b/tpuctl-record", "tag": "tpuctl/timeline"}))[-1]["text"]
+        assert "1 preemption(s)" in phases and "<td>wasted_progress</td>" in phases, phases
+        assert "<td>recover</td>" in phases and "<td>done</td>" in phases, phases
         port = url.rsplit(":", 1)[1]
         taken = tpuctl(cli_env(cloud, home, project), "board", "board-a", "--port", port)
         assert taken.returncode == 2 and taken.stderr.startswith(f"error: port: port {port} is in use"), taken.stderr
@@ -128,3 +147,100 @@ def test_the_end_of_tpuctl_run_says_how_to_look(cli_stderr):
     # A finished run's outcome as the pipeline leaves it (it kept the bucket): formatting needs no slow run.
     _summary(Outcome(run="board-b", state="succeeded", step=40, bucket="tpuctl-board-b", artifacts=["x"]))
     assert "  TensorBoard: tpuctl board board-b" in cli_stderr.getvalue().splitlines()
+
+
+def test_the_board_reads_the_bucket_only_on_google_with_a_gs_reader():
+    from tpuctl.jobs.board import choose
+
+    def reader(found):
+        def ask():
+            asked.append(True)
+            return found
+        return ask
+
+    asked: list = []
+    # TensorBoard reads gs:// itself with TensorFlow's GCS filesystem (or gcsfs) on Google, for one run.
+    assert choose(local=False, runs=1, reader=reader("tensorflow")).source == "bucket"
+    assert choose(local=False, runs=1, reader=reader("gcsfs")).source == "bucket"
+    # Without a reader it cannot: the mirror, and the way to read the bucket directly.
+    none = choose(local=False, runs=1, reader=reader(None))
+    assert none.source == "mirror" and "pip install tensorflow" in none.why
+    assert len(asked) == 3
+    # The local cloud's emulator, and several runs (one --logdir holds one bucket's run): the mirror, unasked.
+    assert choose(local=True, runs=1, reader=reader("tensorflow")).source == "mirror"
+    assert choose(local=False, runs=2, reader=reader("tensorflow")).source == "mirror"
+    assert len(asked) == 3
+
+
+def test_the_gs_reader_probe_finds_the_installed_tensorflows_gcs_filesystem():
+    import importlib.util
+
+    from tpuctl.jobs.board import gs_reader
+
+    if importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("no TensorFlow here: the probe's answer depends on gcsfs")
+    assert gs_reader() == "tensorflow"
+
+
+def test_the_record_of_two_preemptions_goes_next_to_the_runs_events_when_tensorboard_reads_the_bucket(
+        cloud, tmp_path, monkeypatch):
+    # Where TensorBoard reads gs:// itself (Google), it sees only the bucket: the board uploads the record there,
+    # whole after each change, and a later board's record replaces the earlier one (TensorBoard would show both).
+    from google.auth.credentials import AnonymousCredentials
+
+    from tpuctl.jobs.board import RECORD, Record, Source
+    from tpuctl.provision.clients import build
+
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
+    project = new_project()
+    clients = build(project=project, credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
+                    storage_host=cloud.storage_host, local=True)
+    bucket = clients.storage.create_bucket(f"tpuctl-{project}", location="us-central1")
+    src = Source(run="rec", bucket=bucket.name, prefix="runs/rec/model/tensorboard/", local=tmp_path / "rec")
+    bucket.blob(f"{src.prefix}events.out.tfevents.1.worker0").upload_from_string(b"the run's own")
+    # A run preempted twice (at steps 15 and 30), resuming from its checkpoints, as the pipeline marks it.
+    t = time.time() - 600
+    marks = [(0, "up", None, ""), (60, "launch", None, ""), (61, "workers_ready", None, ""), (62, "watch", None, ""),
+             (90, "first_step", 1, ""), (150, "last_step", 15, ""), (151, "recover", None, "lost"),
+             (200, "launch", None, ""), (201, "workers_ready", None, ""), (202, "watch", None, ""),
+             (220, "first_step", 11, ""), (300, "last_step", 30, ""), (301, "recover", None, "maintenance"),
+             (350, "launch", None, ""), (351, "workers_ready", None, ""), (352, "watch", None, ""),
+             (360, "first_step", 26, ""), (500, "last_step", 50, ""), (501, "teardown", None, ""),
+             (520, "done", None, "")]
+    bucket.blob("runs/rec/timeline.json").upload_from_string(json.dumps({"v": 1, "marks": [
+        {"at": t + dt, "what": what, "step": step, "detail": detail} for dt, what, step, detail in marks]}))
+    first = Record(clients, src, publish=True)
+    first.update()
+    first.close()
+    time.sleep(1.1)  # a record file is named by the second it started
+    second = Record(clients, src, publish=True)
+    second.update()
+    objects = {b.name: b for b in clients.storage.list_blobs(bucket.name, prefix=src.prefix)}
+    mine = f"{src.prefix}{RECORD}/{second.path.name}"
+    assert sorted(objects) == [f"{src.prefix}events.out.tfevents.1.worker0", mine], sorted(objects)
+    published = objects[mine].download_as_bytes()
+    assert published == second.path.read_bytes()
+    # The preemptions at a glance: a count that steps up where each struck.
+    points = [(e.step, v.tensor.float_val[0]) for e in _events(published) for v in e.summary.value
+              if v.tag == "tpuctl/preemptions"]
+    assert points == [(0, 0.0), (15, 1.0), (30, 2.0)], points
+    text, = [v.tensor.string_val[0].decode() for e in _events(published) for v in e.summary.value
+             if v.tag == "tpuctl/timeline"]
+    assert text.startswith("goodput ") and "2 preemption(s)" in text and "| recover |  | maintenance |" in text
+    size = second.path.stat().st_size
+    second.update()  # nothing changed: nothing written, nothing sent again
+    assert second.path.stat().st_size == size
+    assert bucket.get_blob(mine).generation == objects[mine].generation
+    second.close()
+
+
+def _events(data: bytes) -> list:
+    """The Events of a TFRecord file's bytes (length, its CRC, the record, its CRC; CRCs unchecked here)."""
+    from tensorboard.compat.proto import event_pb2
+
+    events, at = [], 0
+    while at < len(data):
+        length = int.from_bytes(data[at:at + 8], "little")
+        events.append(event_pb2.Event.FromString(data[at + 12:at + 12 + length]))
+        at += 12 + length + 4
+    return events

@@ -427,7 +427,8 @@ def test_bootstrap_script_keeps_hostile_values_inside_their_quotes(tmp_path_fact
     assert not list(tmp.iterdir())
     # The real bootstrap with hostile values in every slot that can carry user text is valid bash.
     boot = remote.bootstrap_script(run="r1", worker=0, python="python3", project=values[0], bucket=values[-1],
-                                   bundle_object=f"runs/r1/{values[0]}", bundle_sha="0" * 64, launch_id="l1")
+                                   bundle_object=f"runs/r1/{values[0]}", bundle_sha="0" * 64, launch_id="l1",
+                                   storage="gcs")
     subprocess.run(["bash", "-n", "-c", boot], check=True, cwd=tmp)
 
 

@@ -67,10 +67,37 @@ def test_render_quotes_every_value_and_refuses_missing(tmp_path):
 def test_bootstrap_script_is_valid_bash_for_hostile_values():
     script = remote.bootstrap_script(run="r1", worker=3, python="python3", project="p'; rm -rf /",
                                      bucket="$(reboot)", bundle_object="runs/r1/x\ny", bundle_sha="abc",
-                                     launch_id="l1")
+                                     launch_id="l1", storage="mirror")
     subprocess.run(["bash", "-n", "-c", script], check=True)
     assert "BUCKET='$(reboot)'" in script
 
+
+
+# A metadata server that never answers: the emulator's (mirror) client would ask it for the VM's token and fail.
+@pytest.mark.parametrize("kind, metadata", [("gcs", "127.0.0.1:9"), ("mirror", None)])
+def test_the_bootstrap_fetches_the_bundle_with_its_storage_kinds_client_not_the_workers_guess(tmp_path, storage,
+                                                                                              kind, metadata):
+    # The worker's environment names the emulator either way (as a local-cloud VM's does): only the kind rendered
+    # from the bundle decides. A gcs bundle's fetch is the Gcs agent's plain client, which asks no metadata server
+    # here; guessing "emulator" from STORAGE_EMULATOR_HOST would ask the dead one. A wrong sha stops the script
+    # right after the fetch, before anything starts.
+    b = _ship(tmp_path, storage, replace(_job("fetch", storage, workers=1), storage=kind))
+    assert b.storage == kind
+    script = remote.bootstrap_script(run="fetch", worker=0, python=PYTHON, project="test-project",
+                                     bucket=storage.bucket_name, bundle_object=b.object_name, bundle_sha="0" * 64,
+                                     launch_id="l1", storage=b.storage)
+    assert "STORAGE_EMULATOR_HOST" not in script
+    env = {k: v for k, v in os.environ.items() if k != "GCE_METADATA_HOST"} | {"HOME": str(tmp_path)}
+    if metadata:
+        env["GCE_METADATA_HOST"] = metadata
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "did NOT match" in r.stderr, r.stderr
+    fetched = tmp_path / remote.workdir("fetch", 0) / "bundle.tar.gz"
+    assert fetched.read_bytes() == b.path.read_bytes()
+    with pytest.raises(BadInput) as e:
+        remote.bootstrap_script(run="fetch", worker=0, python=PYTHON, project="p", bucket="b", bundle_object="o",
+                                bundle_sha="0", launch_id="l1", storage="emulator")
+    assert e.value.field == "job.storage"
 
 @pytest.mark.parametrize("name", ["Bad", "a b", "x;y", "$(id)", "../up", "", "a" * 64, "-a"])
 def test_hostile_run_names_are_refused(name):

@@ -295,10 +295,10 @@ def gc(*, dry_run: bool = False, idle_s: float | None = 3600.0, budget_usd: floa
 
 def board(runs: str | list[str], *, port: int | None = None, bucket: str | None = None, interval_s: float = 10.0,
           stop: threading.Event | None = None, on_event: EventSink | None = None, project: str | None = None,
-          cloud: str | None = None) -> Path:
-    """TensorBoard on 127.0.0.1 over the runs' TensorBoard files (mirrored from their buckets every `interval_s`),
-    as `tpuctl board`. Blocks until `stop` is set; `on_event` gets `tpuctl.jobs.board.BoardReady` (url, logdir)
-    once it serves. Returns the logdir."""
+          cloud: str | None = None) -> str:
+    """TensorBoard on 127.0.0.1 over the runs' TensorBoard files (read from the bucket, or mirrored from it every
+    `interval_s`), as `tpuctl board`. Blocks until `stop` is set; `on_event` gets `tpuctl.jobs.board.BoardReady`
+    (url, logdir, source) once it serves. Returns the logdir (gs://... or a local path)."""
     from tpuctl.jobs import board as board_mod
 
     sink = on_event or ignore
