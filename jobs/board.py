@@ -169,13 +169,13 @@ class Record:
     """The run's record as TensorBoard events in `src.local/RECORD`, appended as it changes; with `publish`
     (TensorBoard reads the bucket) also uploaded next to the run's events."""
 
-    def __init__(self, clients: Clients, src: Source, *, publish: bool = False):
+    def __init__(self, clients: Clients, src: Source, *, publish: bool = False, on_event: EventSink = ignore):
         # TensorBoard's RecordWriter on a plain file: its EventFileWriter would import TensorFlow (seconds, and
         # TensorFlow's log lines on tpuctl's stderr) for tf.io.gfile.
         from tensorboard.compat.proto import event_pb2
         from tensorboard.summary.writer.record_writer import RecordWriter
 
-        self.clients, self.src, self.publish = clients, src, publish
+        self.clients, self.src, self.publish, self.on_event = clients, src, publish, on_event
         folder = src.local / RECORD
         folder.mkdir(parents=True, exist_ok=True)
         for old in folder.iterdir():  # an earlier board's record: this one starts over, before TensorBoard reads it
@@ -205,8 +205,16 @@ class Record:
                 blob.delete()
         except gexc.NotFound:
             pass  # deleted meanwhile (another board)
+        except gexc.Forbidden:
+            self._read_only()
         except gexc.GoogleAPICallError as exc:
             raise from_google(exc, what=f"replace gs://{self.src.bucket}/{self.object_prefix}") from exc
+
+    def _read_only(self) -> None:
+        """Someone who may only read the bucket still gets the run's own curves: the record stays local."""
+        self.publish = False
+        self.on_event(Note(f"run {self.src.run}: no write access to gs://{self.src.bucket}, so its record (cost, "
+                           "goodput, timeline) is not shown; the training curves are"))
 
     def add_event(self, event) -> None:
         self.writer.write(event.SerializeToString())
@@ -312,6 +320,8 @@ class Record:
         name = self.object_prefix + self.path.name
         try:  # the whole file again: GCS objects are written whole, and TensorBoard reads on from its offset
             self.clients.storage.bucket(self.src.bucket).blob(name).upload_from_filename(str(self.path))
+        except gexc.Forbidden:
+            self._read_only()
         except gexc.GoogleAPICallError as exc:
             raise from_google(exc, what=f"write gs://{self.src.bucket}/{name}") from exc
 
@@ -454,7 +464,7 @@ def serve(clients: Clients, runs: list[str], *, port: int | None = None, bucket:
     else:
         mirror.sync()
         empty = [src for src in found if not _mirrored(src)]
-    records = [Record(clients, src, publish=direct) for src in found]
+    records = [Record(clients, src, publish=direct, on_event=on_event) for src in found]
     for record in records:
         record.update()
     for src in empty:

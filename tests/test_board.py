@@ -232,6 +232,24 @@ def test_the_record_of_two_preemptions_goes_next_to_the_runs_events_when_tensorb
     assert second.path.stat().st_size == size
     assert bucket.get_blob(mine).generation == objects[mine].generation
     second.close()
+    # Someone who may only read the bucket (roles/storage.objectViewer) still gets a board: the record stays
+    # local and a note says so, where a 403 used to stop the board before TensorBoard started.
+    from google.api_core import exceptions as gexc
+    from google.cloud import storage as gcs
+
+    def forbidden(*_, **__):
+        raise gexc.Forbidden("caller does not have storage.objects.delete access")
+
+    monkeypatch.setattr(clients.storage, "list_blobs", forbidden)
+    monkeypatch.setattr(gcs.Blob, "upload_from_filename", forbidden)
+    notes: list = []
+    time.sleep(1.1)
+    viewer = Record(clients, src, publish=True, on_event=notes.append)
+    viewer.update()
+    viewer.close()
+    assert not viewer.publish and [n.message for n in notes] == [
+        f"run rec: no write access to gs://{bucket.name}, so its record (cost, goodput, timeline) is not shown; "
+        "the training curves are"]
 
 
 def _events(data: bytes) -> list:
