@@ -162,13 +162,17 @@ class _Stream:
             if m:
                 values = m.groupdict()
                 loss, rate = values.get("loss"), values.get("examples_per_sec")
+                # When the step ended on the worker, where its line says: lines reach tpuctl in bursts (the
+                # first ones only once SSH is up), so the time one arrives says little about the step.
+                now = time.time()
+                ended = min(_number(values.get("time"), now), now)
                 metrics = ev.Metrics(worker, int(m["step"]), loss=_number(loss, None),
-                                     examples_per_s=_number(rate, None), max_steps=self.max_steps)
+                                     examples_per_s=_number(rate, None), max_steps=self.max_steps, at=ended)
                 if worker == 0:
                     self.outcome.step = metrics.step
                     self.outcome.loss = _number(loss, self.outcome.loss)
                     self.outcome.examples_per_sec = _number(rate, self.outcome.examples_per_sec)
-                    self.last_step_at = time.time()
+                    self.last_step_at = metrics.at
         # Every worker trains the same steps: worker 0's progress lines stand for all, so a 64-host slice
         # does not log each step 64 times. Anything else (warnings, tracebacks) shows from every worker.
         if worker == 0 or not step_line:
@@ -243,8 +247,8 @@ class Verdict(enum.Enum):
     DETACHED = "detached"
     SUCCEEDED = "succeeded"  # the job exited 0 on every worker (from TEARDOWN: its artifacts are still to collect)
     DELETE_BUCKET = "succeeded, bucket to delete"
-    LOST = "lost"  # the node was preempted or is gone, or a worker lost its job
-    MAINTENANCE = "maintenance"  # the node is under maintenance: the same node comes back
+    LOST = "lost"  # the node was preempted or is gone, or a worker stopped answering
+    MAINTENANCE = "maintenance"  # the node is under maintenance, or came back from it: the same node is relaunched
     HELD = "held"  # the TPU and VMs are still up
     FAILED = "failed"  # a state raised; the error is re-raised once the run is torn down
     # WATCH only, never a transition: it raises JobFailed (after stopping every worker) or Interrupted.
@@ -572,19 +576,25 @@ class Pipeline:
                 while True:
                     if self.cancel.is_set() or self.emit.failure is not None:
                         return Verdict.STOPPED, None
-                    node = await asyncio.to_thread(cluster.node_state, self.clients, rec.zone, rec.node)
-                    if node is None or node.state is not State.READY:
-                        self.emit(ev.Warn(f"TPU node {rec.node} is {'gone' if node is None else node.state.value}"))
-                        repairing = node is not None and node.state is State.REPAIRING
-                        return Verdict.MAINTENANCE if repairing else Verdict.LOST, None
+                    if lost := await self._node_not_ready():
+                        return lost, None
                     states = await launching.poll(fleet, rec.run)
                     failed = [s for s in states if s.done and s.exit_code != 0]
+                    workers_lost = any(s.state in ("lost", "absent") for s in states)
+                    # The node may have gone into maintenance or been preempted since it was read: then the
+                    # workers' end is the node's, not the job's.
+                    if (failed or workers_lost) and (lost := await self._node_not_ready()):
+                        return lost, None
                     if failed:
                         return Verdict.JOB_FAILED, failed[0]
                     if all(s.done for s in states):
                         return Verdict.SUCCEEDED, None
-                    if any(s.state in ("lost", "absent") for s in states):
-                        return Verdict.LOST, None
+                    if workers_lost:
+                        # Every worker answers on a READY node, but the job's processes are gone: the node was
+                        # restarted under it (host maintenance reboots the VMs, and can be over before a poll
+                        # sees it). The same node takes the job again; recreating it would throw it away.
+                        self.emit(ev.Warn(f"the job's processes on TPU node {rec.node} are gone: it restarted"))
+                        return Verdict.MAINTENANCE, None
                     unreachable = unreachable + 1 if any(s.state == "unreachable" for s in states) else 0
                     if unreachable >= UNREACHABLE_POLLS:
                         return Verdict.LOST, None
@@ -598,6 +608,15 @@ class Pipeline:
                     await asyncio.wait_for(asyncio.shield(follower), timeout=0.5)
                 except (asyncio.TimeoutError, Exception):
                     follower.cancel()
+
+    async def _node_not_ready(self) -> Verdict | None:
+        """MAINTENANCE (Google is repairing the node) or LOST (gone, preempted, ...) unless the node is READY."""
+        rec = self.record
+        node = await asyncio.to_thread(cluster.node_state, self.clients, rec.zone, rec.node)
+        if node is not None and node.state is State.READY:
+            return None
+        self.emit(ev.Warn(f"TPU node {rec.node} is {'gone' if node is None else node.state.value}"))
+        return Verdict.MAINTENANCE if node is not None and node.state is State.REPAIRING else Verdict.LOST
 
     def watch(self) -> Verdict:
         """Watch the launched job once: SUCCEEDED (DELETE_BUCKET), or LOST/MAINTENANCE for a recovery. A job that
@@ -664,6 +683,9 @@ class Pipeline:
         requested again."""
         rec = self.record
         action = provision.recovery_action(self.clients, rec.zone, rec.node, last=self._tpu)
+        # The workers can drop in the moment between the watch reading the node READY and the node showing its
+        # maintenance: a node the driver says to wait for is under maintenance, whatever the watch concluded.
+        maintenance = maintenance or isinstance(action, provision.Wait)
         if isinstance(action, provision.Ended):
             self._tpu = action.tpu
             raise self._run_ended()

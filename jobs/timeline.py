@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tpuctl import cost
@@ -157,7 +157,12 @@ def intervals(marks: Iterable[Mark], *, now: float) -> list[tuple[str, float, fl
         if m.what != "watch":
             add(_STATE_CATEGORY[m.what], t0, t1)
             continue
-        first = _first(marks, "first_step", t0, t1)
+        # Steps are dated by the worker's clock: the job may train a moment before the watch begins (between its
+        # launch's `workers_ready` and the `watch` mark), so its first step is looked for from the launch on.
+        since = max((x.at for x in marks if x.what in WATCHED_FROM and x.at <= t0), default=t0)
+        first = _first(marks, "first_step", since, t1)
+        if first is not None and first.at < t0:
+            first = replace(first, at=t0)
         if first is None:  # no step in this watch: it never got past starting
             add("recovery" if after_loss else "program_startup", t0, t1)
             continue

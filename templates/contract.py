@@ -82,7 +82,8 @@ FIELDS: dict[str, dict[str, str]] = {
     },
     "progress": {
         "start_line": "regex of the start line, group max_steps (the ETA's target)",
-        "step_line": "regex of a step line, group step; optional loss, examples_per_sec",
+        "step_line": "regex of a step line, group step; optional loss, examples_per_sec, time (the worker's Unix "
+                     "time when the step ended: the run's timeline dates steps by it, not by the line's arrival)",
         "checkpoint_line": "regex of a checkpoint line, groups step and path",
         "done_line": "regex of the last line, group step; optional loss",
         "idle_line": "regex of an idle worker's line (a multi-host TensorFlow slice's workers 1..N-1)",
@@ -105,7 +106,8 @@ class Progress:
 
     start_line: re.Pattern = re.compile(r"^start\b.*?\bmax_steps=(?P<max_steps>\d+)")
     step_line: re.Pattern = re.compile(
-        r"^step=(?P<step>\d+)\b(?:.*?\bloss=(?P<loss>\S+))?(?:.*?\bexamples_per_sec=(?P<examples_per_sec>\S+))?")
+        r"^step=(?P<step>\d+)\b(?:.*?\bloss=(?P<loss>\S+))?(?:.*?\bexamples_per_sec=(?P<examples_per_sec>\S+))?"
+        r"(?:.*?\btime=(?P<time>[\d.]+))?")
     checkpoint_line: re.Pattern = re.compile(r"^checkpoint step=(?P<step>\d+) path=(?P<path>\S+)$")
     done_line: re.Pattern = re.compile(r"^done step=(?P<step>\d+)\b(?:.*?\bloss=(?P<loss>\S+))?")
     idle_line: re.Pattern = re.compile(r"^idle worker=(?P<worker>\d+) reason=(?P<reason>\S+)$")

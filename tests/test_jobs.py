@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -304,6 +305,34 @@ def test_an_agent_cancelled_before_its_program_starts_records_143_and_starts_not
     assert status["state"] == "failed" and status["exit_code"] == 143, status
 
 
+def test_a_sigterm_no_cancel_asked_for_is_the_machine_going_down_not_the_job_ending(tmp_path, storage):
+    """Google stops a TPU VM's OS for maintenance or a preemption, which signals every process: the job did not
+    fail there, so the agent records no exit code and the worker reads `lost` (recovered from), not `exited 143`
+    (a failed job, torn down)."""
+    import tarfile
+
+    run = "guest-down"
+    b = _ship(tmp_path, storage, _job(run, storage, workers=1, trainer={"max_steps": 2000, "step_seconds": 0.05}))
+    home = tmp_path / "w0"
+    with tarfile.open(b.path) as tar:
+        tar.extractall(home / "bundle", filter="data")
+    proc = subprocess.Popen([PYTHON, "-m", bundles.AGENT_PACKAGE, "run", "--bundle", str(home / "bundle"),
+                             "--worker", "0"], env={**os.environ, "STORAGE_EMULATOR_HOST": storage.host,
+                                                    "PYTHONPATH": str(home / "bundle")}, cwd=home,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while "step=3 " not in ((home / "job.log").read_text() if (home / "job.log").exists() else ""):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert not (home / "exit_code").exists()
+    log = (home / "job.log").read_text()
+    assert "the machine is shutting down; the job did not end here" in log and "checkpoint step=" in log, log
+    status = json.loads(_blob_text(storage, f"runs/{run}/status.json"))
+    assert status["state"] == "running" and status["exit_code"] is None, status
+
+
 def test_logs_follow_resumes_at_offset_after_ssh_drop(tmp_path, slice4, storage):
     run = "drops"
     # No checkpoint before the end: worker 0's agent uploads the model dir every heartbeat and each agent
@@ -328,7 +357,7 @@ def test_logs_follow_resumes_at_offset_after_ssh_drop(tmp_path, slice4, storage)
     cursor = asyncio.run(go())
     assert cursor.reconnects >= 1
     for w in range(4):
-        steps = [line for i, line in lines if i == w and line.startswith("step=")]
+        steps = [line.rsplit(" time=", 1)[0] for i, line in lines if i == w and line.startswith("step=")]
         assert steps == [f"step={n} loss={10.0 / n:.3f} examples_per_sec=100.0" for n in range(1, 41)]
 
 

@@ -71,3 +71,26 @@ def test_a_checkpoint_whose_line_died_with_the_node_is_placed_at_the_watchs_pace
     spans = dict(((c, t0), t1) for c, t0, t1 in intervals(marks, now=1000))
     # Steps 1..12 took 25 s..37 s: step 10 was reached at 25 + 12 * 9/11.
     assert spans["productive", 25] == pytest.approx(25 + 12 * 9 / 11)
+
+
+def test_steps_are_dated_by_the_workers_clock_not_by_when_their_lines_arrive():
+    """Over SSH the first lines arrive in one burst once the connection is up (and a short watch's every line
+    may): dated on arrival, the steps would take no time and the goodput would read 0."""
+    import time
+
+    from tpuctl import events
+    from tpuctl.jobs.pipeline import Outcome, _Stream
+
+    seen: list = []
+    stream = _Stream(Outcome(run="r"), emit=seen.append)
+    now = time.time()
+    for step in range(1, 13):  # twelve steps, 0.1 s apart on the worker, read in one burst now
+        stream(0, f"step={step} loss=1.0 examples_per_sec=100.0 time={now - 1.2 + step / 10:.3f}")
+    stream(0, f"step=13 loss=1.0 time={now + 3600:.3f}")  # a clock an hour ahead is not believed past now
+    ats = [e.at for e in seen if isinstance(e, events.Metrics)]
+    assert ats[:12] == pytest.approx([now - 1.2 + step / 10 for step in range(1, 13)], abs=1e-3)
+    assert now <= ats[12] <= time.time() and stream.last_step_at == ats[12]
+    # The job trained its first step between its launch's workers_ready and the watch's mark: still the watch's.
+    marks = [Mark(0, "launch"), Mark(5, "workers_ready"), Mark(5.005, "first_step", 1), Mark(5.01, "watch"),
+             Mark(9, "last_step", 40), Mark(10, "teardown"), Mark(11, "done")]
+    assert intervals(marks, now=100)[:3] == [("program_startup", 0, 5.01), ("productive", 5.01, 9), ("other", 9, 10)]

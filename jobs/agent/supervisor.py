@@ -143,6 +143,8 @@ class Agent:
             code = -signal.SIGTERM
         else:
             code = self._supervise(argv, env)
+        if self.terminated and not (self.home / CANCEL_MARKER).exists():
+            return self._guest_stopped(beat)
         self.ended = time.time()
         self.exit_code = 128 - code if code < 0 else code
         self.state = "succeeded" if self.exit_code == 0 else "failed"
@@ -161,6 +163,19 @@ class Agent:
         if self.worker == 0 and self.num_workers > 1:
             self._settle_status()
         return self.exit_code
+
+    def _guest_stopped(self, beat: threading.Thread) -> int:
+        """A SIGTERM that no cancel asked for is the guest's shutdown (maintenance, preemption, a stop: Google
+        stops the OS, which signals every process). The job did not end, so no exit code is recorded: the worker
+        reads `lost`, which tpuctl recovers from, where an exit code would have read as the job failing."""
+        self.say("SIGTERM without a cancel: the machine is shutting down; the job did not end here")
+        self._stop.set()
+        beat.join(timeout=30)
+        try:
+            self.publish(final=True)  # the log, with the checkpoint the notice saved; the state stays running
+        except Exception as exc:  # noqa: BLE001 - the machine is going down; the next launch publishes again
+            self.say(f"final sync failed: {type(exc).__name__}: {exc}")
+        return 128 + signal.SIGTERM
 
     def _supervise(self, argv: list[str], env: dict[str, str]) -> int:
         """Runs the program, copying its output into the job log; returns its wait status."""

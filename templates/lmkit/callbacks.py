@@ -56,7 +56,7 @@ class Monitor(keras.callbacks.Callback):
                          self.accuracy: float(host_array(logs[self.accuracy])),
                          "learning_rate": lr, "examples_per_sec": rate}
             self.emit(f"step={step} loss={self.last['loss']:.4f} {self.accuracy}={self.last[self.accuracy]:.4f} "
-                      f"learning_rate={lr:.6g} examples_per_sec={rate:.1f}")
+                      f"learning_rate={lr:.6g} examples_per_sec={rate:.1f} time={time.time():.3f}")
             if self.writer is not None:
                 with self.writer.as_default(step=step):
                     for name, value in self.last.items():

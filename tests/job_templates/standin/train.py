@@ -46,7 +46,7 @@ def main() -> int:
         if step == trainer.get("fail_at_step") and worker == int(trainer.get("fail_worker", 0)):
             print(f"worker {worker}: boom at step {step}", flush=True)
             return 3
-        print(f"step={step} loss={10.0 / step:.3f} examples_per_sec=100.0", flush=True)
+        print(f"step={step} loss={10.0 / step:.3f} examples_per_sec=100.0 time={time.time():.3f}", flush=True)
         requested = bool(request) and os.path.exists(request)
         if requested:
             os.remove(request)
