@@ -111,14 +111,16 @@ def status(clients: Clients, run: str | None = None, *,
 
 
 def down(clients: Clients, run: str, *, delete_bucket: bool = False, progress: ProgressFn | None = None,
-         deadline_s: float = 1800.0) -> DownResult:
+         deadline_s: float = 1800.0, spare: tuple[str, ...] = ()) -> DownResult:
     """Delete every resource of `run` in parallel and block until gone, then verify by listing labels.
 
     Idempotent: a run with nothing left returns an empty result. The bucket (checkpoints) and its IAM
     binding are kept unless `delete_bucket`. Raises CloudError naming anything still present afterwards.
+    `spare`: keys of resources left alone (a supervisor VM tearing its run down deletes itself last).
     """
-    found = _inventory.resources(clients, run, include_iam=True)
-    return _down(clients, run, found, delete_bucket=delete_bucket, progress=progress, deadline_s=deadline_s)
+    found = [r for r in _inventory.resources(clients, run, include_iam=True) if r.key not in spare]
+    return _down(clients, run, found, delete_bucket=delete_bucket, progress=progress, deadline_s=deadline_s,
+                 spare=spare)
 
 
 def bucket_contents(clients: Clients, bucket: str) -> _bucket.Contents:

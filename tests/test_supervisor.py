@@ -1,0 +1,123 @@
+"""`tpuctl run --detach`: the run goes on in a supervisor VM (jobs/supervisor_vm.py) once the laptop is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, new_project
+from test_run import _live, _spec, _spec_file, _zero
+from tpuctl.jobs import cluster, supervisor_vm
+
+RUN = "sv-run"
+ZONE = "us-central1-a"  # where _spec puts a v3-8
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _tpuctl_processes_outside_the_cloud() -> list[str]:
+    """This test's processes running tpuctl that are not guests of the local cloud (its VMs and workers carry
+    its marker variable): the laptop's."""
+    found = []
+    for pid in _descendants(os.getpid()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if "tpuctl" in cmdline and not any(e.startswith(b"LOCALCLOUD_WORKER=") for e in environ):
+            found.append(cmdline)
+    return found
+
+
+def _until(what: str, check, timeout: float = 180.0, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def project(cloud, tmp_path, monkeypatch) -> str:
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
+    return new_project()
+
+
+@pytest.fixture
+def tpc(cloud, project):
+    from google.auth.credentials import AnonymousCredentials
+
+    from tpuctl.provision.clients import build
+
+    return build(project=project, credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
+                 storage_host=cloud.storage_host, local=True)
+
+
+def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor(cloud, project, tpc, tmp_path):
+    env = cli_env(cloud, tmp_path, project)
+    spec = _spec_file(tmp_path, _spec(RUN, accelerator="v3-8",
+                                      trainer={"max_steps": 60, "checkpoint_every": 5, "step_seconds": 0.1}))
+    r = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes", "--detach", "--poll", "0.5"],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert f"supervisor VM {RUN}-supervisor: e2-small at $0.0168/h ($0.40/day)" in r.stderr, r.stderr
+    assert "in the hands of its supervisor VM" in r.stderr, r.stderr
+    # The laptop is closed: nothing of tpuctl runs but the cloud's own guests (the supervisor, the TPU's job).
+    assert _tpuctl_processes_outside_the_cloud() == []
+    bucket = json.loads(subprocess.run([sys.executable, "-m", "tpuctl", "status", RUN, "--json"], env=env,
+                                       capture_output=True, text=True, timeout=60).stdout)
+    vm = next(res for res in bucket["resources"] if res["kind"] == "vm")
+    assert vm["name"] == f"{RUN}-supervisor" and vm["labels"]["tpuctl-role"] == "supervisor"
+    assert {"tpuctl-run", "tpuctl-owner", "tpuctl-expires"} <= set(vm["labels"])
+    bucket = next(res["name"] for res in bucket["resources"] if res["kind"] == "bucket")
+    beat = supervisor_vm.Heartbeat.read(tpc, bucket, RUN)
+    assert beat.state == "supervising" and beat.vm == f"{RUN}-supervisor"
+    # It runs the wheel the laptop uploaded, installed by its startup script, not this checkout.
+    assert "tpuctl-supervisor/site/tpuctl" in beat.tpuctl, beat
+
+    def step() -> int:
+        status = cluster.read_status(tpc, bucket, RUN)
+        return (status.step or 0) if status else 0
+
+    _until("step 8", lambda: step() >= 8)
+    os.kill(beat.pid, signal.SIGKILL)  # the supervisor crashes: its service starts it again
+    again = _until("a restarted supervisor", lambda: (b := supervisor_vm.Heartbeat.read(tpc, bucket, RUN)).pid != beat.pid
+                   and b.state == "supervising" and b)
+    assert again.handoff == beat.handoff
+    at = step()
+    _until("a step after the restart", lambda: step() > at)
+    cloud.preempt(f"projects/{project}/locations/{ZONE}/nodes/{RUN}")
+
+    def ended():
+        status = cluster.read_status(tpc, bucket, RUN)
+        return status is not None and status.final and status.state != "running" and _zero(cloud, project) and status
+    final = _until("the run to end and leave nothing", ended, timeout=240)
+    assert final.state == "succeeded" and final.step == 60, (final, _live(cloud, project))
+    doc = json.loads(subprocess.run([sys.executable, "-m", "tpuctl", "job", "status", RUN, "--json"], env=env,
+                                    capture_output=True, text=True, timeout=60).stdout)
+    assert doc["recoveries"] == 1, doc
+    assert supervisor_vm.Heartbeat.read(tpc, bucket, RUN).state == "ended"
