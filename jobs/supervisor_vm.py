@@ -34,13 +34,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpuctl import events as ev
-from tpuctl.errors import BadInput, CloudError, NotFound, TpuctlError
+from tpuctl.errors import NotFound, TpuctlError
 
 if TYPE_CHECKING:
     from tpuctl.provision import Clients, Plan, Resource
 
-ROLE_LABEL = "tpuctl-role"
-ROLE = "supervisor"
 SUFFIX = "-supervisor"
 # The packages of the tpuctl distribution (pyproject.toml [tool.setuptools] packages): subpackages ride along.
 _PACKAGES = ("tpuctl", "tpuctl.jobs", "tpuctl.provision", "tpuctl.templates", "tpuctl.localcloud")
@@ -78,10 +76,6 @@ def vm_name(run: str) -> str:
 
 def prefix(run: str) -> str:
     return f"runs/{run}/supervisor/"
-
-
-def is_supervisor(r: Resource) -> bool:
-    return r.labels.get(ROLE_LABEL) == ROLE
 
 
 def machine_type(catalog) -> str:
@@ -248,7 +242,7 @@ def create(clients: Clients, plan: Plan, zone: str, *, service_account: str, can
     """Create (or adopt) the run's supervisor VM in `zone` (the TPU's region); blocks until RUNNING. Its
     startup script waits for the wheel, so it can boot before the job is launched."""
     from tpuctl import catalog as catalog_mod
-    from tpuctl.provision import vm
+    from tpuctl.provision import labels, vm
     from tpuctl.provision.network import Network
 
     name = vm_name(plan.run)
@@ -256,7 +250,7 @@ def create(clients: Clients, plan: Plan, zone: str, *, service_account: str, can
     script = startup_script(run=plan.run, bucket=plan.bucket, zone=zone, wheel=wheel, env=settings_env(clients),
                             wait_s=3 * takeover_deadline_s(clients.local) + 3600)
     req = vm.VmRequest(name=name, zone=zone, machine_type=machine_type(catalog_mod.load()), disk_gb=DISK_GB,
-                       image=IMAGE, labels={**plan.labels, ROLE_LABEL: ROLE}, service_account=service_account,
+                       image=IMAGE, labels={**plan.labels, labels.ROLE: labels.SUPERVISOR}, service_account=service_account,
                        network=Network.of_plan(plan), metadata={"startup-script": script})
     return vm.create(clients, req, deadline_s=deadline_s, cancel=cancel,
                      progress=(lambda state, detail: progress(f"vm/{zone}/{name}", state.value, detail))
@@ -310,9 +304,13 @@ def hand_over(clients: Clients, run: str, bucket: str, *, options: dict, on_even
 def stale(clients: Clients, bucket: str, run: str, *, now: float | None = None) -> bool:
     """Whether the run's supervisor stopped beating (gc takes such a run over, or cleans it up). A run with no
     heartbeat at all is not stale: it was never handed over, and its laptop may still be handing it over."""
-    beat = Heartbeat.read(clients, bucket, run)
+    try:
+        beat = Heartbeat.read(clients, bucket, run)
+        at = float(beat.at) if beat is not None else None
+    except (TpuctlError, ValueError, TypeError, AttributeError):  # unreadable: it decides nothing (gc goes on)
+        return False
     now = time.time() if now is None else now
-    return beat is not None and now - float(beat.at or 0) > stale_after_s(clients.local)
+    return at is not None and now - at > stale_after_s(clients.local)
 
 
 # --- the service (on the VM) ----------------------------------------------------------------------------
@@ -357,7 +355,7 @@ def serve(run: str, bucket: str, vm: str, zone: str) -> int:
     from tpuctl.provision import waits
 
     from . import cluster
-    from .pipeline import Pipeline, RunOptions
+    from .pipeline import Pipeline, RunOptions, RunState
 
     clients = provision.connect(config.settings(on_event=_log))
     beat = _Beat(clients, run, bucket, vm, zone)
@@ -371,10 +369,18 @@ def serve(run: str, bucket: str, vm: str, zone: str) -> int:
         options = RunOptions(attach=run, yes=True, poll_s=float(handoff.get("poll_s", 2.0)),
                              delete_bucket=bool(handoff.get("delete_bucket")), export=tuple(handoff.get("export", ())),
                              spare=(f"{provision.Kind.VM.value}/{zone}/{vm}",))
+        pipeline = Pipeline(clients, options=options, on_event=_log)
         try:
-            Pipeline(clients, options=options, on_event=_log).attach()
-        except TpuctlError as exc:  # the run's own end (the job failed, ...): recorded in its status, torn down
+            pipeline.attach()
+        except TpuctlError as exc:
+            if pipeline.state is RunState.ATTACH and not isinstance(exc, NotFound):
+                raise  # the run's records could not be read (yet): the service starts this again
+            # The run's own end (the job failed, ...; recorded in its status and torn down), or a run with no TPU
+            # left to watch (Google deleted it while no supervisor ran): nothing to supervise any more.
             print(f"run {run}: {exc}", file=sys.stderr, flush=True)
+            if pipeline.state is RunState.ATTACH:
+                cluster.close_status(clients, bucket, run, state="failed", ended="supervisor_found_no_tpu",
+                                     on_event=_log)
     beat.stop.set()
     beat.set(state="ended")
     # Last: whatever of the run is left (this VM included). The process dies with its VM.

@@ -128,3 +128,48 @@ def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor
                                     capture_output=True, text=True, timeout=60).stdout)
     assert doc["recoveries"] == 1, doc
     assert supervisor_vm.Heartbeat.read(tpc, bucket, RUN).state == "ended"
+
+
+def test_the_wheel_of_the_installed_tpuctl_installs_and_runs_without_this_checkout(tmp_path):
+    """What the supervisor VM's startup script does with it: `pip install --no-deps --target`, then the
+    supervisor's own check, importing tpuctl from there (not from this checkout; run elsewhere, as the VM's
+    script runs in its own directory: from the repo root, `tpuctl/` there would shadow it)."""
+    wheel = supervisor_vm.build_wheel(tmp_path / "w")
+    assert supervisor_vm.build_wheel(tmp_path / "again").read_bytes() == wheel.read_bytes()  # uploaded once
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+                    "--target", str(site), str(wheel)], check=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import tpuctl.jobs.supervisor_vm as s, tpuctl.templates as t; "
+                            "print(s.__file__); print(t.__file__)"], env=env, capture_output=True, text=True,
+                           timeout=60, check=True, cwd=tmp_path).stdout.split()
+    assert where == [str(site / "tpuctl/jobs/supervisor_vm.py"), str(site / "tpuctl/templates/__init__.py")]
+    assert subprocess.run([sys.executable, "-m", "tpuctl.jobs.supervisor_vm", "check"], env=env,
+                          timeout=60, cwd=tmp_path).returncode == 0
+
+
+def test_gc_cleans_up_a_run_whose_supervisor_stopped_beating(tpc):
+    from tpuctl.provision import gc
+    from tpuctl.provision.resources import Kind, Resource, State
+
+    now = time.time()
+    tpc.storage.create_bucket("sv-gc-bucket")
+
+    def run_of(name: str, beat_age: float | None) -> list[Resource]:
+        labels = {"tpuctl-run": name, "tpuctl-owner": "ann", "tpuctl-created": str(int(now - 3600))}
+        if beat_age is not None:
+            cluster.write_json(tpc, "sv-gc-bucket", supervisor_vm.prefix(name) + "heartbeat.json",
+                               {"vm": f"{name}-supervisor", "zone": ZONE, "at": now - beat_age, "state": "supervising",
+                                "handoff": "h", "tpuctl": "/x", "pid": 1})
+        return [Resource(kind=kind, name=f"{name}-{kind.value}", project=tpc.project, location=ZONE, state=State.READY,
+                         labels={**labels, **({"tpuctl-role": "supervisor"} if kind is Kind.VM else {})}, created=None,
+                         run=name) for kind in (Kind.TPU, Kind.VM)] + [
+            Resource(kind=Kind.BUCKET, name="sv-gc-bucket", project=tpc.project, location="us-central1",
+                     state=State.READY, labels=labels, created=None, run=name)]
+
+    resources = run_of("lost", 10 * supervisor_vm.stale_after_s(True)) + run_of("alive", 0.5) + run_of("never", None)
+    lost = gc.lost_supervisors(tpc, resources, now=now)
+    assert lost == {"lost"}
+    actions = gc.decide(resources, {}, {}, gc.Policy(now=now, owner="ann", idle_s=None), lost_supervisors=lost)
+    assert sorted((a.resource.name, a.reasons) for a in actions if a.verdict == "delete") == [
+        ("lost-tpu", ("supervisor-lost",)), ("lost-vm", ("supervisor-lost",))]
