@@ -313,6 +313,36 @@ def stale(clients: Clients, bucket: str, run: str, *, now: float | None = None) 
     return at is not None and now - at > stale_after_s(clients.local)
 
 
+def live(clients: Clients, run: str) -> tuple[str, Heartbeat] | None:
+    """The run's bucket and its supervisor's heartbeat, when a supervisor is watching the run now."""
+    from tpuctl import provision
+
+    bucket = next((r.name for r in provision.list_resources(clients, run) if r.kind is provision.Kind.BUCKET), None)
+    beat = Heartbeat.read(clients, bucket, run) if bucket else None
+    if beat is None or beat.state != "supervising" or stale(clients, bucket, run):
+        return None
+    return bucket, beat
+
+
+def follow(clients: Clients, run: str, bucket: str, *, poll_s: float, on_event: ev.EventSink = ev.ignore,
+           cancel: threading.Event | None = None):
+    """Watch a supervised run from its status record until it ends (the supervisor recovers and tears down;
+    watching changes nothing): each new step is a Note. Returns the final status record."""
+    from . import cluster
+
+    seen = None
+    while cancel is None or not cancel.is_set():
+        status = cluster.read_status(clients, bucket, run)
+        if status is not None and (status.step, status.recovering) != seen:
+            seen = (status.step, status.recovering)
+            on_event(ev.Note(f"run {run}: {status.state}" + (f", step {status.step}" if status.step else "")
+                             + (", recovering" if status.recovering else "")))
+        if status is not None and status.final:
+            return status
+        time.sleep(poll_s)
+    return None
+
+
 # --- the service (on the VM) ----------------------------------------------------------------------------
 
 class _Beat:

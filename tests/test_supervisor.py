@@ -106,6 +106,9 @@ def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor
         status = cluster.read_status(tpc, bucket, RUN)
         return (status.step or 0) if status else 0
 
+    # `--attach` from any machine follows the supervised run to its end, and changes nothing.
+    follower = subprocess.Popen([sys.executable, "-m", "tpuctl", "run", "--attach", RUN, "--poll", "0.5"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     _until("step 8", lambda: step() >= 8)
     os.kill(beat.pid, signal.SIGKILL)  # the supervisor crashes: its service starts it again
     again = _until("a restarted supervisor", lambda: (b := supervisor_vm.Heartbeat.read(tpc, bucket, RUN)).pid != beat.pid
@@ -128,6 +131,10 @@ def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor
                                     capture_output=True, text=True, timeout=60).stdout)
     assert doc["recoveries"] == 1, doc
     assert supervisor_vm.Heartbeat.read(tpc, bucket, RUN).state == "ended"
+    out, err = follower.communicate(timeout=60)
+    assert follower.returncode == 0, err
+    assert f"run {RUN} is in the hands of its supervisor VM {RUN}-supervisor" in err, err
+    assert f"run {RUN}: succeeded at step 40" in err and "recovering" in err, err
 
 
 def test_the_wheel_of_the_installed_tpuctl_installs_and_runs_without_this_checkout(tmp_path):

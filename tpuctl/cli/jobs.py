@@ -106,6 +106,8 @@ def run_command(spec_file, name, yes, detach, no_supervisor, attach, download, d
                                    f"~${plan.price_per_hour:.2f}/h (torn down when the job ends)?",
                                    yes=yes, to=f"create run {plan.run}")
 
+    if attach and _watch_supervised(attach, poll_s, cloud, project):
+        return
     if attach:
         pipeline = Pipeline(_clients(project, cloud), options=opts, on_event=on_event)
         go = pipeline.attach
@@ -139,6 +141,26 @@ def run_command(spec_file, name, yes, detach, no_supervisor, attach, download, d
     elif outcome.state == "detached":
         console.info(f"detached: follow with `tpuctl logs {outcome.run} -f`; finish with "
                      f"`tpuctl run --attach {outcome.run}` (or `tpuctl gc` tears it down when it ends)")
+
+
+def _watch_supervised(run: str, poll_s: float, cloud, project) -> bool:
+    """`--attach` of a run its supervisor VM watches: follow it to its end, touching nothing (a second
+    pipeline would recover and tear down alongside the supervisor's). False when no supervisor watches it."""
+    from tpuctl.errors import JobFailed
+    from tpuctl.jobs import supervisor_vm
+
+    clients = _clients(project, cloud)
+    found = supervisor_vm.live(clients, run)
+    if found is None:
+        return False
+    bucket, beat = found
+    console.info(f"run {run} is in the hands of its supervisor VM {beat.vm}: following it (Ctrl-C stops following, "
+                 f"not the run; `tpuctl down {run}` stops the run)")
+    status = supervisor_vm.follow(clients, run, bucket, poll_s=poll_s, on_event=console.report)
+    if status.state != "succeeded":
+        raise JobFailed(f"run {run} ended {status.state}", hint=f"see `tpuctl logs {run}` and `tpuctl job status {run}`")
+    console.info(f"run {run}: succeeded at step {status.step}; artifacts in gs://{bucket}/runs/{run}/model/")
+    return True
 
 
 def _finish(outcome, lines: console.JsonLines | None) -> None:
