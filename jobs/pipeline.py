@@ -506,7 +506,8 @@ class Pipeline:
 
     def _with_supervisor(self, apply: Callable[[], provision.ApplyResult]):
         """`apply()`, and with `detach` the supervisor VM created meanwhile in the plan's first zone (the TPU's
-        region). A failure of either reaches the caller once both ended; teardown deletes what was made."""
+        region), then the wheel it installs uploaded at once (the bucket exists now). A failure of either reaches the
+        caller once both ended; teardown deletes what was made."""
         if not self._supervised:
             return apply(), None
         from concurrent.futures import ThreadPoolExecutor
@@ -518,10 +519,13 @@ class Pipeline:
         account = buckets.default_service_account(self.clients) if self.plan.service_account == "default" \
             else self.plan.service_account
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="supervisor-vm") as pool:
-            made = pool.submit(supervisor_vm.create, self.clients, self.plan, self.plan.zones[0],
-                               service_account=account, cancel=self.cancel, progress=ev.resource_progress(self.emit))
+            creating = pool.submit(supervisor_vm.create, self.clients, self.plan, self.plan.zones[0],
+                                   service_account=account, cancel=self.cancel, progress=ev.resource_progress(self.emit))
             result = apply()
-            return result, made.result()
+            made = creating.result()
+        self.emit(ev.Note(f"supervisor: tpuctl wheel in "
+                          f"{supervisor_vm.upload_wheel(self.clients, self.plan.run, self.plan.bucket)}"))
+        return result, made
 
     def _hand_over(self) -> None:
         from . import supervisor_vm

@@ -277,21 +277,29 @@ class Heartbeat:
         return None if doc is None else cls(**{k: doc.get(k) for k in cls.__dataclass_fields__})
 
 
-def hand_over(clients: Clients, run: str, bucket: str, *, options: dict, on_event: ev.EventSink = ev.ignore,
-              cancel: threading.Event | None = None) -> Heartbeat:
-    """Upload the wheel and the hand-off record, then wait (deadline, backoff) for the supervisor's heartbeat
-    naming this hand-off. Raises WaitTimeout when it never comes (the caller tears the run down)."""
+def upload_wheel(clients: Clients, run: str, bucket: str) -> str:
+    """Put the wheel where the supervisor's startup script waits for it; as soon as the bucket exists, so the VM
+    installs it while the job is shipped and launched. Its gs:// URL."""
     from tpuctl import paths
-    from tpuctl.provision import waits
-
-    from . import cluster
 
     wheel = build_wheel(paths.home() / "wheels")
     blob = clients.storage.bucket(bucket).blob(prefix(run) + wheel.name)
     blob.upload_from_filename(str(wheel), content_type="application/octet-stream")
+    return f"gs://{bucket}/{blob.name}"
+
+
+def hand_over(clients: Clients, run: str, bucket: str, *, options: dict, on_event: ev.EventSink = ev.ignore,
+              cancel: threading.Event | None = None) -> Heartbeat:
+    """Write the hand-off record (the wheel is uploaded: `upload_wheel`), then wait (deadline, backoff) for the
+    supervisor's heartbeat naming this hand-off. Raises WaitTimeout when it never comes (the caller tears the
+    run down)."""
+    from tpuctl.provision import waits
+
+    from . import cluster
+
     handoff = {"id": uuid.uuid4().hex, "at": time.time(), **options}
     cluster.write_json(clients, bucket, prefix(run) + "handoff.json", handoff)
-    on_event(ev.Note(f"handing run {run} to its supervisor VM {vm_name(run)} (gs://{bucket}/{blob.name})"))
+    on_event(ev.Note(f"handing run {run} to its supervisor VM {vm_name(run)}"))
 
     def seen() -> tuple[bool, Heartbeat | None]:
         beat = Heartbeat.read(clients, bucket, run)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, new_project
-from test_run import _live, _spec, _spec_file, _zero
+from conftest import cli_env
+from test_run import _live, _spec, _spec_file, _zero, project, tpc  # noqa: F401 - the fixtures too
 from tpuctl.jobs import cluster, supervisor_vm, timeline as timelines
 
 RUN = "sv-run"
@@ -59,22 +59,6 @@ def _until(what: str, check, timeout: float = 180.0, every: float = 0.2):
             return value
         time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.fixture
-def project(cloud, tmp_path, monkeypatch) -> str:
-    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path / "home"))
-    return new_project()
-
-
-@pytest.fixture
-def tpc(cloud, project):
-    from google.auth.credentials import AnonymousCredentials
-
-    from tpuctl.provision.clients import build
-
-    return build(project=project, credentials=AnonymousCredentials(), endpoint=cloud.endpoint,
-                 storage_host=cloud.storage_host, local=True)
 
 
 @pytest.mark.slow
