@@ -164,3 +164,22 @@ def test_gc_cleans_up_a_run_whose_supervisor_stopped_beating(tpc):
     actions = gc.decide(resources, {}, {}, gc.Policy(now=now, owner="ann", idle_s=None), lost_supervisors=lost)
     assert sorted((a.resource.name, a.reasons) for a in actions if a.verdict == "delete") == [
         ("lost-tpu", ("supervisor-lost",)), ("lost-vm", ("supervisor-lost",))]
+
+
+def test_down_deletes_the_supervisor_before_anything_else(tpc):
+    """Alive, a supervisor takes its TPU's deletion for a preemption and makes the TPU again: `down` deletes it
+    first, alone, then the rest."""
+    from tpuctl import provision
+    from tpuctl.provision import bucket, labels, vm
+
+    run = "sv-down"
+    base = labels.run_labels(run, owner_name="ann", ttl_s=3600)
+    for name, role in ((f"{run}-supervisor", {labels.ROLE: labels.SUPERVISOR}), (f"{run}-loader", {})):
+        vm.create(tpc, vm.VmRequest(name=name, zone=ZONE, machine_type="e2-small", disk_gb=10, image=supervisor_vm.IMAGE,
+                                    labels={**base, **role}, service_account=bucket.default_service_account(tpc)),
+                  deadline_s=60)
+    events: list[tuple[str, str]] = []
+    gone = provision.down(tpc, run, progress=lambda key, state, detail: events.append((key, state)))
+    assert {r.name for r in gone.deleted} == {f"{run}-supervisor", f"{run}-loader"}
+    supervisor_deleted = events.index((f"vm/{ZONE}/{run}-supervisor", "deleted"))
+    assert all(not key.endswith("-loader") for key, _ in events[:supervisor_deleted]), events
