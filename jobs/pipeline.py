@@ -7,7 +7,9 @@ exception, Ctrl-C and SIGTERM (the CLI turns SIGTERM into KeyboardInterrupt) the
 bucket stays (it carries a TTL label) unless `delete_bucket`, or unless this invocation created it and failed
 before the job launched and before any prepared data landed in it: then it holds nothing worth keeping, and a
 failed run must not leave half of itself behind (prepared data is kept: a rerun finds it and skips the
-preparation). `detach` returns right after launch; `attach` picks a detached run up again.
+preparation). `detach` hands the run to a supervisor VM created alongside the TPU (`supervise`, see
+`tpuctl.jobs.supervisor_vm`) and returns once it took over, or right after launch without one; `attach` picks a
+detached run up again.
 
 Preemption: every `poll_s` the node's state is read; PREEMPTED, gone, or a worker that lost its job
 triggers recovery: status.json says `recovering: true` (so gc leaves the run alone), the node is recreated
@@ -68,6 +70,8 @@ class RunOptions:
     cancel: threading.Event | None = None  # set it (from any thread) to stop the run; it still tears down
     export: tuple[str, ...] = ()  # formats (template `exporters`) written to model/FORMAT/ when the job succeeds
     fit_check: bool = True  # compile the step for the TPU first (tpuctl.fitting.check); refuse a run over HBM
+    supervise: bool = True  # with `detach`: a supervisor VM takes the run over (jobs.supervisor_vm); else it is left
+    spare: tuple[str, ...] = ()  # resource keys teardown leaves (the supervisor's own VM: it deletes itself last)
 
 
 @dataclass
@@ -406,6 +410,8 @@ class Pipeline:
             self.outcome.price_per_hour = round(self.plan.price_per_hour, 4)
             self._check_data()
             self._check_config()
+            if self._supervised:
+                self._plan_supervisor()
             for fmt in self.opts.export:  # a format the template cannot write is bad input, before anything exists
                 self.template.exporter(fmt)
             # A step over the chip's HBM would fail on the TPU once paid for (compiling reports its progress).
@@ -474,9 +480,10 @@ class Pipeline:
 
         with self.phase("up"):
             self.billing.up_started = self.billing.up_started or time.time()
-            result = apply_plan(self.clients, self.plan, progress=ev.resource_progress(self.emit), cancel=self.cancel,
-                                on_gone=lambda entries: ledger.remember_gone(entries, on_event=self.emit))
-        ledger.remember(result.resources, on_event=self.emit)
+            result, supervisor = self._with_supervisor(lambda: apply_plan(
+                self.clients, self.plan, progress=ev.resource_progress(self.emit), cancel=self.cancel,
+                on_gone=lambda entries: ledger.remember_gone(entries, on_event=self.emit)))
+        ledger.remember(result.resources + ((supervisor,) if supervisor else ()), on_event=self.emit)
         bucket = result.get(Kind.BUCKET)
         self.bucket_use.created = bucket is not None and bucket.key in result.created
         self.bucket_use.present = bucket is not None
@@ -485,6 +492,53 @@ class Pipeline:
             raise TpuctlError(f"up finished without a TPU node for run {self.plan.run}")
         self._tpu = tpu
         self.zone, self.node = tpu.location, tpu.name
+
+    # -- the supervisor of a detached run (jobs.supervisor_vm)
+    @property
+    def _supervised(self) -> bool:
+        return self.opts.detach and self.opts.supervise
+
+    def _plan_supervisor(self) -> None:
+        from . import supervisor_vm
+
+        supervisor_vm.check(self.plan)
+        prices = catalog.load()
+        price = supervisor_vm.price_per_hour(self.plan, prices)
+        self.outcome.price_per_hour = round(self.outcome.price_per_hour + price, 4)
+        self.emit(ev.Note(f"supervisor VM {supervisor_vm.vm_name(self.plan.run)}: "
+                          f"{supervisor_vm.machine_type(prices)} at ${price:.4f}/h (${24 * price:.2f}/day)"))
+
+    def _with_supervisor(self, apply: Callable[[], provision.ApplyResult]):
+        """`apply()`, and with `detach` the supervisor VM created meanwhile in the plan's first zone (the TPU's
+        region), then the wheel it installs uploaded at once (the bucket exists now). A failure of either reaches the
+        caller once both ended; teardown deletes what was made."""
+        if not self._supervised:
+            return apply(), None
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tpuctl.provision import bucket as buckets
+
+        from . import supervisor_vm
+
+        account = buckets.default_service_account(self.clients) if self.plan.service_account == "default" \
+            else self.plan.service_account
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="supervisor-vm") as pool:
+            creating = pool.submit(supervisor_vm.create, self.clients, self.plan, self.plan.zones[0],
+                                   service_account=account, cancel=self.cancel, progress=ev.resource_progress(self.emit))
+            result = apply()
+            made = creating.result()
+        self.emit(ev.Note(f"supervisor: tpuctl wheel in "
+                          f"{supervisor_vm.upload_wheel(self.clients, self.plan.run, self.plan.bucket)}"))
+        return result, made
+
+    def _hand_over(self) -> None:
+        from . import supervisor_vm
+
+        rec = self.record
+        with self.phase("hand over", supervisor_vm.vm_name(rec.run)):
+            supervisor_vm.hand_over(self.clients, rec.run, rec.bucket, on_event=self.emit, cancel=self.cancel,
+                                    options={"poll_s": self.opts.poll_s, "delete_bucket": self.opts.delete_bucket,
+                                             "export": list(self.opts.export)})
 
     def prepare_data(self) -> str | None:
         data = self.spec.job.data
@@ -769,7 +823,8 @@ class Pipeline:
             if self.stream.last_step_at is not None:
                 self.outcome.last_step_to_delete_s = round(self.billing.delete_requested_at - self.stream.last_step_at, 2)
             delete_bucket = self.opts.delete_bucket or self.bucket_use.disposable
-            gone = provision.down(self.clients, run, delete_bucket=delete_bucket, progress=ev.resource_progress(self.emit))
+            gone = provision.down(self.clients, run, delete_bucket=delete_bucket, progress=ev.resource_progress(self.emit),
+                                  spare=self.opts.spare)
             self.bucket_use.present = self.bucket_use.present and not delete_bucket
             ledger.remember(gone.deleted, deleted=True, on_event=self.emit)
         if self.billing.up_started is not None:
@@ -814,6 +869,8 @@ class Pipeline:
 
     def _launched(self) -> Verdict:
         self.launch()
+        if self._supervised:
+            self._hand_over()
         if self.opts.detach:
             self.outcome.state = "detached"
             return Verdict.DETACHED

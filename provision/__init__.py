@@ -29,6 +29,9 @@ from tpuctl.provision import tpu as _tpu
 from tpuctl.provision.apply import ApplyResult, DownResult, ProgressFn
 from tpuctl.provision.apply import apply as _apply
 from tpuctl.provision.apply import down as _down
+from tpuctl.provision.apply import Undo as _Undo
+from tpuctl.provision.apply import delete as _delete_one
+from tpuctl.provision import labels as _labels
 from tpuctl.provision.clients import Clients, connect
 from tpuctl.provision.inventory import RunStatus
 from tpuctl.provision.plan import Plan, Step
@@ -111,14 +114,23 @@ def status(clients: Clients, run: str | None = None, *,
 
 
 def down(clients: Clients, run: str, *, delete_bucket: bool = False, progress: ProgressFn | None = None,
-         deadline_s: float = 1800.0) -> DownResult:
+         deadline_s: float = 1800.0, spare: tuple[str, ...] = ()) -> DownResult:
     """Delete every resource of `run` in parallel and block until gone, then verify by listing labels.
 
     Idempotent: a run with nothing left returns an empty result. The bucket (checkpoints) and its IAM
     binding are kept unless `delete_bucket`. Raises CloudError naming anything still present afterwards.
+    `spare`: keys of resources left alone (a supervisor VM tearing its run down deletes itself last).
     """
-    found = _inventory.resources(clients, run, include_iam=True)
-    return _down(clients, run, found, delete_bucket=delete_bucket, progress=progress, deadline_s=deadline_s)
+    found = [r for r in _inventory.resources(clients, run, include_iam=True) if r.key not in spare]
+    say = progress or (lambda key, state, detail: None)
+    # The run's supervisor VM goes first, alone: alive, it would take the TPU's deletion for a preemption and
+    # make the TPU again. (Deleted twice: the second, in `_down`, finds it gone, which is done.)
+    for r in found:
+        if r.kind is Kind.VM and r.labels.get(_labels.ROLE) == _labels.SUPERVISOR:
+            _delete_one(clients, _Undo.of(r), deadline_s=deadline_s,
+                        progress=lambda state, detail, key=r.key: say(key, state.value, detail))
+    return _down(clients, run, found, delete_bucket=delete_bucket, progress=progress, deadline_s=deadline_s,
+                 spare=spare)
 
 
 def bucket_contents(clients: Clients, bucket: str) -> _bucket.Contents:

@@ -393,9 +393,9 @@ class DownResult:
 
 
 def down(clients: Clients, run: str, found: list[Resource], *, delete_bucket: bool = False,
-         progress: ProgressFn | None = None, deadline_s: float = 1800.0) -> DownResult:
+         progress: ProgressFn | None = None, deadline_s: float = 1800.0, spare: tuple[str, ...] = ()) -> DownResult:
     """Delete `found` (the run's resources) in parallel, compute before the bucket, then verify by listing
-    that none remain."""
+    that none remain (but those `spare` names)."""
     from tpuctl.provision import inventory
 
     say = progress or (lambda key, state, detail: None)
@@ -415,7 +415,7 @@ def down(clients: Clients, run: str, found: list[Resource], *, delete_bucket: bo
         raise Interrupted(f"interrupted: run {run} is partly deleted",
                           hint=f"run `tpuctl down {run} --yes` again to finish") from None
     left = [r for r in inventory.resources(clients, run)
-            if not (r.kind is Kind.BUCKET and not delete_bucket)]
+            if not (r.kind is Kind.BUCKET and not delete_bucket) and r.key not in spare]
     if left:
         raise CloudError(f"run {run}: still present after delete: " + ", ".join(r.key for r in left),
                          hint=f"run `tpuctl down {run} --yes` again")

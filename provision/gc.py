@@ -13,7 +13,8 @@ Three steps, each testable alone:
 
 Why a run goes: its TTL (`tpuctl-expires`) passed; its job succeeded, failed or was cancelled; its job
 stopped heart-beating for the idle window; its TPU was preempted and nobody is recovering it; its accrued
-cost passed the budget (per run or per owner). A run whose status says `recovering` is safe from the
+cost passed the budget (per run or per owner); the supervisor VM of its detached run stopped beating (its
+heartbeat in the bucket is stale: nobody watches, recovers or tears it down any more, so gc cleans it up). A run whose status says `recovering` is safe from the
 preempted, idle, failed and cancelled rules (the `run` command is bringing it back); TTL and budget are hard
 limits and still apply.
 Buckets go only with `buckets=True` and only once their *own* TTL passed: they hold the trained model.
@@ -57,6 +58,7 @@ class Reason(str, Enum):
     PREEMPTED = "preempted"
     OVER_BUDGET = "over-budget"
     ENDED = "ended"  # a flex-start TPU reached its max run duration: Google deletes it, the run is over
+    SUPERVISOR_LOST = "supervisor-lost"  # a detached run's supervisor stopped beating (jobs.supervisor_vm)
 
 
 # Kinds that bill by the hour and go with their run. IAM bindings live and die with the bucket.
@@ -139,7 +141,7 @@ def group_runs(resources: Iterable[Resource]) -> dict[tuple[str, str | None], _R
 
 
 def run_reasons(run: _Run, status: JobStatus | None, accrued_usd: float, owner_usd: float,
-                policy: Policy) -> list[Reason]:
+                policy: Policy, *, supervisor_lost: bool = False) -> list[Reason]:
     """Why this run's compute should go (empty: it stays)."""
     reasons: list[Reason] = []
     compute = [r for r in run.resources if r.kind in COMPUTE_KINDS]
@@ -163,6 +165,8 @@ def run_reasons(run: _Run, status: JobStatus | None, accrued_usd: float, owner_u
         reasons.append(Reason.ENDED)
     if not recovering and any(r.state == State.PREEMPTED for r in compute):
         reasons.append(Reason.PREEMPTED)
+    if supervisor_lost:
+        reasons.append(Reason.SUPERVISOR_LOST)
     if policy.budget_usd is not None:
         spent = owner_usd if policy.budget_per == "owner" else accrued_usd
         if spent > policy.budget_usd:
@@ -171,8 +175,9 @@ def run_reasons(run: _Run, status: JobStatus | None, accrued_usd: float, owner_u
 
 
 def decide(resources: Iterable[Resource], statuses: Mapping[str, JobStatus | None],
-           accrued: Mapping[str, float], policy: Policy) -> list[Action]:
-    """The actions gc takes; pure. `statuses` and `accrued` are keyed by run name.
+           accrued: Mapping[str, float], policy: Policy, *, lost_supervisors: frozenset[str] = frozenset()) -> list[Action]:
+    """The actions gc takes; pure. `statuses` and `accrued` are keyed by run name; `lost_supervisors` names the
+    runs whose supervisor stopped beating.
 
     Resources without the tpuctl labels never appear in the result. Another owner's resources appear as
     "skip" (only when a rule selected them) unless `policy.all_owners`.
@@ -183,7 +188,8 @@ def decide(resources: Iterable[Resource], statuses: Mapping[str, JobStatus | Non
         owner_usd[owner] = owner_usd.get(owner, 0.0) + accrued.get(name, 0.0)
     actions: list[Action] = []
     for (name, owner), run in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
-        reasons = run_reasons(run, statuses.get(name), accrued.get(name, 0.0), owner_usd.get(owner, 0.0), policy)
+        reasons = run_reasons(run, statuses.get(name), accrued.get(name, 0.0), owner_usd.get(owner, 0.0), policy,
+                              supervisor_lost=name in lost_supervisors)
         foreign = owner != policy.owner and not policy.all_owners
         for r in run.resources:
             why_list = [x.value for x in reasons] if r.kind in COMPUTE_KINDS else []
@@ -231,6 +237,18 @@ def statuses(clients: Clients, resources: Iterable[Resource]) -> dict[str, JobSt
         name = buckets.get(run) or L.auto_bucket(clients.project, run)
         out[run] = read_status(clients, name, run)
     return out
+
+
+def lost_supervisors(clients: Clients, resources: Iterable[Resource], *, now: float) -> frozenset[str]:
+    """The runs with compute whose supervisor's heartbeat (in the run's bucket) went stale."""
+    from tpuctl.jobs import supervisor_vm
+
+    resources = list(resources)
+    buckets = {r.labels[L.RUN]: r.name for r in resources if r.kind == Kind.BUCKET and ours(r)}
+    runs = sorted({r.labels[L.RUN] for r in resources if ours(r) and r.kind in COMPUTE_KINDS})
+    return frozenset(run for run in runs
+                     if supervisor_vm.stale(clients, buckets.get(run) or L.auto_bucket(clients.project, run), run,
+                                            now=now))
 
 
 def ledger_entries(clients: Clients, resources: Iterable[Resource], ledger: Ledger, *, now: float) -> list[Entry]:
@@ -355,7 +373,8 @@ def collect(clients: Clients, policy: Policy, *, catalog: Catalog, ledger: Ledge
     resources = scan(clients)
     entries = ledger_entries(clients, resources, ledger, now=policy.now)
     accrued = accrued_by_run(entries, catalog, now=policy.now) if policy.budget_usd is not None else {}
-    return resources, decide(resources, statuses(clients, resources), accrued, policy)
+    return resources, decide(resources, statuses(clients, resources), accrued, policy,
+                             lost_supervisors=lost_supervisors(clients, resources, now=policy.now))
 
 
 def run(clients: Clients, policy: Policy, *, dry_run: bool, catalog: Catalog, ledger: Ledger, lock: Path,

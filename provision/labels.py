@@ -20,6 +20,10 @@ OWNER = "tpuctl-owner"
 CREATED = "tpuctl-created"
 EXPIRES = "tpuctl-expires"
 OURS = (RUN, OWNER, CREATED, EXPIRES)
+# What a resource does for its run, where that is not its kind: `supervisor`, the VM of a detached run
+# (tpuctl.jobs.supervisor_vm) that teardown must stop before anything else.
+ROLE = "tpuctl-role"
+SUPERVISOR = "supervisor"
 
 _LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from google.api_core import exceptions as gexc
@@ -38,15 +38,19 @@ class VmRequest:
     labels: Mapping[str, str]
     service_account: str
     network: Network = Network()
+    metadata: Mapping[str, str] = field(default_factory=dict)  # instance metadata items (startup-script)
 
 
 def _instance_proto(req: VmRequest) -> compute_v1.Instance:
+    # Only when given: a VM of the spec's `vms:` is created as before (no metadata).
+    metadata = {"metadata": compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in req.metadata.items()])} \
+        if req.metadata else {}
     return compute_v1.Instance(
         name=req.name, machine_type=f"zones/{req.zone}/machineTypes/{req.machine_type}", labels=dict(req.labels),
         disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
             source_image=req.image, disk_size_gb=req.disk_gb))],
         network_interfaces=[req.network.compute_interface()], tags=req.network.compute_tags(),
-        service_accounts=[compute_v1.ServiceAccount(email=req.service_account, scopes=list(SCOPES))])
+        service_accounts=[compute_v1.ServiceAccount(email=req.service_account, scopes=list(SCOPES))], **metadata)
 
 
 def to_resource(inst: compute_v1.Instance, *, project: str) -> Resource:

@@ -312,7 +312,7 @@ def test_killed_launcher_leaves_the_job_running_and_attach_finishes_it(tpc, clou
 
 def test_detach_returns_after_launch_and_job_commands_see_it(tpc, cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("dt-run", accelerator="v3-8", trainer={"max_steps": 30, "step_seconds": 0.05}))
-    run = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes", "--detach"], env=_env(cloud, tmp_path, project),
+    run = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes", "--detach", "--no-supervisor"], env=_env(cloud, tmp_path, project),
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "tpuctl run --attach dt-run" in run.stderr
@@ -409,7 +409,7 @@ def _tpuctl(cloud, tmp_path, project, *argv, timeout: float = 120) -> subprocess
 
 def test_logs_follow_survives_an_injected_ssh_drop(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("lg-run", accelerator="v3-8", trainer={"max_steps": 50, "step_seconds": 0.1}))
-    assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0
+    assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach", "--no-supervisor").returncode == 0
     proc = subprocess.Popen([sys.executable, "-m", "tpuctl", "logs", "lg-run", "-f"], env=_env(cloud, tmp_path, project),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
@@ -432,7 +432,7 @@ def test_logs_follow_survives_an_injected_ssh_drop(cloud, project, tmp_path):
 
 def test_ssh_passes_words_verbatim_and_job_cancel_stops_the_job(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("cx-run", accelerator="v3-8", trainer={"max_steps": 5000, "step_seconds": 0.05}))
-    assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0
+    assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach", "--no-supervisor").returncode == 0
     r = _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "printf", "%s\\n", "a; b", "$(touch PWNED)", "it's")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["a; b", "$(touch PWNED)", "it's"]
@@ -457,7 +457,7 @@ def test_ssh_passes_words_verbatim_and_job_cancel_stops_the_job(cloud, project, 
 
 def test_job_status_before_the_first_step_says_so_rather_than_step_none(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("ns-run", accelerator="v3-8", trainer={"max_steps": 2, "step_seconds": 600}))
-    assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0
+    assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach", "--no-supervisor").returncode == 0
     r = _tpuctl(cloud, tmp_path, project, "job", "status", "ns-run")
     assert r.returncode == 0 and r.stderr.startswith("run ns-run: running, no step finished yet"), r.stderr
     assert "None" not in r.stderr

@@ -162,7 +162,7 @@ def run(spec: SpecLike, *, on_event: EventSink | None = None, cancel: threading.
         confirm: Callable[[Plan], bool] | None = None, cloud: str | None = None,
         download: str | os.PathLike[str] | None = None, delete_bucket: bool = False,
         max_recoveries: int | None = None, poll_s: float = 2.0, fit_check: bool = True,
-        profile: str | None = None) -> Outcome:
+        profile: str | None = None, detach: bool = False) -> Outcome:
     """Train the spec's job end to end (up, data, ship, train, collect) and tear the TPU and VMs down,
     whatever happens. Blocks until the end; returns the Outcome (`state` "succeeded").
 
@@ -171,7 +171,9 @@ def run(spec: SpecLike, *, on_event: EventSink | None = None, cancel: threading.
     exception's `outcome` attribute in both cases. `confirm(plan)` returning False stops before anything is
     created (BadInput); so does a job whose step does not fit the TPU's HBM (`fit_check`, see `fit`).
     `profile` ("FIRST-LAST", as `job.profile`, which it replaces): a profiler trace of those steps on worker 0
-    in the run's TensorBoard directory (`tpuctl board RUN`, profile tab)."""
+    in the run's TensorBoard directory (`tpuctl board RUN`, profile tab). `detach`: hand the run to a supervisor
+    VM (created with the TPU) and return once it took over (`state` "detached"); it watches, recovers, collects
+    and tears down without this process (README "Runs that last days")."""
     from tpuctl import provision
     from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
@@ -180,7 +182,7 @@ def run(spec: SpecLike, *, on_event: EventSink | None = None, cancel: threading.
     cancel = cancel or threading.Event()
     options = RunOptions(yes=confirm is None, download=Path(download) if download else None,
                          delete_bucket=delete_bucket, max_recoveries=max_recoveries, poll_s=poll_s, cancel=cancel,
-                         fit_check=fit_check)
+                         fit_check=fit_check, detach=detach)
     pipeline = Pipeline(provision.connect(r.settings), run_spec, project=r.settings.project, spec_dir=r.spec_dir,
                         options=options, on_event=on_event, confirm=confirm)
     try:

@@ -53,7 +53,10 @@ def _summary(o) -> None:
 @click.argument("spec_file", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--name", help="run name (default: the spec's name, else OWNER-ACCELERATOR)")
 @click.option("--yes", "-y", is_flag=True, help="create resources without asking")
-@click.option("--detach", is_flag=True, help="return after launch; `tpuctl run --attach RUN` or `tpuctl gc` finish it")
+@click.option("--detach", is_flag=True,
+              help="hand the run to a small supervisor VM that watches, recovers and tears it down; return once it took over")
+@click.option("--no-supervisor", "no_supervisor", is_flag=True,
+              help="with --detach: no supervisor VM; return after launch (`tpuctl run --attach RUN` or `tpuctl gc` finish it)")
 @click.option("--attach", "attach", metavar="RUN", help="watch a detached run to its end, then tear it down")
 @click.option("--download", type=click.Path(file_okay=False), help="copy the artifacts to this directory")
 @click.option("--delete-bucket", is_flag=True, help="also delete the bucket at the end (default: kept, with a TTL)")
@@ -72,7 +75,7 @@ def _summary(o) -> None:
 @click.option("--json", "as_json", is_flag=True,
               help="print each event, then the summary, as one JSON object per line on stdout")
 @_cloud_options
-def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, max_recoveries, poll_s, migrate,
+def run_command(spec_file, name, yes, detach, no_supervisor, attach, download, delete_bucket, max_recoveries, poll_s, migrate,
                 spec_flags: SpecFlags, export, dry_run, profile, no_fit_check, as_json, cloud, project) -> None:
     """Run a training job end to end: up, prepare data, ship, train on every worker, collect, tear down.
 
@@ -90,7 +93,7 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
         raise BadInput("no spec file given", field="spec", hint="tpuctl run examples/bert-tiny.yaml --yes")
     opts = RunOptions(name=name, yes=yes, detach=detach, attach=attach, download=Path(download) if download else None,
                       delete_bucket=delete_bucket, max_recoveries=max_recoveries, dry_run=dry_run, poll_s=poll_s,
-                      export=tuple(export), fit_check=not no_fit_check)
+                      export=tuple(export), fit_check=not no_fit_check, supervise=not no_supervisor)
     if not attach and not dry_run:
         console.can_confirm(yes=yes, to="create the run's resources")  # before the local cloud even starts
     lines = console.JsonLines() if as_json else None
@@ -103,6 +106,8 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
                                    f"~${plan.price_per_hour:.2f}/h (torn down when the job ends)?",
                                    yes=yes, to=f"create run {plan.run}")
 
+    if attach and _watch_supervised(attach, poll_s, cloud, project):
+        return
     if attach:
         pipeline = Pipeline(_clients(project, cloud), options=opts, on_event=on_event)
         go = pipeline.attach
@@ -129,9 +134,33 @@ def run_command(spec_file, name, yes, detach, attach, download, delete_bucket, m
                       [(s.key, s.kind.value, s.name, s.location, f"{s.price_per_hour:.2f}" if s.price_per_hour else "-")
                        for s in plan.steps], title=f"plan for run {plan.run} ({settings.target})"
                       + (f": {plan.framework} on {plan.runtime_version}" if plan.framework else ""))
+    elif outcome.state == "detached" and not no_supervisor:
+        console.info(f"detached: run {outcome.run} is in the hands of its supervisor VM; follow with "
+                     f"`tpuctl logs {outcome.run} -f` or `tpuctl job status {outcome.run}`; stop it with "
+                     f"`tpuctl down {outcome.run}`")
     elif outcome.state == "detached":
         console.info(f"detached: follow with `tpuctl logs {outcome.run} -f`; finish with "
                      f"`tpuctl run --attach {outcome.run}` (or `tpuctl gc` tears it down when it ends)")
+
+
+def _watch_supervised(run: str, poll_s: float, cloud, project) -> bool:
+    """`--attach` of a run its supervisor VM watches: follow it to its end, touching nothing (a second
+    pipeline would recover and tear down alongside the supervisor's). False when no supervisor watches it."""
+    from tpuctl.errors import JobFailed
+    from tpuctl.jobs import supervisor_vm
+
+    clients = _clients(project, cloud)
+    found = supervisor_vm.live(clients, run)
+    if found is None:
+        return False
+    bucket, beat = found
+    console.info(f"run {run} is in the hands of its supervisor VM {beat.vm}: following it (Ctrl-C stops following, "
+                 f"not the run; `tpuctl down {run}` stops the run)")
+    status = supervisor_vm.follow(clients, run, bucket, poll_s=poll_s, on_event=console.report)
+    if status.state != "succeeded":
+        raise JobFailed(f"run {run} ended {status.state}", hint=f"see `tpuctl logs {run}` and `tpuctl job status {run}`")
+    console.info(f"run {run}: succeeded at step {status.step}; artifacts in gs://{bucket}/runs/{run}/model/")
+    return True
 
 
 def _finish(outcome, lines: console.JsonLines | None) -> None:

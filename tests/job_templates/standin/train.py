@@ -6,6 +6,8 @@ latest checkpoint. Same command line and config shape as the BERT template:
 Echoes its extra arguments and TPUCTL_TEST_* environment as JSON so tests can check they arrived verbatim,
 and HOME, where a shell that wrongly ran a hostile `$(touch PWNED)` would have left its file.
 `trainer.fail_at_step` + `trainer.fail_worker` make one worker exit 3 at that step.
+`trainer.hold_at_step` + `trainer.release_file`: the job waits before that step until the file (a path on this
+machine) exists, so a test can pace a run against the faults it injects.
 Honours the template contract's save on notice (templates/README.md): the file TPUCTL_SAVE_REQUEST names, or
 SIGTERM, gets a checkpoint at the next step boundary; after SIGTERM's it ends by SIGTERM.
 """
@@ -42,6 +44,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     request = os.environ.get("TPUCTL_SAVE_REQUEST")
     for step in range(step + 1, max_steps + 1):
+        while step == trainer.get("hold_at_step") and not os.path.exists(trainer["release_file"]) and not stop:
+            time.sleep(0.05)
         time.sleep(float(trainer.get("step_seconds", 0.05)))
         if step == trainer.get("fail_at_step") and worker == int(trainer.get("fail_worker", 0)):
             print(f"worker {worker}: boom at step {step}", flush=True)
