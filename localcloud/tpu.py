@@ -1016,6 +1016,22 @@ def _slice_ids(spec: dict, qr_id: str, t: facts.TpuType | None = None) -> list[s
     return [f"{prefix}-{i}" for i in range(count)]
 
 
+# Where TPU v2 and v2alpha1 spell one field differently: v2's MultisliceParams is v2alpha1's MultiNodeParams
+# ("This field must be populated in case of multi-node requests instead of node_id", tpu v2alpha1 discovery).
+_ALPHA_NAMES = {"multisliceParams": "multiNodeParams"}
+
+
+def tpu_spelling(body, *, alpha: bool):
+    """`body` with v2's field names (stored) in v2alpha1's (`alpha`: an answer to a v2alpha1 client), or a
+    v2alpha1 request's in v2's."""
+    names = _ALPHA_NAMES if alpha else {v: k for k, v in _ALPHA_NAMES.items()}
+    if isinstance(body, dict):
+        return {names.get(k, k): tpu_spelling(v, alpha=alpha) for k, v in body.items()}
+    if isinstance(body, list):
+        return [tpu_spelling(v, alpha=alpha) for v in body]
+    return body
+
+
 def _camel(snake: str) -> str:
     head, *rest = snake.split("_")
     return head + "".join(x.title() for x in rest)

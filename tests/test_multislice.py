@@ -1,0 +1,118 @@
+"""Multislice through one Cloud TPU v2 queued resource (`slices: N`; issue 30).
+
+One queued resource whose node spec carries `multisliceParams {nodeCount: N, nodeIdPrefix: RUN}` makes the
+slices RUN-0 .. RUN-(N-1) (tpu v2 discovery, MultisliceParams); Google's rules (tpu/docs/multislice-introduction)
+are refused at plan time. Every host of every slice runs the job: JAX meets them through MEGASCALE_* in each
+slice's tpu-env. Losing one slice requeues the whole request and the job resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+
+import pytest
+
+from test_run import REPO, _text, _zero, project, run_preempted_at, tpc  # noqa: F401 (fixtures)
+from tpuctl import spec as spec_mod
+from tpuctl.errors import BadInput
+from tpuctl.jobs.pipeline import Pipeline, RunOptions
+
+plan_mod = importlib.import_module("tpuctl.provision.plan")  # `tpuctl.provision.plan` is also a function
+
+
+def _spec(name: str = "ms", **fields) -> dict:
+    """gpt2-tiny, as small as it trains, on 2 slices of v5p-16 (2 hosts of 4 chips each): 4 processes."""
+    return {"name": name, "zone": "us-central1-a", "accelerator": "v5p-16", "provisioning": "spot", "slices": 2,
+            **fields,
+            "job": {"template": "gpt2", "preset": "gpt2-tiny",
+                    "config": {"task": {"seq_len": 32, "hidden_size": 64, "num_heads": 2},
+                               "trainer": {"max_steps": 20, "checkpoint_every": 10, "log_every": 5,
+                                           "steps_per_execution": 5, "warmup_steps": 2,
+                                           "per_replica_batch_size": 2, "shuffle_buffer": 64}},
+                    "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 500},
+                    **fields.pop("job", {})}}
+
+
+def _plan(**fields):
+    return plan_mod.make(spec_mod.from_mapping(_spec(**fields)), project="p", owner="me")
+
+
+def test_a_multislice_plan_is_one_queued_resource_of_n_slices_priced_n_times():
+    one, two = _plan(slices=1), _plan()
+    assert two.slices == 2 and two.framework == "jax" and two.to_json()["slices"] == 2
+    tpu = next(s for s in two.steps if s.key == "tpu")
+    assert tpu.detail.startswith("2 slices ms-0..ms-1 of v5p-16 (2 hosts)"), tpu.detail
+    assert next(s for s in two.steps if s.key == "tpu").price_per_hour == pytest.approx(
+        2 * next(s for s in one.steps if s.key == "tpu").price_per_hour)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"accelerator": "v3-32", "zone": "europe-west4-a"}, "TPU v4 and later"),
+    ({"accelerator": "tpu7x-8", "zone": "us-central1-c"}, "Compute Engine"),
+    ({"job": {"template": "bert", "framework": "tensorflow"}}, "not TensorFlow"),
+    ({"provisioning": "preemptible"}, "one queued resource"),
+])
+def test_google_multislice_rules_are_refused_naming_slices(fields, words):
+    with pytest.raises(BadInput) as info:
+        _plan(**fields)
+    assert info.value.field == "slices" and words in info.value.message, info.value.message
+
+
+def test_slices_below_one_are_refused():
+    with pytest.raises(BadInput) as info:
+        _plan(slices=0)
+    assert info.value.field == "slices"
+
+
+def test_localcloud_makes_every_slice_with_its_megascale_tpu_env(cloud, tpc):
+    """The request as tpuctl sends it (official client): N nodes PREFIX-i, each worker's tpu-env naming the
+    slice count, its slice and the first slice's worker 0; the driver sees them as one TPU of 4 workers."""
+    from tpuctl import provision
+    from tpuctl.provision import tpu
+
+    plan = _plan(name="ms-qr")
+    plan = plan_mod.Plan(**{**plan.__dict__, "project": tpc.project})
+    r = provision.shapes.for_tpu(plan.accelerator, plan.provisioning, plan.slices).create(
+        tpc, plan, plan.run, plan.zones[0], service_account="sa@p.iam.gserviceaccount.com", deadline_s=120)
+    assert (r.name, r.state.value, r.detail["slices"], r.detail["slice_nodes"]) == ("ms-qr", "ready", "2",
+                                                                                   "ms-qr-0,ms-qr-1")
+    assert [w.index for w in r.workers] == [0, 1, 2, 3] and len({w.port for w in r.workers}) == 4
+    assert provision.get_node(tpc, plan.zones[0], "ms-qr").workers == r.workers
+    parent = f"projects/{tpc.project}/locations/{plan.zones[0]}"
+    envs = []
+    for node in ("ms-qr-0", "ms-qr-1"):
+        for worker in range(2):
+            tree = cloud.tpu.guest_metadata(f"{parent}/nodes/{node}", worker)
+            envs.append(dict(line.split(": ", 1) for line in tree["instance"]["attributes"]["tpu-env"].splitlines()))
+    assert [(e["MEGASCALE_NUM_SLICES"], e["MEGASCALE_SLICE_ID"]) for e in envs] == [
+        ("'2'", "'0'"), ("'2'", "'0'"), ("'2'", "'1'"), ("'2'", "'1'")]
+    assert {e["MEGASCALE_COORDINATOR_ADDRESS"] for e in envs} == {"'127.0.0.1'"}
+    # Preempting one slice loses the whole TPU: the driver requeues the request, not the slice.
+    cloud.preempt(f"{parent}/nodes/ms-qr-1")
+    action = provision.recovery_action(tpc, plan.zones[0], "ms-qr")
+    assert isinstance(action, provision.Requeue) and action.tpu.state.value == "preempted"
+    back = provision.recover(tpc, action, deadline_s=120)
+    assert back.state.value == "ready" and len(back.workers) == 4
+    provision.down(tpc, "ms-qr")
+    assert tpu.get_queued(tpc, plan.zones[0], "ms-qr") is None and _zero(cloud, tpc.project)
+
+
+@pytest.mark.parametrize("params, words", [
+    ({"nodeCount": 1}, "must be > 1"),
+    ({"nodeCount": 2, "nodeIdPrefix": "bad/prefix"}, "nodeIdPrefix"),
+])
+def test_localcloud_refuses_a_multislice_google_refuses(clients, params, words):
+    from google.api_core import exceptions as gexc
+    from google.cloud import tpu_v2
+
+    zone = "us-central1-a"
+    spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
+        parent=clients.parent(zone), node=tpu_v2.Node(accelerator_type="v5p-16", runtime_version="v2-alpha-tpuv5"),
+        multislice_params=tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
+            node_count=params["nodeCount"], node_id_prefix=params.get("nodeIdPrefix", "")))
+    with pytest.raises(gexc.InvalidArgument, match=words):
+        clients.tpu.create_queued_resource(parent=clients.parent(zone), queued_resource_id="qr1",
+                                           queued_resource=tpu_v2.QueuedResource(
+                                               tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec])))
