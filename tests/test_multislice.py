@@ -30,8 +30,8 @@ def _spec(name: str = "ms", **fields) -> dict:
                     "config": {"task": {"seq_len": 32, "hidden_size": 64, "num_heads": 2},
                                "trainer": {"max_steps": 20, "checkpoint_every": 10, "log_every": 5,
                                            "steps_per_execution": 5, "warmup_steps": 2,
-                                           "per_replica_batch_size": 2, "shuffle_buffer": 64}},
-                    "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 500},
+                                           "per_replica_batch_size": 8, "shuffle_buffer": 64}},
+                    "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 500, "seq_len": 32},
                     **fields.pop("job", {})}}
 
 
@@ -112,7 +112,32 @@ def test_localcloud_refuses_a_multislice_google_refuses(clients, params, words):
         parent=clients.parent(zone), node=tpu_v2.Node(accelerator_type="v5p-16", runtime_version="v2-alpha-tpuv5"),
         multislice_params=tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
             node_count=params["nodeCount"], node_id_prefix=params.get("nodeIdPrefix", "")))
-    with pytest.raises(gexc.InvalidArgument, match=words):
+    with pytest.raises(gexc.BadRequest, match=words):
         clients.tpu.create_queued_resource(parent=clients.parent(zone), queued_resource_id="qr1",
                                            queued_resource=tpu_v2.QueuedResource(
                                                tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec])))
+
+
+@pytest.mark.slow
+@pytest.mark.tf
+@pytest.mark.timeout(900)
+def test_two_slices_of_two_hosts_train_as_one_job_survive_a_lost_slice_and_leave_nothing(tpc, cloud, project):
+    """THE rehearsal: 2 slices x 2 hosts are 4 CPU processes (4 forced devices each) in one JAX cluster with
+    cross-process collectives. Slice 1 is preempted after the first checkpoint: the whole queued resource is
+    requeued, every host relaunched, and all four resume from the bucket's checkpoint."""
+    pytest.importorskip("jax")
+    p = Pipeline(tpc, spec_mod.from_mapping(_spec("ms-run")), options=RunOptions(yes=True, poll_s=1.0))
+    o = run_preempted_at(p, cloud, 15,
+                         path=lambda p: f"projects/{p.project}/locations/{p.zone}/nodes/{p.node}-1")
+    assert (p.plan.slices, p.plan.framework, p.node) == (2, "jax", "ms-run")
+    assert o.state == "succeeded" and o.recoveries == 1 and o.step == 20, o
+    logs = [_text(tpc, o.bucket, f"runs/ms-run/logs/worker-{w}.log") for w in range(4)]
+    for w, log in enumerate(logs):  # the relaunched job's logs: every host of both slices resumed
+        start = next(line for line in log.splitlines() if line.startswith("start "))
+        assert start.startswith("start backend=jax strategy=cpu processes=4 slices=2 hosts=4 devices=16 "), (w, start)
+        resumed = int(re.search(r" step=(\d+) ", start)[1])
+        assert resumed == 10 and "done step=20 " in log, (w, log[-2000:])
+    assert "checkpoint step=20 " in logs[0] and not any("checkpoint step=" in log for log in logs[1:])
+    status = json.loads(_text(tpc, o.bucket, "runs/ms-run/status.json"))
+    assert status["state"] == "succeeded" and status["recovering"] is False
+    assert _zero(cloud, project)

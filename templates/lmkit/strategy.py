@@ -153,12 +153,12 @@ def resolve_jax(runtime: Any) -> Resolved:
 def hybrid_devices(jax, slices: int) -> list:
     """Every device in the order of `mesh_utils.create_hybrid_device_mesh`: data parallel across the slices
     (DCN, the outer axis), each slice's devices by its ICI topology inside. TPU devices say their slice
-    (`slice_index`); a CPU rehearsal's do not, so its processes (one per emulated host, slice-major as JAX
+    (`slice_index`); a CPU rehearsal's all say 0, so its processes (one per emulated host, slice-major as JAX
     numbers them) are the granules (`process_is_granule`, the function's own fallback)."""
     from jax.experimental import mesh_utils
 
     devices = jax.devices()
-    if hasattr(devices[0], "slice_index"):
+    if devices[0].platform == "tpu":
         mesh = mesh_utils.create_hybrid_device_mesh((len(devices) // slices,), (slices,), devices)
     else:
         mesh = mesh_utils.create_hybrid_device_mesh((jax.local_device_count(),), (jax.process_count(),), devices,
