@@ -13,6 +13,7 @@ import json
 import re
 
 import pytest
+import yaml
 
 from test_run import REPO, _text, _zero, project, run_preempted_at, tpc  # noqa: F401 (fixtures)
 from tpuctl import spec as spec_mod
@@ -22,17 +23,16 @@ from tpuctl.jobs.pipeline import Pipeline, RunOptions
 plan_mod = importlib.import_module("tpuctl.provision.plan")  # `tpuctl.provision.plan` is also a function
 
 
+EXAMPLE = REPO / "examples" / "gpt2-multislice.yaml"
+
+
 def _spec(name: str = "ms", **fields) -> dict:
-    """gpt2-tiny, as small as it trains, on 2 slices of v5p-16 (2 hosts of 4 chips each): 4 processes."""
-    return {"name": name, "zone": "us-central1-a", "accelerator": "v5p-16", "provisioning": "spot", "slices": 2,
-            **fields,
-            "job": {"template": "gpt2", "preset": "gpt2-tiny",
-                    "config": {"task": {"seq_len": 32, "hidden_size": 64, "num_heads": 2},
-                               "trainer": {"max_steps": 20, "checkpoint_every": 10, "log_every": 5,
-                                           "steps_per_execution": 5, "warmup_steps": 2,
-                                           "per_replica_batch_size": 8, "shuffle_buffer": 64}},
-                    "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 500, "seq_len": 32},
-                    **fields.pop("job", {})}}
+    """examples/gpt2-multislice.yaml (gpt2-tiny, as small as it trains, on 2 slices of v5p-16: 2 hosts of 4
+    chips each, 4 processes), named `name`, with `fields` (and `job` fields) over it."""
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    job = {**raw.pop("job"), **fields.pop("job", {})}
+    job["data"] = {**job["data"], "corpus": [str(EXAMPLE.parent / c) for c in job["data"]["corpus"]]}
+    return {**raw, "name": name, **fields, "job": job}
 
 
 def _plan(**fields):
@@ -122,7 +122,7 @@ def test_localcloud_refuses_a_multislice_google_refuses(clients, params, words):
 @pytest.mark.tf
 @pytest.mark.timeout(900)
 def test_two_slices_of_two_hosts_train_as_one_job_survive_a_lost_slice_and_leave_nothing(tpc, cloud, project):
-    """THE rehearsal: 2 slices x 2 hosts are 4 CPU processes (4 forced devices each) in one JAX cluster with
+    """THE rehearsal, of examples/gpt2-multislice.yaml: 2 slices x 2 hosts are 4 CPU processes (4 forced devices each) in one JAX cluster with
     cross-process collectives. Slice 1 is preempted after the first checkpoint: the whole queued resource is
     requeued, every host relaunched, and all four resume from the bucket's checkpoint."""
     pytest.importorskip("jax")
@@ -141,3 +141,13 @@ def test_two_slices_of_two_hosts_train_as_one_job_survive_a_lost_slice_and_leave
     status = json.loads(_text(tpc, o.bucket, "runs/ms-run/status.json"))
     assert status["state"] == "succeeded" and status["recovering"] is False
     assert _zero(cloud, project)
+
+
+def test_the_slices_flag_plans_n_slices_from_the_example(env):
+    """`--slices` overrides the spec's, on the example as a user runs it (dry run: nothing is created)."""
+    from conftest import tpuctl
+
+    r = tpuctl(env, "up", str(EXAMPLE), "--slices", "3", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout.splitlines()[-1])["plan"]
+    assert plan["slices"] == 3 and "3 slices gpt2-multislice-0..gpt2-multislice-2 of v5p-16" in json.dumps(plan)
