@@ -8,6 +8,7 @@ slice's tpu-env. Losing one slice requeues the whole request and the job resumes
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import re
@@ -18,7 +19,7 @@ import yaml
 from test_run import REPO, _text, _zero, project, run_preempted_at, tpc  # noqa: F401 (fixtures)
 from tpuctl import ledger
 from tpuctl import spec as spec_mod
-from tpuctl.errors import BadInput
+from tpuctl.errors import BadInput, CloudError
 from tpuctl.jobs.pipeline import Pipeline, RunOptions
 
 plan_mod = importlib.import_module("tpuctl.provision.plan")  # `tpuctl.provision.plan` is also a function
@@ -71,6 +72,9 @@ def test_localcloud_makes_every_slice_with_its_megascale_tpu_env(cloud, tpc):
     """The request as tpuctl sends it (official client): N nodes PREFIX-i, each worker's tpu-env naming the
     slice count, its slice and the first slice's worker 0; the driver sees them as one TPU of 4 workers."""
     from tpuctl import provision
+    from tpuctl.jobs import cluster
+    from tpuctl.jobs import launch as launching
+    from tpuctl.jobs.ssh import Fleet
     from tpuctl.provision import tpu
 
     plan = _plan(name="ms-qr")
@@ -90,6 +94,17 @@ def test_localcloud_makes_every_slice_with_its_megascale_tpu_env(cloud, tpc):
     assert [(e["MEGASCALE_NUM_SLICES"], e["MEGASCALE_SLICE_ID"]) for e in envs] == [
         ("'2'", "'0'"), ("'2'", "'0'"), ("'2'", "'1'"), ("'2'", "'1'")]
     assert {e["MEGASCALE_COORDINATOR_ADDRESS"] for e in envs} == {"'127.0.0.1'"}
+    # What tpuctl checks on every host before a launch, over SSH: 2 slices agree; a count they do not share fails.
+    assert cluster.locate(tpc, "ms-qr").node == "ms-qr"
+    key, targets = cluster.authorize(tpc, plan.zones[0], "ms-qr")
+
+    async def check(slices: int) -> None:
+        async with Fleet(targets, key) as fleet:
+            await launching.check_slices(fleet, slices)
+
+    asyncio.run(check(2))
+    with pytest.raises(CloudError, match="worker 3 says slices=2 slice=1 \\(expected 4 and 3\\)"):
+        asyncio.run(check(4))
     # Preempting one slice loses the whole TPU: the driver requeues the request, not the slice.
     cloud.preempt(f"{parent}/nodes/ms-qr-1")
     action = provision.recovery_action(tpc, plan.zones[0], "ms-qr")
