@@ -172,3 +172,36 @@ def test_the_slices_flag_plans_n_slices_from_the_example(env):
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout.splitlines()[-1])["plan"]
     assert plan["slices"] == 3 and "3 slices gpt2-multislice-0..gpt2-multislice-2 of v5p-16" in json.dumps(plan)
+
+
+def test_a_multislice_host_joins_jax_as_jax_itself_counts_it(monkeypatch):
+    """guest.py reads MEGASCALE_* where JAX's cloud_tpu_cluster.py does (the environment first, then tpu-env);
+    jax_cluster gives `jax.distributed.initialize` JAX's own numbers: slices x hosts processes, this one
+    slice x hosts + worker, the coordinator MEGASCALE_COORDINATOR_ADDRESS without its port."""
+    from tpuctl.localcloud.metadata import MetadataServer
+    from tpuctl.templates.lmkit import guest, strategy
+
+    hosts = "t1v-n-a-w-0:1:10.0.1.1,t1v-n-a-w-1:1:10.0.1.2"
+    tree = {"instance": {"attributes": {
+        "accelerator-type": "v5p-16", "agent-worker-number": "1", "worker-network-endpoints": hosts,
+        "tpu-env": "MEGASCALE_COORDINATOR_ADDRESS: '10.0.0.9:8080'\nMEGASCALE_NUM_SLICES: '3'\n"
+                   "MEGASCALE_SLICE_ID: '2'\nNODE_ID: 'run-2'\n"}}}
+    server = MetadataServer()
+    try:
+        (host,) = server.attach("n", 1, lambda index: tree)
+        monkeypatch.setenv("GCE_METADATA_HOST", host)
+        guest.tpu_vm.cache_clear()
+        vm = guest.tpu_vm()
+        assert (vm.slices, vm.slice_id, vm.coordinator) == (3, 2, "10.0.0.9:8080")
+        assert strategy.jax_cluster(vm, rehearsal=False) == {
+            "coordinator_address": "10.0.0.9:8482", "num_processes": 6, "process_id": 5}
+        # Every slice's rehearsal meets on one port: the slices' nodes share their prefix.
+        first = strategy.jax_cluster(guest.TpuVm(node="run-0", worker=0, hosts=vm.hosts, accelerator_type="v5p-16",
+                                                 slices=3, slice_id=0, coordinator="10.0.0.9"), rehearsal=True)
+        assert first["coordinator_address"] == strategy.jax_cluster(vm, rehearsal=True)["coordinator_address"]
+        monkeypatch.setenv("MEGASCALE_SLICE_ID", "0")  # the environment wins, as in JAX
+        guest.tpu_vm.cache_clear()
+        assert guest.tpu_vm().slice_id == 0
+    finally:
+        guest.tpu_vm.cache_clear()
+        server.close()
