@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from test_run import REPO, _text, _zero, project, run_preempted_at, tpc  # noqa: F401 (fixtures)
-from tpuctl import ledger
+from tpuctl import catalog as catalog_mod
+from tpuctl import cost, ledger
 from tpuctl import spec as spec_mod
 from tpuctl.errors import BadInput, CloudError
 from tpuctl.jobs.pipeline import Pipeline, RunOptions
@@ -45,6 +46,11 @@ def test_a_multislice_plan_is_one_queued_resource_of_n_slices_priced_n_times():
     one, two = _plan(slices=1), _plan()
     assert two.slices == 2 and two.framework == "jax" and two.to_json()["slices"] == 2
     tpu = next(s for s in two.steps if s.key == "tpu")
+    # `tpuctl cost --estimate` (the spec's estimate) prices the N slices too.
+    catalog = catalog_mod.load()
+    estimate = cost.estimate_spec(spec_mod.from_mapping(_spec()), catalog)
+    assert estimate.items[0].what.startswith("tpu 2 x v5p-16 (spot)")
+    assert estimate.items[0].usd_per_hour == pytest.approx(tpu.price_per_hour)
     assert tpu.detail.startswith("2 slices ms-0..ms-1 of v5p-16 (2 hosts)"), tpu.detail
     assert next(s for s in two.steps if s.key == "tpu").price_per_hour == pytest.approx(
         2 * next(s for s in one.steps if s.key == "tpu").price_per_hour)
@@ -94,6 +100,11 @@ def test_localcloud_makes_every_slice_with_its_megascale_tpu_env(cloud, tpc):
     assert [(e["MEGASCALE_NUM_SLICES"], e["MEGASCALE_SLICE_ID"]) for e in envs] == [
         ("'2'", "'0'"), ("'2'", "'0'"), ("'2'", "'1'"), ("'2'", "'1'")]
     assert {e["MEGASCALE_COORDINATOR_ADDRESS"] for e in envs} == {"'127.0.0.1'"}
+    # `status` (and `cost`, from the same prices) shows one run of 2 slices, 4 workers, billing 2 slices.
+    (run,) = provision.status(tpc, "ms-qr", price=lambda x: cost.hourly(ledger.entry_of(x), catalog_mod.load()))
+    assert sorted(x.name for x in run.resources if x.kind.value == "tpu") == ["ms-qr-0", "ms-qr-1"]
+    assert run.workers == 4 and run.price_per_hour == pytest.approx(
+        next(s for s in plan.steps if s.key == "tpu").price_per_hour)
     # What tpuctl checks on every host before a launch, over SSH: 2 slices agree; a count they do not share fails.
     assert cluster.locate(tpc, "ms-qr").node == "ms-qr"
     key, targets = cluster.authorize(tpc, plan.zones[0], "ms-qr")
