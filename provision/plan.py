@@ -76,7 +76,7 @@ class Plan:
             if self.bucket_soft_delete_s else "0s", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
             "internal_ips": self.internal_ips,
             # The quota each create of the failover list is checked against (preflight), before anything is asked.
-            "quotas": [q.to_json() for q in quota_checks(self.accelerator, self.provisioning, self.zones)],
+            "quotas": [q.to_json() for q in quota_checks(self.accelerator, self.provisioning, self.zones, self.slices)],
             "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
             "steps": [{"key": s.key, "kind": s.kind.value, "name": s.name, "location": s.location,
                        "after": list(s.after), "price_per_hour": round(s.price_per_hour, 4), "detail": s.detail}

@@ -22,6 +22,7 @@ from tpuctl import cost, ledger
 from tpuctl import spec as spec_mod
 from tpuctl.errors import BadInput, CloudError
 from tpuctl.jobs.pipeline import Pipeline, RunOptions
+from tpuctl.provision import preflight
 
 plan_mod = importlib.import_module("tpuctl.provision.plan")  # `tpuctl.provision.plan` is also a function
 
@@ -46,6 +47,10 @@ def test_a_multislice_plan_is_one_queued_resource_of_n_slices_priced_n_times():
     one, two = _plan(slices=1), _plan()
     assert two.slices == 2 and two.framework == "jax" and two.to_json()["slices"] == 2
     tpu = next(s for s in two.steps if s.key == "tpu")
+    # Preflight checks the quota of every slice at once, with the queued-resource permissions.
+    assert [q["needs"] for q in two.to_json()["quotas"]] == [2 * q["needs"] for q in one.to_json()["quotas"]] != []
+    assert "tpu.queuedresources.create" in preflight.permissions_for(
+        preflight.Target.of_plan(_plan(provisioning="on-demand")))
     # `tpuctl cost --estimate` (the spec's estimate) prices the N slices too.
     catalog = catalog_mod.load()
     estimate = cost.estimate_spec(spec_mod.from_mapping(_spec()), catalog)
