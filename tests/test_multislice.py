@@ -9,6 +9,7 @@ slice's tpu-env. Losing one slice requeues the whole request and the job resumes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import re
@@ -198,15 +199,12 @@ def test_a_multislice_host_joins_jax_as_jax_itself_counts_it(monkeypatch):
     from tpuctl.templates.lmkit import guest, strategy
 
     hosts = "t1v-n-a-w-0:1:10.0.1.1,t1v-n-a-w-1:1:10.0.1.2"
-    tree = {"instance": {"attributes": {
-        "accelerator-type": "v5p-16", "agent-worker-number": "1", "worker-network-endpoints": hosts,
-        "tpu-env": "MEGASCALE_COORDINATOR_ADDRESS: '10.0.0.9:8080'\nMEGASCALE_NUM_SLICES: '3'\n"
-                   "MEGASCALE_SLICE_ID: '2'\nNODE_ID: 'run-2'\n"}}}
-    server = MetadataServer()
-    try:
-        (host,) = server.attach("n", 1, lambda index: tree)
-        monkeypatch.setenv("GCE_METADATA_HOST", host)
-        guest.tpu_vm.cache_clear()
+    attributes = {"accelerator-type": "v5p-16", "agent-worker-number": "1", "worker-network-endpoints": hosts,
+                  "tpu-env": "MEGASCALE_COORDINATOR_ADDRESS: '10.0.0.9:8080'\nMEGASCALE_NUM_SLICES: '3'\n"
+                             "MEGASCALE_SLICE_ID: '2'\nNODE_ID: 'run-2'\n"}
+    with contextlib.closing(MetadataServer()) as server:
+        monkeypatch.setenv("GCE_METADATA_HOST", server.attach("n", 1, lambda i: {"instance": {"attributes": attributes}})[0])
+        monkeypatch.setattr(guest, "tpu_vm", guest.tpu_vm.__wrapped__)  # uncached: each call reads the server
         vm = guest.tpu_vm()
         assert (vm.slices, vm.slice_id, vm.coordinator) == (3, 2, "10.0.0.9:8080")
         assert strategy.jax_cluster(vm, rehearsal=False) == {
@@ -216,8 +214,4 @@ def test_a_multislice_host_joins_jax_as_jax_itself_counts_it(monkeypatch):
                                                  slices=3, slice_id=0, coordinator="10.0.0.9"), rehearsal=True)
         assert first["coordinator_address"] == strategy.jax_cluster(vm, rehearsal=True)["coordinator_address"]
         monkeypatch.setenv("MEGASCALE_SLICE_ID", "0")  # the environment wins, as in JAX
-        guest.tpu_vm.cache_clear()
         assert guest.tpu_vm().slice_id == 0
-    finally:
-        guest.tpu_vm.cache_clear()
-        server.close()
