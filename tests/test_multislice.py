@@ -135,14 +135,16 @@ def test_localcloud_makes_every_slice_with_its_megascale_tpu_env(cloud, tpc):
 @pytest.mark.parametrize("params, words", [
     ({"nodeCount": 1}, "must be > 1"),
     ({"nodeCount": 2, "nodeIdPrefix": "bad/prefix"}, "nodeIdPrefix"),
+    ({"nodeCount": 2, "accelerator": ("v3-32", "tpu-ubuntu2204-base"), "zone": "europe-west4-a"}, "v4 and later"),
 ])
 def test_localcloud_refuses_a_multislice_google_refuses(clients, params, words):
     from google.api_core import exceptions as gexc
     from google.cloud import tpu_v2
 
-    zone = "us-central1-a"
+    zone = params.get("zone", "us-central1-a")
+    accelerator, runtime = params.get("accelerator", ("v5p-16", "v2-alpha-tpuv5"))
     spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
-        parent=clients.parent(zone), node=tpu_v2.Node(accelerator_type="v5p-16", runtime_version="v2-alpha-tpuv5"),
+        parent=clients.parent(zone), node=tpu_v2.Node(accelerator_type=accelerator, runtime_version=runtime),
         multislice_params=tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
             node_count=params["nodeCount"], node_id_prefix=params.get("nodeIdPrefix", "")))
     with pytest.raises(gexc.BadRequest, match=words):
