@@ -62,7 +62,9 @@ def locate(clients: Clients, run: str) -> Located:
     if tpu is None:
         raise NotFound(f"run {run} has no TPU node", field="run",
                        hint="see `tpuctl list`; a finished run's logs and status stay in its bucket")
-    return Located(run=run, zone=tpu.location, node=tpu.name, bucket=bucket, state=tpu.state)
+    # A multislice's slices (RUN-0 ..) are one TPU to the jobs layer, named after their queued resource.
+    queued = tpu.detail.get("queued_resource", "").rsplit("/", 1)[-1]
+    return Located(run=run, zone=tpu.location, node=queued or tpu.name, bucket=bucket, state=tpu.state)
 
 
 def authorize(clients: Clients, zone: str, node: str) -> tuple[KeyPair, list[Target]]:

@@ -64,6 +64,32 @@ async def launch(fleet: Fleet, *, run: str, project: str, bucket: str, bundle: B
     return launch_id
 
 
+# Each worker's tpu-env from its metadata server (GCE_METADATA_HOST where set, as google-auth reads it).
+TPU_ENV_COMMAND = ("curl -sf -H 'Metadata-Flavor: Google' "
+                   "\"http://${GCE_METADATA_HOST:-metadata.google.internal}/computeMetadata/v1/instance/attributes/tpu-env\"")
+
+
+async def check_slices(fleet: Fleet, slices: int) -> None:
+    """Before a multislice job starts: every host must agree on the number of slices and know its own slice,
+    as JAX will read them (MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID in tpu-env): worker i of H hosts per slice
+    is in slice i // H. A host that disagrees would hang every other at `jax.distributed.initialize`, so it
+    raises CloudError naming it instead."""
+    results = await fleet.run_all(lambda t: TPU_ENV_COMMAND, timeout_s=60)
+    per_slice = len(fleet.targets) // slices
+    wrong = []
+    for r in results:
+        env = dict((k.strip(), v.strip().strip("'")) for k, _, v in
+                   (line.partition(":") for line in r.stdout.splitlines() if ":" in line))
+        seen = (env.get("MEGASCALE_NUM_SLICES"), env.get("MEGASCALE_SLICE_ID"))
+        if r.exit_status != 0 or seen != (str(slices), str(r.index // per_slice)):
+            wrong.append(f"worker {r.index} says slices={seen[0]} slice={seen[1]} "
+                         f"(expected {slices} and {r.index // per_slice})")
+    if wrong:
+        raise CloudError(f"the hosts disagree on the multislice: {'; '.join(wrong)}",
+                         hint="a slice was replaced while the others kept their old view: requeue the run "
+                              "(`tpuctl down` then `tpuctl run` again) to rebuild every slice")
+
+
 def _parse(index: int, line: str) -> WorkerState:
     word, _, rest = line.strip().partition(" ")
     if word == "exited":

@@ -601,6 +601,9 @@ class Pipeline:
             async def go():
                 async with Fleet(targets, key, on_retry=lambda t, why: self.emit(ev.Note(f"worker {t.index}: waiting for ssh ({why})")),
                                  on_event=self.emit) as fleet:
+                    slices = int((self._tpu.detail if self._tpu is not None else {}).get("slices", 1))
+                    if slices > 1:
+                        await launching.check_slices(fleet, slices)
                     await launching.launch(fleet, run=rec.run, project=self.project, bucket=rec.bucket,
                                            bundle=bundle, python=rec.python)
 

@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 from . import quotas
 from .core import ApiError, World
 from .schema import load_document, validator
+from .tpu import tpu_spelling
 
 # (discovery doc, short-method prefix to strip, error style, proto types module for int enums)
 _APIS = (
@@ -230,7 +231,11 @@ class Api:
                 problems = (check.check_response if route.method_id in _UPDATE_METHODS else check.check_request)(route.request, body)
                 if problems:
                     raise ApiError("INVALID_ARGUMENT", "Invalid JSON payload received (localcloud strict schema): " + "; ".join(problems))
+        if route.doc == "tpu.v2alpha1":
+            body = tpu_spelling(body, alpha=False)
         result = handler(params, query, body)
+        if route.doc == "tpu.v2alpha1":
+            result = tpu_spelling(result, alpha=True)
         if route.doc in _PRUNED and route.response:
             result = validator(route.doc).prune(route.response, result, validator(_PRUNED[route.doc]))
         odd = self.w.faults.take("odd-response", route.service, route.short, zone)

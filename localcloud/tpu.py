@@ -350,6 +350,8 @@ class TpuService:
                 "NODE_ID": node_id, "PREEMPTIBLE": str(rec["spot"]).lower(), "SERVICE_NAME": "tpu.googleapis.com",
                 "TOPOLOGY": t.topology, "TYPE": t.api_type, "UID": node["id"], "WORKER_ID": str(index), "ZONE": zone,
             }
+            if rec.get("slice"):
+                tpu_env.update(self._megascale(rec["slice"]))
             attributes = {
                 **(node.get("metadata") or {}),
                 "accelerator-type": t.name,
@@ -363,6 +365,17 @@ class TpuService:
                 project=project, number=number, zone=zone, name=hosts[index], instance_id=f"{node['id']}{index}",
                 attributes=attributes, service_account=(email, list(account.get("scope") or DEFAULT_SCOPES)),
                 tokens=self.w.tokens, preempted=bool(rec.get("preempted")))
+
+    def _megascale(self, sl: dict) -> dict[str, str]:
+        """The multislice keys of a slice's `tpu-env`, which JAX reads there on a queued resource's TPU VMs
+        (`jax/_src/clusters/cloud_tpu_cluster.py`: "For both GCE via QueuedResources and GKE via JobSet, the
+        Megascale coordinator address is set as the host with process id = 0"): the first slice's worker 0,
+        the number of slices and this slice's index. The value's form (an address, as a node's endpoints
+        give it) is inferred: JAX keeps what precedes a ':'."""
+        first = self.nodes.get(sl["coordinator"])
+        address = self.view(first)["networkEndpoints"][0]["ipAddress"] if first else "127.0.0.1"
+        return {"MEGASCALE_COORDINATOR_ADDRESS": address, "MEGASCALE_NUM_SLICES": str(sl["count"]),
+                "MEGASCALE_SLICE_ID": str(sl["id"])}
 
     def _stop_workers(self, rec: dict) -> None:
         rec["endpoints"] = []
@@ -803,9 +816,8 @@ class TpuService:
         for spec in specs:
             if spec.get("parent") != parent:
                 raise ApiError("INVALID_ARGUMENT", f"nodeSpec.parent must be {parent!r}, got {spec.get('parent')!r}.")
-            if not _QR_ID_RE.match(spec.get("nodeId") or ""):
-                raise ApiError("INVALID_ARGUMENT", "nodeSpec.nodeId is required (multisliceParams are not supported by localcloud).")
             t = self.resolve_type(spec.get("node") or {}, zone)
+            _slice_ids(spec, qr_id, t)
             self._check_flex_start(body, t, zone)
         policy = body.get("queueingPolicy") or {}
         deadline = None
@@ -818,8 +830,9 @@ class TpuService:
             if name in self.queued:
                 raise already_exists(name)
             for spec in specs:
-                if f"{parent}/nodes/{spec['nodeId']}" in self.nodes:
-                    raise already_exists(f"{parent}/nodes/{spec['nodeId']}")
+                for node_id in _slice_ids(spec, qr_id):
+                    if f"{parent}/nodes/{node_id}" in self.nodes:
+                        raise already_exists(f"{parent}/nodes/{node_id}")
             qr = copy.deepcopy(body)
             qr.update(name=name, createTime=now_rfc3339())
             if deadline is not None and "validUntilDuration" in policy:
@@ -882,10 +895,15 @@ class TpuService:
                     if spot:
                         body.setdefault("schedulingConfig", {})["spot"] = True
                     t = self.resolve_type(body, rec["zone"])
-                    node = self._new_node(spec["parent"], rec["project"], rec["zone"], spec["nodeId"], body, t, queued=qr)
-                    rec["nodes"].append(node["node"]["name"])
-                    if not self.w.faults.take("stuck", "tpu", "queuedResources.create", rec["zone"]):
-                        self.w.later(CREATE_S, "tpu.create_done", node=node["node"]["name"])
+                    ids = _slice_ids(spec, qr.rsplit("/", 1)[-1])
+                    for index, node_id in enumerate(ids):
+                        node = self._new_node(spec["parent"], rec["project"], rec["zone"], node_id, body, t, queued=qr)
+                        if "multisliceParams" in spec:
+                            node["slice"] = {"id": index, "count": len(ids),
+                                             "coordinator": f"{spec['parent']}/nodes/{ids[0]}"}
+                        rec["nodes"].append(node["node"]["name"])
+                        if not self.w.faults.take("stuck", "tpu", "queuedResources.create", rec["zone"]):
+                            self.w.later(CREATE_S, "tpu.create_done", node=node["node"]["name"])
             self.w.changed()
 
     def _schedule_flex_end(self, rec: dict) -> None:
@@ -970,6 +988,48 @@ class TpuService:
                       for r in self.queued.values()]
             pending = sum(1 for o in self.ops.values() if not o["done"])
         return {"nodes": nodes, "queued_resources": queued, "pending_operations": pending}
+
+
+# "Multislice is only supported on Cloud TPU v4 and later TPU versions" (tpu/docs/multislice-introduction).
+_NO_MULTISLICE = ("v2", "v3")
+
+
+def _slice_ids(spec: dict, qr_id: str, t: facts.TpuType | None = None) -> list[str]:
+    """The node ids a nodeSpec makes: its `nodeId`, or with `multisliceParams` ("must be populated in case of
+    multislice requests instead of node_id") `nodeCount` ("This needs to be > 1") nodes PREFIX-0 ..
+    PREFIX-(N-1), the prefix defaulting to the queued resource's id (tpu v2 discovery, MultisliceParams).
+    With `t`, the request is checked: a generation without multislice is refused (the code is inferred)."""
+    params = spec.get("multisliceParams")
+    if params is None:
+        if not _QR_ID_RE.match(spec.get("nodeId") or ""):
+            raise ApiError("INVALID_ARGUMENT", "nodeSpec.nodeId is required (or multisliceParams).")
+        return [spec["nodeId"]]
+    if spec.get("nodeId"):
+        raise ApiError("INVALID_ARGUMENT", "nodeSpec: set either nodeId or multisliceParams, not both.")
+    count, prefix = int(params.get("nodeCount") or 0), params.get("nodeIdPrefix") or qr_id
+    if count < 2:
+        raise ApiError("INVALID_ARGUMENT", f"multisliceParams.nodeCount must be > 1, got {count}.")
+    if not _QR_ID_RE.match(prefix):
+        raise ApiError("INVALID_ARGUMENT", f"Invalid multisliceParams.nodeIdPrefix {prefix!r}.")
+    if t is not None and t.generation in _NO_MULTISLICE:
+        raise ApiError("INVALID_ARGUMENT", f"Multislice is only supported on TPU v4 and later, not {t.name}.")
+    return [f"{prefix}-{i}" for i in range(count)]
+
+
+# Where TPU v2 and v2alpha1 spell one field differently: v2's MultisliceParams is v2alpha1's MultiNodeParams
+# ("This field must be populated in case of multi-node requests instead of node_id", tpu v2alpha1 discovery).
+_ALPHA_NAMES = {"multisliceParams": "multiNodeParams"}
+
+
+def tpu_spelling(body, *, alpha: bool):
+    """`body` with v2's field names (stored) in v2alpha1's (`alpha`: an answer to a v2alpha1 client), or a
+    v2alpha1 request's in v2's."""
+    names = _ALPHA_NAMES if alpha else {v: k for k, v in _ALPHA_NAMES.items()}
+    if isinstance(body, dict):
+        return {names.get(k, k): tpu_spelling(v, alpha=alpha) for k, v in body.items()}
+    if isinstance(body, list):
+        return [tpu_spelling(v, alpha=alpha) for v in body]
+    return body
 
 
 def _camel(snake: str) -> str:

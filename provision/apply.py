@@ -260,7 +260,7 @@ def _tpu_step(clients: Clients, plan: Plan, sa: str, created: _Created, adopted:
               cancel: threading.Event, deadline_s: float) -> Resource:
     """Create the TPU (its shape's driver: a node, a queued resource, a Compute Engine VM or slice) in the first
     zone with capacity; adopt one from an earlier `up`."""
-    return _failover(clients, plan, shapes.for_tpu(plan.accelerator, plan.provisioning), plan.run, sa, created,
+    return _failover(clients, plan, shapes.for_tpu(plan.accelerator, plan.provisioning, plan.slices), plan.run, sa, created,
                      adopted, say, cancel, deadline_s, what=plan.accelerator.name, hint=capacity_hint(plan.provisioning))
 
 

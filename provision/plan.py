@@ -52,6 +52,7 @@ class Plan:
     internal_ips: bool = False
     bucket_soft_delete_s: int = 0  # soft delete retention of a bucket tpuctl creates; 0 = off
     framework: str = ""  # "tensorflow" | "jax"; "" when planned without frameworks
+    slices: int = 1  # > 1: a multislice queued resource of that many slices (provision/shapes/queued.py)
 
     @property
     def spot(self) -> bool:
@@ -70,12 +71,12 @@ class Plan:
             "accelerator": self.accelerator.name, "hosts": self.accelerator.hosts, "api": self.accelerator.api,
             "max_run_duration": None if self.max_run_duration_s is None else format_duration(self.max_run_duration_s),
             "runtime_version": self.runtime_version, "framework": self.framework or None,
-            "provisioning": self.provisioning,
+            "provisioning": self.provisioning, "slices": self.slices,
             "bucket": f"gs://{self.bucket}", "bucket_soft_delete": format_duration(self.bucket_soft_delete_s)
             if self.bucket_soft_delete_s else "0s", "service_account": self.service_account, "ttl": format_duration(self.ttl_s),
             "internal_ips": self.internal_ips,
             # The quota each create of the failover list is checked against (preflight), before anything is asked.
-            "quotas": [q.to_json() for q in quota_checks(self.accelerator, self.provisioning, self.zones)],
+            "quotas": [q.to_json() for q in quota_checks(self.accelerator, self.provisioning, self.zones, self.slices)],
             "labels": dict(self.labels), "price_per_hour": round(self.price_per_hour, 4), "notes": list(self.notes),
             "steps": [{"key": s.key, "kind": s.kind.value, "name": s.name, "location": s.location,
                        "after": list(s.after), "price_per_hour": round(s.price_per_hour, 4), "detail": s.detail}
@@ -119,7 +120,7 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
     if spec.provisioning not in t.provisioning:
         raise BadInput(f"{t.name} cannot be provisioned {spec.provisioning}", field="provisioning",
                        hint=f"{t.name} offers: {', '.join(t.provisioning)}")
-    shape = shapes.for_tpu(t, spec.provisioning)
+    shape = shapes.for_tpu(t, spec.provisioning, spec.slices)
     shape.check(t, spec.provisioning, catalog)
     if spec.provisioning == "flex-start" and t.flex_start_zones:
         outside = [z for z in zones if z not in t.flex_start_zones]
@@ -129,11 +130,15 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                            hint=f"pass --zone {t.flex_start_zones[0]}, or another provisioning model")
     runtime, framework = spec.runtime_version or t.default_runtime, ""
     if frameworks is not None:
-        choice = frameworks_mod.choose(spec.job.framework if spec.job else "auto", t, spec.runtime_version,
-                                       frameworks)
+        asked = spec.job.framework if spec.job else "auto"
+        if spec.slices > 1 and asked == "auto":  # multislice runs JAX (Queued.check_slices): auto picks it
+            frameworks = tuple(f for f in frameworks if f != "tensorflow") or frameworks
+        choice = frameworks_mod.choose(asked, t, spec.runtime_version, frameworks)
         runtime, framework = choice.runtime_version, choice.framework
     for z in zones:
         catalog.check(t.name, z, runtime, framework or None)
+    if spec.slices > 1:
+        shapes.QUEUED.check_slices(t, spec.slices, spec.provisioning, framework)
     run = default_run_name(spec, owner) if spec.name is None else spec.name  # "" is a name, and a bad one
     L.check_name(run, field="name", max_len=40)
     bucket = L.auto_bucket(project, run) if spec.bucket == "auto" else spec.bucket.removeprefix("gs://").rstrip("/")
@@ -170,7 +175,7 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                 tags=tuple(spec.tags), labels=labels, ttl_s=spec.ttl_s, allow_cross_region=spec.allow_cross_region,
                 vms=tuple(spec.vms), steps=tuple(steps), notes=tuple(notes),
                 max_run_duration_s=spec.max_run_duration_s, internal_ips=spec.internal_ips,
-                bucket_soft_delete_s=spec.bucket_soft_delete_s, framework=framework)
+                bucket_soft_delete_s=spec.bucket_soft_delete_s, framework=framework, slices=spec.slices)
 
 
 def _soft_delete_text(seconds: int) -> str:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from google.api_core import exceptions as gexc
 
@@ -139,12 +139,15 @@ class QuotaCheck:
                 **({"fallback": rest} if rest else {})}
 
 
-def quota_checks(accelerator: AcceleratorType, provisioning: str, zones: tuple[str, ...]) -> tuple[QuotaCheck, ...]:
+def quota_checks(accelerator: AcceleratorType, provisioning: str, zones: tuple[str, ...],
+                 slices: int = 1) -> tuple[QuotaCheck, ...]:
     """The quota each create of the zone failover list is checked against (the TPU's shape driver knows which
     API's quota it draws on); () for a type with no known quota."""
     from tpuctl.provision import shapes
 
-    return shapes.for_tpu(accelerator, provisioning).quota_checks(accelerator, provisioning, zones)
+    # A multislice draws on the quota for every one of its slices at once.
+    return tuple(replace(q, need=q.need * slices) for q in
+                 shapes.for_tpu(accelerator, provisioning, slices).quota_checks(accelerator, provisioning, zones))
 
 
 def compute_quota_checks(accelerator: AcceleratorType, provisioning: str,
@@ -186,6 +189,7 @@ class Target:
     accelerator: AcceleratorType | None = None  # None: the TPU quota is not checked
     zones: tuple[str, ...] = ()
     provisioning: str = "on-demand"
+    slices: int = 1  # a multislice: that many slices of `accelerator` in one queued resource
 
     @property
     def regions(self) -> tuple[str, ...]:
@@ -197,7 +201,7 @@ class Target:
         return cls(region=plan.region, network=plan.network, subnet=plan.subnet,
                    service_account=plan.service_account, queued=plan.provisioning == "queued", vms=bool(plan.vms),
                    internal_ips=plan.internal_ips, accelerator=plan.accelerator, zones=tuple(plan.zones),
-                   provisioning=plan.provisioning)
+                   provisioning=plan.provisioning, slices=plan.slices)
 
     @classmethod
     def of_spec(cls, spec, catalog: Catalog) -> Target:
@@ -207,7 +211,7 @@ class Target:
                    subnet=spec.subnet, service_account=spec.service_account, queued=spec.provisioning == "queued",
                    vms=bool(spec.vms), internal_ips=spec.internal_ips,
                    accelerator=catalog.accelerator(spec.accelerator) if known else None, zones=tuple(spec.zones),
-                   provisioning=spec.provisioning)
+                   provisioning=spec.provisioning, slices=spec.slices)
 
 
 @dataclass(frozen=True)
@@ -299,7 +303,7 @@ def permissions_for(target: Target) -> tuple[str, ...]:
     TPU flex-start one the queued-resource permissions."""
     from tpuctl.provision import shapes
 
-    tpu = shapes.for_tpu(target.accelerator, target.provisioning)
+    tpu = shapes.for_tpu(target.accelerator, target.provisioning, target.slices)
     return tuple(dict.fromkeys((*tpu.permissions, *PERMISSIONS, *(shapes.VM.permissions if target.vms else ()))))
 
 
@@ -343,7 +347,7 @@ def _os_login(clients: Clients, target: Target) -> Check:
 
 def _tpu_quota(clients: Clients, target: Target) -> Check:
     acc = target.accelerator
-    wanted = quota_checks(acc, target.provisioning, target.zones)
+    wanted = quota_checks(acc, target.provisioning, target.zones, target.slices)
     if not wanted:
         return Check("tpu-quota", "unknown", f"not checked: no known quota for {acc.name}")
     infos: dict[str, dict] = {}

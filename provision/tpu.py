@@ -55,6 +55,7 @@ class NodeRequest:
     network: Network = Network()
     metadata: Mapping[str, str] | None = None
     max_run_duration_s: float | None = None  # flex-start (a queued resource): Google deletes the TPU after this
+    slices: int = 1  # > 1: one multislice queued resource of that many slices, NAME-0 .. NAME-(N-1)
 
     def in_zone(self, zone: str) -> NodeRequest:
         return NodeRequest(**{**self.__dict__, "zone": zone})
@@ -285,9 +286,7 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
             policy = tpu_v2.QueuedResource.QueueingPolicy(
                 valid_until_duration=duration_pb2.Duration(seconds=int(req.valid_until_s)))
         body = tpu_v2.QueuedResource(
-            tpu=tpu_v2.QueuedResource.Tpu(node_spec=[tpu_v2.QueuedResource.Tpu.NodeSpec(
-                parent=parent(clients.project, req.zone), node_id=req.name, node=_node_proto(req))]),
-            queueing_policy=policy)
+            tpu=tpu_v2.QueuedResource.Tpu(node_spec=[_node_spec(clients, req)]), queueing_policy=policy)
         if req.spot:
             body.spot = tpu_v2.QueuedResource.Spot()
         if on_issued is not None:
@@ -313,8 +312,89 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
 
     waits.until(poll, what=f"queued resource {req.name} in {req.zone} to become active", deadline_s=deadline_s,
                 cancel=cancel, on_poll=(lambda r, t: progress(r.state, "")) if progress else None)
-    return _seen_ready(wait_ready(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel,
-                                  progress=progress), watched)
+    wait = wait_slices_ready if req.slices > 1 else wait_ready
+    return _seen_ready(wait(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel,
+                            progress=progress), watched)
+
+
+def _node_spec(clients: Clients, req: NodeRequest) -> tpu_v2.QueuedResource.Tpu.NodeSpec:
+    """The queued resource's node spec: one node named `req.name`, or for several slices `multisliceParams`
+    ("must be populated in case of multislice requests instead of node_id", tpu v2 discovery) whose
+    `nodeIdPrefix` names the slices NAME-0 .. NAME-(N-1)."""
+    if req.slices > 1:
+        return tpu_v2.QueuedResource.Tpu.NodeSpec(
+            parent=parent(clients.project, req.zone), node=_node_proto(req),
+            multislice_params=tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
+                node_count=req.slices, node_id_prefix=req.name))
+    return tpu_v2.QueuedResource.Tpu.NodeSpec(parent=parent(clients.project, req.zone), node_id=req.name,
+                                              node=_node_proto(req))
+
+
+# -- multislice: one queued resource, N slices, seen by the jobs layer as one TPU -------------------------------
+
+
+def slice_count(qr: tpu_v2.QueuedResource) -> int:
+    """How many slices a queued resource requests: its `multisliceParams.nodeCount`, else 1."""
+    spec = qr.tpu.node_spec[0] if qr.tpu.node_spec else None
+    return max(spec.multislice_params.node_count, 1) if spec is not None else 1
+
+
+def slice_names(name: str, slices: int) -> list[str]:
+    """The nodes of multislice queued resource `name` (its `nodeIdPrefix` is its name): NAME-0 .. NAME-(N-1)."""
+    return [f"{name}-{i}" for i in range(slices)]
+
+
+def multislice_to_resource(qr: tpu_v2.QueuedResource, nodes: list[tpu_v2.Node | None], *,
+                           local: bool) -> Resource:
+    """A multislice queued resource as one TPU (Kind.TPU, the queued resource's name): every slice's workers in
+    slice order, numbered on (worker i of slice s is s x hosts + i, the process id JAX gives it); READY only
+    when every slice is, else the first slice's state that is not (PREEMPTED for one that is gone). Pure."""
+    base = queued_to_resource(qr)
+    seen = [None if n is None else to_resource(n, local=local) for n in nodes]
+    workers: list[Worker] = []
+    for r in seen:
+        workers += [replace(w, index=len(workers) + k) for k, w in enumerate(r.workers if r is not None else ())]
+    # A slice that is gone while its queued resource stays was lost (preempted, or deleted under it): the run
+    # requeues the whole request, as it would for a preempted slice.
+    states_ = [State.PREEMPTED if r is None else r.state for r in seen]
+    state = next((s for s in states_ if s is not State.READY), State.READY)
+    first = next((r for r in seen if r is not None), None)
+    return replace(base, kind=Kind.TPU, state=state, workers=tuple(workers),
+                   detail={**base.detail, **(first.detail if first is not None else {}), "queued_resource": qr.name,
+                           "slices": str(len(nodes)), "slice_nodes": ",".join(n.rsplit("/", 1)[-1] for n in
+                                                                               _node_paths(qr, len(nodes)))})
+
+
+def _node_paths(qr: tpu_v2.QueuedResource, slices: int) -> list[str]:
+    _, project, _, zone, _, name = qr.name.split("/")
+    return [node_path(project, zone, n) for n in slice_names(name, slices)]
+
+
+def get_multislice(clients: Clients, zone: str, name: str) -> Resource | None:
+    """The multislice queued resource `name` as one TPU (`multislice_to_resource`); None when there is no such
+    queued resource or it requests one slice. Read-only."""
+    qr = get_queued(clients, zone, name)
+    if qr is None or slice_count(qr) < 2:
+        return None
+    nodes = [get_node(clients, zone, n) for n in slice_names(name, slice_count(qr))]
+    return multislice_to_resource(qr, nodes, local=clients.local)
+
+
+def wait_slices_ready(clients: Clients, zone: str, name: str, *, deadline_s: float,
+                      cancel: threading.Event | None = None, progress: Progress | None = None) -> Resource:
+    """Block until every slice of multislice queued resource `name` is READY (returns it as one TPU); raise
+    CapacityError when the queued resource is gone or a slice settles PREEMPTED/FAILED first."""
+
+    def poll() -> tuple[bool, Resource]:
+        r = get_multislice(clients, zone, name)
+        if r is None:
+            raise CapacityError(f"multislice queued resource {name} in {zone} vanished while being created")
+        if r.state in states.SETTLED_BAD:
+            raise CapacityError(f"a slice of {name} in {zone} is {r.state.value} before becoming ready")
+        return r.state is State.READY, r
+
+    return waits.until(poll, what=f"every slice of {name} in {zone} to become ready", deadline_s=deadline_s,
+                       cancel=cancel, on_poll=(lambda r, t: progress(r.state, "")) if progress else None)
 
 
 # tpu/docs/request-using-flex-start: flex-start is a queued resource whose v2alpha1 `provisioningModel` is
@@ -457,3 +537,11 @@ def request_of(node: tpu_v2.Node) -> NodeRequest:
         name=name, zone=zone, accelerator=node.accelerator_type, runtime_version=node.runtime_version,
         labels=dict(node.labels), service_account=node.service_account.email, spot=bool(sched.spot),
         preemptible=bool(sched.preemptible), network=Network.of_node(node), metadata=dict(node.metadata))
+
+
+def multislice_request(qr: tpu_v2.QueuedResource) -> NodeRequest:
+    """The request that queues multislice `qr` again as it was (its node spec, its slice count, spot)."""
+    _, project, _, zone, _, name = qr.name.split("/")
+    node = tpu_v2.Node(qr.tpu.node_spec[0].node)
+    node.name = node_path(project, zone, name)
+    return replace(request_of(node), queued=True, slices=slice_count(qr), spot=bool(node.scheduling_config.spot))

@@ -135,10 +135,14 @@ class VmPlan:
 
 
 def estimate(catalog: Catalog, *, accelerator: str, zone: str, spot: bool, vms: Sequence[VmPlan] = (),
-             bucket_gb: float = 0.0, hours: float | None = None, bound: str | None = None) -> Estimate:
-    """$/hour of a plan and, when `hours` bounds it, the total. Pure: no API calls."""
+             bucket_gb: float = 0.0, hours: float | None = None, bound: str | None = None,
+             slices: int = 1) -> Estimate:
+    """$/hour of a plan and, when `hours` bounds it, the total (`slices` of the TPU: a multislice). Pure: no
+    API calls."""
     kind = " (spot)" if spot else ""
-    items = [LineItem(f"tpu {accelerator}{kind} in {zone}", catalog.tpu_price_per_hour(accelerator, zone, spot))]
+    many = f"{slices} x " if slices > 1 else ""
+    items = [LineItem(f"tpu {many}{accelerator}{kind} in {zone}",
+                      slices * catalog.tpu_price_per_hour(accelerator, zone, spot))]
     for vm in vms:
         e = Entry(kind="vm", name=vm.name, project="", location=zone, run=None, owner=None, created=0.0,
                   machine_type=vm.machine_type, disk_gb=vm.disk_gb)
@@ -187,7 +191,7 @@ def estimate_spec(spec: Any, catalog: Catalog, *, step_seconds: float | None = N
     vms = [VmPlan(v.name, v.machine_type, int(getattr(v, "disk_gb", 0) or 0)) for v in (spec.vms or ())]
     return estimate(catalog, accelerator=spec.accelerator, zone=zone,
                     spot=spec.provisioning in ("spot", "preemptible"), vms=vms, bucket_gb=bucket_gb,
-                    hours=hours, bound=bound)
+                    hours=hours, bound=bound, slices=getattr(spec, "slices", 1))
 
 
 # -- the report behind `tpuctl cost` ------------------------------------------------------------------------

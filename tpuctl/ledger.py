@@ -130,7 +130,7 @@ def remember(resources: Iterable[Any], *, deleted: bool = False, on_event: Event
     the command: labels, not the ledger, decide what exists."""
     from tpuctl.provision.resources import Kind  # loaded already: callers hold provision resources
 
-    rows = [r for r in resources if r.kind is not Kind.IAM]
+    rows = [s for r in resources if r.kind is not Kind.IAM for s in _slices(r)]
     try:
         book = Ledger()
         # What was last seen of each counts too when it is gone: a node seen PREEMPTED stopped billing then.
@@ -139,6 +139,13 @@ def remember(resources: Iterable[Any], *, deleted: bool = False, on_event: Event
             book.mark_deleted([key_of(r) for r in rows])
     except OSError as exc:
         on_event(Warn(f"could not update the local cost ledger: {exc}"))
+
+
+def _slices(r: Any) -> list[Any]:
+    """A multislice TPU (provision's one TPU of N slices, `detail["slice_nodes"]`) bills as its N slice nodes:
+    one entry each, the entries that teardown's, recovery's and gc's sightings of those nodes meet."""
+    names = r.detail.get("slice_nodes")
+    return [replace(r, name=name) for name in names.split(",")] if names else [r]
 
 
 def remember_gone(entries: Iterable[Entry], *, on_event: EventSink = ignore) -> None:

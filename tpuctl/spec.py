@@ -158,6 +158,8 @@ class RunSpec(_Strict):
     provisioning: Literal["on-demand", "spot", "preemptible", "queued", "flex-start"] = "on-demand"
     valid_until: Duration | None = None  # queued and flex-start: give up waiting for capacity after this long
     max_run_duration: Duration | None = Field(default=None, validate_default=True)  # flex-start only (required there): Google deletes the TPU after it
+    # Multislice: N slices of `accelerator` in one queued resource, JAX data parallel across them over DCN.
+    slices: int = Field(default=1, ge=1)
     vms: list[VmSpec] = Field(default_factory=list)
     bucket: str = "auto"
     # Soft delete retention of a bucket tpuctl creates: 0s (off) or 7d to 90d, Google's allowed values. Google's
@@ -324,6 +326,7 @@ _HINTS = {
     "valid_until": "a duration such as 6h; only with provisioning: queued, or flex-start (at most 2h)",
     "max_run_duration": "a duration from 30s to 7d, e.g. 4h; only with provisioning: flex-start",
     "bucket_soft_delete": "0s (off, tpuctl's default) or 7d to 90d",
+    "slices": "a whole number of slices, 1 (the default) or more for multislice",
 }
 
 

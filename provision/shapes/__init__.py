@@ -30,12 +30,16 @@ TPUS: tuple[Shape, ...] = (TPU_NODE, QUEUED, COMPUTE_TPU, MIG_SLICE)
 DRIVERS: tuple[Shape, ...] = (*TPUS, VM)
 # One driver per API family to look a TPU up by name with (a name is unique within a family: the TPU API's
 # nodes, Compute Engine's instances and MIGs); `of` then names the driver that owns what it found.
-_LOOKUPS: tuple[Shape, ...] = (TPU_NODE, COMPUTE_TPU)
+# A multislice queued resource is looked up last, by its own name (its slices are NAME-0 .. NAME-(N-1)).
+_LOOKUPS: tuple[Shape, ...] = (TPU_NODE, COMPUTE_TPU, QUEUED)
 
 
-def for_tpu(t: AcceleratorType | None, provisioning: str = "on-demand") -> Shape:
-    """The driver that makes a TPU of `t` provisioned so (None: a Cloud TPU API type, not known yet). Pure."""
+def for_tpu(t: AcceleratorType | None, provisioning: str = "on-demand", slices: int = 1) -> Shape:
+    """The driver that makes a TPU of `t` provisioned so (None: a Cloud TPU API type, not known yet); several
+    `slices` are one multislice queued resource, whatever the provisioning. Pure."""
     api, hosts = (t.api, t.hosts) if t is not None else (DEFAULT_API, 1)
+    if slices > 1:
+        return QUEUED
     found = next((d for d in TPUS if d.serves(api, hosts, provisioning)), None)
     if found is None:
         raise ValueError(f"no shape driver makes {api} TPUs of {hosts} host(s) provisioned {provisioning}")

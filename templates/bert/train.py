@@ -208,7 +208,9 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
         metrics = json.loads(_read(tf, metrics_path))  # finished and exported before: nothing to do
         _done(emit, metrics, export_dir, objective.accuracy)
         return metrics
+    # A multislice says its slices beside its processes (`processes=4 slices=2`); one slice says nothing more.
     emit(f"start backend={resolved.backend} strategy={resolved.kind} processes={resolved.processes} "
+         + (f"slices={resolved.slices} " if resolved.slices > 1 else "") +
          f"hosts={resolved.hosts} devices={resolved.replicas} per_replica_batch={tr.per_replica_batch_size} "
          f"global_batch={global_batch} step={start} max_steps={tr.max_steps} "
          f"vocab_size={manifest.vocab_size} seq_len={cfg.task.seq_len}")

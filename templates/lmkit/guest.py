@@ -47,6 +47,11 @@ class TpuVm:
     accelerator_type: str | None  # accelerator-type, e.g. "v3-32" (TPU API VMs)
     machine_type: str | None = None  # instance/machine-type's name, e.g. "tpu7x-standard-4t" (Compute Engine VMs)
     endpoints: str = ""  # worker-network-endpoints as served: names this slice where no NODE_ID does
+    # Multislice (a queued resource's slices over DCN): MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID and
+    # MEGASCALE_COORDINATOR_ADDRESS, from the environment else tpu-env, as JAX's cloud_tpu_cluster.py reads them.
+    slices: int = 1
+    slice_id: int = 0
+    coordinator: str | None = None
 
     @property
     def name(self) -> str:
@@ -115,10 +120,19 @@ def tpu_vm() -> TpuVm | None:
     accelerator = get(host, "instance/attributes/accelerator-type")
     tpu_env = get(host, "instance/attributes/tpu-env")
     machine_type = get(host, "instance/machine-type")
-    return TpuVm(node=parse_tpu_env(tpu_env or "").get("NODE_ID") or None, worker=int(worker), hosts=worker_addresses(endpoints),
+    env = parse_tpu_env(tpu_env or "")
+    megascale = {key: os.environ.get(key) or env.get(key) for key in MEGASCALE}
+    return TpuVm(node=env.get("NODE_ID") or None, worker=int(worker), hosts=worker_addresses(endpoints),
                  accelerator_type=accelerator.strip() if accelerator else None,
                  machine_type=machine_type.strip().rsplit("/", 1)[-1] if machine_type else None,
-                 endpoints=endpoints.strip())
+                 endpoints=endpoints.strip(), slices=int(megascale["MEGASCALE_NUM_SLICES"] or 1),
+                 slice_id=int(megascale["MEGASCALE_SLICE_ID"] or 0),
+                 coordinator=megascale["MEGASCALE_COORDINATOR_ADDRESS"] or None)
+
+
+# What JAX's `cloud_tpu_cluster.py` (`get_tpu_env_value`: the environment first, then tpu-env) reads for a
+# multislice: without MEGASCALE_COORDINATOR_ADDRESS it is one slice.
+MEGASCALE = ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID")
 
 
 def worker_addresses(endpoints: str) -> tuple[str, ...]:

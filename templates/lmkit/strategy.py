@@ -64,6 +64,7 @@ class Resolved:
     backend: str = "tensorflow"
     processes: int = 1  # programs that train together (TF: one client; JAX: one per host)
     process: int = 0  # this one's index: only process 0 writes checkpoints and summaries
+    slices: int = 1  # JAX multislice: slices whose hosts train together over DCN
 
 
 def follower() -> int | None:
@@ -140,20 +141,48 @@ def resolve_jax(runtime: Any) -> Resolved:
         except (RuntimeError, ValueError) as exc:
             raise AcceleratorError(f"runtime.framework: jax.distributed.initialize({cluster}) failed: {exc}") from exc
     platform = jax.devices()[0].platform
-    distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
+    slices = vm.slices if vm is not None else 1
+    devices = hybrid_devices(jax, slices) if slices > 1 else jax.devices()
+    distribution = keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)
     # Global, not only a scope: fit() distributes each batch under the distribution in force when it runs.
     keras.distribution.set_distribution(distribution)
     return Resolved(distribution, "tpu" if platform == "tpu" else platform, jax.device_count(), jax.process_count(),
-                    backend="jax", processes=jax.process_count(), process=jax.process_index())
+                    backend="jax", processes=jax.process_count(), process=jax.process_index(), slices=slices)
+
+
+def hybrid_devices(jax, slices: int) -> list:
+    """Every device in the order of `mesh_utils.create_hybrid_device_mesh`: data parallel across the slices
+    (DCN, the outer axis), each slice's devices by its ICI topology inside. TPU devices say their slice
+    (`slice_index`); a CPU rehearsal's all say 0, so its processes (one per emulated host, slice-major as JAX
+    numbers them) are the granules (`process_is_granule`, the function's own fallback)."""
+    from jax.experimental import mesh_utils
+
+    devices = jax.devices()
+    if devices[0].platform == "tpu":
+        mesh = mesh_utils.create_hybrid_device_mesh((len(devices) // slices,), (slices,), devices)
+    else:
+        mesh = mesh_utils.create_hybrid_device_mesh((jax.local_device_count(),), (jax.process_count(),), devices,
+                                                    process_is_granule=True)
+    return list(mesh.reshape(-1))
 
 
 def jax_cluster(vm: guest.TpuVm | None, *, rehearsal: bool) -> dict | None:
-    """`jax.distributed.initialize`'s arguments on a multi-host slice (None on one host): worker 0's IP from
-    worker-network-endpoints with JAX's port, the number of workers, and this worker's agent-worker-number."""
-    if vm is None or len(vm.hosts) < 2:
+    """`jax.distributed.initialize`'s arguments on a multi-host slice or a multislice (None on one host):
+    worker 0's IP from worker-network-endpoints with JAX's port, the number of workers, and this worker's
+    agent-worker-number. A multislice as JAX's `BaseTpuCluster` counts it: the coordinator is
+    MEGASCALE_COORDINATOR_ADDRESS (what precedes any ':'), slices x hosts processes, and this one is
+    slice id x hosts + its worker number."""
+    if vm is None or len(vm.hosts) * vm.slices < 2:
         return None
-    port = _rehearsal_port(vm.node or vm.endpoints) if rehearsal else JAX_COORDINATOR_PORT
-    return {"coordinator_address": f"{vm.hosts[0]}:{port}", "num_processes": len(vm.hosts), "process_id": vm.worker}
+    key = vm.node or vm.endpoints
+    host = vm.hosts[0]
+    if vm.slices > 1:
+        host = (vm.coordinator or host).split(":")[0]
+        # Every slice's node is PREFIX-<slice id>: the prefix is what the rehearsal's slices share.
+        key = key.removesuffix(f"-{vm.slice_id}")
+    port = _rehearsal_port(key) if rehearsal else JAX_COORDINATOR_PORT
+    return {"coordinator_address": f"{host}:{port}", "num_processes": len(vm.hosts) * vm.slices,
+            "process_id": vm.slice_id * len(vm.hosts) + vm.worker}
 
 
 def _devices_per_host(vm: guest.TpuVm) -> int:

@@ -33,6 +33,7 @@ _OPTIONS: tuple[tuple[str, Callable], ...] = (
                                   help="capacity model (--spot is spot; flex-start needs --max-run-duration)")),
     ("max_run_duration", click.option("--max-run-duration",
                                       help="flex-start: Google deletes the TPU after this long, e.g. 4h (30s to 7d)")),
+    ("slices", click.option("--slices", type=int, help="multislice: N slices of the type in one queued resource")),
     ("bucket", click.option("--bucket", help="bucket name, or auto")),
     ("bucket_soft_delete", click.option("--bucket-soft-delete",
                                         help="soft delete retention of the bucket: 0s (off, default) or 7d to 90d")),
