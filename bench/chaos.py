@@ -76,7 +76,10 @@ FAULTS = ("none", "capacity-first-zone", "capacity-all-zones", "429-storm", "503
           # A Spot create whose capacity is reclaimed while CREATING (code 3): failed over as a stockout.
           "preempt-creating",
           # Well-formed answers tpuctl does not expect (localcloud's test device `odd-response`).
-          "odd-response")
+          "odd-response",
+          # `tpuctl run --detach`: the laptop's process exits, the supervisor VM is killed mid-run (its service
+          # restarts it) and the spot TPU is preempted; the run must still end and leave nothing running.
+          "detached")
 # Faults that need a running job (and, for preemption, a spot node).
 JOB_FAULTS = ("none", "preempt-mid-job", "kill-worker", "drop-ssh", "repair-mid-job", "guest-attrs",
               "metadata-409", "oslogin")
@@ -183,7 +186,7 @@ def pick(rng: random.Random, index: int, faults: tuple[str, ...] = FAULTS) -> Sc
     accelerator, zones, hosts = rng.choice(SHAPES)
     fault = rng.choice(faults)
     provisioning = rng.choice(PROVISIONING)
-    if fault in ("preempt-mid-job", "preempt-creating"):
+    if fault in ("preempt-mid-job", "preempt-creating", "detached"):
         provisioning = "spot"  # only spot/preemptible nodes are preempted (a queued one here is on-demand)
     if fault == "capacity-first-zone" and len(zones) == 1:
         fault = "capacity-all-zones"
@@ -267,7 +270,9 @@ def run_scenario(stack: Stack, s: Scenario) -> Outcome:
             from tpuctl.localcloud import quotas
 
             stack.admin("POST", f"projects/{PROJECT}", {"tpu_quotas": {q: 0 for q in quotas.known_ids()}})
-        if s.uses_run:
+        if s.fault == "detached":
+            out.exit_code, out.message, out.lost, out.leaked = _detached_run(stack, s)
+        elif s.uses_run:
             _arm_request_faults(stack, s)
             out.exit_code, out.message, record, out.lost = _tpuctl_run_with_fault(stack, s)
             if s.fault == "preempt-mid-job":
@@ -503,6 +508,56 @@ def _tpuctl_run_with_fault(stack: Stack, s: Scenario) -> tuple[int, str, JobReco
     if s.fault in ("preempt-mid-job", "kill-worker", "repair-mid-job") and struck and not record.restored and before < 30:
         problems.append(f"the job did not resume from checkpoint {before} after {s.fault}")
     return code, error_line(err), record, problems
+
+
+def _detached_run(stack: Stack, s: Scenario) -> tuple[int, str, list[str], list[str]]:
+    """`tpuctl run --detach` (the laptop's part exits once the supervisor VM took over); then the supervisor
+    process is killed and the spot TPU preempted, at steps the phase picks. Returns (the detach's exit code, its
+    error line, problems with the run's end, what is still running once the run says it ended)."""
+    from tpuctl.jobs import cluster, supervisor_vm
+    from tpuctl.provision.labels import auto_bucket
+
+    spec_path = write_spec(stack, s.run, s.accelerator, s.zones, s.provisioning, extra={"job": {
+        "template": str(STANDIN), "max_recoveries": 3,
+        "config": {"trainer": {"max_steps": 60, "checkpoint_every": 5, "step_seconds": 0.1}}}})
+    detach = subprocess.run([*run_command(spec_path), "--detach"], env=child_env(stack, "chaos"),
+                            capture_output=True, text=True, cwd=REPO, timeout=300, stdin=subprocess.DEVNULL)
+    if detach.returncode != 0:
+        return detach.returncode, error_line(detach.stderr), [], []
+    bucket, problems = auto_bucket(PROJECT, s.run), []
+
+    def step() -> int:
+        status = cluster.read_status(stack.clients, bucket, s.run)
+        return (status.step or 0) if status else 0
+
+    kill_at, preempt_at = 5 + int(s.phase * 20), 10 + int(s.phase * 30)  # of 60 steps
+    killed = preempted = False
+    end = time.monotonic() + 400
+    while time.monotonic() < end:
+        status = cluster.read_status(stack.clients, bucket, s.run)
+        if status is not None and status.final and status.state != "running":
+            break
+        reached = (status.step or 0) if status else 0
+        if not killed and reached >= kill_at:
+            beat = supervisor_vm.Heartbeat.read(stack.clients, bucket, s.run)
+            if beat is not None and beat.pid:
+                try:
+                    os.kill(beat.pid, signal.SIGKILL)  # the supervisor crashes; its service starts it again
+                except ProcessLookupError:
+                    pass
+            killed = True
+        if not preempted and reached >= preempt_at and _tpu_ready(stack, s.run):
+            stack.admin("POST", "preempt", {"node": s.run})
+            preempted = True
+        time.sleep(0.2)
+    else:
+        problems.append(f"the supervised run did not end in 400 s (step {step()})")
+    status = cluster.read_status(stack.clients, bucket, s.run)
+    if status is not None and status.final and (status.state, status.step) != ("succeeded", 60):
+        problems.append(f"the supervised run ended {status.state} at step {status.step}")
+    # The supervisor tears the run down and deletes itself; the bucket stays (it holds the checkpoints).
+    left = [k for k in _settle(stack, s.run, timeout_s=60) if not k.startswith("buckets/")]
+    return 0, "", problems, [f"after the supervised run ended: {k}" for k in left]
 
 
 def _signalled_up(stack: Stack, s: Scenario) -> tuple[int, str]:
