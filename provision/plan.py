@@ -129,8 +129,8 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                            hint=f"pass --zone {t.flex_start_zones[0]}, or another provisioning model")
     runtime, framework = spec.runtime_version or t.default_runtime, ""
     if frameworks is not None:
-        choice = frameworks_mod.choose(spec.job.framework if spec.job else "auto", t, spec.runtime_version,
-                                       frameworks)
+        requested = frameworks_mod.for_sharding(spec.job.framework, spec.job.sharding) if spec.job else "auto"
+        choice = frameworks_mod.choose(requested, t, spec.runtime_version, frameworks)
         runtime, framework = choice.runtime_version, choice.framework
     for z in zones:
         catalog.check(t.name, z, runtime, framework or None)

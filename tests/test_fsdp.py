@@ -5,11 +5,13 @@ resumes, and matches data parallelism's loss over the same steps."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -122,23 +124,36 @@ def _two_hosts(data_dir: Path, model_dir: Path, *, sharding: str, max_steps: int
         hosts = server.attach(node, 2, lambda i: {"instance": {"attributes": {
             "accelerator-type": SLICE, "agent-worker-number": str(i), "worker-network-endpoints": endpoints,
             "tpu-env": f"NODE_ID: '{node}'\n"}}})
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "tpuctl.templates.gpt2.train", "--config", str(config)],
-            env={**os.environ, "GCE_METADATA_HOST": host, "LOCALCLOUD_TPU_REHEARSAL": "cpu",
-                 "TF_CPP_MIN_LOG_LEVEL": "2"},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for host in hosts]
-        outputs = [p.communicate(timeout=400) for p in procs]
+        stem = model_dir.parent / f"{model_dir.name}-{max_steps}"
+        procs = []
+        for i, host in enumerate(hosts):  # files, not pipes: a host stuck on a full pipe would stall the other
+            with open(f"{stem}-{i}.out", "w") as out, open(f"{stem}-{i}.err", "w") as err:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "tpuctl.templates.gpt2.train", "--config", str(config)],
+                    env={**os.environ, "GCE_METADATA_HOST": host, "LOCALCLOUD_TPU_REHEARSAL": "cpu",
+                         "TF_CPP_MIN_LOG_LEVEL": "2"}, stdout=out, stderr=err))
+        deadline = time.monotonic() + 400
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):  # one failed: the other would wait for it forever
+                time.sleep(5)
+                break
+            time.sleep(1)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
     finally:
         server.close()
-    for p, (out, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
-    out = outputs[0][0]
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, Path(f"{stem}-{i}.err").read_text()[-3000:]
+    out = Path(f"{stem}-0.out").read_text()
     start = next(line for line in out.splitlines() if line.startswith("start "))
-    assert f"processes=2 hosts=2 devices=4 " in start and start.endswith(f" sharding={sharding}"), start
+    assert "processes=2 hosts=2 devices=4 " in start and start.endswith(f" sharding={sharding}"), start
     return {int(m[1]): float(m[2]) for m in re.finditer(r"^step=(\d+) loss=(\S+)", out, re.M)}
 
 
-@pytest.mark.slow  # three 2-process JAX runs on 2 cores: about 3 minutes
+@pytest.mark.slow  # three 2-process JAX runs on 2 cores: 3 to 7 minutes, as busy as the cores are
+@pytest.mark.timeout(1300)
 def test_fsdp_on_two_hosts_trains_resumes_and_matches_data_parallelism(tmp_path):
     pytest.importorskip("jax")
     from tpuctl.templates.gpt2 import prepare
@@ -160,3 +175,68 @@ def test_fsdp_on_two_hosts_trains_resumes_and_matches_data_parallelism(tmp_path)
     assert int(b["data/examples"]) == STEPS * TRAINER["per_replica_batch_size"] * 4
     for name in a.files:
         assert np.allclose(a[name], b[name], rtol=1e-3, atol=1e-4), name
+
+
+# gpt2-xl (1.5B weights, 25 GB of float32 weights, gradients and Adam slots) at 128-token blocks on a v5e slice:
+# its state alone is over one chip's 16 GB, an eighth of it (fsdp over 8 chips) is not.
+XL = {"name": "xl", "zone": "us-west4-a", "accelerator": "v5litepod-8",
+      "job": {"template": "gpt2", "preset": "gpt2-xl", "config": {"task": {"seq_len": 128}}}}
+
+
+def _spec_file(tmp_path: Path, **job) -> Path:
+    import yaml
+
+    path = tmp_path / "xl.yaml"
+    path.write_text(yaml.safe_dump({**XL, "job": {**XL["job"], **job}}))
+    return path
+
+
+def test_fit_answers_per_sharding_and_auto_takes_fsdp_only_where_data_does_not_fit(monkeypatch, tmp_path):
+    import tpuctl
+    from click.testing import CliRunner
+
+    from tpuctl.cli import cli
+
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # the analytic estimate: no compile on this machine
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    data = tpuctl.fit(_spec_file(tmp_path, sharding="data"))
+    fsdp = tpuctl.fit(_spec_file(tmp_path, sharding="fsdp"))
+    assert (data.sharding, data.fits, fsdp.sharding, fsdp.fits) == ("data", False, "fsdp", True)
+    # 7/8 of the 16 bytes a weight of state gone from each chip; every weight may be gathered there in bfloat16
+    assert data.hbm_per_chip_bytes - fsdp.hbm_per_chip_bytes == pytest.approx((16 * 7 / 8 - 2) * data.params, rel=1e-6)
+    auto = tpuctl.fit(_spec_file(tmp_path))
+    assert auto == fsdp
+    small = tpuctl.fit(_spec_file(tmp_path, preset="gpt2-tiny", config={}))
+    assert (small.sharding, small.fits) == ("data", True)  # auto: data wherever it fits
+
+    out = CliRunner().invoke(cli, ["fit", str(_spec_file(tmp_path, sharding="data")), "--sharding", "fsdp", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["sharding"] == "fsdp"  # the flag wins over the file
+    from rich.console import Console
+
+    from tpuctl import console
+
+    shown = io.StringIO()  # the console holds its own streams, bound when it was imported
+    monkeypatch.setattr(console, "err", Console(file=shown, width=1000, no_color=True))
+    out = CliRunner().invoke(cli, ["fit", str(_spec_file(tmp_path, framework="tensorflow")), "--sharding", "fsdp"])
+    assert out.exit_code == 2
+    assert "error: job.sharding: fsdp splits the weights with Keras' ModelParallel, which runs on JAX" in \
+        shown.getvalue()
+
+
+def test_fsdp_makes_the_plan_jax_and_reaches_the_template_config(monkeypatch, tmp_path):
+    from jobs import bundle
+    from tpuctl import provision, spec as spec_mod
+    from tpuctl.errors import BadInput
+
+    on_v5p = {**XL, "accelerator": "v5p-8", "zone": "us-east5-a"}  # TensorFlow runs there: auto would pick it
+    assert provision.plan(spec_mod.from_mapping(on_v5p), project="p").framework == "tensorflow"
+    fsdp = spec_mod.with_sharding(spec_mod.from_mapping(on_v5p), "fsdp")
+    assert provision.plan(fsdp, project="p").framework == "jax"
+    with pytest.raises(BadInput) as err:
+        provision.plan(spec_mod.with_framework(fsdp, "tensorflow"), project="p")
+    assert err.value.field == "job.sharding"
+    # runtime.sharding only when fsdp: a template without the field (tests/job_templates) is never sent it
+    assert "sharding" not in bundle.job_config({}, preset=None, bucket="b", run="r", data_url=None)["runtime"]
+    assert bundle.job_config({}, preset=None, bucket="b", run="r", data_url=None,
+                             sharding="fsdp")["runtime"]["sharding"] == "fsdp"

@@ -264,8 +264,9 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
 def compile_target(config: dict, *, devices, vocab_size: int, objective: Objective = MASKED_LM) -> dict:
     """The training step as run() builds it, for compiling ahead of time for a slice that need not be here
     (`tpuctl fit`, template.json `fit`): the same model, trainer, loss, optimizer, precision and data-parallel
-    sharding (state replicated, the batch split over `devices`, a mesh axis "batch" as Keras' DataParallel),
-    with abstract state and batch in place of arrays. Needs KERAS_BACKEND=jax; builds the model on the host.
+    sharding (state replicated, the batch split over `devices`, a mesh axis "batch" as Keras' DataParallel; under
+    runtime.sharding fsdp the weights and their optimizer slots split as shard_weights splits them), with abstract
+    state and batch in place of arrays. Needs KERAS_BACKEND=jax; builds the model on the host.
 
     Returns {"step": the jitted Keras train step (state donated, as Keras' JAX trainer jits it), "state":
     its abstract state, "batch": per-device batch -> abstract batch, "per_device_batch", "max_steps", "params"
@@ -301,14 +302,39 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     trainer._symbolic_build(data_batch=batch(tr.per_replica_batch_size))  # metrics' variables, as fit() builds them
     groups = (trainer.trainable_variables, trainer.non_trainable_variables, trainer.optimizer.variables,
               trainer.metrics_variables)
-    state = tuple([jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=replicated) for v in g] for g in groups)
-    shardings = tuple([replicated] * len(g) for g in groups)
+    placed = _fsdp_shardings(trainer, objective.fsdp_layout, mesh) if rt.sharding == "fsdp" else {}
+    shardings = tuple([placed.get(id(v), replicated) for v in g] for g in groups)
+    state = tuple([jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=s) for v, s in zip(g, gs)]
+                  for g, gs in zip(groups, shardings))
     step = jax.jit(trainer.train_step, donate_argnums=0, out_shardings=(None, shardings))
     return {"step": step, "state": state, "batch": batch, "per_device_batch": tr.per_replica_batch_size,
             "max_steps": tr.max_steps,
             "params": int(sum(np.prod(v.value.shape) for v in trainer.trainable_variables)),
             "layers": cfg.task.num_layers, "hidden": cfg.task.hidden_size, "seq_len": cfg.task.seq_len,
             "precision": precision}
+
+
+def _fsdp_shardings(trainer, layout: dict, mesh) -> dict:
+    """id(variable) -> NamedSharding on `mesh` of each weight `layout` splits, as strategy.shard_weights places
+    it on a run's devices, and of its optimizer slots, which take their weight's (Keras names a slot
+    `OPTIMIZER/WEIGHT_PATH_SLOT`, with the path's "/" as "_")."""
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    by_path = {}
+    for v in trainer.trainable_variables:
+        dims = next((d for pattern, d in layout.items() if re.fullmatch(pattern, v.path)), None)
+        if dims is not None:
+            by_path[v.path.replace("/", "_")] = NamedSharding(mesh, PartitionSpec(
+                *("batch" if d == SHARD else d for d in dims)))
+    placed = {id(v): by_path[v.path.replace("/", "_")] for v in trainer.trainable_variables
+              if v.path.replace("/", "_") in by_path}
+    for slot in trainer.optimizer.variables:
+        weight = slot.path.split("/", 1)[-1].rsplit("_", 1)[0]
+        if weight in by_path:
+            placed[id(slot)] = by_path[weight]
+    return placed
 
 
 def fit_target(config: dict, *, devices, vocab_size: int) -> dict:
