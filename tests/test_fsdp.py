@@ -168,13 +168,13 @@ def test_fsdp_on_two_hosts_trains_resumes_and_matches_data_parallelism(tmp_path)
     fsdp_losses.update(_two_hosts(data, fsdp_dir, sharding="fsdp", max_steps=STEPS))
     assert sorted(fsdp_losses) == sorted(data_losses) == [5, 10, 15, 20]
     for step, loss in data_losses.items():
-        assert fsdp_losses[step] == pytest.approx(loss, abs=2e-3), (step, fsdp_losses, data_losses)
+        assert fsdp_losses[step] == pytest.approx(loss, abs=1e-3), (step, fsdp_losses, data_losses)
     a = np.load(tmp_path / "data-parallel" / "checkpoints" / f"ckpt-{STEPS}.npz")
     b = np.load(fsdp_dir / "checkpoints" / f"ckpt-{STEPS}.npz")
     assert sorted(a.files) == sorted(b.files)
     assert int(b["data/examples"]) == STEPS * TRAINER["per_replica_batch_size"] * 4
     for name in a.files:
-        assert np.allclose(a[name], b[name], rtol=1e-3, atol=1e-4), name
+        assert np.allclose(a[name], b[name], rtol=1e-4, atol=1e-5), name
 
 
 # gpt2-xl (1.5B weights, 25 GB of float32 weights, gradients and Adam slots) at 128-token blocks on a v5e slice:
