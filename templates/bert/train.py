@@ -322,18 +322,16 @@ def _fsdp_shardings(trainer, layout: dict, mesh) -> dict:
 
     from jax.sharding import NamedSharding, PartitionSpec
 
-    by_path = {}
+    placed, by_slot_name = {}, {}
     for v in trainer.trainable_variables:
         dims = next((d for pattern, d in layout.items() if re.fullmatch(pattern, v.path)), None)
         if dims is not None:
-            by_path[v.path.replace("/", "_")] = NamedSharding(mesh, PartitionSpec(
-                *("batch" if d == SHARD else d for d in dims)))
-    placed = {id(v): by_path[v.path.replace("/", "_")] for v in trainer.trainable_variables
-              if v.path.replace("/", "_") in by_path}
+            placed[id(v)] = by_slot_name[v.path.replace("/", "_")] = NamedSharding(
+                mesh, PartitionSpec(*("batch" if d == SHARD else d for d in dims)))
     for slot in trainer.optimizer.variables:
         weight = slot.path.split("/", 1)[-1].rsplit("_", 1)[0]
-        if weight in by_path:
-            placed[id(slot)] = by_path[weight]
+        if weight in by_slot_name:
+            placed[id(slot)] = by_slot_name[weight]
     return placed
 
 
