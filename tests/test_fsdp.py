@@ -77,7 +77,8 @@ def a_checkpoint_moves_between_meshes() -> str:
     slot = next(v for v in sharded_optimizer.variables if v.path.endswith("layer0_mlp_in_kernel_momentum"))
     for split in (kernel, slot):
         assert split.value.sharding.shard_shape(split.shape) == (64, 512), split.path
-    assert sharded.get_layer("final_norm").gamma.value.sharding.is_fully_replicated
+    for whole in (sharded.get_layer("final_norm").gamma, sharded.get_layer("token_embedding").embeddings):
+        assert whole.value.sharding.is_fully_replicated, whole.path
     for a, b in zip([*model.weights, *optimizer.variables], [*sharded.weights, *sharded_optimizer.variables]):
         assert np.array_equal(checkpoints.host_value(a), checkpoints.host_value(b)), a.path
 
@@ -132,7 +133,7 @@ def _two_hosts(data_dir: Path, model_dir: Path, *, sharding: str, max_steps: int
                     [sys.executable, "-m", "tpuctl.templates.gpt2.train", "--config", str(config)],
                     env={**os.environ, "GCE_METADATA_HOST": host, "LOCALCLOUD_TPU_REHEARSAL": "cpu",
                          "TF_CPP_MIN_LOG_LEVEL": "2"}, stdout=out, stderr=err))
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + 900  # minutes where other work loads the 2 cores
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.poll() not in (None, 0) for p in procs):  # one failed: the other would wait for it forever
                 time.sleep(5)
@@ -152,8 +153,8 @@ def _two_hosts(data_dir: Path, model_dir: Path, *, sharding: str, max_steps: int
     return {int(m[1]): float(m[2]) for m in re.finditer(r"^step=(\d+) loss=(\S+)", out, re.M)}
 
 
-@pytest.mark.slow  # three 2-process JAX runs on 2 cores: 3 to 7 minutes, as busy as the cores are
-@pytest.mark.timeout(1300)
+@pytest.mark.slow  # three 2-process JAX runs: 3 minutes on 2 quiet cores, 15 where other work loads them
+@pytest.mark.timeout(2700)
 def test_fsdp_on_two_hosts_trains_resumes_and_matches_data_parallelism(tmp_path):
     pytest.importorskip("jax")
     from tpuctl.templates.gpt2 import prepare
@@ -202,8 +203,11 @@ def test_fit_answers_per_sharding_and_auto_takes_fsdp_only_where_data_does_not_f
     data = tpuctl.fit(_spec_file(tmp_path, sharding="data"))
     fsdp = tpuctl.fit(_spec_file(tmp_path, sharding="fsdp"))
     assert (data.sharding, data.fits, fsdp.sharding, fsdp.fits) == ("data", False, "fsdp", True)
-    # 7/8 of the 16 bytes a weight of state gone from each chip; every weight may be gathered there in bfloat16
-    assert data.hbm_per_chip_bytes - fsdp.hbm_per_chip_bytes == pytest.approx((16 * 7 / 8 - 2) * data.params, rel=1e-6)
+    # 7/8 of the 16 bytes a weight of state gone from each chip, but for the replicated token embedding; every
+    # weight may be gathered there in bfloat16
+    split = data.params - 50257 * 1600
+    assert data.hbm_per_chip_bytes - fsdp.hbm_per_chip_bytes == pytest.approx(16 * 7 / 8 * split - 2 * data.params,
+                                                                              rel=1e-6)
     auto = tpuctl.fit(_spec_file(tmp_path))
     assert auto == fsdp
     small = tpuctl.fit(_spec_file(tmp_path, preset="gpt2-tiny", config={}))

@@ -357,8 +357,8 @@ def _analytic_model(req: _Request) -> dict | None:
 
 def _analytic_bytes(model: dict, batch: int, shards: int = 1) -> tuple[float, float]:
     """(HBM, bytes accessed) per device, high on purpose: float32 weights, gradients and two Adam slots (16 B a
-    weight; split over `shards` devices under fsdp, each of which may then hold every weight gathered, in the
-    compute dtype); 16-bit activations as Korthikanti et al. count them without recomputation,
+    weight; under fsdp split over `shards` devices but for the token embedding, which the templates replicate, and
+    each device may then hold every weight gathered, in the compute dtype); 16-bit activations as Korthikanti et al. count them without recomputation,
     s·b·h·(34 + 5·a·s/h) a layer (doubled in float32); float32 logits, their gradient and a 16-bit copy over the
     whole sequence."""
     s, h, a = model["seq_len"], model["hidden"], model["heads"]
@@ -366,8 +366,10 @@ def _analytic_bytes(model: dict, batch: int, shards: int = 1) -> tuple[float, fl
     activations = batch * model["layers"] * s * h * (34 + 5 * a * s / h) * width
     logits = batch * s * model["vocab"] * 10
     gathered = 2 * width * model["params"] if shards > 1 else 0
-    state = 16 * model["params"] / shards + gathered
-    return state + activations + logits, 44 * model["params"] / shards + 2 * gathered + 2 * (activations + logits)
+    whole = model["vocab"] * h if shards > 1 else 0  # the replicated token embedding
+    split = model["params"] - whole
+    state = 16 * (split / shards + whole) + gathered
+    return state + activations + logits, 44 * (split / shards + whole) + 2 * gathered + 2 * (activations + logits)
 
 
 def _analytic(req: _Request, versions: tuple, topology: str) -> Fit | None:
