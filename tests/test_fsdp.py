@@ -212,6 +212,8 @@ def test_fit_answers_per_sharding_and_auto_takes_fsdp_only_where_data_does_not_f
     assert auto == fsdp
     small = tpuctl.fit(_spec_file(tmp_path, preset="gpt2-tiny", config={}))
     assert (small.sharding, small.fits) == ("data", True)  # auto: data wherever it fits
+    one_chip = tpuctl.fit(_spec_file(tmp_path), accelerator="v5litepod-1")
+    assert (one_chip.sharding, one_chip.fits) == ("data", False)  # one device: nothing to split over
 
     out = CliRunner().invoke(cli, ["fit", str(_spec_file(tmp_path, sharding="data")), "--sharding", "fsdp", "--json"])
     assert out.exit_code == 0, out.output

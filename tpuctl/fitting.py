@@ -450,16 +450,18 @@ def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, o
     to estimate from). `screen`: answer with the analytic estimate, without compiling, when even that
     overestimate uses under SCREEN_SHARE of the chip's HBM, and search no larger batch when the run's fits (the
     check before run/up). `job.sharding` auto: data's fit when it fits, else fsdp's (not where `framework`, the
-    plan's, is tensorflow, nor for a template without runtime.sharding); the answer's `sharding` says which.
+    plan's, is tensorflow, nor on one device, nor for a template without runtime.sharding); the answer's
+    `sharding` says which.
     Blocks for the compiles;
     creates nothing. Raises BadInput for a spec without a job or an unknown type, TpuctlError if a compile fails."""
     spec_dir = spec_dir or Path.cwd()
     sharding = spec.job.sharding if spec.job is not None else "data"
     if sharding != "auto":
         return _fit(_request(spec, spec_dir, accelerator, sharding), max_compiles, screen, on_event)
-    data = _fit(_request(spec, spec_dir, accelerator, "data"), max_compiles, screen, on_event)
-    if data is None or data.fits or framework == "tensorflow":
-        return data
+    req = _request(spec, spec_dir, accelerator, "data")
+    data = _fit(req, max_compiles, screen, on_event)
+    if data is None or data.fits or framework == "tensorflow" or req.accel.chips * req.chip.devices_per_chip < 2:
+        return data  # (one device has nothing to split the weights over)
     try:
         req = _request(spec, spec_dir, accelerator, "fsdp")
     except BadInput as exc:
@@ -491,10 +493,10 @@ def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ign
     result = fit(spec, spec_dir=spec_dir, on_event=on_event, max_compiles=CHECK_COMPILES, screen=True,
                  framework=framework)
     if result is not None and result.method == "compiled" and not result.fits:
+        split = "" if result.sharding == "fsdp" or result.chips < 2 else ", or split the weights (job.sharding: fsdp)"
         raise BadInput(f"the run does not fit: {result.hbm_line()}", field="job",
                        hint="lower trainer.per_replica_batch_size in job.config, pick a type with more HBM per chip"
-                            f"{'' if result.sharding == 'fsdp' else ', or split the weights (job.sharding: fsdp)'}; "
-                            "--no-fit-check skips this check")
+                            f"{split}; --no-fit-check skips this check")
     return result
 
 
