@@ -86,11 +86,12 @@ def resolve_template(template: str) -> Path:
 
 
 def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, run: str,
-               data_url: str | None, framework: str = "", profile: str | None = None) -> dict:
+               data_url: str | None, framework: str = "", profile: str | None = None, sharding: str = "data") -> dict:
     """The template's config: the user's overrides plus where to read and write. Model, TensorBoard events
     and exports live under `gs://BUCKET/runs/RUN/model/`, so the run's results outlive its TPU. `framework`
     (the plan's choice, which fixed the TPU's runtime) becomes `runtime.framework`; `profile` (job.profile, steps
-    FIRST-LAST to trace) becomes `runtime.profile`, given only when set: a template without it is not sent it."""
+    FIRST-LAST to trace) becomes `runtime.profile`, given only when set: a template without it is not sent it; so
+    does `sharding` (job.sharding as resolved: data or fsdp) become `runtime.sharding`, only when fsdp."""
     config = json.loads(json.dumps(dict(overrides or {})))
     if preset:
         config.setdefault("preset", preset)
@@ -104,6 +105,8 @@ def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, ru
         runtime["framework"] = framework
     if profile:
         runtime["profile"] = profile
+    if sharding == "fsdp":
+        runtime["sharding"] = sharding
     config["runtime"] = runtime
     return config
 

@@ -342,6 +342,7 @@ class Pipeline:
         self.spec_dir = spec_dir or Path.cwd()
         self.opts = options
         self.plan = None
+        self.sharding = "data"  # job.sharding as validate() resolves it (auto: by the fit): runtime.sharding
         self.run_name = options.attach or options.name or (spec.name if spec is not None else None)
         self.outcome = Outcome(run=self.run_name or "")
         self.emit = _Serialized(on_event or ev.ignore)
@@ -415,8 +416,12 @@ class Pipeline:
             for fmt in self.opts.export:  # a format the template cannot write is bad input, before anything exists
                 self.template.exporter(fmt)
             # A step over the chip's HBM would fail on the TPU once paid for (compiling reports its progress).
-            fitted = fitting.check(self.spec, spec_dir=self.spec_dir, on_event=self.emit) if self.opts.fit_check \
-                else None
+            fitted = fitting.check(self.spec, spec_dir=self.spec_dir, on_event=self.emit,
+                                   framework=self.plan.framework) if self.opts.fit_check else None
+            # job.sharding auto: what the fit chose (data when it fits); without a fit, data.
+            requested = self.spec.job.sharding
+            self.sharding = fitted.sharding if fitted is not None and requested == "auto" else (
+                "data" if requested == "auto" else requested)
             for note in self.plan.notes:
                 self.emit(ev.Note(note))
             self.emit(ev.RunPlanned(self.plan.run, self.plan.accelerator.name, tuple(self.plan.zones), self.plan.bucket,
@@ -463,7 +468,8 @@ class Pipeline:
         anything is created: a typo must not cost a TPU and leave a bucket behind."""
         job = self.spec.job
         config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
-                                    data_url=None, profile=job.profile)
+                                    data_url=None, profile=job.profile, framework=self.plan.framework,
+                                    sharding=job.sharding)
         try:
             self.template.check_config(config)
         except BadInput as exc:
@@ -471,6 +477,8 @@ class Pipeline:
                 raise BadInput(exc.message, field="job.preset", hint=exc.hint) from exc
             if exc.field == "job.config.runtime.profile" and job.profile:  # it came from `job.profile`
                 raise BadInput(exc.message, field="job.profile", hint=exc.hint) from exc
+            if exc.field == "job.config.runtime.sharding" and job.sharding == "fsdp":  # from `job.sharding`
+                raise BadInput(exc.message, field="job.sharding", hint=exc.hint) from exc
             raise
 
     def up(self):
@@ -573,7 +581,8 @@ class Pipeline:
         with self.phase("upload"):
             job = self.spec.job
             config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
-                                        data_url=data_url, framework=self.plan.framework, profile=job.profile)
+                                        data_url=data_url, framework=self.plan.framework, profile=job.profile,
+                                        sharding=self.sharding)
             description = bundles.JobDescription(
                 run=self.plan.run, project=self.project, bucket=self.plan.bucket, module=self.template.entry_module,
                 config=config, args=tuple(job.args), env=dict(job.env), num_workers=workers,

@@ -6,8 +6,8 @@ laptop. Protocol, one JSON object per line:
 
     stdin:  {"root", "builtin", "config", "vocab_size", "topology", "topology_options"}, then {"batch": N} per
             compile (N: per-device batch), then EOF
-    stdout: {"model": {...}, "state_bytes": B} once the step is built (B: its state's bytes, replicated on
-            every device), then per compile {"batch": N, "memory": {...}, "cost": {...}, "seconds": S}, or
+    stdout: {"model": {...}, "state_bytes": B} once the step is built (B: its state's bytes on each device: all
+            of it replicated, 1/N of what runtime.sharding fsdp splits over N devices), then per compile {"batch": N, "memory": {...}, "cost": {...}, "seconds": S}, or
             {"batch": N, "oom": REQUIRED, "message": ...} when the compiler refuses a program over the chip's HBM
             (REQUIRED: the temporaries' bytes it names, or null), or {"error": "..."} and exit 1
 
@@ -17,6 +17,7 @@ Only lines starting with tpuctl.fitting.AOT_PREFIX are the protocol's (anything 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -88,7 +89,8 @@ def main() -> int:
     devices = topologies.get_topology_desc(topology_name=request["topology"], platform="tpu",
                                            **request.get("topology_options", {})).devices
     target = template.fit_target(request["config"], devices=devices, vocab_size=request["vocab_size"])
-    state_bytes = sum(leaf.size * leaf.dtype.itemsize for group in target["state"] for leaf in group)
+    state_bytes = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                      for group in target["state"] for leaf in group)
     _say({"model": {k: target[k] for k in ("per_device_batch", "max_steps", "params", "layers", "hidden",
                                           "seq_len", "precision")}, "state_bytes": int(state_bytes)})
     for line in sys.stdin:

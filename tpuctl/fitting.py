@@ -11,6 +11,11 @@ Time and money are estimates from a roofline: max(model FLOPs / peak bf16 FLOP/s
 the gradient all-reduce over ICI on more than one chip; model FLOPs are 6·N·tokens plus attention
 (12·layers·hidden·seq per token, PaLM's count). Compiles are cached under TPUCTL_HOME/fit by template content,
 config, topology, batch and versions: a repeat answers at once. Silent: progress goes to `on_event`.
+
+`job.sharding` (the template's runtime.sharding): `data` replicates the training state on every device; `fsdp`
+splits weights, gradients and optimizer state over them (each device holds 1/N of the state and gathers weights
+as the step uses them: its all-gathers and gradient reduce-scatter move 1.5x the all-reduce's bytes); `auto`
+answers for data when it fits, else for fsdp (on JAX: with `framework` tensorflow, data only).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 from tpuctl import catalog as catalog_mod
 from tpuctl import events as ev
+from tpuctl import frameworks
 from tpuctl import paths
 from tpuctl.errors import BadInput, TpuctlError
 
@@ -105,6 +111,7 @@ class Fit:
     compiles: int  # compiles this call ran (0: all from the cache)
     chip_source: str
     not_compiled: str = ""  # why an analytic estimate: no compiler (how to get it), no step offered, screened
+    sharding: str = "data"  # the training state on the devices: "data" (replicated) or "fsdp" (split over them)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -164,11 +171,12 @@ class _Request:
     accel: catalog_mod.AcceleratorType
     chip: Chip
     price_per_hour: float
+    sharding: str = "data"
 
 
-def _request(spec, spec_dir: Path, accelerator: str | None) -> _Request:
-    """The spec's job as the workers would get it (placeholder bucket and run: paths change no compile).
-    Raises BadInput for a spec without a job, an unknown type, or a config the template refuses."""
+def _request(spec, spec_dir: Path, accelerator: str | None, sharding: str = "data") -> _Request:
+    """The spec's job as the workers would get it with `sharding` (placeholder bucket and run: paths change no
+    compile). Raises BadInput for a spec without a job, an unknown type, or a config the template refuses."""
     from tpuctl.jobs import bundle as bundles
     from tpuctl.templates import contract
 
@@ -176,6 +184,7 @@ def _request(spec, spec_dir: Path, accelerator: str | None) -> _Request:
     if job is None:
         raise BadInput("the spec has no job: section, so there is no training step to fit", field="job",
                        hint="add `job: {template: bert, preset: bert-tiny}` (see examples/bert-tiny.yaml)")
+    frameworks.for_sharding(job.framework, sharding)  # fsdp on TensorFlow: refused, naming job.sharding
     cat = catalog_mod.load()
     accel = cat.accelerator(accelerator or spec.accelerator or "")
     chip = CHIPS.get(accel.generation)
@@ -184,13 +193,13 @@ def _request(spec, spec_dir: Path, accelerator: str | None) -> _Request:
                        hint=f"fit knows {', '.join(CHIPS)}")
     template = contract.find(job.template, base_dir=spec_dir)
     config = bundles.job_config(job.config, preset=job.preset, bucket="fit", run="fit", data_url=None,
-                                framework="jax")
+                                framework="jax", sharding=sharding)
     template.check_config(config)
     resolved = template.validate_config(config) if template.validate_config else None
     vocab = getattr(getattr(resolved, "task", None), "vocab_size", 0) or job.data.vocab_size
     zone = spec.zones[0] if spec.zones else accel.zones[0]
     price = cat.tpu_price_per_hour(accel.name, zone, spec.provisioning in ("spot", "preemptible"))
-    return _Request(template, config, resolved, vocab, accel, chip, price)
+    return _Request(template, config, resolved, vocab, accel, chip, price, sharding)
 
 
 def _template_hash(template) -> str:
@@ -295,14 +304,17 @@ def _largest(measure: Callable[[int], tuple[float, bool]], b0: int, cap: float, 
         budget -= 1
 
 
-def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per_chip: float) -> tuple[float, float]:
+def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per_chip: float,
+             sharding: str = "data") -> tuple[float, float]:
     """(model FLOPs per chip per step, estimated step seconds) of `model` (its "params", "layers", "hidden",
     "seq_len") at `per_chip_batch` on `chips` chips of `chip` moving `bytes_per_chip` per step (module
-    docstring: the roofline, plus the gradients' all-reduce)."""
+    docstring: the roofline, plus the gradients' all-reduce; under fsdp the weights' two all-gathers, forward
+    and backward, and the gradients' reduce-scatter: three halves of a ring all-reduce where data has two)."""
     seq = model["seq_len"]
     model_flops = (6 * model["params"] + 12 * model["layers"] * model["hidden"] * seq) * per_chip_batch * seq
-    allreduce_s = (2 * (chips - 1) / chips * 4 * model["params"] / chip.allreduce_bytes_per_s
-                   if chips > 1 else 0.0)  # float32 gradients, ring all-reduce
+    halves = 3 if sharding == "fsdp" else 2
+    allreduce_s = (halves * (chips - 1) / chips * 4 * model["params"] / chip.allreduce_bytes_per_s
+                   if chips > 1 else 0.0)  # float32 gradients (and weights), ring all-reduce
     return model_flops, max(model_flops / chip.peak_bf16_flops, bytes_per_chip / chip.hbm_bytes_per_s) + allreduce_s
 
 
@@ -313,7 +325,7 @@ def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, 
     devices = accel.chips * chip.devices_per_chip
     per_chip_batch = per_device_batch * chip.devices_per_chip
     seq = model["seq_len"]
-    model_flops, step_s = roofline(chip, accel.chips, model, per_chip_batch, bytes_per_chip)
+    model_flops, step_s = roofline(chip, accel.chips, model, per_chip_batch, bytes_per_chip, req.sharding)
     run_s = model["max_steps"] * step_s
     return Fit(
         fits=fits, method=method, accelerator=accel.name, topology=topology, chips=accel.chips,
@@ -325,7 +337,7 @@ def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, 
         est_mfu=model_flops / (step_s * chip.peak_bf16_flops) if step_s else 0.0,
         est_tokens_per_s=per_device_batch * devices * seq / step_s if step_s else 0.0, max_steps=model["max_steps"],
         est_run_s=run_s, price_per_hour=req.price_per_hour, est_cost_usd=run_s / 3600 * req.price_per_hour,
-        jax=versions[0], libtpu=versions[1], compiles=compiles, chip_source=chip.source)
+        jax=versions[0], libtpu=versions[1], compiles=compiles, chip_source=chip.source, sharding=req.sharding)
 
 
 def _analytic_model(req: _Request) -> dict | None:
@@ -343,16 +355,21 @@ def _analytic_model(req: _Request) -> dict | None:
             "precision": "mixed_bfloat16" if precision == "auto" else precision}
 
 
-def _analytic_bytes(model: dict, batch: int) -> tuple[float, float]:
+def _analytic_bytes(model: dict, batch: int, shards: int = 1) -> tuple[float, float]:
     """(HBM, bytes accessed) per device, high on purpose: float32 weights, gradients and two Adam slots (16 B a
-    weight); 16-bit activations as Korthikanti et al. count them without recomputation, s·b·h·(34 + 5·a·s/h) a
-    layer (doubled in float32); float32 logits, their gradient and a 16-bit copy over the whole sequence."""
+    weight; under fsdp split over `shards` devices but for the token embedding, which the templates replicate, and
+    each device may then hold every weight gathered, in the compute dtype); 16-bit activations as Korthikanti et al. count them without recomputation,
+    s·b·h·(34 + 5·a·s/h) a layer (doubled in float32); float32 logits, their gradient and a 16-bit copy over the
+    whole sequence."""
     s, h, a = model["seq_len"], model["hidden"], model["heads"]
     width = 1 if model["precision"] == "mixed_bfloat16" else 2
     activations = batch * model["layers"] * s * h * (34 + 5 * a * s / h) * width
     logits = batch * s * model["vocab"] * 10
-    state = 16 * model["params"]
-    return state + activations + logits, 44 * model["params"] + 2 * (activations + logits)
+    gathered = 2 * width * model["params"] if shards > 1 else 0
+    whole = model["vocab"] * h if shards > 1 else 0  # the replicated token embedding
+    split = model["params"] - whole
+    state = 16 * (split / shards + whole) + gathered
+    return state + activations + logits, 44 * (split / shards + whole) + 2 * gathered + 2 * (activations + logits)
 
 
 def _analytic(req: _Request, versions: tuple, topology: str) -> Fit | None:
@@ -361,10 +378,11 @@ def _analytic(req: _Request, versions: tuple, topology: str) -> Fit | None:
         return None
     chip = req.chip
     b0 = model["per_device_batch"]
-    hbm_device, traffic = _analytic_bytes(model, b0)
+    shards = req.accel.chips * chip.devices_per_chip if req.sharding == "fsdp" else 1
+    hbm_device, traffic = _analytic_bytes(model, b0, shards)
     cap = chip.hbm_bytes / chip.devices_per_chip
-    state, _ = _analytic_bytes(model, 0)
-    per_example = _analytic_bytes(model, 1)[0] - state
+    state, _ = _analytic_bytes(model, 0, shards)
+    per_example = _analytic_bytes(model, 1, shards)[0] - state
     largest = max(0, int((cap - state) / per_example) // BATCH_STEP * BATCH_STEP)
     return _roofline(req, method="analytic", fits=hbm_device <= cap, per_device_batch=b0, model=model,
                      hbm=hbm_device * chip.devices_per_chip, compiled_flops=None,
@@ -425,15 +443,36 @@ def _compiled(req: _Request, versions: tuple, topology: str, options: dict, budg
 
 
 def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, on_event: ev.EventSink = ev.ignore,
-        max_compiles: int = MAX_COMPILES, screen: bool = False) -> Fit | None:
+        max_compiles: int = MAX_COMPILES, screen: bool = False, framework: str | None = None) -> Fit | None:
     """The fit of `spec`'s job (a tpuctl.spec.RunSpec) on its accelerator (or `accelerator`). Compiles with
     the TPU compiler when it is installed and the template offers its step (template.json `fit`), at most
     `max_compiles` times; else the analytic estimate (None when the template's config has no transformer shape
     to estimate from). `screen`: answer with the analytic estimate, without compiling, when even that
     overestimate uses under SCREEN_SHARE of the chip's HBM, and search no larger batch when the run's fits (the
-    check before run/up). Blocks for the compiles;
+    check before run/up). `job.sharding` auto: data's fit when it fits, else fsdp's (not where `framework`, the
+    plan's, is tensorflow, nor on one device, nor for a template without runtime.sharding); the answer's
+    `sharding` says which.
+    Blocks for the compiles;
     creates nothing. Raises BadInput for a spec without a job or an unknown type, TpuctlError if a compile fails."""
-    req = _request(spec, spec_dir or Path.cwd(), accelerator)
+    spec_dir = spec_dir or Path.cwd()
+    sharding = spec.job.sharding if spec.job is not None else "data"
+    if sharding != "auto":
+        return _fit(_request(spec, spec_dir, accelerator, sharding), max_compiles, screen, on_event)
+    req = _request(spec, spec_dir, accelerator, "data")
+    data = _fit(req, max_compiles, screen, on_event)
+    if data is None or data.fits or framework == "tensorflow" or req.accel.chips * req.chip.devices_per_chip < 2:
+        return data  # (one device has nothing to split the weights over)
+    try:
+        req = _request(spec, spec_dir, accelerator, "fsdp")
+    except BadInput as exc:
+        if exc.field == "job.config.runtime.sharding":  # the template has no fsdp
+            return data
+        raise
+    return _fit(req, max_compiles, screen, on_event)
+
+
+def _fit(req: _Request, max_compiles: int, screen: bool, on_event: ev.EventSink) -> Fit | None:
+    """fit's answer for one request (one sharding)."""
     versions = compiler_versions()
     topology, options = topology_of(req.accel)
     analytic = _analytic(req, versions, topology)
@@ -446,22 +485,26 @@ def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, o
     return _compiled(req, versions, topology, options, max_compiles, not screen, on_event)
 
 
-def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ignore) -> Fit | None:
+def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ignore,
+          framework: str | None = None) -> Fit | None:
     """The check `run` and `up` make before creating anything: BadInput (exit 2) naming the HBM needed and
     available and the largest batch that fits when the compiled step does not fit; else the fit (`note` is
     its line for the plan). An analytic estimate never refuses (it errs high on purpose)."""
-    result = fit(spec, spec_dir=spec_dir, on_event=on_event, max_compiles=CHECK_COMPILES, screen=True)
+    result = fit(spec, spec_dir=spec_dir, on_event=on_event, max_compiles=CHECK_COMPILES, screen=True,
+                 framework=framework)
     if result is not None and result.method == "compiled" and not result.fits:
+        split = "" if result.sharding == "fsdp" or result.chips < 2 else ", or split the weights (job.sharding: fsdp)"
         raise BadInput(f"the run does not fit: {result.hbm_line()}", field="job",
-                       hint="lower trainer.per_replica_batch_size in job.config, or pick a type with more HBM "
-                            "per chip; --no-fit-check skips this check")
+                       hint="lower trainer.per_replica_batch_size in job.config, pick a type with more HBM per chip"
+                            f"{split}; --no-fit-check skips this check")
     return result
 
 
 def note(result: Fit) -> ev.Note:
     """The fit as one line of the plan."""
     how = "compiled" if result.method == "compiled" else f"analytic estimate, not compiled: {result.not_compiled}"
-    return ev.Note(f"fit: {_gb(result.hbm_per_chip_bytes)} of {_gb(result.hbm_capacity_bytes)} HBM per chip ({how}); "
+    return ev.Note(f"fit: {_gb(result.hbm_per_chip_bytes)} of {_gb(result.hbm_capacity_bytes)} HBM per chip ({how}; "
+                   f"sharding {result.sharding}); "
                    f"est. {result.est_step_s * 1e3:.1f} ms/step, MFU {result.est_mfu:.0%}, "
                    f"{duration_text(result.est_run_s)} and ${result.est_cost_usd:,.2f} for {result.max_steps} steps")
 

@@ -89,6 +89,18 @@ def choose(requested: str, t: AcceleratorType, runtime_version: str | None,
     return Choice(framework, runtime_version)
 
 
+def for_sharding(requested: str, sharding: str) -> str:
+    """The framework to `choose` from under `job.sharding`: fsdp splits the weights with Keras' ModelParallel
+    (the templates' runtime.sharding), which runs on JAX only, so it makes auto JAX and refuses TensorFlow
+    (BadInput naming job.sharding); auto (fsdp only where data does not fit, tpuctl.fitting) and data take any."""
+    if sharding != "fsdp":
+        return requested
+    if requested == "tensorflow":
+        raise BadInput("fsdp splits the weights with Keras' ModelParallel, which runs on JAX, and job.framework is "
+                       "tensorflow", field="job.sharding", hint="set job.framework: jax (or auto), or job.sharding: data")
+    return "jax"
+
+
 _TITLE = {"tensorflow": "TensorFlow", "jax": "JAX"}
 
 

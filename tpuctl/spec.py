@@ -21,6 +21,7 @@ from tpuctl.events import EventSink, Note, ignore
 
 TPU_NODE_RETIRED = "2025-04-15"
 PROVISIONING = ("on-demand", "spot", "preemptible", "queued", "flex-start")
+SHARDINGS = ("auto", "data", "fsdp")  # job.sharding, `--sharding`
 # Flex-start VMs run for at most 7 days (tpu/docs/request-using-flex-start); Compute takes a maxRunDuration of
 # at least 30 s (compute/docs/instances/limit-vm-runtime).
 FLEX_START_MAX_RUN_S = (30.0, 7 * 86400.0)
@@ -122,6 +123,10 @@ class JobSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     # auto: TensorFlow where Google ships it (v2-v5p) and the template offers it, else JAX (tpuctl.frameworks)
     framework: Literal["auto", "tensorflow", "jax"] = "auto"
+    # data: every device holds all the weights; fsdp: weights, gradients and optimizer state split over the
+    # devices (JAX only: the template's runtime.sharding); auto: data when it fits the chip's HBM, else fsdp
+    # (tpuctl.fitting, the template's step compiled or estimated)
+    sharding: Literal[SHARDINGS] = "auto"
     # "FIRST-LAST" (e.g. "100-110"): a profiler trace of those steps on worker 0, into the run's TensorBoard
     # directory (the template's runtime.profile; it checks the range against its max_steps)
     profile: str | None = None
@@ -267,6 +272,13 @@ def with_framework(spec: RunSpec, framework: str | None) -> RunSpec:
     if framework is None:
         return spec
     return spec.model_copy(update={"job": (spec.job or JobSpec()).model_copy(update={"framework": framework})})
+
+
+def with_sharding(spec: RunSpec, sharding: str | None) -> RunSpec:
+    """`spec` with `job.sharding` set (the `--sharding` flag, which wins over the file); None keeps it."""
+    if sharding is None:
+        return spec
+    return spec.model_copy(update={"job": (spec.job or JobSpec()).model_copy(update={"sharding": sharding})})
 
 
 def with_profile(spec: RunSpec, profile: str | None) -> RunSpec:

@@ -109,6 +109,10 @@ class RuntimeConfig:
     jit_compile: bool = False  # TPUs always compile; True on CPU/GPU rehearses XLA compatibility
     seed: int = 0
     framework: str = "tensorflow"
+    # "data": every device holds all the weights (data parallelism); "fsdp" (JAX): the weights, their gradients
+    # and the optimizer's slots are split over the devices (lmkit strategy.shard_weights), for a model whose
+    # training state does not fit one chip's HBM. Checkpoints hold whole arrays either way: one resumes the other.
+    sharding: str = "data"
     # "FIRST-LAST": a profiler trace of those training steps (the progress lines' numbering) into
     # model_dir/tensorboard/plugins/profile/, for TensorBoard's profile tab (lmkit callbacks.Profile); "": none.
     profile: str = ""
@@ -151,6 +155,7 @@ def read_presets(template_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
 PRESETS = read_presets(Path(__file__).parent)
 
 FRAMEWORKS = ("tensorflow", "jax")  # Keras backends the template runs on
+SHARDINGS = ("data", "fsdp")  # runtime.sharding
 
 
 def build(data: dict[str, Any]) -> BertConfig:
@@ -273,6 +278,10 @@ def validate(cfg: BertConfig) -> None:
         (tr.shuffle_buffer > 0, "trainer.shuffle_buffer", "must be > 0"),
         (rt.replicas >= 0, "runtime.replicas", "must be >= 0"),
         (rt.framework in FRAMEWORKS, "runtime.framework", "must be tensorflow or jax"),
+        (rt.sharding in SHARDINGS, "runtime.sharding", "must be data or fsdp"),
+        (rt.sharding != "fsdp" or rt.framework == "jax", "runtime.sharding",
+         "fsdp splits the weights with Keras' ModelParallel, which runs on JAX: set runtime.framework to jax "
+         "(job.framework: jax), or use sharding data"),
         (not rt.profile or (rt.profile_steps is not None and 1 <= rt.profile_steps[0] <= rt.profile_steps[1]
                             <= tr.max_steps), "runtime.profile",
          f"must be FIRST-LAST training steps with 1 <= FIRST <= LAST <= trainer.max_steps ({tr.max_steps}), "

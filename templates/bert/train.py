@@ -51,6 +51,7 @@ from .shared import lmkit
 ConfigError, TemplateError = lmkit("errors").ConfigError, lmkit("errors").TemplateError
 
 RUN_STATE = "run.json"
+SHARD = lmkit("strategy").SHARD  # in an Objective's fsdp_layout: the dimension split over the devices
 
 
 class Objective:
@@ -64,6 +65,10 @@ class Objective:
     accuracy = "mlm_accuracy"  # the compiled accuracy metric, as the progress lines and metrics.json name it
     no_weight_decay = ("bias", "gamma", "beta")  # variables AdamW leaves undecayed (biases, LayerNorm)
     config = config_mod  # load() and with_overrides() of the template's config
+    # runtime.sharding fsdp: per weight (Keras path regex), the dimension split over the devices (lmkit
+    # strategy.shard_weights): lmkit's embeddings and attention, and BERT's feed-forward and MLM transform.
+    fsdp_layout = {**lmkit("strategy").TRANSFORMER_LAYOUT, r"layer\d+_intermediate/kernel": (SHARD, None),
+                   r"layer\d+_output/kernel": (None, SHARD), "mlm_transform/kernel": (SHARD, None)}
 
     def module(self, name: str):
         return importlib.import_module(f"{self.package}.{name}")
@@ -178,6 +183,8 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
     writer = resolved.process == 0  # JAX: every host trains, only process 0 writes
     cfg = _bind_model_dir(tf, cfg, manifest, objective, write=writer)
 
+    if rt.sharding == "fsdp":
+        resolved = _shard_weights(strategy_mod, resolved, cfg.task, objective)
     tr = cfg.trainer
     global_batch = tr.per_replica_batch_size * resolved.replicas
     peak = _peak_learning_rate(tr, global_batch)
@@ -213,10 +220,12 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
          + (f"slices={resolved.slices} " if resolved.slices > 1 else "") +
          f"hosts={resolved.hosts} devices={resolved.replicas} per_replica_batch={tr.per_replica_batch_size} "
          f"global_batch={global_batch} step={start} max_steps={tr.max_steps} "
-         f"vocab_size={manifest.vocab_size} seq_len={cfg.task.seq_len}")
+         f"vocab_size={manifest.vocab_size} seq_len={cfg.task.seq_len} sharding={rt.sharding}")
 
-    save = (lambda step: checkpoints.save(ckpt_dir, step, model, optimizer, keep=tr.keep_checkpoints,
-                                          examples=consumed + (step - start) * global_batch)) if writer else None
+    def save(step: int) -> str | None:  # on every process: split weights are gathered collectively
+        return checkpoints.save(ckpt_dir, step, model, optimizer, keep=tr.keep_checkpoints,
+                                examples=consumed + (step - start) * global_batch, write=writer)
+
     monitor = Monitor(save, schedule, global_batch, tr.log_every, tr.checkpoint_every,
                       tf.summary.create_file_writer(join(rt.model_dir, "tensorboard")) if writer else None,
                       emit, start, accuracy=objective.accuracy, processes=resolved.processes)
@@ -243,9 +252,12 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
     metrics = {"final_step": int(checkpoints.host_value(optimizer.iterations)), "loss": None,
                objective.accuracy: None, **monitor.last, "global_batch": global_batch,
                "replicas": resolved.replicas, "strategy": resolved.kind, "backend": resolved.backend}
+    # Keras saves via numpy, which cannot read arrays spanning other hosts: this host's copy, gathered on every
+    # process (a collective where runtime.sharding splits the weights).
+    weights = [checkpoints.host_value(v) for v in model.weights] if resolved.processes > 1 else None
     if writer:
-        if resolved.processes > 1:  # Keras saves via numpy, which cannot read arrays spanning other hosts
-            model = _local_copy(keras, model, cfg, manifest.vocab_size, objective)
+        if weights is not None:
+            model = _local_copy(keras, weights, cfg, manifest.vocab_size, objective)
         _export(tf, model, cfg, rt.data_dir, export_dir, metrics, objective.data_files())
     _done(emit, metrics, export_dir, objective.accuracy)
     return metrics
@@ -254,8 +266,9 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
 def compile_target(config: dict, *, devices, vocab_size: int, objective: Objective = MASKED_LM) -> dict:
     """The training step as run() builds it, for compiling ahead of time for a slice that need not be here
     (`tpuctl fit`, template.json `fit`): the same model, trainer, loss, optimizer, precision and data-parallel
-    sharding (state replicated, the batch split over `devices`, a mesh axis "batch" as Keras' DataParallel),
-    with abstract state and batch in place of arrays. Needs KERAS_BACKEND=jax; builds the model on the host.
+    sharding (state replicated, the batch split over `devices`, a mesh axis "batch" as Keras' DataParallel; under
+    runtime.sharding fsdp the weights and their optimizer slots split as shard_weights splits them), with abstract
+    state and batch in place of arrays. Needs KERAS_BACKEND=jax; builds the model on the host.
 
     Returns {"step": the jitted Keras train step (state donated, as Keras' JAX trainer jits it), "state":
     its abstract state, "batch": per-device batch -> abstract batch, "per_device_batch", "max_steps", "params"
@@ -291,8 +304,10 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     trainer._symbolic_build(data_batch=batch(tr.per_replica_batch_size))  # metrics' variables, as fit() builds them
     groups = (trainer.trainable_variables, trainer.non_trainable_variables, trainer.optimizer.variables,
               trainer.metrics_variables)
-    state = tuple([jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=replicated) for v in g] for g in groups)
-    shardings = tuple([replicated] * len(g) for g in groups)
+    placed = _fsdp_shardings(trainer, objective.fsdp_layout, mesh) if rt.sharding == "fsdp" else {}
+    shardings = tuple([placed.get(id(v), replicated) for v in g] for g in groups)
+    state = tuple([jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=s) for v, s in zip(g, gs)]
+                  for g, gs in zip(groups, shardings))
     step = jax.jit(trainer.train_step, donate_argnums=0, out_shardings=(None, shardings))
     return {"step": step, "state": state, "batch": batch, "per_device_batch": tr.per_replica_batch_size,
             "max_steps": tr.max_steps,
@@ -301,9 +316,42 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
             "precision": precision}
 
 
+def _fsdp_shardings(trainer, layout: dict, mesh) -> dict:
+    """id(variable) -> NamedSharding on `mesh` of each weight `layout` splits, as strategy.shard_weights places
+    it on a run's devices, and of its optimizer slots, which take their weight's (Keras names a slot
+    `OPTIMIZER/WEIGHT_PATH_SLOT`, with the path's "/" as "_")."""
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    placed, by_slot_name = {}, {}
+    for v in trainer.trainable_variables:
+        dims = next((d for pattern, d in layout.items() if re.fullmatch(pattern, v.path)), None)
+        if dims is not None:
+            placed[id(v)] = by_slot_name[v.path.replace("/", "_")] = NamedSharding(
+                mesh, PartitionSpec(*("batch" if d == SHARD else d for d in dims)))
+    for slot in trainer.optimizer.variables:
+        weight = slot.path.split("/", 1)[-1].rsplit("_", 1)[0]
+        if weight in by_slot_name:
+            placed[id(slot)] = by_slot_name[weight]
+    return placed
+
+
 def fit_target(config: dict, *, devices, vocab_size: int) -> dict:
     """template.json `fit`: BERT's masked LM as compile_target describes it."""
     return compile_target(config, devices=devices, vocab_size=vocab_size)
+
+
+def _shard_weights(strategy_mod, resolved, task, objective: Objective):
+    """runtime.sharding fsdp: `resolved` with the weights split over its devices. Each split dimension (the
+    hidden and feed-forward sizes) must divide evenly: JAX places no uneven split. Raises ConfigError."""
+    devices = resolved.replicas
+    for name in ("hidden_size", "intermediate_size"):
+        size = getattr(task, name)
+        if size % devices:
+            raise ConfigError("runtime.sharding", f"fsdp splits task.{name} ({size}) over the {devices} devices, "
+                                                  f"so it must be a multiple of {devices}; or use sharding data")
+    return strategy_mod.shard_weights(resolved, objective.fsdp_layout)
 
 
 def _peak_learning_rate(tr, global_batch: int) -> float:
@@ -361,13 +409,11 @@ def _compile(keras, model, loss, tr, schedule, objective: Objective, *, jit_comp
     return optimizer
 
 
-def _local_copy(keras, model, cfg: BertConfig, vocab_size: int, objective: Objective):
-    """The model with this host's copy of its (replicated) weights, outside the slice-wide distribution."""
-    host_value = lmkit("checkpoints").host_value
-
+def _local_copy(keras, weights: list, cfg: BertConfig, vocab_size: int, objective: Objective):
+    """The model with `weights` (this host's whole copies), outside the slice-wide distribution."""
     keras.distribution.set_distribution(None)  # training is over: variables on this host's default device
     local = objective.build_model(cfg.task, vocab_size)
-    local.set_weights([host_value(v) for v in model.weights])
+    local.set_weights(weights)
     return local
 
 

@@ -25,7 +25,7 @@ import sys
 
 from . import config as config_mod
 from .config import Gpt2Config
-from .shared import bert
+from .shared import bert, lmkit
 
 _bert_train = bert("train")
 
@@ -38,6 +38,9 @@ class CausalLM(_bert_train.Objective):
     accuracy = "accuracy"
     no_weight_decay = (*_bert_train.Objective.no_weight_decay, "positions")
     config = config_mod
+    # runtime.sharding fsdp: lmkit's embeddings and attention, and GPT-2's MLP, split on the hidden dimension.
+    fsdp_layout = {**lmkit("strategy").TRANSFORMER_LAYOUT, r"layer\d+_mlp_in/kernel": (_bert_train.SHARD, None),
+                   r"layer\d+_mlp_out/kernel": (None, _bert_train.SHARD)}
 
     def trainer(self, model):
         """The model with its final hidden states beside the logits, whose loss differentiates straight into them

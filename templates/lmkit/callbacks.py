@@ -22,7 +22,9 @@ class Monitor(keras.callbacks.Callback):
     step) plus the steps of this fit. `self.model` is touched only when a line or a checkpoint is due: on JAX
     that access copies the whole training state back into the model's variables.
 
-    `checkpoint(step) -> path` and `writer` are None on JAX processes other than 0: they train, process 0 writes.
+    `writer` is None on JAX processes other than 0: they train, process 0 writes. `checkpoint(step) -> path` is
+    called on every process (gathering weights split over processes is a collective); it returns None, and no line
+    is printed, where it wrote nothing.
 
     A save asked for by a notice (the contract's, templates/README.md "Save on notice": the file that
     `TPUCTL_SAVE_REQUEST` names appears, the agent's answer to the metadata server's notice; or SIGTERM, the
@@ -96,8 +98,9 @@ class Monitor(keras.callbacks.Callback):
     def save(self, step: int) -> None:
         self.saved_step = step
         self.model  # noqa: B018 - the property syncs JAX's training state into the variables the checkpoint reads
-        if self.checkpoint is not None:
-            self.emit(f"checkpoint step={step} path={self.checkpoint(step)}")
+        path = self.checkpoint(step) if self.checkpoint is not None else None
+        if path is not None:
+            self.emit(f"checkpoint step={step} path={path}")
 
 
 # The template contract's save request (templates/README.md, "Save on notice"): the path of a file whose

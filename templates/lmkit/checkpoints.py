@@ -25,11 +25,21 @@ def _join(base: str, name: str) -> str:
 
 
 def host_array(value) -> np.ndarray:
-    """A value as numpy on this host: a JAX array replicated over other processes' devices is not fully
-    addressable, but any local shard of a replicated array is the whole value."""
-    if getattr(value, "is_fully_addressable", True) is False:
+    """A value as numpy on this host, whole: a JAX array replicated over other processes' devices is not fully
+    addressable, but any local shard of a replicated array is the whole value; one split over them (runtime.sharding
+    fsdp) is gathered from every process, a collective that every process must call, in the same order."""
+    if split_over_processes(value):
+        from jax.experimental import multihost_utils
+
+        value = multihost_utils.process_allgather(value, tiled=True)
+    elif getattr(value, "is_fully_addressable", True) is False:
         value = value.addressable_shards[0].data
     return np.asarray(value)
+
+
+def split_over_processes(value) -> bool:
+    """Whether `value` is a JAX array split over several processes' devices: no process holds all of it."""
+    return getattr(value, "is_fully_addressable", True) is False and not value.is_fully_replicated
 
 
 def host_value(variable) -> np.ndarray:
@@ -70,12 +80,18 @@ def latest(directory: str) -> str | None:
     return _join(directory, names[0]) if names else None
 
 
-def save(directory: str, step: int, model, optimizer, *, keep: int, examples: int) -> str:
+def save(directory: str, step: int, model, optimizer, *, keep: int, examples: int, write: bool = True) -> str | None:
     """Write `ckpt-STEP.npz` (with `examples`, the sequences consumed), then the index; drop checkpoints beyond
-    the newest `keep`. Idempotent per step."""
+    the newest `keep`. Idempotent per step. Every array is whole, however the run splits it over its devices, so
+    a run of any other mesh (devices, processes, runtime.sharding) resumes it. JAX on several processes: all
+    call it, since gathering split weights is a collective; only the one with `write` (process 0) writes, the
+    others return None."""
+    arrays = {name: host_value(v) for name, v in _variables(model, optimizer).items()
+              if write or split_over_processes(v.value)}
+    if not write:
+        return None
     buffer = io.BytesIO()
-    np.savez(buffer, **{name: host_value(v) for name, v in _variables(model, optimizer).items()},
-             **{DATA_POSITION: np.int64(examples)})
+    np.savez(buffer, **arrays, **{DATA_POSITION: np.int64(examples)})
     tf.io.gfile.makedirs(directory)
     name = f"ckpt-{step}.npz"
     _write_atomically(_join(directory, name), buffer.getvalue())

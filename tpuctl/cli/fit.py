@@ -21,6 +21,8 @@ def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
         ("slice", f"{r.accelerator} ({r.chips} chips, topology {r.topology}); {how}"),
         ("fits", f"{'yes' if r.fits else 'NO'}: {r.hbm_per_chip_bytes / 1e9:.2f} of "
                  f"{r.hbm_capacity_bytes / 1e9:.2f} GB HBM per chip"),
+        ("sharding", "fsdp: weights, gradients and optimizer state split over the devices" if r.sharding == "fsdp"
+                     else "data: every device holds all the weights"),
         ("batch", f"{r.per_chip_batch} per chip, {r.global_batch} global, seq {r.seq_len}, {r.precision}"),
         ("largest per-chip batch", f"{r.max_per_chip_batch} ({r.max_batch_is})"),
         ("model FLOPs / step / chip", f"{r.model_flops_per_step / 1e9:,.1f} GFLOP (6·N·tokens + attention, "

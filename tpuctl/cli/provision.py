@@ -62,7 +62,7 @@ def resolve_spec(spec_path: str | None, spec_flags: SpecFlags, *, migrate: bool 
     raw = spec_mod.read_file(spec_path) if spec_path else {}
     merged, sources = config.layered({**spec_flags.fields, **fields}, raw)
     spec = spec_mod.from_mapping(merged, migrate=migrate, on_event=on_event, partial=partial)
-    return spec_mod.with_framework(spec, spec_flags.framework), sources
+    return spec_mod.with_sharding(spec_mod.with_framework(spec, spec_flags.framework), spec_flags.sharding), sources
 
 
 def print_plan(plan: prov.Plan, spec: spec_mod.RunSpec, settings: config.Settings) -> None:

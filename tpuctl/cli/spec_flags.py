@@ -28,6 +28,9 @@ _OPTIONS: tuple[tuple[str, Callable], ...] = (
                                      help="TPU VM image (default: the catalog's choice for the type and framework)")),
     ("framework", click.option("--framework", type=click.Choice(frameworks.FRAMEWORKS),
                                help="job.framework: picks the runtime (auto: TensorFlow on v2-v5p, JAX elsewhere)")),
+    ("sharding", click.option("--sharding", type=click.Choice(spec_mod.SHARDINGS),
+                              help="job.sharding: data replicates the weights, fsdp splits them over the devices "
+                                   "(JAX), auto picks data when it fits the chip, else fsdp")),
     ("spot", click.option("--spot", is_flag=True, default=None, help="spot capacity (cheaper, can be preempted)")),
     ("provisioning", click.option("--provisioning", type=click.Choice(spec_mod.PROVISIONING),
                                   help="capacity model (--spot is spot; flex-start needs --max-run-duration)")),
@@ -57,11 +60,12 @@ class SpecFlags:
 
     fields: Mapping[str, Any] = field(default_factory=dict)
     framework: str | None = None
+    sharding: str | None = None  # job.sharding, as framework
 
     @property
     def given(self) -> tuple[str, ...]:
         """The flags given, as the user wrote them (for a command that refuses them, e.g. `run --attach`)."""
-        names = [*self.fields, *(("framework",) if self.framework else ())]
+        names = [*self.fields, *(("framework",) if self.framework else ()), *(("sharding",) if self.sharding else ())]
         return tuple("--" + n.replace("_", "-") for n in names)
 
 
@@ -71,10 +75,10 @@ def collect(values: Mapping[str, Any]) -> SpecFlags:
     if spot and provisioning not in (None, "spot"):
         raise BadInput(f"--spot and --provisioning {provisioning} ask for different capacity", field="provisioning",
                        hint="give one of them: --spot is --provisioning spot")
-    fields = {k: v for k, v in values.items() if v is not None and k not in ("spot", "framework")}
+    fields = {k: v for k, v in values.items() if v is not None and k not in ("spot", "framework", "sharding")}
     if spot:
         fields["provisioning"] = "spot"
-    return SpecFlags(fields=fields, framework=values.get("framework"))
+    return SpecFlags(fields=fields, framework=values.get("framework"), sharding=values.get("sharding"))
 
 
 def spec_options(f: Callable) -> Callable:
