@@ -400,6 +400,13 @@ def _tpuctl(cloud, tmp_path, project, *argv, timeout: float = 120) -> subprocess
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _here(cloud, tmp_path, project, *argv) -> subprocess.CompletedProcess:
+    """`_tpuctl` in this process (conftest `tpuctl_here`): for refusals and dry runs, which need no process."""
+    from conftest import tpuctl_here
+
+    return tpuctl_here(_env(cloud, tmp_path, project), *argv, cwd=tmp_path)
+
+
 def test_logs_follow_survives_an_injected_ssh_drop(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("lg-run", accelerator="v3-8", trainer={"max_steps": 50, "step_seconds": 0.1}))
     assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0
@@ -461,7 +468,7 @@ def test_job_status_before_the_first_step_says_so_rather_than_step_none(cloud, p
 
 def test_dry_run_plans_and_creates_nothing(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("dry-run"))
-    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--dry-run")
+    r = _here(cloud, tmp_path, project, "run", str(spec), "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "plan for run dry-run" in r.stdout and "v3-32" in r.stderr
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
@@ -470,7 +477,7 @@ def test_dry_run_plans_and_creates_nothing(cloud, project, tmp_path):
 def test_missing_corpus_is_bad_input_before_anything_is_created(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, {**_spec("no-data"), "job": {"template": str(STANDIN),
                                                                "data": {"corpus": ["nowhere/*.txt"]}}})
-    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes")
+    r = _here(cloud, tmp_path, project, "run", str(spec), "--yes")
     assert r.returncode == 2
     assert r.stderr.startswith("error: job.data.corpus: corpus 'nowhere/*.txt' matches no file")
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
@@ -489,7 +496,7 @@ def test_bad_template_config_is_bad_input_before_anything_is_created(cloud, proj
     spec = _spec_file(tmp_path, {**_spec("bad-config"), "job": {"template": "bert", "preset": "bert-tiny",
                                                                  "config": {"trainer": trainer}}})
     for mode in ("--dry-run", "--yes"):
-        r = _tpuctl(cloud, tmp_path, project, "run", str(spec), mode)
+        r = _here(cloud, tmp_path, project, "run", str(spec), mode)
         assert r.returncode == 2, (mode, r.stderr)
         assert r.stderr.splitlines()[0].startswith(error), (mode, r.stderr)
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
@@ -497,7 +504,7 @@ def test_bad_template_config_is_bad_input_before_anything_is_created(cloud, proj
 
 def test_unknown_preset_names_the_spec_field_it_came_from(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, {**_spec("bad-preset"), "job": {"template": "bert", "preset": "bert-largest"}})
-    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--dry-run")
+    r = _here(cloud, tmp_path, project, "run", str(spec), "--dry-run")
     assert r.returncode == 2
     assert r.stderr.startswith("error: job.preset: unknown preset 'bert-largest'; did you mean bert-large?"), r.stderr
 
@@ -505,7 +512,7 @@ def test_unknown_preset_names_the_spec_field_it_came_from(cloud, project, tmp_pa
 @pytest.mark.parametrize("name", ["$(touch PWNED)", "a;b", "it's", "x\ny"])
 def test_hostile_run_name_is_refused_and_creates_nothing(cloud, project, tmp_path, name):
     spec = _spec_file(tmp_path, _spec("fine-name"))
-    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--name", name)
+    r = _here(cloud, tmp_path, project, "run", str(spec), "--yes", "--name", name)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: name:")
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
