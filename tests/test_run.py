@@ -104,6 +104,7 @@ def test_run_trains_on_every_worker_and_tears_down(tpc, cloud, project, tmp_path
     assert o.last_step_to_delete_s is not None and o.last_step_to_delete_s <= 5
 
 
+@pytest.mark.slow  # fast tier: a failed run tearing down: test_max_recoveries_zero_fails_on_preemption_and_tears_down
 def test_run_job_failure_stops_all_tears_down_and_shows_the_log(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("bad-run", trainer={"max_steps": 500, "fail_at_step": 4, "fail_worker": 2}))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
@@ -263,7 +264,10 @@ def _wait_line(proc: subprocess.Popen, needle: str, seen: list[str], timeout: fl
 
 # Each phase once and each signal twice (one handler serves both), not all eight pairs: bench/chaos.py's sigint@run
 # and sigterm@run scenarios signal `tpuctl run` at random moments of every phase.
-@pytest.mark.parametrize("phase,sig", [("up", signal.SIGTERM), ("upload", signal.SIGINT), ("launch", signal.SIGTERM),
+# The fast tier keeps both signals (up-SIGTERM, train-SIGINT); the middle phases run in the whole suite.
+@pytest.mark.parametrize("phase,sig", [("up", signal.SIGTERM),
+                                       pytest.param("upload", signal.SIGINT, marks=pytest.mark.slow),
+                                       pytest.param("launch", signal.SIGTERM, marks=pytest.mark.slow),
                                        ("train", signal.SIGINT)], ids=["up-SIGTERM", "upload-SIGINT",
                                                                        "launch-SIGTERM", "train-SIGINT"])
 def test_run_tears_down_on_signal_at_each_phase(cloud, project, tmp_path, phase, sig):
@@ -284,6 +288,7 @@ def test_run_tears_down_on_signal_at_each_phase(cloud, project, tmp_path, phase,
     assert _zero(cloud, project), _live(cloud, project)
 
 
+@pytest.mark.slow  # fast tier: a whole run: test_run_trains_on_every_worker_and_tears_down
 def test_killed_launcher_leaves_the_job_running_and_attach_finishes_it(tpc, cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("det-run", trainer={"max_steps": 40, "step_seconds": 0.05}))
     proc = _start(cloud, tmp_path, project, "run", str(spec), "--yes", "--poll", "0.5")
@@ -303,6 +308,7 @@ def test_killed_launcher_leaves_the_job_running_and_attach_finishes_it(tpc, clou
     assert "step=40 " in _text(tpc, summary["bucket"], "runs/det-run/logs/worker-3.log")
 
 
+@pytest.mark.slow  # fast tier: a whole run: test_run_trains_on_every_worker_and_tears_down
 def test_detach_returns_after_launch_and_job_commands_see_it(tpc, cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("dt-run", accelerator="v3-8", trainer={"max_steps": 30, "step_seconds": 0.05}))
     run = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes", "--detach"], env=_env(cloud, tmp_path, project),
@@ -374,6 +380,7 @@ def test_real_bert_on_a_4_worker_slice_is_driven_by_worker_0_found_from_metadata
     assert _zero(cloud, project)
 
 
+@pytest.mark.slow  # fast tier: a recovery: test_max_recoveries_zero_fails_on_preemption_and_tears_down
 def test_lost_worker_is_detected_and_the_run_recovers(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("kw-run", trainer={"max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.1}))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
@@ -407,6 +414,7 @@ def _here(cloud, tmp_path, project, *argv) -> subprocess.CompletedProcess:
     return tpuctl_here(_env(cloud, tmp_path, project), *argv, cwd=tmp_path)
 
 
+@pytest.mark.slow  # fast tier: logs: test_cli_errors; an SSH drop: test_localcloud_faults
 def test_logs_follow_survives_an_injected_ssh_drop(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("lg-run", accelerator="v3-8", trainer={"max_steps": 50, "step_seconds": 0.1}))
     assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0
@@ -430,6 +438,7 @@ def test_logs_follow_survives_an_injected_ssh_drop(cloud, project, tmp_path):
     assert _zero(cloud, project)
 
 
+@pytest.mark.slow  # fast tier: ssh and job cancel in process: test_cli_errors
 def test_ssh_passes_words_verbatim_and_job_cancel_stops_the_job(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("cx-run", accelerator="v3-8", trainer={"max_steps": 5000, "step_seconds": 0.05}))
     assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0
@@ -455,6 +464,7 @@ def test_ssh_passes_words_verbatim_and_job_cancel_stops_the_job(cloud, project, 
     assert logs.returncode == 0 and "[w0] step=1 loss=10.000 examples_per_sec=100.0" in logs.stdout.splitlines()
 
 
+@pytest.mark.slow  # fast tier: job status of a running job: test_agent_protocol
 def test_job_status_before_the_first_step_says_so_rather_than_step_none(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("ns-run", accelerator="v3-8", trainer={"max_steps": 2, "step_seconds": 600}))
     assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0

@@ -48,6 +48,7 @@ def test_legacy_tpu_node_spec_is_refused_then_migrated(env, pc, tmp_path):
     assert p.returncode == 0 and json.loads(p.stdout)["plan"]["runtime_version"].startswith("tpu-vm-tf-")
 
 
+@pytest.mark.slow  # fast tier: up and down as processes: test_capacity_everywhere_exits_3_and_leaves_nothing, the Ctrl-C tests
 def test_up_status_list_down(env, pc):
     p = tpuctl(env, *UP, "--spot")
     assert p.returncode == 0, p.stderr
@@ -139,7 +140,9 @@ PHASES = {
 }
 
 
-@pytest.mark.parametrize("phase", sorted(PHASES))
+# The fast tier keeps the first phase; the later two (a VM being created) run in the whole suite.
+@pytest.mark.parametrize("phase", [p if p == "bucket-created-tpu-requested" else pytest.param(p, marks=pytest.mark.slow)
+                                   for p in sorted(PHASES)])
 def test_ctrl_c_at_each_phase_leaves_zero_resources(env, pc, cloud, tmp_path, phase):
     faults, reached = PHASES[phase]
     for kind, service, method in faults:
