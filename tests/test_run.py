@@ -319,12 +319,9 @@ def test_detach_returns_after_launch_and_job_commands_see_it(tpc, cloud, project
                           capture_output=True, text=True, timeout=120)
     assert logs.returncode == 0, logs.stderr
     assert "[w0] step=30 loss=0.333 examples_per_sec=100.0" in logs.stdout.splitlines()
-    status = subprocess.run([sys.executable, "-m", "tpuctl", "job", "status", "dt-run", "--json"],
-                            env=_env(cloud, tmp_path, project), capture_output=True, text=True, timeout=120)
-    doc = json.loads(status.stdout)
+    doc = json.loads(_here(cloud, tmp_path, project, "job", "status", "dt-run", "--json").stdout)
     assert doc["workers"][0]["state"] == "exited" and doc["workers"][0]["exit_code"] == 0
-    down = subprocess.run([sys.executable, "-m", "tpuctl", "down", "dt-run", "--yes"], env=_env(cloud, tmp_path, project),
-                          capture_output=True, text=True, timeout=120)
+    down = _here(cloud, tmp_path, project, "down", "dt-run", "--yes")
     assert down.returncode == 0, down.stderr
     assert _zero(cloud, project)
 
@@ -434,7 +431,7 @@ def test_logs_follow_survives_an_injected_ssh_drop(cloud, project, tmp_path):
             proc.kill()
     steps = [line for line in lines if line.startswith("[w0] step=")]
     assert steps == [f"[w0] step={n} loss={10.0 / n:.3f} examples_per_sec=100.0" for n in range(1, 51)], lines
-    assert _tpuctl(cloud, tmp_path, project, "down", "lg-run", "--yes").returncode == 0
+    assert _here(cloud, tmp_path, project, "down", "lg-run", "--yes").returncode == 0
     assert _zero(cloud, project)
 
 
@@ -445,22 +442,22 @@ def test_ssh_passes_words_verbatim_and_job_cancel_stops_the_job(cloud, project, 
     r = _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "printf", "%s\\n", "a; b", "$(touch PWNED)", "it's")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["a; b", "$(touch PWNED)", "it's"]
-    assert "PWNED" not in _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "ls", "-a").stdout
+    assert "PWNED" not in _here(cloud, tmp_path, project, "ssh", "cx-run", "--", "ls", "-a").stdout
     # tpuctl's exit codes mean tpuctl's outcomes (3 is "no capacity"): a remote failure is reported, exit 1.
-    r = _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "exit 3")
+    r = _here(cloud, tmp_path, project, "ssh", "cx-run", "--", "exit 3")
     assert r.returncode == 1 and "worker 0: exit 3" in r.stderr, r.stderr
     r = _tpuctl(cloud, tmp_path, project, "job", "cancel", "cx-run", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["state"] == "cancelled" and json.loads(r.stdout)["cancelled_workers"] == [0]
-    doc = json.loads(_tpuctl(cloud, tmp_path, project, "job", "status", "cx-run", "--json").stdout)
+    doc = json.loads(_here(cloud, tmp_path, project, "job", "status", "cx-run", "--json").stdout)
     assert doc["workers"] == [{"index": 0, "state": "exited", "exit_code": 143, "pid": None}]
     assert doc["status"]["state"] == "cancelled"
-    text = _tpuctl(cloud, tmp_path, project, "job", "status", "cx-run")
+    text = _here(cloud, tmp_path, project, "job", "status", "cx-run")
     assert text.stderr.startswith("run cx-run: cancelled, step ") and "None" not in text.stderr, text.stderr
-    again = _tpuctl(cloud, tmp_path, project, "job", "cancel", "cx-run")
+    again = _here(cloud, tmp_path, project, "job", "cancel", "cx-run")
     assert again.returncode == 0 and "already ended (cancelled); nothing to cancel" in again.stderr, again.stderr
     assert _tpuctl(cloud, tmp_path, project, "down", "cx-run", "--yes").returncode == 0
-    logs = _tpuctl(cloud, tmp_path, project, "logs", "cx-run")
+    logs = _here(cloud, tmp_path, project, "logs", "cx-run")
     assert logs.returncode == 0 and "[w0] step=1 loss=10.000 examples_per_sec=100.0" in logs.stdout.splitlines()
 
 
@@ -468,11 +465,11 @@ def test_ssh_passes_words_verbatim_and_job_cancel_stops_the_job(cloud, project, 
 def test_job_status_before_the_first_step_says_so_rather_than_step_none(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("ns-run", accelerator="v3-8", trainer={"max_steps": 2, "step_seconds": 600}))
     assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach").returncode == 0
-    r = _tpuctl(cloud, tmp_path, project, "job", "status", "ns-run")
+    r = _here(cloud, tmp_path, project, "job", "status", "ns-run")
     assert r.returncode == 0 and r.stderr.startswith("run ns-run: running, no step finished yet"), r.stderr
     assert "None" not in r.stderr
-    assert _tpuctl(cloud, tmp_path, project, "job", "cancel", "ns-run").returncode == 0
-    assert _tpuctl(cloud, tmp_path, project, "down", "ns-run", "--yes", "--delete-bucket").returncode == 0
+    assert _here(cloud, tmp_path, project, "job", "cancel", "ns-run").returncode == 0
+    assert _here(cloud, tmp_path, project, "down", "ns-run", "--yes", "--delete-bucket").returncode == 0
     assert _zero(cloud, project)
 
 

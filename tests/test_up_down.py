@@ -48,7 +48,7 @@ def test_legacy_tpu_node_spec_is_refused_then_migrated(env, pc, tmp_path):
     assert p.returncode == 0 and json.loads(p.stdout)["plan"]["runtime_version"].startswith("tpu-vm-tf-")
 
 
-@pytest.mark.slow  # fast tier: up and down as processes: test_capacity_everywhere_exits_3_and_leaves_nothing, the Ctrl-C tests
+@pytest.mark.slow  # fast tier: up and down as processes: test_capacity_everywhere_exits_3..., the Ctrl-C tests
 def test_up_status_list_down(env, pc):
     p = tpuctl(env, *UP, "--spot")
     assert p.returncode == 0, p.stderr
