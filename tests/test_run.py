@@ -551,9 +551,10 @@ def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
     (elsewhere / "data").mkdir(parents=True)
     (elsewhere / "data" / "decoy.txt").write_text("the working directory's file, not the spec's\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "GOOGLE_", "CLOUDSDK_"))}
-    dry = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(example), "--dry-run", "--json"], cwd=elsewhere,
-                         env={**env, "TPUCTL_HOME": str(tmp_path / "home"), "HOME": str(tmp_path), "NO_COLOR": "1"},
-                         capture_output=True, text=True, timeout=120)
+    from conftest import tpuctl_here
+
+    dry = tpuctl_here({**env, "TPUCTL_HOME": str(tmp_path / "home"), "HOME": str(tmp_path), "NO_COLOR": "1"},
+                      "run", str(example), "--dry-run", "--json", cwd=elsewhere)
     assert dry.returncode == 0, dry.stderr
     assert json.loads(dry.stdout.splitlines()[-1])["state"] == "planned"  # the summary, after the events
     monkeypatch.chdir(elsewhere)  # a relative path means the spec's directory even where the cwd has a match
