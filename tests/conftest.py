@@ -163,6 +163,41 @@ def tpuctl(env: dict, *args: str, timeout: float = 120, cwd=None) -> subprocess.
                           timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd)
 
 
+def tpuctl_here(env: dict, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    """`tpuctl(env, *args)` in this process: a `tpuctl` subprocess spends ~2.5 s on 2 cores importing Google's
+    clients before it parses a flag. For refusals, dry runs and read-only commands; keep at least one real
+    subprocess per command (`tpuctl`), which also tests the entry point, its signals and its exit codes.
+    os.environ is exactly `env` meanwhile (as for the process), stdin is no terminal, the cwd is `cwd`."""
+    import contextlib
+    import io
+
+    from tpuctl import console
+    from tpuctl.cli import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ), (console.out.file, console.err.file), os.getcwd(), sys.stdin
+    os.environ.clear()
+    os.environ.update(env)
+    console.out.file, console.err.file = out, err  # rich's consoles keep the streams they found at import
+    sys.stdin = io.StringIO("")
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main(args=list(args), prog_name="tpuctl")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved[0])
+        console.out.file, console.err.file = saved[1]
+        os.chdir(saved[2])
+        sys.stdin = saved[3]
+    return subprocess.CompletedProcess(["tpuctl", *args], code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture
 def env(cloud, tmp_path) -> dict:
     """A `tpuctl` subprocess environment (cli_env) in a fresh project."""

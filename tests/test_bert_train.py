@@ -137,6 +137,7 @@ def test_data_prepared_for_another_sequence_length_is_refused(data_dir, tmp_path
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow  # ~15-50 s of XLA compiling; the XLA paths in the fast tier: test_template_layers
 def test_xla_compiles_the_train_step_under_the_tpu_numeric_policy(data_dir, tmp_path):
     cfg = tiny(data_dir, tmp_path / "xla", max_steps=4, steps_per_execution=2, log_every=2, checkpoint_every=4)
     cfg = config.with_overrides(cfg, runtime={"jit_compile": True, "mixed_precision": "mixed_bfloat16"})

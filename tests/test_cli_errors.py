@@ -2,7 +2,8 @@
 README gives, conflicting flags are refused rather than silently resolved, a dry run refuses what `up`
 refuses, commands on a run without a job say so, and a backgrounded tpuctl still stops on SIGINT.
 
-Each test runs `tpuctl` as a process against the session's local cloud (conftest `cloud`).
+Each test runs `tpuctl` against the session's local cloud (conftest `cloud`): in this process (conftest
+`tpuctl_here`), or as a process where the process is what is tested (its entry point, its signals).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from conftest import tpuctl
+from conftest import tpuctl, tpuctl_here
 
 from tpuctl import api as tpuctl_api
 from tpuctl import local as tpuctl_local
@@ -58,7 +59,7 @@ def test_run_takes_spec_field_flags_over_the_environment_over_the_file(env, tmp_
     spec = os.path.join(os.path.dirname(__file__), "..", "examples", "gpt2-tiny.yaml")  # v3-8 in europe-west4-a
 
     def planned(*args: str, **variables: str) -> dict:
-        p = tpuctl({**env, **variables}, "run", spec, "--dry-run", "--json", *args, cwd=tmp_path)
+        p = tpuctl_here({**env, **variables}, "run", spec, "--dry-run", "--json", *args, cwd=tmp_path)
         assert p.returncode == 0, p.stderr
         return next(e for e in map(json.loads, p.stdout.splitlines()) if e["type"] == "run_planned")
 
@@ -68,7 +69,7 @@ def test_run_takes_spec_field_flags_over_the_environment_over_the_file(env, tmp_
                    TPUCTL_ACCELERATOR="v5litepod-8", TPUCTL_ZONE="us-east5-a")
     assert (both["accelerator"], both["zones"], both["provisioning"]) == ("v6e-8", ["us-east5-b"], "on-demand")
     assert planned(TPUCTL_ACCELERATOR="v5litepod-8", TPUCTL_ZONE="us-east5-a")["accelerator"] == "v5litepod-8"
-    _one_error(tpuctl(env, "run", spec, "--dry-run", "--spot", "--provisioning", "on-demand"), 2,
+    _one_error(tpuctl_here(env, "run", spec, "--dry-run", "--spot", "--provisioning", "on-demand"), 2,
                "error: provisioning: --spot and --provisioning on-demand")
 
 
@@ -78,12 +79,12 @@ def test_doctor_refuses_what_up_refuses_in_the_same_words(env):
                  ("--accelerator", "v3-8", "--zone", "europe-west4-z"),
                  ("--accelerator", "v6e-8", "--zone", "us-east5-b", "--provisioning", "flex-start",
                   "--max-run-duration", "4h")):
-        up = _one_error(tpuctl(env, "up", *args, "--dry-run"), 2, "error: ")
-        assert _one_error(tpuctl(env, "doctor", *args), 2, "error: ") == up
-    _one_error(tpuctl(env, "doctor", "--zone", "europe-west4-z"), 2, "error: zone: no TPU type is offered in zone")
+        up = _one_error(tpuctl_here(env, "up", *args, "--dry-run"), 2, "error: ")
+        assert _one_error(tpuctl_here(env, "doctor", *args), 2, "error: ") == up
+    _one_error(tpuctl_here(env, "doctor", "--zone", "europe-west4-z"), 2, "error: zone: no TPU type is offered in zone")
     # Flex-start is checked like any provisioning; the duration matters only to a create, so it may be left out.
-    assert tpuctl(env, "doctor", "--provisioning", "flex-start").returncode == 0
-    p = tpuctl(env, "doctor", "--provisioning", "flex-start", "--accelerator", "v6e-8", "--zone", "us-east5-a",
+    assert tpuctl_here(env, "doctor", "--provisioning", "flex-start").returncode == 0
+    p = tpuctl_here(env, "doctor", "--provisioning", "flex-start", "--accelerator", "v6e-8", "--zone", "us-east5-a",
                "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["ok"], p.stdout + p.stderr
 
@@ -91,16 +92,16 @@ def test_doctor_refuses_what_up_refuses_in_the_same_words(env):
 # ---------------------------------------------------------------------------------- durations
 
 def test_ttl_takes_what_its_message_promises_from_flag_env_and_spec_and_refuses_zero(env, pc, tmp_path):
-    p = tpuctl(env, *UP, "--ttl", "3600", "--dry-run", "--json")
+    p = tpuctl_here(env, *UP, "--ttl", "3600", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["plan"]["ttl"] == "1h"
-    p = tpuctl({**env, "TPUCTL_TTL": "5400"}, *UP, "--dry-run", "--json")
+    p = tpuctl_here({**env, "TPUCTL_TTL": "5400"}, *UP, "--dry-run", "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["plan"]["ttl"] == "90m", p.stderr
     spec = tmp_path / "s.yaml"
     spec.write_text("ttl: 7200\n")
-    p = tpuctl(env, *UP, str(spec), "--dry-run", "--json")
+    p = tpuctl_here(env, *UP, str(spec), "--dry-run", "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["plan"]["ttl"] == "2h", p.stderr
-    line = _one_error(tpuctl(env, *UP, "--ttl", "0", "--dry-run"), 2, "error: ttl: ")
+    line = _one_error(tpuctl_here(env, *UP, "--ttl", "0", "--dry-run"), 2, "error: ttl: ")
     assert "zero" in line and "not a duration" not in line
     assert everything(pc) == []
 
@@ -111,9 +112,9 @@ def test_run_has_the_migrate_flag_its_legacy_refusal_names(env, pc, tmp_path):
     legacy = tmp_path / "legacy.yaml"
     legacy.write_text(f"name: old\naccelerator: v3-8\nzone: europe-west4-a\ntensorflow_version: 2.12.0\n"
                       f"job:\n  template: {STANDIN}\n")
-    refused = tpuctl(env, "run", str(legacy), "--dry-run")
+    refused = tpuctl_here(env, "run", str(legacy), "--dry-run")
     assert "--migrate" in refused.stderr and refused.returncode == 2, refused.stderr
-    migrated = tpuctl(env, "run", str(legacy), "--migrate", "--dry-run", "--json")
+    migrated = tpuctl_here(env, "run", str(legacy), "--migrate", "--dry-run", "--json")
     assert migrated.returncode == 0, migrated.stderr
     assert "TensorFlow 2.12.0 -> runtime tpu-vm-tf-" in migrated.stderr
     assert everything(pc) == []
@@ -122,17 +123,17 @@ def test_run_has_the_migrate_flag_its_legacy_refusal_names(env, pc, tmp_path):
 # ---------------------------------------------------------------------------------- conflicting flags
 
 def test_conflicting_or_pointless_flags_are_errors(env, pc):
-    _one_error(tpuctl(env, *UP, "--spot", "--provisioning", "on-demand", "--dry-run"), 2, "error: provisioning: ")
-    _one_error(tpuctl({**env, "TPUCTL_SPOT": "1", "TPUCTL_PROVISIONING": "queued"}, *UP, "--dry-run"), 2,
+    _one_error(tpuctl_here(env, *UP, "--spot", "--provisioning", "on-demand", "--dry-run"), 2, "error: provisioning: ")
+    _one_error(tpuctl_here({**env, "TPUCTL_SPOT": "1", "TPUCTL_PROVISIONING": "queued"}, *UP, "--dry-run"), 2,
                "error: provisioning: ")
-    assert tpuctl(env, *UP, "--spot", "--provisioning", "spot", "--dry-run").returncode == 0
-    _one_error(tpuctl(env, "gc", "--dry-run", "--budget-per", "owner"), 2, "error: budget-per: ")
+    assert tpuctl_here(env, *UP, "--spot", "--provisioning", "spot", "--dry-run").returncode == 0
+    _one_error(tpuctl_here(env, "gc", "--dry-run", "--budget-per", "owner"), 2, "error: budget-per: ")
     assert everything(pc) == []
 
 
 def test_no_capacity_hint_does_not_suggest_what_was_already_asked_for(env, pc, cloud):
     cloud.faults.add("capacity", service="tpu", zone="europe-west4-a")
-    p = tpuctl(env, *UP, "--spot", "--yes")
+    p = tpuctl_here(env, *UP, "--spot", "--yes")
     assert p.returncode == 3, p.stderr
     hint = next(l for l in p.stderr.splitlines() if l.startswith("  hint:"))
     assert "--spot" not in hint and "--zone" in hint and "queued" in hint
@@ -144,8 +145,8 @@ def test_no_capacity_hint_does_not_suggest_what_was_already_asked_for(env, pc, c
 def test_dry_run_refuses_a_bucket_in_another_region_as_up_does(env, pc):
     name = f"xr-{uuid.uuid4().hex[:12]}"
     pc.storage.create_bucket(pc.storage.bucket(name), location="us-central1")
-    dry = _one_error(tpuctl(env, *UP, "--bucket", name, "--dry-run"), 2, "error: bucket: ")
-    up = tpuctl(env, *UP, "--bucket", name, "--yes")
+    dry = _one_error(tpuctl_here(env, *UP, "--bucket", name, "--dry-run"), 2, "error: bucket: ")
+    up = tpuctl_here(env, *UP, "--bucket", name, "--yes")
     assert up.returncode == 2, up.stderr
     real = next(l for l in up.stderr.splitlines() if l.startswith("error:"))
     # The real `up` (after its plan) adds what it rolled back (nothing); the refusal itself is the same.
@@ -158,38 +159,38 @@ def test_dry_run_refuses_a_bucket_in_another_region_as_up_does(env, pc):
 @pytest.fixture
 def jobless(env, pc):
     """A ready v3-8 run (`r1`) on which nothing was launched."""
-    p = tpuctl(env, *UP, "--yes")
+    p = tpuctl_here(env, *UP, "--yes")
     assert p.returncode == 0, p.stderr
     yield env
-    tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
+    tpuctl_here(env, "down", "r1", "--yes", "--delete-bucket")
     assert everything(pc) == []
 
 
 def test_logs_and_job_cancel_on_a_run_without_a_job_say_so(jobless):
-    assert "has no job" in _one_error(tpuctl(jobless, "logs", "r1"), 2, "error: run: ")
-    assert "has no job" in _one_error(tpuctl(jobless, "job", "cancel", "r1"), 2, "error: run: ")
-    assert "has no job" in _one_error(tpuctl(jobless, "job", "cancel", "r1", "--json"), 2, "error: run: ")
+    assert "has no job" in _one_error(tpuctl_here(jobless, "logs", "r1"), 2, "error: run: ")
+    assert "has no job" in _one_error(tpuctl_here(jobless, "job", "cancel", "r1"), 2, "error: run: ")
+    assert "has no job" in _one_error(tpuctl_here(jobless, "job", "cancel", "r1", "--json"), 2, "error: run: ")
 
 
 def test_ssh_reports_each_remote_exit_code_and_exits_1_not_the_remote_code(jobless):
-    p = tpuctl(jobless, "ssh", "r1", "-w", "all", "--", "echo hi; exit 3")
+    p = tpuctl_here(jobless, "ssh", "r1", "-w", "all", "--", "echo hi; exit 3")
     assert p.returncode == 1 and p.stdout.splitlines() == ["hi"], p.stderr
     assert p.stderr.splitlines()[-2:] == ["worker 0: exit 3",
                                           "error: the command failed on 1 of 1 worker(s): worker 0 exit 3"]
-    ok = tpuctl(jobless, "ssh", "r1", "--", "true")
+    ok = tpuctl_here(jobless, "ssh", "r1", "--", "true")
     assert ok.returncode == 0 and "worker 0: exit 0" in ok.stderr, ok.stderr
 
 
 # ---------------------------------------------------------------------------------- down
 
 def test_down_of_an_invalid_name_is_bad_input(env, pc):
-    _one_error(tpuctl(env, "down", "No_Such", "--yes"), 2, "error: run: ")
+    _one_error(tpuctl_here(env, "down", "No_Such", "--yes"), 2, "error: run: ")
 
 
 def test_down_of_a_run_that_does_not_exist_exits_2_and_suggests_the_closest_run(jobless, monkeypatch):
     """A script tearing down the wrong name must learn it: exit 2 (a run that does not exist), not 0."""
     for extra in ((), ("--json",)):
-        p = tpuctl(jobless, "down", "r2", "--yes", *extra)
+        p = tpuctl_here(jobless, "down", "r2", "--yes", *extra)
         assert "tpuctl-run=r2" in _one_error(p, 2, "error: run: ") and "did you mean r1" in p.stderr, p.stderr
     for name in ("TPUCTL_API_ENDPOINT", "STORAGE_EMULATOR_HOST", "TPUCTL_HOME"):  # the same cloud, not a new one
         monkeypatch.setenv(name, jobless[name])
@@ -289,7 +290,7 @@ def test_data_prepare_checks_a_gs_destination_before_any_work(env, pc, tmp_path)
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(200)))
     missing = f"no-such-{uuid.uuid4().hex[:12]}"
-    p = tpuctl(env, "data", "prepare", str(corpus), "--out", f"gs://{missing}/p", "--vocab-size", "100")
+    p = tpuctl_here(env, "data", "prepare", str(corpus), "--out", f"gs://{missing}/p", "--vocab-size", "100")
     assert f"gs://{missing} does not exist" in _one_error(p, 2, "error: out: ")
     assert "encode" not in p.stderr, "nothing is prepared for a destination that cannot take it"
 

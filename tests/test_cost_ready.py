@@ -54,6 +54,7 @@ def _billed_seconds(cloud, clients, cat, now: float) -> tuple[dict[str, float], 
     return meter, ours
 
 
+@pytest.mark.slow  # fast tier: billing from ready: test_a_compute_tpu7x_vm_bills_from_running
 def test_a_node_slow_to_create_and_a_queued_one_bill_from_ready(slow_cloud, cat):
     """A node CREATING for 4.5 s, and a queued resource WAITING_FOR_RESOURCES (capacity refused on its first
     ticks) then creating its node: neither side counts the wait or the creation; both agree to a poll."""

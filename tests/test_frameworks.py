@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import tpuctl_here
 
 from tpuctl import catalog, frameworks
 from tpuctl.errors import BadInput
@@ -119,13 +120,12 @@ def test_the_cli_flag_shows_the_choice_and_refuses_tensorflow_on_v6e_with_one_li
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "CLOUDSDK_", "GOOGLE_"))},
            "TPUCTL_HOME": str(tmp_path), "TPUCTL_PROJECT": "my-proj-123", "TPUCTL_CLOUD": "local",
            "NO_COLOR": "1"}
-    up = [sys.executable, "-m", "tpuctl", "up", "--accelerator", "v6e-8", "--zone", "us-east5-b", "--name", "fw",
-          "--dry-run"]
-    p = subprocess.run([*up, "--json"], env=env, capture_output=True, text=True, timeout=120)
+    up = ["up", "--accelerator", "v6e-8", "--zone", "us-east5-b", "--name", "fw", "--dry-run"]
+    p = tpuctl_here(env, *up, "--json")
     assert p.returncode == 0, p.stderr
     assert {k: json.loads(p.stdout)["plan"][k] for k in ("framework", "runtime_version")} == {
         "framework": "jax", "runtime_version": "v2-alpha-tpuv6e"}
-    p = subprocess.run([*up, "--framework", "tensorflow"], env=env, capture_output=True, text=True, timeout=120)
+    p = tpuctl_here(env, *up, "--framework", "tensorflow")
     assert p.returncode == 2
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: job.framework: TensorFlow does not run on v6e (Google ships TensorFlow runtimes "

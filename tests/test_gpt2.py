@@ -189,13 +189,14 @@ def check_trainer() -> str:
     return keras.backend.backend()
 
 
-@pytest.mark.slow  # ~25 s; the same check on JAX stays in the fast tier
+@pytest.mark.slow  # ~25 s; GPT-2 trains in the fast tier: test_training_lowers_the_loss_and_resumes_from_the_checkpoint
 @pytest.mark.tf
 def test_the_trainer_trains_as_the_cross_entropy_of_the_logits_on_tensorflow():
     pytest.importorskip("tensorflow")
     assert check_trainer() == "tensorflow"
 
 
+@pytest.mark.slow  # ~20 s (a fresh interpreter with JAX); see its TensorFlow twin above
 def test_the_trainer_trains_as_the_cross_entropy_of_the_logits_on_jax():
     pytest.importorskip("jax")
     from conftest import on_jax

@@ -13,7 +13,7 @@ import time
 
 import asyncssh
 import pytest
-from conftest import FAST_POLLING, new_project, tpuctl
+from conftest import FAST_POLLING, new_project, tpuctl, tpuctl_here
 from google.api_core import exceptions as gexc
 from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
@@ -343,13 +343,13 @@ def test_doctor_prints_one_line_per_check_and_exits_by_the_result(cloud, env):
     assert p.returncode == 0, p.stderr
     assert [ln.split()[0] for ln in p.stdout.splitlines()] == ["ok"] * 7
     cloud.shape_project(env["TPUCTL_PROJECT"], default_network=False, metadata={"enable-oslogin": "TRUE"})
-    p = tpuctl(env, "doctor", "--zone", ZONE, "--json")
+    p = tpuctl_here(env, "doctor", "--zone", ZONE, "--json")
     assert p.returncode == 2, p.stderr
     doc = json.loads(p.stdout)
     assert not doc["ok"] and {c["name"] for c in doc["checks"] if not c["ok"]} == {"network", "subnetwork"}
     oslogin = next(c for c in doc["checks"] if c["name"] == "os-login")
     assert oslogin["ok"] and env["TPUCTL_PROJECT"] and "@localcloud.test" in oslogin["detail"]
-    p = tpuctl(env, "doctor", "--zone", ZONE)
+    p = tpuctl_here(env, "doctor", "--zone", ZONE)
     assert p.returncode == 2 and "problem  network: network default does not exist" in p.stdout
     assert "fix: gcloud compute networks create default" in p.stdout
 

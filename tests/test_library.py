@@ -203,6 +203,7 @@ def test_an_unexpected_exception_mid_run_tears_down_and_is_reported_as_one_of_ou
     assert _zero(cloud, api_env)
 
 
+@pytest.mark.slow  # fast tier: the events: test_run_from_python_reports_typed_events_in_order
 def test_cli_run_json_is_one_event_per_line_and_plain_progress_never_repeats_a_state(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("ndjson-run", accelerator="v3-8"))
     r = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes", "--json", "--poll", "0.5"],
@@ -222,6 +223,7 @@ def test_cli_run_json_is_one_event_per_line_and_plain_progress_never_repeats_a_s
     assert ("==> train" in r.stderr) and "[w0] step=15 " in r.stderr
 
 
+@pytest.mark.slow  # fast tier: a terminal's question: test_up_down's test_a_terminal_is_asked_whatever_no_color_says
 def test_on_a_terminal_run_asks_then_shows_a_live_board(cloud, project, tmp_path):
     from test_up_down import _on_a_terminal
 

@@ -211,6 +211,7 @@ def _gone(pid: int, within_s: float) -> bool:
     return False
 
 
+@pytest.mark.slow  # fast tier: the daemon: test_start_env_status_fault_stop
 def test_daemon_stops_when_idle_but_never_while_a_tpu_is_billed_or_requests_come(home, invoke):
     started = invoke("local", "start", "--speed", "1000", "--idle-stop", "2s")
     assert "stops after 2s idle" in started.stderr
@@ -244,6 +245,7 @@ def test_idle_stop_setting_flag_env_default():
     assert bad.value.field == "TPUCTL_LOCAL_IDLE"
 
 
+@pytest.mark.slow  # fast tier: the daemon: test_start_env_status_fault_stop
 def test_daemon_memory_stays_flat_over_up_down_cycles_with_concurrent_uploads():
     """The soak in bench/localcloud_soak.py, short (its full run and result: bench/RESULTS.md). The daemon used to
     keep ~100 MB per concurrent checkpoint upload (465 MB here) and grew to ~600 MB over a few dozen runs; with

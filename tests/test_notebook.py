@@ -11,6 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "examples" / "quickstart.ipynb"
 
 
+@pytest.mark.slow  # fast tier: the library it calls: test_library
 @pytest.mark.timeout(900)
 def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")

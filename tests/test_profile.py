@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, tpuctl
+from conftest import cli_env, tpuctl, tpuctl_here
 from test_run import REPO, _buckets, _text, _zero, project, tpc  # noqa: F401 (fixtures)
 
 # The trace's run directory as the profile plugin expects it: TIMESTAMP under plugins/profile of a TensorBoard run.
@@ -44,7 +44,7 @@ def test_a_bad_step_range_is_one_line_naming_job_profile_and_creates_nothing(clo
     spec = _bert_tiny("prof-bad", **({"profile": in_file} if in_file else {}))
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(spec))
     env = cli_env(cloud, tmp_path)
-    r = tpuctl(env, "run", str(tmp_path / "run.yaml"), "--yes", "--profile", flag)
+    r = tpuctl_here(env, "run", str(tmp_path / "run.yaml"), "--yes", "--profile", flag)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(f"error: job.profile: {says}\n"), r.stderr
     assert _zero(cloud, env["TPUCTL_PROJECT"]) and not _buckets(cloud, env["TPUCTL_PROJECT"])

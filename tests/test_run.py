@@ -104,6 +104,7 @@ def test_run_trains_on_every_worker_and_tears_down(tpc, cloud, project, tmp_path
     assert o.last_step_to_delete_s is not None and o.last_step_to_delete_s <= 5
 
 
+@pytest.mark.slow  # fast tier: a failed run tearing down: test_max_recoveries_zero_fails_on_preemption_and_tears_down
 def test_run_job_failure_stops_all_tears_down_and_shows_the_log(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("bad-run", trainer={"max_steps": 500, "fail_at_step": 4, "fail_worker": 2}))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
@@ -270,7 +271,10 @@ def _wait_line(proc: subprocess.Popen, needle: str, seen: list[str], timeout: fl
 
 # Each phase once and each signal twice (one handler serves both), not all eight pairs: bench/chaos.py's sigint@run
 # and sigterm@run scenarios signal `tpuctl run` at random moments of every phase.
-@pytest.mark.parametrize("phase,sig", [("up", signal.SIGTERM), ("upload", signal.SIGINT), ("launch", signal.SIGTERM),
+# The fast tier keeps both signals (up-SIGTERM, train-SIGINT); the middle phases run in the whole suite.
+@pytest.mark.parametrize("phase,sig", [("up", signal.SIGTERM),
+                                       pytest.param("upload", signal.SIGINT, marks=pytest.mark.slow),
+                                       pytest.param("launch", signal.SIGTERM, marks=pytest.mark.slow),
                                        ("train", signal.SIGINT)], ids=["up-SIGTERM", "upload-SIGINT",
                                                                        "launch-SIGTERM", "train-SIGINT"])
 def test_run_tears_down_on_signal_at_each_phase(cloud, project, tmp_path, phase, sig):
@@ -291,6 +295,7 @@ def test_run_tears_down_on_signal_at_each_phase(cloud, project, tmp_path, phase,
     assert _zero(cloud, project), _live(cloud, project)
 
 
+@pytest.mark.slow  # fast tier: a whole run: test_run_trains_on_every_worker_and_tears_down
 def test_killed_launcher_leaves_the_job_running_and_attach_finishes_it(tpc, cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("det-run", trainer={"max_steps": 40, "step_seconds": 0.05}))
     proc = _start(cloud, tmp_path, project, "run", str(spec), "--yes", "--poll", "0.5")
@@ -310,6 +315,7 @@ def test_killed_launcher_leaves_the_job_running_and_attach_finishes_it(tpc, clou
     assert "step=40 " in _text(tpc, summary["bucket"], "runs/det-run/logs/worker-3.log")
 
 
+@pytest.mark.slow  # fast tier: a whole run: test_run_trains_on_every_worker_and_tears_down
 def test_detach_returns_after_launch_and_job_commands_see_it(tpc, cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("dt-run", accelerator="v3-8", trainer={"max_steps": 30, "step_seconds": 0.05}))
     run = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes", "--detach", "--no-supervisor"], env=_env(cloud, tmp_path, project),
@@ -320,12 +326,9 @@ def test_detach_returns_after_launch_and_job_commands_see_it(tpc, cloud, project
                           capture_output=True, text=True, timeout=120)
     assert logs.returncode == 0, logs.stderr
     assert "[w0] step=30 loss=0.333 examples_per_sec=100.0" in _untimed(logs.stdout)
-    status = subprocess.run([sys.executable, "-m", "tpuctl", "job", "status", "dt-run", "--json"],
-                            env=_env(cloud, tmp_path, project), capture_output=True, text=True, timeout=120)
-    doc = json.loads(status.stdout)
+    doc = json.loads(_here(cloud, tmp_path, project, "job", "status", "dt-run", "--json").stdout)
     assert doc["workers"][0]["state"] == "exited" and doc["workers"][0]["exit_code"] == 0
-    down = subprocess.run([sys.executable, "-m", "tpuctl", "down", "dt-run", "--yes"], env=_env(cloud, tmp_path, project),
-                          capture_output=True, text=True, timeout=120)
+    down = _here(cloud, tmp_path, project, "down", "dt-run", "--yes")
     assert down.returncode == 0, down.stderr
     assert _zero(cloud, project)
 
@@ -381,6 +384,7 @@ def test_real_bert_on_a_4_worker_slice_is_driven_by_worker_0_found_from_metadata
     assert _zero(cloud, project)
 
 
+@pytest.mark.slow  # fast tier: a recovery: test_max_recoveries_zero_fails_on_preemption_and_tears_down
 def test_lost_worker_is_detected_and_the_run_recovers(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("kw-run", trainer={"max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.1}))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
@@ -407,6 +411,14 @@ def _tpuctl(cloud, tmp_path, project, *argv, timeout: float = 120) -> subprocess
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _here(cloud, tmp_path, project, *argv) -> subprocess.CompletedProcess:
+    """`_tpuctl` in this process (conftest `tpuctl_here`): for refusals and dry runs, which need no process."""
+    from conftest import tpuctl_here
+
+    return tpuctl_here(_env(cloud, tmp_path, project), *argv, cwd=tmp_path)
+
+
+@pytest.mark.slow  # fast tier: logs: test_cli_errors; an SSH drop: test_localcloud_faults
 def test_logs_follow_survives_an_injected_ssh_drop(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("lg-run", accelerator="v3-8", trainer={"max_steps": 50, "step_seconds": 0.1}))
     assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach", "--no-supervisor").returncode == 0
@@ -426,49 +438,51 @@ def test_logs_follow_survives_an_injected_ssh_drop(cloud, project, tmp_path):
             proc.kill()
     steps = [line for line in _untimed("\n".join(lines)) if line.startswith("[w0] step=")]
     assert steps == [f"[w0] step={n} loss={10.0 / n:.3f} examples_per_sec=100.0" for n in range(1, 51)], lines
-    assert _tpuctl(cloud, tmp_path, project, "down", "lg-run", "--yes").returncode == 0
+    assert _here(cloud, tmp_path, project, "down", "lg-run", "--yes").returncode == 0
     assert _zero(cloud, project)
 
 
+@pytest.mark.slow  # fast tier: ssh and job cancel in process: test_cli_errors
 def test_ssh_passes_words_verbatim_and_job_cancel_stops_the_job(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("cx-run", accelerator="v3-8", trainer={"max_steps": 5000, "step_seconds": 0.05}))
     assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach", "--no-supervisor").returncode == 0
     r = _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "printf", "%s\\n", "a; b", "$(touch PWNED)", "it's")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["a; b", "$(touch PWNED)", "it's"]
-    assert "PWNED" not in _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "ls", "-a").stdout
+    assert "PWNED" not in _here(cloud, tmp_path, project, "ssh", "cx-run", "--", "ls", "-a").stdout
     # tpuctl's exit codes mean tpuctl's outcomes (3 is "no capacity"): a remote failure is reported, exit 1.
-    r = _tpuctl(cloud, tmp_path, project, "ssh", "cx-run", "--", "exit 3")
+    r = _here(cloud, tmp_path, project, "ssh", "cx-run", "--", "exit 3")
     assert r.returncode == 1 and "worker 0: exit 3" in r.stderr, r.stderr
     r = _tpuctl(cloud, tmp_path, project, "job", "cancel", "cx-run", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["state"] == "cancelled" and json.loads(r.stdout)["cancelled_workers"] == [0]
-    doc = json.loads(_tpuctl(cloud, tmp_path, project, "job", "status", "cx-run", "--json").stdout)
+    doc = json.loads(_here(cloud, tmp_path, project, "job", "status", "cx-run", "--json").stdout)
     assert doc["workers"] == [{"index": 0, "state": "exited", "exit_code": 143, "pid": None}]
     assert doc["status"]["state"] == "cancelled"
-    text = _tpuctl(cloud, tmp_path, project, "job", "status", "cx-run")
+    text = _here(cloud, tmp_path, project, "job", "status", "cx-run")
     assert text.stderr.startswith("run cx-run: cancelled, step ") and "None" not in text.stderr, text.stderr
-    again = _tpuctl(cloud, tmp_path, project, "job", "cancel", "cx-run")
+    again = _here(cloud, tmp_path, project, "job", "cancel", "cx-run")
     assert again.returncode == 0 and "already ended (cancelled); nothing to cancel" in again.stderr, again.stderr
     assert _tpuctl(cloud, tmp_path, project, "down", "cx-run", "--yes").returncode == 0
-    logs = _tpuctl(cloud, tmp_path, project, "logs", "cx-run")
+    logs = _here(cloud, tmp_path, project, "logs", "cx-run")
     assert logs.returncode == 0 and "[w0] step=1 loss=10.000 examples_per_sec=100.0" in _untimed(logs.stdout)
 
 
+@pytest.mark.slow  # fast tier: job status of a running job: test_agent_protocol
 def test_job_status_before_the_first_step_says_so_rather_than_step_none(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("ns-run", accelerator="v3-8", trainer={"max_steps": 2, "step_seconds": 600}))
     assert _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--detach", "--no-supervisor").returncode == 0
-    r = _tpuctl(cloud, tmp_path, project, "job", "status", "ns-run")
+    r = _here(cloud, tmp_path, project, "job", "status", "ns-run")
     assert r.returncode == 0 and r.stderr.startswith("run ns-run: running, no step finished yet"), r.stderr
     assert "None" not in r.stderr
-    assert _tpuctl(cloud, tmp_path, project, "job", "cancel", "ns-run").returncode == 0
-    assert _tpuctl(cloud, tmp_path, project, "down", "ns-run", "--yes", "--delete-bucket").returncode == 0
+    assert _here(cloud, tmp_path, project, "job", "cancel", "ns-run").returncode == 0
+    assert _here(cloud, tmp_path, project, "down", "ns-run", "--yes", "--delete-bucket").returncode == 0
     assert _zero(cloud, project)
 
 
 def test_dry_run_plans_and_creates_nothing(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, _spec("dry-run"))
-    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--dry-run")
+    r = _here(cloud, tmp_path, project, "run", str(spec), "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "plan for run dry-run" in r.stdout and "v3-32" in r.stderr
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
@@ -477,7 +491,7 @@ def test_dry_run_plans_and_creates_nothing(cloud, project, tmp_path):
 def test_missing_corpus_is_bad_input_before_anything_is_created(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, {**_spec("no-data"), "job": {"template": str(STANDIN),
                                                                "data": {"corpus": ["nowhere/*.txt"]}}})
-    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes")
+    r = _here(cloud, tmp_path, project, "run", str(spec), "--yes")
     assert r.returncode == 2
     assert r.stderr.startswith("error: job.data.corpus: corpus 'nowhere/*.txt' matches no file")
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
@@ -496,7 +510,7 @@ def test_bad_template_config_is_bad_input_before_anything_is_created(cloud, proj
     spec = _spec_file(tmp_path, {**_spec("bad-config"), "job": {"template": "bert", "preset": "bert-tiny",
                                                                  "config": {"trainer": trainer}}})
     for mode in ("--dry-run", "--yes"):
-        r = _tpuctl(cloud, tmp_path, project, "run", str(spec), mode)
+        r = _here(cloud, tmp_path, project, "run", str(spec), mode)
         assert r.returncode == 2, (mode, r.stderr)
         assert r.stderr.splitlines()[0].startswith(error), (mode, r.stderr)
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
@@ -504,7 +518,7 @@ def test_bad_template_config_is_bad_input_before_anything_is_created(cloud, proj
 
 def test_unknown_preset_names_the_spec_field_it_came_from(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, {**_spec("bad-preset"), "job": {"template": "bert", "preset": "bert-largest"}})
-    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--dry-run")
+    r = _here(cloud, tmp_path, project, "run", str(spec), "--dry-run")
     assert r.returncode == 2
     assert r.stderr.startswith("error: job.preset: unknown preset 'bert-largest'; did you mean bert-large?"), r.stderr
 
@@ -512,7 +526,7 @@ def test_unknown_preset_names_the_spec_field_it_came_from(cloud, project, tmp_pa
 @pytest.mark.parametrize("name", ["$(touch PWNED)", "a;b", "it's", "x\ny"])
 def test_hostile_run_name_is_refused_and_creates_nothing(cloud, project, tmp_path, name):
     spec = _spec_file(tmp_path, _spec("fine-name"))
-    r = _tpuctl(cloud, tmp_path, project, "run", str(spec), "--yes", "--name", name)
+    r = _here(cloud, tmp_path, project, "run", str(spec), "--yes", "--name", name)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: name:")
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
@@ -544,9 +558,10 @@ def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
     (elsewhere / "data").mkdir(parents=True)
     (elsewhere / "data" / "decoy.txt").write_text("the working directory's file, not the spec's\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPUCTL_", "GOOGLE_", "CLOUDSDK_"))}
-    dry = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(example), "--dry-run", "--json"], cwd=elsewhere,
-                         env={**env, "TPUCTL_HOME": str(tmp_path / "home"), "HOME": str(tmp_path), "NO_COLOR": "1"},
-                         capture_output=True, text=True, timeout=120)
+    from conftest import tpuctl_here
+
+    dry = tpuctl_here({**env, "TPUCTL_HOME": str(tmp_path / "home"), "HOME": str(tmp_path), "NO_COLOR": "1"},
+                      "run", str(example), "--dry-run", "--json", cwd=elsewhere)
     assert dry.returncode == 0, dry.stderr
     assert json.loads(dry.stdout.splitlines()[-1])["state"] == "planned"  # the summary, after the events
     monkeypatch.chdir(elsewhere)  # a relative path means the spec's directory even where the cwd has a match

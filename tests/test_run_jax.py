@@ -62,26 +62,6 @@ def _tpu7x_spec(name: str, *, max_steps: int, **fields) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.tf
-@pytest.mark.timeout(600)
-def test_jax_on_a_tpu7x_compute_engine_vm_trains_checkpoints_and_leaves_nothing(tpc, cloud, project):
-    """TPU7x is a Compute Engine instance, not a TPU API node: the same pipeline reaches its one SSH worker,
-    whose guest learns the slice from its metadata server (machine type tpu7x-standard-4t: 8 JAX devices)."""
-    spec = spec_mod.from_mapping(_tpu7x_spec("bert-7x", max_steps=10))
-    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
-    o = p.run()
-    assert (p.plan.accelerator.api, p.plan.framework) == ("compute", "jax")
-    assert o.state == "succeeded" and o.step == 10, o
-    log = _text(tpc, o.bucket, "runs/bert-7x/logs/worker-0.log")
-    start = next(line for line in log.splitlines() if line.startswith("start "))
-    assert start.startswith("start backend=jax strategy=cpu processes=1 hosts=1 devices=8 per_replica_batch=8 "
-                            "global_batch=64 step=0"), log[-2000:]
-    assert "checkpoint step=10 " in log and "done step=10 " in log, log[-2000:]
-    assert {"checkpoints/ckpt-10.npz", "checkpoints/checkpoint"} <= set(o.artifacts)
-    assert _zero(cloud, project)
-
-
-@pytest.mark.slow
-@pytest.mark.tf
 @pytest.mark.timeout(900)
 def test_jax_on_a_2_host_tpu7x_mig_slice_trains_on_both_hosts_and_leaves_nothing(tpc, cloud, project):
     """tpu7x-16 is two Compute Engine VMs in a MIG with a workload policy: the pipeline reaches both as workers 0
@@ -112,18 +92,27 @@ def _instance_path(p: Pipeline) -> str:
 @pytest.mark.timeout(600)
 def test_spot_tpu7x_preempted_by_compute_is_recreated_and_resumes_from_the_checkpoint(tpc, cloud, project):
     """Compute preempts the Spot TPU7x VM mid-run (its termination action is DELETE: Spot TPUs are recreated,
-    never restarted); tpuctl makes it again from the run's plan and the job resumes from the bucket's checkpoint."""
+    never restarted); tpuctl makes it again from the run's plan and the job resumes from the bucket's checkpoint.
+
+    Also the TPU7x run itself (one run of JAX on 2 cores costs a minute): TPU7x is a Compute Engine instance, not
+    a TPU API node; the same pipeline reaches its one SSH worker, whose guest learns the slice from its metadata
+    server (machine type tpu7x-standard-4t: 8 JAX devices), and the run leaves nothing but its bucket."""
     from tpuctl.ledger import Ledger
 
     spec = spec_mod.from_mapping(_tpu7x_spec("spot-7x", max_steps=30, provisioning="spot"))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
     o = run_preempted_at(p, cloud, 10, path=_instance_path)  # after a checkpoint
+    assert (p.plan.accelerator.api, p.plan.framework) == ("compute", "jax")
     assert o.state == "succeeded" and o.recoveries == 1 and o.step == 30, o
     log = _text(tpc, o.bucket, "runs/spot-7x/logs/worker-0.log")  # the second incarnation's log
     start = next(line for line in log.splitlines() if line.startswith("start "))
+    assert start.startswith("start backend=jax strategy=cpu processes=1 hosts=1 devices=8 per_replica_batch=8 "
+                            "global_batch=64 step="), log[-2000:]
     resumed = int(re.search(r" step=(\d+) ", start)[1])
     assert resumed in (5, 10), start  # at most one checkpoint interval lost
     assert f"step={resumed + 5} " in log and "done step=30 " in log, log[-2000:]
+    assert "checkpoint step=30 " in log, log[-2000:]
+    assert {"checkpoints/ckpt-30.npz", "checkpoints/checkpoint"} <= set(o.artifacts)
     # Google deleted the first VM itself (termination action DELETE): both lifetimes are costed, one after the other.
     first, second = sorted((e for e in Ledger().entries() if e.kind == "tpu" and e.run == "spot-7x"),
                            key=lambda e: e.created)

@@ -43,7 +43,7 @@ def _lines_until(proc, pattern: re.Pattern, seen: list[str], deadline: float) ->
     raise AssertionError(f"the program ended before {pattern.pattern}: {seen[-20:]}\n{errors}")
 
 
-@pytest.mark.parametrize("framework", ["tensorflow", "jax"])
+@pytest.mark.parametrize("framework", ["tensorflow", pytest.param("jax", marks=pytest.mark.slow)])  # ~15 s each
 def test_a_notice_saves_the_step_reached_and_sigterm_loses_none(data_dir, tmp_path, framework):  # noqa: F811
     model_dir = tmp_path / "model"
     cfg = tmp_path / "config.json"

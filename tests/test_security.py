@@ -204,6 +204,7 @@ def test_published_host_keys_are_enforced(stack, deployed):
         asyncio.run(attempt())
 
 
+@pytest.mark.slow  # fast tier: the deployed run's files: test_no_credential_in_anything_written_to_the_bucket
 def test_a_whole_tpuctl_run_leaves_no_credential_in_its_bucket_or_tpuctl_home(stack, deployed):
     """The full pipeline (up, ship, train, tear down) as a user runs it, then everything it left is scanned."""
     spec = cloud_stack.write_spec(stack, "secure-run", "v3-8", ("us-central1-a",), "spot", extra={"job": {

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 FILES = ["tests/test_bert_config.py", "tests/test_catalog.py", "tests/test_config.py"]  # files that import and collect fast
 
@@ -22,6 +24,7 @@ def collected(*options: str) -> list[str]:
     return [line for line in proc.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.slow  # fast tier: --order: test_an_unknown_order_is_a_usage_error
 def test_reverse_and_seeded_random_orders_run_every_test_once_in_another_order():
     default = collected()
     assert [test.split("::")[0] for test in default][::len(default) - 1] == [FILES[0], FILES[-1]]

@@ -358,6 +358,7 @@ def test_layer_norm_matches_keras_on_tensorflow():
     assert check_layer_norm() == "tensorflow"
 
 
+@pytest.mark.slow  # ~30 s to start JAX once; each check runs on TensorFlow in the fast tier
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 @pytest.mark.timeout(400)  # whichever runs first starts the interpreter and waits for all of JAX_CHECKS
 def test_layer_norm_matches_keras_on_jax(jax_checks):
@@ -440,6 +441,7 @@ def check_adamw_mirrored() -> str:
     return keras.backend.backend()
 
 
+@pytest.mark.slow  # fast tier: AdamW: test_adamw_is_keras_adamw_in_one_kernel_without_xla
 def test_adamw_keeps_mirrored_replicas_equal():
     assert in_fresh_interpreter("test_template_layers", "check_adamw_mirrored", backend="tensorflow") == "tensorflow"
 
@@ -448,6 +450,7 @@ def test_loss_and_accuracy_match_keras_on_tensorflow():
     assert check_loss_and_accuracy() == "tensorflow"
 
 
+@pytest.mark.slow  # ~30 s to start JAX once; each check runs on TensorFlow in the fast tier
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 @pytest.mark.timeout(400)  # whichever runs first starts the interpreter and waits for all of JAX_CHECKS
 def test_loss_and_accuracy_match_keras_on_jax(jax_checks):
@@ -458,6 +461,7 @@ def test_tied_loss_matches_keras_loss_through_the_logits_on_tensorflow():
     assert check_tied_loss() == "tensorflow"
 
 
+@pytest.mark.slow  # ~30 s to start JAX once; each check runs on TensorFlow in the fast tier
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 @pytest.mark.timeout(400)  # whichever runs first starts the interpreter and waits for all of JAX_CHECKS
 def test_tied_loss_matches_keras_loss_through_the_logits_on_jax(jax_checks):
@@ -468,6 +472,7 @@ def test_layers_match_keras_on_tensorflow():
     assert check_layers() == "tensorflow"
 
 
+@pytest.mark.slow  # ~30 s to start JAX once; each check runs on TensorFlow in the fast tier
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 @pytest.mark.timeout(400)  # whichever runs first starts the interpreter and waits for all of JAX_CHECKS
 def test_layers_match_keras_on_jax(jax_checks):
@@ -478,6 +483,7 @@ def test_hashed_bytes_are_uniform_and_independent_on_tensorflow():
     assert check_hashed_bytes() == "tensorflow"
 
 
+@pytest.mark.slow  # ~30 s to start JAX once; each check runs on TensorFlow in the fast tier
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("jax"), reason="jax not installed")
 @pytest.mark.timeout(400)  # whichever runs first starts the interpreter and waits for all of JAX_CHECKS
 def test_hashed_bytes_are_uniform_and_independent_on_jax(jax_checks):

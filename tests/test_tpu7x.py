@@ -7,7 +7,7 @@ import time
 from datetime import datetime
 
 import pytest
-from conftest import tpuctl
+from conftest import tpuctl, tpuctl_here
 from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
 
@@ -46,7 +46,7 @@ def test_catalog_list_shows_which_api_provisions_each_type(env):
     assert p.returncode == 0, p.stderr
     apis = {a["name"]: a["api"] for a in json.loads(p.stdout)["accelerators"]}
     assert apis["tpu7x-8"] == "compute" and apis["v3-8"] == "tpu-v2" and apis["v6e-8"] == "tpu-v2"
-    p = tpuctl(env, "catalog", "list", "-g", "tpu7x")
+    p = tpuctl_here(env, "catalog", "list", "-g", "tpu7x")
     assert p.returncode == 0 and "compute" in p.stdout and "tpu7x-8" in p.stdout, p.stderr
 
 
@@ -259,10 +259,10 @@ def test_up_and_run_tpu7x_from_the_cli_plan_it_on_compute_engine_with_jax(env, t
     assert plan["api"] == "compute" and plan["max_run_duration"] == "2h"
     spec_file = tmp_path / "s.yaml"
     spec_file.write_text("accelerator: tpu7x-8\nzone: us-central1-c\njob: {template: bert, preset: bert-tiny}\n")
-    p = tpuctl(env, "run", str(spec_file), "--dry-run")
+    p = tpuctl_here(env, "run", str(spec_file), "--dry-run")
     assert p.returncode == 0, p.stderr
     assert "jax on projects/ubuntu-os-accelerator-images" in p.stdout + p.stderr, p.stdout + p.stderr
-    p = tpuctl(env, "run", str(spec_file), "--dry-run", "--framework", "tensorflow")
+    p = tpuctl_here(env, "run", str(spec_file), "--dry-run", "--framework", "tensorflow")
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1 and "jax" in errors[0].lower(), p.stderr
 

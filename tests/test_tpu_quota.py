@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import FAST_POLLING, new_project, tpuctl
+from conftest import FAST_POLLING, new_project, tpuctl, tpuctl_here
 from google.api_core import exceptions as gexc
 from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
@@ -102,11 +102,11 @@ def test_up_past_the_quota_in_every_zone_exits_3_naming_it_and_creates_nothing(c
 def test_doctor_shows_the_quota_line_and_exits_3_when_quota_is_the_only_problem(cloud, env):
     project = env["TPUCTL_PROJECT"]
     cloud.shape_project(project, tpu_quotas={V6E: {ZONE: 0}})
-    p = tpuctl(env, "doctor", "--zone", ZONE, "--accelerator", "v6e-8", "--json")
+    p = tpuctl_here(env, "doctor", "--zone", ZONE, "--accelerator", "v6e-8", "--json")
     assert p.returncode == 3, p.stderr
     quota = next(c for c in json.loads(p.stdout)["checks"] if c["name"] == "tpu-quota")
     assert not quota["ok"] and quota["missing"] == [V6E] and f"{ZONE} 0" in quota["detail"]
-    p = tpuctl(env, "doctor", "--zone", OTHER_ZONE, "--accelerator", "v6e-8")
+    p = tpuctl_here(env, "doctor", "--zone", OTHER_ZONE, "--accelerator", "v6e-8")
     assert p.returncode == 0 and f"ok       tpu-quota: {V6E}: {OTHER_ZONE}" in p.stdout
 
 
@@ -257,7 +257,7 @@ def test_doctor_checks_tpu7x_against_compute_engine_and_every_region_of_the_fail
     project = env["TPUCTL_PROJECT"]
     cloud.shape_project(project, denied_permissions=["compute.instanceGroupManagers.create"],
                         tpu_quotas={FAMILY: {"us-central1": 4}})
-    p = tpuctl(env, "doctor", "--zone", T7X_ZONE, "--accelerator", "tpu7x-16", "--json")
+    p = tpuctl_here(env, "doctor", "--zone", T7X_ZONE, "--accelerator", "tpu7x-16", "--json")
     assert p.returncode == 2, p.stderr
     checks = {c["name"]: c for c in json.loads(p.stdout)["checks"]}
     assert checks["permissions"]["missing"] == ["compute.instanceGroupManagers.create"]

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import tpuctl
+from conftest import tpuctl, tpuctl_here
 
 from test_provision import everything
 
@@ -22,7 +22,7 @@ UP = ("up", "--accelerator", "v3-8", "--zone", "europe-west4-a", "--name", "r1",
 
 
 def test_dry_run_prints_the_plan_and_creates_nothing(env, pc):
-    p = tpuctl(env, *UP, "--spot", "--dry-run", "--json")
+    p = tpuctl_here(env, *UP, "--spot", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
     plan = json.loads(p.stdout)["plan"]
     assert plan["run"] == "r1" and plan["provisioning"] == "spot" and plan["price_per_hour"] > 0
@@ -34,7 +34,7 @@ def test_dry_run_prints_the_plan_and_creates_nothing(env, pc):
                                         (("--zone", "us-central2-b"), "zone"),
                                         (("--ttl", "forever"), "ttl")])
 def test_bad_input_exits_2_naming_the_field_and_creates_nothing(env, pc, args, field):
-    p = tpuctl(env, *UP, *args)
+    p = tpuctl_here(env, *UP, *args)
     assert p.returncode == 2 and p.stderr.startswith(f"error: {field}:"), p.stderr
     assert everything(pc) == []
 
@@ -42,12 +42,13 @@ def test_bad_input_exits_2_naming_the_field_and_creates_nothing(env, pc, args, f
 def test_legacy_tpu_node_spec_is_refused_then_migrated(env, pc, tmp_path):
     legacy = tmp_path / "legacy.yaml"
     legacy.write_text("accelerator: v3-8\nzone: europe-west4-a\ntensorflow_version: 2.12.0\n")
-    p = tpuctl(env, "up", str(legacy), "--dry-run")
+    p = tpuctl_here(env, "up", str(legacy), "--dry-run")
     assert p.returncode == 2 and "2025-04-15" in p.stderr and "--migrate" in p.stderr
-    p = tpuctl(env, "up", str(legacy), "--dry-run", "--migrate", "--json")
+    p = tpuctl_here(env, "up", str(legacy), "--dry-run", "--migrate", "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["plan"]["runtime_version"].startswith("tpu-vm-tf-")
 
 
+@pytest.mark.slow  # fast tier: up and down as processes: test_capacity_everywhere_exits_3..., the Ctrl-C tests
 def test_up_status_list_down(env, pc):
     p = tpuctl(env, *UP, "--spot")
     assert p.returncode == 0, p.stderr
@@ -59,51 +60,51 @@ def test_up_status_list_down(env, pc):
     assert st["price_per_hour"] > 0 and {r["kind"] for r in st["resources"]} >= {"tpu", "bucket", "bucket-iam"}
     runs = json.loads(tpuctl(env, "list", "--json").stdout)["runs"]
     assert [r["run"] for r in runs] == ["r1"]
-    text = tpuctl(env, "list")
+    text = tpuctl_here(env, "list")
     assert "r1" in text.stdout and "europe-west4-a" in text.stdout
 
-    again = tpuctl(env, *UP, "--spot", "--json")  # idempotent: adopts everything
+    again = tpuctl_here(env, *UP, "--spot", "--json")  # idempotent: adopts everything
     records = [json.loads(line) for line in again.stdout.splitlines()]  # the events, then the result
     assert again.returncode == 0 and records[-1]["type"] == "summary" and records[-1]["created"] == []
     assert {r["key"] for r in records if r["type"] == "resource" and r["state"] == "ready"} >= {
         "tpu/europe-west4-a/r1"}
 
-    dry = tpuctl(env, "down", "r1", "--dry-run", "--json")  # needs no --yes, deletes nothing
+    dry = tpuctl_here(env, "down", "r1", "--dry-run", "--json")  # needs no --yes, deletes nothing
     assert dry.returncode == 0, dry.stderr
     summary = json.loads(dry.stdout)
     assert [r["kind"] for r in summary["would_delete"]] == ["tpu"] and len(summary["kept"]) == 2
-    assert "would delete (dry run)" in tpuctl(env, "down", "r1", "--dry-run").stdout
+    assert "would delete (dry run)" in tpuctl_here(env, "down", "r1", "--dry-run").stdout
     assert len(everything(pc)) == 2
-    no = tpuctl(env, "down", "r1")  # no TTY and no --yes: refuses, deletes nothing
+    no = tpuctl_here(env, "down", "r1")  # no TTY and no --yes: refuses, deletes nothing
     assert no.returncode == 2 and len(everything(pc)) == 2
     assert no.stderr.splitlines()[0] == "error: --yes: no terminal to confirm on; pass --yes to delete run r1"
     d = tpuctl(env, "down", "r1", "--yes")
     assert d.returncode == 0 and "verified none remain" in d.stderr, d.stderr
     assert len(everything(pc)) == 1  # the bucket is kept
-    kept = json.loads(tpuctl(env, "status", "r1", "--json").stdout)
+    kept = json.loads(tpuctl_here(env, "status", "r1", "--json").stdout)
     assert kept["state"] == "bucket kept" and kept["workers"] == 0
     assert 3600 < kept["expires"] - time.time() <= 7200  # the bucket's TTL (--ttl 2h)
-    table = tpuctl(env, "status", "r1")
+    table = tpuctl_here(env, "status", "r1")
     assert "run r1 (bucket kept)" in table.stdout and "kept until" in table.stderr, table
-    assert "bucket kept" in tpuctl(env, "list").stdout
-    d = tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
+    assert "bucket kept" in tpuctl_here(env, "list").stdout
+    d = tpuctl_here(env, "down", "r1", "--yes", "--delete-bucket")
     assert d.returncode == 0 and "holds 0 objects" in d.stderr, d.stderr
     assert everything(pc) == []
-    assert tpuctl(env, "status", "r1").returncode == 2
-    d = tpuctl(env, "down", "r1", "--yes")  # idempotent: a run deleted before is done, not a mistake
+    assert tpuctl_here(env, "status", "r1").returncode == 2
+    d = tpuctl_here(env, "down", "r1", "--yes")  # idempotent: a run deleted before is done, not a mistake
     assert d.returncode == 0 and "run r1: already deleted" in d.stderr, d.stderr
 
 
 def test_up_takes_the_spec_fields_a_user_expects_as_flags_and_variables(env, pc):
     """--network, --subnet and --bucket-soft-delete on `up` (doctor has the first two), and a flex-start run
     from environment variables alone (TPUCTL_MAX_RUN_DURATION)."""
-    p = tpuctl(env, *UP, "--bucket-soft-delete", "7d", "--dry-run", "--json")
+    p = tpuctl_here(env, *UP, "--bucket-soft-delete", "7d", "--dry-run", "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["plan"]["bucket_soft_delete"] == "7d", p.stderr
-    p = tpuctl(env, *UP, "--network", "vpc-x", "--subnet", "sub-x")  # preflight reads the named network
+    p = tpuctl_here(env, *UP, "--network", "vpc-x", "--subnet", "sub-x")  # preflight reads the named network
     assert p.returncode == 2 and "vpc-x" in p.stderr and "No such option" not in p.stderr, p.stderr
     flex = {**env, "TPUCTL_ACCELERATOR": "v6e-8", "TPUCTL_ZONE": "us-east5-a", "TPUCTL_PROVISIONING": "flex-start",
             "TPUCTL_MAX_RUN_DURATION": "4h"}
-    p = tpuctl(flex, "up", "--dry-run", "--json")
+    p = tpuctl_here(flex, "up", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
     plan = json.loads(p.stdout)["plan"]
     assert (plan["provisioning"], plan["max_run_duration"]) == ("flex-start", "4h")
@@ -123,7 +124,7 @@ def _start_up(env, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for(pred, timeout=30.0):
+def _wait_for(pred, timeout=60.0):  # a `tpuctl` process takes 15 s to start on 2 busy cores
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, "phase never reached"
@@ -139,7 +140,9 @@ PHASES = {
 }
 
 
-@pytest.mark.parametrize("phase", sorted(PHASES))
+# The fast tier keeps the first phase; the later two (a VM being created) run in the whole suite.
+@pytest.mark.parametrize("phase", [p if p == "bucket-created-tpu-requested" else pytest.param(p, marks=pytest.mark.slow)
+                                   for p in sorted(PHASES)])
 def test_ctrl_c_at_each_phase_leaves_zero_resources(env, pc, cloud, tmp_path, phase):
     faults, reached = PHASES[phase]
     for kind, service, method in faults:
@@ -235,11 +238,11 @@ def test_without_a_terminal_or_yes_every_creating_or_deleting_command_refuses(en
                      (["run", str(spec)], "create the run's resources"),
                      (["down", "r1"], "delete run r1"),
                      (["gc", "--all-owners"], "let gc delete")]:
-        p = tpuctl(env, *args)
+        p = tpuctl_here(env, *args)
         assert p.returncode == 2, (args, p.stderr)
         assert p.stderr.splitlines()[0] == f"error: --yes: no terminal to confirm on; pass --yes to {to}", p.stderr
     assert everything(pc) == []
-    assert tpuctl(env, "run", str(spec), "--dry-run").returncode == 0  # a dry run needs no --yes
+    assert tpuctl_here(env, "run", str(spec), "--dry-run").returncode == 0  # a dry run needs no --yes
 
 
 def test_ctrl_c_once_the_run_is_ready_keeps_it_and_says_so(env, pc, monkeypatch):

@@ -37,6 +37,7 @@ def _spec(tmp_path: Path, name: str, config: dict | None = None) -> Path:
     return spec
 
 
+@pytest.mark.slow  # fast tier: a user template: the refusals below, test_templates_contract
 @pytest.mark.tf
 def test_a_user_template_trains_checkpoints_to_the_bucket_and_leaves_nothing_running(cloud, project, tpc, tmp_path):
     _user_template(tmp_path)
