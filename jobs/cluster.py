@@ -167,6 +167,9 @@ def update_status(clients: Clients, bucket: str, run: str, *, on_event: EventSin
 def close_status(clients: Clients, bucket: str, run: str, *, state: str, on_event: EventSink = ignore,
                  **fields) -> RunStatus | None:
     """The laptop's verdict on how the run ended (`state` and why): marked `final`, so the agents of a job that is
-    still stopping (or of a TPU Google is deleting) cannot overwrite it. The next launch opens a new account."""
+    still stopping (or of a TPU Google is deleting) cannot overwrite it. The next launch opens a new account.
+    A field given as None is one the caller did not see (a supervisor that attached as the job ended saw no
+    step line): the agents' value stays."""
+    known = {k: v for k, v in fields.items() if v is not None}
     return update_status(clients, bucket, run, state=state, recovering=False, final=True, on_event=on_event,
-                         **fields)
+                         **known)

@@ -691,7 +691,8 @@ def test_the_laptops_verdict_outlives_a_stopping_agent_and_the_next_launch_start
     cluster.update_status(laptop, bucket, "r1", state="running", recovering=True)
     store.merge_status({"state": "failed", "step": 45, "exit_code": 143})  # the old job's last beat
     assert read().recovering is True and read().step == 45
-    cluster.close_status(laptop, bucket, "r1", state="failed", ended="max_run_duration")
+    # The laptop (or a supervisor that attached as the job ended) saw no step: the agents' step stays.
+    cluster.close_status(laptop, bucket, "r1", state="failed", ended="max_run_duration", step=None)
     store.merge_status({"state": "failed", "step": 46, "exit_code": 143})  # lands after the verdict
     doc = read()
     assert doc.state == "failed" and doc.ended == "max_run_duration" and doc.final is True, doc
