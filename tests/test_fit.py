@@ -18,6 +18,7 @@ from click.testing import CliRunner
 import tpuctl
 from tpuctl import fitting
 
+from conftest import on_jax
 from conftest import tpuctl as tpuctl_cli
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -123,3 +124,44 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_exists(env, tmp_path):
     assert listed["runs"] == []
     skipped = tpuctl_cli(env, "up", str(spec), "--dry-run", "--no-fit-check")
     assert skipped.returncode == 0 and "fit:" not in skipped.stderr
+
+
+def attention_lowered_for_a_tpu() -> str:
+    """(In a fresh JAX interpreter.) SelfAttention with dropout 0.1, training, lowered for a v5e 2x2 that is not
+    there: on a TPU it runs the splash kernel (a Mosaic custom call), so no [B, heads, L, L] tensor appears in the
+    forward or backward program; its hidden-state dropout is the Dropout layers', not this layer's."""
+    from tpuctl.templates import aot
+
+    aot.compile_only()
+    import jax
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from tpuctl.templates.lmkit import layers
+
+    devices = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices
+    mesh = Mesh(np.array(devices), ("batch",))
+    batch, length, heads = 8, 256, 4
+    layer = layers.SelfAttention(heads, 32, dropout=0.1, causal=True)
+    layer.build((batch, length, heads * 32))
+    layers.use_tpu_kernels(mesh)
+
+    def loss(weights, seeds, x):
+        out, _ = layer.stateless_call(weights, seeds, x, training=True)
+        return out.astype("float32").sum()
+
+    weights = [v.value for v in layer.trainable_variables]
+    seeds = [v.value for v in layer.non_trainable_variables]
+    x = jax.ShapeDtypeStruct((batch, length, heads * 32), "float32",
+                             sharding=NamedSharding(mesh, PartitionSpec("batch")))
+    text = jax.jit(jax.grad(loss)).lower(weights, seeds, x).as_text()
+    assert "tpu_custom_call" in text, "no splash kernel in the program"
+    scores = f"{batch // len(devices)}x{heads}x{length}x{length}"
+    assert scores not in text and f"{batch}x{heads}x{length}x{length}" not in text, f"[B, heads, L, L] in the program"
+    return "jax"
+
+
+@needs_compiler
+def test_on_a_tpu_attention_with_dropout_runs_the_fused_kernel():
+    assert on_jax("test_fit", "attention_lowered_for_a_tpu", timeout=300) == "jax"
