@@ -48,7 +48,8 @@ On a TPU (`use_tpu_kernels`: the trainer declares it there, `tpuctl fit` when it
 TPU compiler is the judge (bench/tpu_compile.py): attention runs Pallas' splash attention kernel, its
 probabilities not dropped out (use_tpu_kernels says why), so the [B, heads, L, L] scores never reach HBM, and
 GPT-2's loss and accuracy run the tied head a block of positions at a time (`blocked_softmax_cross_entropy`),
-so the [tokens, vocab] logits never exist whole. Everything written for TensorFlow without XLA below is off there by construction.
+so the [tokens, vocab] logits never exist whole. Everything written for TensorFlow without XLA below is off there
+by construction.
 
 Without XLA (TensorFlow's graph mode: its CPU and GPU training) every op is a pass over memory and autodiff of a
 composite is as many more: there GELU and layer normalisation take hand-written gradients and AdamW one kernel.
@@ -398,7 +399,44 @@ def _splash_attention(q, k, v, *, causal: bool, key_mask):
     else:
         out = jax.shard_map(per_device, mesh=_tpu_mesh, in_specs=(split,) * 4, out_specs=split,
                             check_vma=False)(*heads_first, jnp.asarray(key_mask, jnp.int32))
-    return jnp.swapaxes(out, 1, 2)
+    # MaxText's name for the attention's output, which its remat policies "minimal_with_context" save (REMAT).
+    return jax.ad_checkpoint.checkpoint_name(jnp.swapaxes(out, 1, 2), "context")
+
+
+# Remat (activation checkpointing) policies a run can name in trainer.remat_policy, fastest (most HBM) first:
+# MaxText's names and meanings (MaxText/configs/base.yml `remat_policy`, MaxText/layers/decoders.py
+# get_remat_policy): "minimal" saves the matmuls without batch dimensions (the projections and the MLP's) and
+# recomputes everything else for the backward pass (normalisation, GELU, dropout masks, attention);
+# "minimal_with_context" also saves the attention's output ("context"). templates/bert/config.py lists the names.
+REMAT = {
+    "none": None,
+    "minimal_with_context": lambda cp: cp.save_from_both_policies(cp.checkpoint_dots_with_no_batch_dims,
+                                                                  cp.save_only_these_names("context")),
+    "minimal": lambda cp: cp.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def use_remat(trainer: keras.Model, policy: str) -> None:
+    """Train `trainer` (Keras' JAX trainer) with remat `policy` (a REMAT name): its forward pass,
+    `stateless_call` (a pure function of the variables and the batch, which Keras differentiates through), runs
+    under jax.checkpoint with that policy, so the backward pass recomputes what the policy does not save instead
+    of reading it from HBM. MaxText checkpoints each decoder layer; here the one checkpoint spans the model,
+    which for these policies saves the same values (each layer's input is the sum of saved matmul outputs,
+    recomputed elementwise). The loss stays outside: Keras builds its compiled loss on the first call and keeps
+    what it saw, which inside a checkpoint would leak the trace (GPT-2's TPU head recomputes its blocks itself).
+    "none" restores Keras' own. JAX backend only."""
+    import jax
+
+    own = type(trainer).stateless_call.__get__(trainer)
+    if REMAT[policy] is None:
+        trainer.stateless_call = own
+        return
+    saved = REMAT[policy](jax.checkpoint_policies)
+
+    def stateless_call(*args, **kwargs):  # keyword arguments (training, return_losses: Python bools) stay static
+        return jax.checkpoint(lambda *a: own(*a, **kwargs), policy=saved)(*args)
+
+    trainer.stateless_call = stateless_call
 
 
 def _scatter_sub(x, labels, values):
