@@ -144,6 +144,7 @@ def remat_trains_the_same() -> str:
     return keras.backend.backend()
 
 
+@pytest.mark.slow  # three tiny trainings, each jit-compiled for the CPU: about a minute on 2 idle cores
 def test_remat_policies_train_exactly_as_without():
     assert on_jax("test_fit", "remat_trains_the_same", timeout=600) == "jax"
 
