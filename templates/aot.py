@@ -46,13 +46,15 @@ def _required(message: str) -> int | None:
 
 
 def compile_point(target: dict, batch: int, remat: str | None = None) -> dict:
-    """Compile `target`'s (a template's `fit` answer) step at per-device `batch` (under remat policy `remat`,
-    given: the target's `step_for`), the protocol's answer for
-    it, {"batch", "memory", "cost", "seconds"}, or {"batch", "oom", "message", "seconds"} when the compiler
-    refuses it over HBM. Raises whatever else the compile raises."""
+    """Compile `target`'s (a template's `fit` answer) step at per-device `batch` (under remat policy `remat`
+    if given, through the target's `step_for`): the protocol's answer for it, {"batch", "memory", "cost",
+    "seconds"}, or {"batch", "oom", "message", "seconds"} when the compiler refuses it over HBM. Raises whatever
+    else the compile raises."""
     started = time.monotonic()
     try:
-        step = target["step"] if remat is None else target["step_for"](remat)
+        # step_for sets the policy on the model it shares with `step`: after another policy's compile, `step`
+        # would trace under that one, so each compile names its own (the config's unless `remat`).
+        step = target["step_for"](remat or target["remat_policy"]) if "step_for" in target else target["step"]
         compiled = step.lower(target["state"], target["batch"](batch)).compile()
     except Exception as exc:  # jax's JaxRuntimeError; its status code leads its message
         if not str(exc).startswith(OUT_OF_MEMORY):
