@@ -1,7 +1,7 @@
 """tpuctl's templates against keras-hub's models as the TPU compiler sees them, on this CPU machine.
 
     .venv/bin/python bench/tpu_compile.py [--accelerators v5litepod-4,v6e-4] [--models gpt2-small,bert-128,bert-512]
-                                          [--layers N] [--largest]
+                                          [--layers N] [--dropout R] [--remat P] [--largest]
 
 For each model and accelerator, the training step of tpuctl's template (its `fit` target: the model, trainer,
 loss, AdamW, mixed_bfloat16 and data-parallel sharding the workers run) and that of keras-hub's model of the same
@@ -12,8 +12,11 @@ compile target). Per chip: HBM the program needs (arguments + temporaries + outp
 and FLOPs (the compiler's cost analysis), and tpuctl/fitting.py's roofline step-time estimate and MFU (model
 FLOPs: the template's 6·N·tokens plus attention, the same for both sides). `--largest` also searches the
 largest per-chip batch that fits (fitting's search, by compiling: minutes a point). Dropout 0 on both sides
-(GPT-2 practice since nanoGPT; splash attention has no dropout). `--layers N` compiles N-layer variants: minutes
-fewer per compile, to iterate; the figures to quote are the full models'.
+(GPT-2 practice since nanoGPT) unless `--dropout R` (the presets' 0.1): then keras-hub drops out hidden states
+and attention probabilities (its attention is the XLA path then), tpuctl hidden states only (on a TPU its
+attention is the splash kernel, which has no dropout: templates/lmkit/layers.py, use_tpu_kernels). `--remat P`
+compiles tpuctl's side under its remat policy P (trainer.remat_policy; keras-hub's has none). `--layers N`
+compiles N-layer variants: minutes fewer per compile, to iterate; the figures to quote are the full models'.
 
 Compiles are cached in ~/.cache/tpuctl-bench/tpu_compile by side, model, topology, batch, the template's source
 (tpuctl's side) and the jax/libtpu/keras versions. keras-hub lives in bench/peers.py's virtualenv (it sees this
@@ -43,6 +46,9 @@ PROTOCOL = "tpu-compile-result "
 # masked-LM preprocessor picks them at mask rate 0.15 (20 at 128; 76 at 512).
 MODELS = {
     "gpt2-small": ("gpt2", {"preset": "gpt2-small", "task": {"dropout": 0.0}}, 50257, 8),
+    # gpt2-tiny (2 layers, hidden 128, seq 128) at a batch where its activations show: minutes a compile, to try
+    # a change (e.g. a remat policy) before the hours the full models take on this machine.
+    "gpt2-tiny": ("gpt2", {"preset": "gpt2-tiny", "task": {"dropout": 0.0}}, 8000, 64),
     "bert-128": ("bert", {"preset": "bert-base", "task": {"seq_len": 128, "max_predictions_per_seq": 20,
                                                           "dropout": 0.0}}, 30522, 32),
     "bert-512": ("bert", {"preset": "bert-base", "task": {"seq_len": 512, "max_predictions_per_seq": 76,
@@ -85,7 +91,8 @@ def _keras_hub_objective(template: str):
     return KerasHub()
 
 
-def worker(side: str, model: str, topology: str, options: dict, batch: int, layers: int, templates: str) -> dict:
+def worker(side: str, model: str, topology: str, options: dict, batch: int, layers: int, templates: str,
+           variant: dict | None = None) -> dict:
     """Build `side`'s `model` and compile its step for `topology` at per-device `batch` (this process), the
     templates' code (tpuctl's side; keras-hub's uses its training program) from `templates`."""
     sys.path.insert(0, str(REPO / "templates"))
@@ -99,6 +106,10 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
     config = json.loads(json.dumps(config))
     if layers:
         config["task"]["num_layers"] = layers
+    variant = variant or {}
+    config["task"]["dropout"] = variant.get("dropout", 0.0)
+    if side == "tpuctl" and variant.get("remat"):
+        config.update(trainer={"remat_policy": variant["remat"]}, runtime={"framework": "jax"})
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu", **options).devices
     from bert.train import compile_target
 
@@ -120,14 +131,16 @@ def _source_hash(templates: str) -> str:
     return h.hexdigest()[:16]
 
 
-def compiled(side: str, model: str, accelerator: str, per_device_batch: int, layers: int, templates: str) -> dict:
+def compiled(side: str, model: str, accelerator: str, per_device_batch: int, layers: int, templates: str,
+             variant: dict) -> dict:
     """The worker's answer, from the cache or a fresh process (keras-hub's in the peers' virtualenv)."""
     from tpuctl import catalog
     from tpuctl.fitting import _version, compiler_versions, topology_of
 
     topology, options = topology_of(catalog.load().accelerator(accelerator))
     key = json.dumps([side, MODELS[model], topology, options, per_device_batch, layers, compiler_versions(),
-                      _version("keras"), _source_hash(templates) if side == "tpuctl" else None])
+                      _version("keras"), _source_hash(templates) if side == "tpuctl" else None]
+                     + ([variant] if variant else []))  # a key without it: the defaults' figures cached before
     path = CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if path.exists():
         return json.loads(path.read_text())
@@ -139,7 +152,8 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
         python = str(peers_python())
     print(f"  compiling {side} {model} for {topology} at per-device batch {per_device_batch}...", flush=True)
     proc = subprocess.run([python, __file__, "--worker", json.dumps([side, model, topology, options,
-                                                                      per_device_batch, layers, templates])],
+                                                                      per_device_batch, layers, templates,
+                                                                      variant])],
                           capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith(PROTOCOL)]
     if proc.returncode or not lines:
@@ -150,7 +164,8 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
     return answer
 
 
-def measure(side: str, model: str, accelerator: str, layers: int, largest: bool, templates: str) -> dict:
+def measure(side: str, model: str, accelerator: str, layers: int, largest: bool, templates: str,
+            variant: dict) -> dict:
     """One side's row: per-chip figures at the model's batch, the roofline estimate, the largest batch."""
     from tpuctl import catalog
     from tpuctl.fitting import CHIPS, _largest, _need, roofline
@@ -158,12 +173,12 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: bool,
     accel = catalog.load().accelerator(accelerator)
     chip = CHIPS[accel.generation]
     per_device = MODELS[model][3] // chip.devices_per_chip
-    point = compiled(side, model, accelerator, per_device, layers, templates)
+    point = compiled(side, model, accelerator, per_device, layers, templates, variant)
     need, fits = _need(point, point["state_bytes"])
     cost = point.get("cost") or {"flops": 0.0, "bytes": need}
     # Model FLOPs from tpuctl's model for both sides (the same architecture; keras-hub's BERT also carries a
     # pooler and segment embeddings that the masked-LM loss never trains).
-    tpuctl_model = compiled("tpuctl", model, accelerator, per_device, layers, templates)["model"]
+    tpuctl_model = compiled("tpuctl", model, accelerator, per_device, layers, templates, variant)["model"]
     per_chip = per_device * chip.devices_per_chip
     flops, step_s = roofline(chip, accel.chips, tpuctl_model, per_chip, cost["bytes"] * chip.devices_per_chip)
     row = {"side": side, "batch": per_chip, "fits": fits, "hbm": need * chip.devices_per_chip,
@@ -174,7 +189,7 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: bool,
         cap = chip.hbm_bytes / chip.devices_per_chip
 
         def at(batch: int) -> tuple[float, bool]:
-            p = compiled(side, model, accelerator, batch, layers, templates)
+            p = compiled(side, model, accelerator, batch, layers, templates, variant)
             return _need(p, p["state_bytes"])
 
         best, how = _largest(at, per_device, cap, point["state_bytes"], 2, grow=True)
@@ -188,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated types, e.g. v5litepod-4,v5p-8,v6e-4,tpu7x-8,v4-8")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--layers", type=int, default=0, help="compile N-layer variants (to iterate); 0: all")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="task.dropout on both sides (the presets' is 0.1); default 0")
+    parser.add_argument("--remat", default="", help="tpuctl's trainer.remat_policy (e.g. minimal); default none")
     parser.add_argument("--largest", action="store_true", help="also search the largest per-chip batch that fits")
     parser.add_argument("--templates", default=str(REPO / "templates"),
                         help="tpuctl's templates from this directory (e.g. an earlier commit's, for a before/after)")
@@ -201,12 +219,16 @@ def main(argv: list[str] | None = None) -> int:
           "| est. step ms | est. MFU | largest batch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
+    variant = {k: v for k, v in (("dropout", args.dropout), ("remat", args.remat)) if v}
     for model in args.models.split(","):
         for accelerator in args.accelerators.split(","):
-            rows = {side: measure(side, model, accelerator, args.layers, args.largest, args.templates)
+            rows = {side: measure(side, model, accelerator, args.layers, args.largest, args.templates,
+                                  variant)
                     for side in SIDES}
             for r in rows.values():
-                print(f"| {model}{f' ({args.layers} layers)' if args.layers else ''} | {accelerator} | {r['side']} "
+                label = ", ".join([f"{args.layers} layers"] * bool(args.layers)
+                                  + [f"{k} {v}" for k, v in variant.items()])
+                print(f"| {model}{f' ({label})' if label else ''} | {accelerator} | {r['side']} "
                       f"| {r['batch']} | {r['hbm'] / 1e9:.2f}{'' if r['fits'] else ' (no fit)'} "
                       f"| {r['bytes'] / 1e9:.1f} | {r['flops'] / 1e12:.2f} | {r['model_flops'] / 1e12:.2f} "
                       f"| {r['step_s'] * 1e3:.1f} | {r['mfu']:.0%} | {r['largest'] or '-'} |", flush=True)

@@ -5,7 +5,8 @@ the TPU compiler (libtpu) prints its own diagnostics on stderr, and a gpt2-small
 laptop. Protocol, one JSON object per line:
 
     stdin:  {"root", "builtin", "config", "vocab_size", "topology", "topology_options"}, then {"batch": N} per
-            compile (N: per-device batch), then EOF
+            compile (N: per-device batch; with "remat": P, under the template's remat policy P instead of the
+            config's), then EOF
     stdout: {"model": {...}, "state_bytes": B} once the step is built (B: its state's bytes on each device: all
             of it replicated, 1/N of what runtime.sharding fsdp splits over N devices), then per compile {"batch": N, "memory": {...}, "cost": {...}, "seconds": S}, or
             {"batch": N, "oom": REQUIRED, "message": ...} when the compiler refuses a program over the chip's HBM
@@ -45,13 +46,17 @@ def _required(message: str) -> int | None:
     return int(float(found.group(1)) * 1024 ** "_KMGT".index(found.group(2) or "_"))
 
 
-def compile_point(target: dict, batch: int) -> dict:
-    """Compile `target`'s (a template's `fit` answer) step at per-device `batch`: the protocol's answer for
-    it, {"batch", "memory", "cost", "seconds"}, or {"batch", "oom", "message", "seconds"} when the compiler
-    refuses it over HBM. Raises whatever else the compile raises."""
+def compile_point(target: dict, batch: int, remat: str | None = None) -> dict:
+    """Compile `target`'s (a template's `fit` answer) step at per-device `batch` (under remat policy `remat`
+    if given, through the target's `step_for`): the protocol's answer for it, {"batch", "memory", "cost",
+    "seconds"}, or {"batch", "oom", "message", "seconds"} when the compiler refuses it over HBM. Raises whatever
+    else the compile raises."""
     started = time.monotonic()
     try:
-        compiled = target["step"].lower(target["state"], target["batch"](batch)).compile()
+        # step_for sets the policy on the model it shares with `step`: after another policy's compile, `step`
+        # would trace under that one, so each compile names its own (the config's unless `remat`).
+        step = target["step_for"](remat or target["remat_policy"]) if "step_for" in target else target["step"]
+        compiled = step.lower(target["state"], target["batch"](batch)).compile()
     except Exception as exc:  # jax's JaxRuntimeError; its status code leads its message
         if not str(exc).startswith(OUT_OF_MEMORY):
             raise
@@ -91,10 +96,14 @@ def main() -> int:
     target = template.fit_target(request["config"], devices=devices, vocab_size=request["vocab_size"])
     state_bytes = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
                       for group in target["state"] for leaf in group)
-    _say({"model": {k: target[k] for k in ("per_device_batch", "max_steps", "params", "layers", "hidden",
-                                          "seq_len", "precision")}, "state_bytes": int(state_bytes)})
+    model = {k: target[k] for k in ("per_device_batch", "max_steps", "params", "layers", "hidden", "seq_len",
+                                    "precision")}
+    # A template without remat offers none to try (`fit` then reports the config's as "none").
+    model.update({k: target[k] for k in ("remat_policy", "remat_policies") if k in target})
+    _say({"model": model, "state_bytes": int(state_bytes)})
     for line in sys.stdin:
-        _say(compile_point(target, json.loads(line)["batch"]))
+        request = json.loads(line)
+        _say(compile_point(target, request["batch"], request.get("remat")))
     return 0
 
 

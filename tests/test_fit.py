@@ -17,7 +17,10 @@ from click.testing import CliRunner
 
 import tpuctl
 from tpuctl import fitting
+from tpuctl import spec as spec_mod
+from tpuctl.errors import BadInput
 
+from conftest import on_jax
 from conftest import tpuctl as tpuctl_cli
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -80,6 +83,115 @@ def test_largest_batch_search_stays_within_its_compiles():
     assert compiled == [512, 96]  # the line through the refused point meets the capacity at 96
 
 
+def test_remat_is_tried_only_for_a_batch_within_reach():
+    """1 GB of state, 16 GB available; a policy's bytes are what `measure` says."""
+    tried = []
+
+    def measure(policy):
+        tried.append(policy)
+        need = {"minimal_with_context": 17e9, "minimal": 12e9}[policy]
+        return need, need <= 16e9
+
+    assert fitting._first_remat(measure, ["minimal_with_context", "minimal"], 30e9, 1e9, 16e9) == ("minimal", 12e9)
+    assert tried == ["minimal_with_context", "minimal"]  # least recomputation first
+    tried.clear()  # 60 GB of activations against 15 GB of room: no policy recomputes 4x of it away
+    assert fitting._first_remat(measure, ["minimal_with_context", "minimal"], 61e9, 1e9, 16e9) is None and not tried
+
+
+def test_a_remat_policy_is_one_of_the_templates_and_needs_jax():
+    from tpuctl.templates.gpt2 import config
+
+    jax = {"preset": "gpt2-tiny", "runtime": {"framework": "jax"}}
+    assert config.build({**jax, "trainer": {"remat_policy": "minimal"}}).trainer.remat_policy == "minimal"
+    with pytest.raises(config.ConfigError) as bad:
+        config.build({**jax, "trainer": {"remat_policy": "everything"}})
+    assert bad.value.field == "trainer.remat_policy" and "none, minimal_with_context, minimal" in bad.value.rule
+    with pytest.raises(config.ConfigError, match="needs runtime.framework jax"):
+        config.build({"preset": "gpt2-tiny", "trainer": {"remat_policy": "minimal"}})  # TensorFlow by default
+
+
+def remat_trains_the_same() -> str:
+    """(In a fresh JAX interpreter, on the CPU.) A tiny GPT-2 with dropout 0.1 trains to the same losses and
+    weights under each remat policy as without: remat recomputes (dropout masks included: they are a hash of
+    the seed), it changes no value."""
+    import keras
+    import numpy as np
+
+    from tpuctl.templates.gpt2 import config
+    from tpuctl.templates.gpt2.model import CausalLMTrainer, TokenLoss, build_model
+    from tpuctl.templates.lmkit import layers
+
+    task = config.with_overrides(config.build({"preset": "gpt2-tiny"}), task={
+        "seq_len": 16, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
+        "dropout": 0.1}).task
+    ids = np.random.default_rng(3).integers(0, 50, size=(8, 16)).astype("int32")
+    runs = {}
+    for policy in layers.REMAT:
+        keras.utils.set_random_seed(0)
+        trainer = CausalLMTrainer(build_model(task, vocab_size=50))
+        layers.use_remat(trainer, policy)
+        trainer.compile(optimizer=layers.AdamW(1e-2), loss=TokenLoss())
+        losses = trainer.fit({"input_ids": ids}, np.roll(ids, -1, axis=1), batch_size=4, epochs=3, shuffle=False,
+                             verbose=0).history["loss"]
+        runs[policy] = losses, [np.asarray(w) for w in trainer.weights]
+    (want, want_weights) = runs.pop("none")
+    assert want[-1] < want[0]
+    for policy, (got, got_weights) in runs.items():
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=policy)
+        for a, b in zip(got_weights, want_weights):
+            # Recomputing reorders float32 sums: a weight near 0 may move by ~1e-6 after 6 AdamW steps.
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=policy)
+    return keras.backend.backend()
+
+
+@pytest.mark.slow  # three tiny trainings, each jit-compiled for the CPU: about a minute on 2 idle cores
+def test_remat_policies_train_exactly_as_without():
+    assert on_jax("test_fit", "remat_trains_the_same", timeout=600) == "jax"
+
+
+class _Compiler:
+    """tpuctl's side of templates/aot.py with the TPU compiler's answers made up: 1 GB of state and 1.25 GB a
+    per-device example without remat, 1.0 under "minimal_with_context", 0.5 under "minimal" (v5e: 16 GB)."""
+
+    compiled: list = []
+
+    def __init__(self, req, topology, options, log):
+        self.model = {"model": {"per_device_batch": 16, "max_steps": 100, "params": 10**6, "layers": 2,
+                                "hidden": 128, "seq_len": 128, "precision": "mixed_bfloat16", "remat_policy": "none",
+                                "remat_policies": ["none", "minimal_with_context", "minimal"]}, "state_bytes": 10**9}
+
+    def compile(self, batch, remat=None):
+        self.compiled.append((batch, remat))
+        need = 10**9 + batch * {None: 1.25e9, "minimal_with_context": 1.0e9, "minimal": 0.5e9}[remat]
+        if need > 16e9:
+            return {"batch": batch, "oom": need - 10**9, "message": "RESOURCE_EXHAUSTED"}
+        memory = dict.fromkeys(("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes"), 0)
+        return {"batch": batch, "memory": {**memory, "temp_size_in_bytes": int(need)},
+                "cost": {"flops": 1e12, "bytes": 2 * need}}
+
+    def close(self):
+        pass
+
+
+@needs_compiler  # fit compiles only where libtpu imports
+def test_a_batch_that_fits_only_with_remat_names_the_policy_and_the_check_refuses_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    monkeypatch.setattr(fitting, "_Compiler", _Compiler)
+    _Compiler.compiled = []
+    r = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v5litepod-4", max_compiles=1)
+    assert r.fits and r.remat_policy == "minimal" and r.remat_chosen and r.hbm_per_chip_bytes == 9 * 10**9
+    assert _Compiler.compiled == [(16, None), (16, "minimal_with_context"), (16, "minimal")]
+    assert r.bytes_accessed_per_step == 18e9 and "remat policy minimal" in r.hbm_line()
+    again = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v5litepod-4", max_compiles=1)
+    assert again.compiles == 0 and again.remat_policy == "minimal"  # the policies' compiles are cached too
+    spec = tmp_path / "big.yaml"  # the check's screen compiles only past a quarter of the HBM: a larger model
+    spec.write_text("accelerator: v5litepod-4\njob: {template: gpt2, preset: gpt2-small}\n")
+    with pytest.raises(BadInput) as refused:
+        fitting.check(spec_mod.from_mapping(spec_mod.read_file(spec)), spec_dir=tmp_path)
+    assert refused.value.field == "job.config.trainer.remat_policy"
+    assert "set trainer.remat_policy: minimal" in refused.value.hint
+
+
 # bert-tiny cut to one layer: the TPU compiler's time grows with the program, and CI compiles on 2 cores.
 ONE_LAYER = "{task: {num_layers: 1}, trainer: {per_replica_batch_size: 16, max_steps: 50}}"
 
@@ -123,3 +235,44 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_exists(env, tmp_path):
     assert listed["runs"] == []
     skipped = tpuctl_cli(env, "up", str(spec), "--dry-run", "--no-fit-check")
     assert skipped.returncode == 0 and "fit:" not in skipped.stderr
+
+
+def attention_lowered_for_a_tpu() -> str:
+    """(In a fresh JAX interpreter.) SelfAttention with dropout 0.1, training, lowered for a v5e 2x2 that is not
+    there: on a TPU it runs the splash kernel (a Mosaic custom call), so no [B, heads, L, L] tensor appears in the
+    forward or backward program; its hidden-state dropout is the Dropout layers', not this layer's."""
+    from tpuctl.templates import aot
+
+    aot.compile_only()
+    import jax
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from tpuctl.templates.lmkit import layers
+
+    devices = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices
+    mesh = Mesh(np.array(devices), ("batch",))
+    batch, length, heads = 8, 256, 4
+    layer = layers.SelfAttention(heads, 32, dropout=0.1, causal=True)
+    layer.build((batch, length, heads * 32))
+    layers.use_tpu_kernels(mesh)
+
+    def loss(weights, seeds, x):
+        out, _ = layer.stateless_call(weights, seeds, x, training=True)
+        return out.astype("float32").sum()
+
+    weights = [v.value for v in layer.trainable_variables]
+    seeds = [v.value for v in layer.non_trainable_variables]
+    x = jax.ShapeDtypeStruct((batch, length, heads * 32), "float32",
+                             sharding=NamedSharding(mesh, PartitionSpec("batch")))
+    text = jax.jit(jax.grad(loss)).lower(weights, seeds, x).as_text()
+    assert "tpu_custom_call" in text, "no splash kernel in the program"
+    scores = f"{batch // len(devices)}x{heads}x{length}x{length}"
+    assert scores not in text and f"{batch}x{heads}x{length}x{length}" not in text, f"[B, heads, L, L] in the program"
+    return "jax"
+
+
+@needs_compiler
+def test_on_a_tpu_attention_with_dropout_runs_the_fused_kernel():
+    assert on_jax("test_fit", "attention_lowered_for_a_tpu", timeout=300) == "jax"

@@ -45,6 +45,10 @@ CHECK_COMPILES = 1  # per run/up check: the run's batch; the largest batch that 
 # run/up compile only when the analytic estimate (an overestimate) reaches this share of the chip's HBM:
 # below it the run fits anyway, and a compile costs a minute even for the tiny presets on a laptop.
 SCREEN_SHARE = 0.25
+# Remat policies are tried (each one compile) only when the batch's own bytes (all but the state) are within
+# this factor of the room the chip leaves them: a policy recomputes activations, it does not make them vanish
+# (Korthikanti et al.: even full recomputation keeps each layer's input), and a hopeless batch is refused at once.
+REMAT_REACH = 3.0
 AOT_PREFIX = "tpuctl-aot "  # marks templates/aot.py's protocol lines among whatever else reaches its stdout
 
 
@@ -112,6 +116,8 @@ class Fit:
     chip_source: str
     not_compiled: str = ""  # why an analytic estimate: no compiler (how to get it), no step offered, screened
     sharding: str = "data"  # the training state on the devices: "data" (replicated) or "fsdp" (split over them)
+    remat_policy: str = "none"  # the template's remat policy the figures are for: the config's, or (remat_chosen)
+    remat_chosen: bool = False  # the first of the template's policies that makes the batch fit when it does not
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,8 +130,9 @@ class Fit:
                    "not even the smallest batch fits: use a generation with more HBM per chip")
         # A compiled step that does not fit is one the compiler refused: it names its temporaries, not the total.
         floor = "at least " if self.method == "compiled" and not self.fits else ""
+        remat = f", remat policy {self.remat_policy}" if self.remat_policy != "none" else ""
         return (f"{floor}{_gb(self.hbm_per_chip_bytes)} of HBM per chip needed, {_gb(self.hbm_capacity_bytes)} "
-                f"available on {self.accelerator} ({how}, per-chip batch {self.per_chip_batch}); {largest}")
+                f"available on {self.accelerator} ({how}, per-chip batch {self.per_chip_batch}{remat}); {largest}")
 
 
 def _gb(n: float) -> str:
@@ -250,8 +257,8 @@ class _Compiler:
         raise TpuctlError(f"fit: compiling the training step failed: {answer['error']}",
                           hint=f"its log: {self.log_path}; --no-fit-check skips the check")
 
-    def compile(self, per_device_batch: int) -> dict:
-        self._send({"batch": per_device_batch})
+    def compile(self, per_device_batch: int, remat: str | None = None) -> dict:
+        self._send({"batch": per_device_batch, **({"remat": remat} if remat else {})})
         return self._read()
 
     def close(self) -> None:
@@ -304,6 +311,20 @@ def _largest(measure: Callable[[int], tuple[float, bool]], b0: int, cap: float, 
         budget -= 1
 
 
+def _first_remat(measure: Callable[[str], tuple[float, bool]], policies: list[str], need: float, state: float,
+                 cap: float) -> tuple[str, float] | None:
+    """(policy, bytes) of the first of `policies` (most HBM first) under which the batch fits `cap` bytes,
+    `measure(policy)` compiling it, or None: none is tried when the batch's own bytes without remat (`need` -
+    `state`) exceed REMAT_REACH times the room the chip leaves them."""
+    if need - state > REMAT_REACH * (cap - state):
+        return None
+    for policy in policies:
+        got, ok = measure(policy)
+        if ok and got <= cap:
+            return policy, got
+    return None
+
+
 def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per_chip: float,
              sharding: str = "data") -> tuple[float, float]:
     """(model FLOPs per chip per step, estimated step seconds) of `model` (its "params", "layers", "hidden",
@@ -320,7 +341,7 @@ def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per
 
 def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, model: dict, hbm: float,
               compiled_flops: float | None, bytes_per_chip: float, largest: tuple[int, str],
-              versions: tuple, compiles: int, topology: str) -> Fit:
+              versions: tuple, compiles: int, topology: str, remat: tuple[str, bool] = ("none", False)) -> Fit:
     chip, accel = req.chip, req.accel
     devices = accel.chips * chip.devices_per_chip
     per_chip_batch = per_device_batch * chip.devices_per_chip
@@ -337,7 +358,8 @@ def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, 
         est_mfu=model_flops / (step_s * chip.peak_bf16_flops) if step_s else 0.0,
         est_tokens_per_s=per_device_batch * devices * seq / step_s if step_s else 0.0, max_steps=model["max_steps"],
         est_run_s=run_s, price_per_hour=req.price_per_hour, est_cost_usd=run_s / 3600 * req.price_per_hour,
-        jax=versions[0], libtpu=versions[1], compiles=compiles, chip_source=chip.source, sharding=req.sharding)
+        jax=versions[0], libtpu=versions[1], compiles=compiles, chip_source=chip.source, sharding=req.sharding,
+        remat_policy=remat[0], remat_chosen=remat[1])
 
 
 def _analytic_model(req: _Request) -> dict | None:
@@ -410,15 +432,18 @@ def _compiled(req: _Request, versions: tuple, topology: str, options: dict, budg
             cached["model"] = {**compiler.model["model"], "state_bytes": compiler.model["state_bytes"]}
         return compiler
 
-    def point(batch: int) -> dict:
+    def point(batch: int, remat: str | None = None) -> dict:
         nonlocal compiles
-        if str(batch) not in cached["points"]:
+        key = str(batch) if remat is None else f"{batch} remat {remat}"
+        if key not in cached["points"]:
             c = start()
-            on_event(ev.Note(f"fit: compiling for {topology} at per-chip batch {batch * chip.devices_per_chip}"))
-            cached["points"][str(batch)] = c.compile(batch)
+            under = f" under remat policy {remat}" if remat else ""
+            on_event(ev.Note(f"fit: compiling for {topology} at per-chip batch {batch * chip.devices_per_chip}"
+                             f"{under}"))
+            cached["points"][key] = c.compile(batch, remat)
             compiles += 1
             catalog_mod.write_json_atomic(path, cached)
-        return cached["points"][str(batch)]
+        return cached["points"][key]
 
     try:
         if cached["model"] is None:
@@ -429,29 +454,40 @@ def _compiled(req: _Request, versions: tuple, topology: str, options: dict, budg
         largest = _largest(lambda b: _need(point(b), model["state_bytes"]), b0, cap, model["state_bytes"],
                            budget - 1, grow=grow)
         run = point(b0)
+        need, compiled_ok = _need(run, model["state_bytes"])
+        remat = (model.get("remat_policy", "none"), False)
+        if not (compiled_ok and need <= cap) and remat[0] in model.get("remat_policies", []):
+            # The batch does not fit under the config's policy: the template's next ones, least recomputation first.
+            later = model["remat_policies"][model["remat_policies"].index(remat[0]) + 1:]
+            found = _first_remat(lambda p: _need(point(b0, p), model["state_bytes"]), later, need,
+                                 model["state_bytes"], cap)
+            if found is not None:
+                remat = (found[0], True)
+                run = point(b0, found[0])
+                need, compiled_ok = _need(run, model["state_bytes"])
     finally:
         if compiler is not None:
             compiler.close()
-    need, compiled_ok = _need(run, model["state_bytes"])
     # A program refused over HBM has no cost analysis: its FLOPs are unknown, its bytes at least its memory's.
     cost = run.get("cost") or {"flops": None, "bytes": need}
     return _roofline(req, method="compiled", fits=compiled_ok and need <= cap, per_device_batch=b0, model=model,
                      hbm=need * chip.devices_per_chip,
                      compiled_flops=cost["flops"] * chip.devices_per_chip if cost["flops"] is not None else None,
                      bytes_per_chip=cost["bytes"] * chip.devices_per_chip, largest=largest, versions=versions,
-                     compiles=compiles, topology=topology)
+                     compiles=compiles, topology=topology, remat=remat)
 
 
 def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, on_event: ev.EventSink = ev.ignore,
         max_compiles: int = MAX_COMPILES, screen: bool = False, framework: str | None = None) -> Fit | None:
     """The fit of `spec`'s job (a tpuctl.spec.RunSpec) on its accelerator (or `accelerator`). Compiles with
     the TPU compiler when it is installed and the template offers its step (template.json `fit`), at most
-    `max_compiles` times; else the analytic estimate (None when the template's config has no transformer shape
-    to estimate from). `screen`: answer with the analytic estimate, without compiling, when even that
+    `max_compiles` times, plus one per remat policy tried (the template's, after the config's, when the run's
+    batch does not fit: the first that fits is `remat_policy`, with `remat_chosen`); else the analytic estimate
+    (None when the template's config has no transformer shape to estimate from). `screen`: answer with the analytic estimate, without compiling, when even that
     overestimate uses under SCREEN_SHARE of the chip's HBM, and search no larger batch when the run's fits (the
-    check before run/up). `job.sharding` auto: data's fit when it fits, else fsdp's (not where `framework`, the
-    plan's, is tensorflow, nor on one device, nor for a template without runtime.sharding); the answer's
-    `sharding` says which.
+    check before run/up; it refuses a run that fits only under a remat policy its config does not name).
+    `job.sharding` auto: data's fit when it fits, else fsdp's (not where `framework`, the plan's, is tensorflow,
+    nor on one device, nor for a template without runtime.sharding); the answer's `sharding` says which.
     Blocks for the compiles;
     creates nothing. Raises BadInput for a spec without a job or an unknown type, TpuctlError if a compile fails."""
     spec_dir = spec_dir or Path.cwd()
@@ -497,6 +533,11 @@ def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ign
         raise BadInput(f"the run does not fit: {result.hbm_line()}", field="job",
                        hint="lower trainer.per_replica_batch_size in job.config, pick a type with more HBM per chip"
                             f"{split}; --no-fit-check skips this check")
+    if result is not None and result.remat_chosen:  # the workers would run the config's policy, which does not fit
+        raise BadInput(f"the run fits only with activation checkpointing: {result.hbm_line()}",
+                       field="job.config.trainer.remat_policy",
+                       hint=f"set trainer.remat_policy: {result.remat_policy} in job.config (est. "
+                            f"{result.est_step_s * 1e3:.1f} ms/step), or lower trainer.per_replica_batch_size")
     return result
 
 

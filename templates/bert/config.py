@@ -85,6 +85,9 @@ class TrainerConfig:
     keep_checkpoints: int = 3
     log_every: int = 100  # steps; a multiple of steps_per_execution
     shuffle_buffer: int = 10_000  # sequences
+    # Activation checkpointing (JAX only), MaxText's names: lmkit/layers.py REMAT says what each saves; `tpuctl
+    # fit` names the first that makes a batch fit when it does not fit without.
+    remat_policy: str = "none"
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ PRESETS = read_presets(Path(__file__).parent)
 
 FRAMEWORKS = ("tensorflow", "jax")  # Keras backends the template runs on
 SHARDINGS = ("data", "fsdp")  # runtime.sharding
+REMAT_POLICIES = ("none", "minimal_with_context", "minimal")  # lmkit/layers.py REMAT's, most HBM first
 
 
 def build(data: dict[str, Any]) -> BertConfig:
@@ -276,6 +280,9 @@ def validate(cfg: BertConfig) -> None:
          "trainer.log_every", of_spe),
         (tr.keep_checkpoints > 0, "trainer.keep_checkpoints", "must be > 0"),
         (tr.shuffle_buffer > 0, "trainer.shuffle_buffer", "must be > 0"),
+        (tr.remat_policy in REMAT_POLICIES, "trainer.remat_policy", f"must be one of {', '.join(REMAT_POLICIES)}"),
+        (tr.remat_policy == "none" or rt.framework == "jax", "trainer.remat_policy",
+         "needs runtime.framework jax (or remat_policy none)"),
         (rt.replicas >= 0, "runtime.replicas", "must be >= 0"),
         (rt.framework in FRAMEWORKS, "runtime.framework", "must be tensorflow or jax"),
         (rt.sharding in SHARDINGS, "runtime.sharding", "must be data or fsdp"),

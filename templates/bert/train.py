@@ -200,6 +200,8 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
     with strategy.scope():
         model = objective.build_model(cfg.task, manifest.vocab_size)
         trainer, loss = objective.trainer(model)
+        if jax_backend:
+            lmkit("layers").use_remat(trainer, tr.remat_policy)
         # JAX always compiles the step (eager JAX is op by op); TF compiles on TPU by itself.
         optimizer = _compile(keras, trainer, loss, tr, schedule, objective,
                              jit_compile=jax_backend or (rt.jit_compile and resolved.kind != "tpu"))
@@ -270,7 +272,9 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     runtime.sharding fsdp the weights and their optimizer slots split as shard_weights splits them), with abstract
     state and batch in place of arrays. Needs KERAS_BACKEND=jax; builds the model on the host.
 
-    Returns {"step": the jitted Keras train step (state donated, as Keras' JAX trainer jits it), "state":
+    Returns {"step": the jitted Keras train step (state donated, as Keras' JAX trainer jits it) under the
+    config's trainer.remat_policy, "step_for": remat policy -> that step under it, "remat_policy", "remat_policies"
+    (the names a config may give, most HBM first), "state":
     its abstract state, "batch": per-device batch -> abstract batch, "per_device_batch", "max_steps", "params"
     (trainable weights), "layers", "hidden", "seq_len", "precision"}."""
     import jax
@@ -308,8 +312,14 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     shardings = tuple([placed.get(id(v), replicated) for v in g] for g in groups)
     state = tuple([jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=s) for v, s in zip(g, gs)]
                   for g, gs in zip(groups, shardings))
-    step = jax.jit(trainer.train_step, donate_argnums=0, out_shardings=(None, shardings))
-    return {"step": step, "state": state, "batch": batch, "per_device_batch": tr.per_replica_batch_size,
+
+    def step_for(remat_policy: str):  # a fresh function each: jit would reuse a trace made under another policy
+        lmkit("layers").use_remat(trainer, remat_policy)
+        return jax.jit(lambda *a: trainer.train_step(*a), donate_argnums=0, out_shardings=(None, shardings))
+
+    return {"step": step_for(tr.remat_policy), "step_for": step_for, "remat_policy": tr.remat_policy,
+            "remat_policies": list(lmkit("layers").REMAT),
+            "state": state, "batch": batch, "per_device_batch": tr.per_replica_batch_size,
             "max_steps": tr.max_steps,
             "params": int(sum(np.prod(v.value.shape) for v in trainer.trainable_variables)),
             "layers": cfg.task.num_layers, "hidden": cfg.task.hidden_size, "seq_len": cfg.task.seq_len,

@@ -45,10 +45,11 @@ published models' maths; what changes is how much random-number and projection w
   TensorFlow's one `ResourceApplyAdam` kernel (Keras' Adam formula, term for term) instead of Keras' nine ops.
 
 On a TPU (`use_tpu_kernels`: the trainer declares it there, `tpuctl fit` when it compiles for one), where the
-TPU compiler is the judge (bench/tpu_compile.py): attention runs Pallas' splash attention kernel wherever its
-probabilities are not dropped out, so the [B, heads, L, L] scores never reach HBM, and GPT-2's loss and accuracy
-run the tied head a block of positions at a time (`blocked_softmax_cross_entropy`), so the [tokens, vocab]
-logits never exist whole. Everything written for TensorFlow without XLA below is off there by construction.
+TPU compiler is the judge (bench/tpu_compile.py): attention runs Pallas' splash attention kernel, its
+probabilities not dropped out (use_tpu_kernels says why), so the [B, heads, L, L] scores never reach HBM, and
+GPT-2's loss and accuracy run the tied head a block of positions at a time (`blocked_softmax_cross_entropy`),
+so the [tokens, vocab] logits never exist whole. Everything written for TensorFlow without XLA below is off there
+by construction.
 
 Without XLA (TensorFlow's graph mode: its CPU and GPU training) every op is a pass over memory and autodiff of a
 composite is as many more: there GELU and layer normalisation take hand-written gradients and AdamW one kernel.
@@ -309,7 +310,7 @@ class SelfAttention(layers.Layer):
         # Heads to the front with one transpose of all three, [3, B, heads, L, head_dim], whose leading-axis
         # slices share its buffer; the attention products then need no transposes of their own.
         q, k, v = (ops.reshape(t, (-1, length, n, d)) for t in ops.split(ops.matmul(x, kernel) + bias, 3, axis=-1))
-        if _tpu_mesh is not None and not (training and round(self.rate * _BYTE)):
+        if _tpu_mesh is not None:  # no dropout of the probabilities there (use_tpu_kernels says why)
             out = _splash_attention(q, k, v, causal=self.causal, key_mask=key_mask)
         else:
             out = self._attention(q, k, v, key_mask, training)
@@ -351,8 +352,14 @@ def use_tpu_kernels(mesh) -> None:
     """Declare the run's target a TPU whose devices are `mesh`'s (a jax.sharding.Mesh whose axis "batch" splits
     the batch, as Keras' DataParallel names it), or no TPU (None). The trainer declares it on a TPU, and the fit
     (tpuctl fit, which compiles for a TPU that is not there, where jax.devices() is the host's CPU and Keras'
-    own choice of kernel would be the CPU's). With it, SelfAttention runs Pallas' splash attention kernel
-    (`_splash_attention`) wherever its probabilities are not dropped out. JAX backend only."""
+    own choice of kernel would be the CPU's). With it, SelfAttention always runs Pallas' splash attention kernel
+    (`_splash_attention`), which has no dropout: the attention probabilities are not dropped out on a TPU, while
+    the hidden states' dropout (the `Dropout` layers) stays. That is the TPU practice: Keras' MultiHeadAttention
+    uses its fused kernel only when its dropout is 0 and refuses `flash_attention=True` with dropout
+    (keras/src/layers/attention/multi_head_attention.py), and MaxText's attention has no dropout at all, its
+    `dropout_rate` (0 by default, MaxText/configs/base.yml) applying to hidden states only. The compiler's
+    figures agree: with dropout 0.1 the XLA path writes [B, heads, L, L] scores, probabilities and their mask
+    to HBM in every layer (bench/RESULTS.md, tpu_compile). JAX backend only."""
     global _tpu_mesh
     _tpu_mesh = mesh
 
@@ -392,7 +399,44 @@ def _splash_attention(q, k, v, *, causal: bool, key_mask):
     else:
         out = jax.shard_map(per_device, mesh=_tpu_mesh, in_specs=(split,) * 4, out_specs=split,
                             check_vma=False)(*heads_first, jnp.asarray(key_mask, jnp.int32))
-    return jnp.swapaxes(out, 1, 2)
+    # MaxText's name for the attention's output, which its remat policies "minimal_with_context" save (REMAT).
+    return jax.ad_checkpoint.checkpoint_name(jnp.swapaxes(out, 1, 2), "context")
+
+
+# Remat (activation checkpointing) policies a run can name in trainer.remat_policy, fastest (most HBM) first:
+# MaxText's names and meanings (MaxText/configs/base.yml `remat_policy`, MaxText/layers/decoders.py
+# get_remat_policy): "minimal" saves the matmuls without batch dimensions (the projections and the MLP's) and
+# recomputes everything else for the backward pass (normalisation, GELU, dropout masks, attention);
+# "minimal_with_context" also saves the attention's output ("context"). templates/bert/config.py lists the names.
+REMAT = {
+    "none": None,
+    "minimal_with_context": lambda cp: cp.save_from_both_policies(cp.checkpoint_dots_with_no_batch_dims,
+                                                                  cp.save_only_these_names("context")),
+    "minimal": lambda cp: cp.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def use_remat(trainer: keras.Model, policy: str) -> None:
+    """Train `trainer` (Keras' JAX trainer) with remat `policy` (a REMAT name): its forward pass,
+    `stateless_call` (a pure function of the variables and the batch, which Keras differentiates through), runs
+    under jax.checkpoint with that policy, so the backward pass recomputes what the policy does not save instead
+    of reading it from HBM. MaxText checkpoints each decoder layer; here the one checkpoint spans the model,
+    which for these policies saves the same values (each layer's input is the sum of saved matmul outputs,
+    recomputed elementwise). The loss stays outside: Keras builds its compiled loss on the first call and keeps
+    what it saw, which inside a checkpoint would leak the trace (GPT-2's TPU head recomputes its blocks itself).
+    "none" restores Keras' own. JAX backend only."""
+    import jax
+
+    own = type(trainer).stateless_call.__get__(trainer)
+    if REMAT[policy] is None:
+        trainer.stateless_call = own
+        return
+    saved = REMAT[policy](jax.checkpoint_policies)
+
+    def stateless_call(*args, **kwargs):  # keyword arguments (training, return_losses: Python bools) stay static
+        return jax.checkpoint(lambda *a: own(*a, **kwargs), policy=saved)(*args)
+
+    trainer.stateless_call = stateless_call
 
 
 def _scatter_sub(x, labels, values):

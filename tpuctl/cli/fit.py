@@ -25,6 +25,8 @@ def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
                      else "data: every device holds all the weights"),
         ("batch", f"{r.per_chip_batch} per chip, {r.global_batch} global, seq {r.seq_len}, {r.precision}"),
         ("largest per-chip batch", f"{r.max_per_chip_batch} ({r.max_batch_is})"),
+        ("remat policy", r.remat_policy + (" (chosen: the batch does not fit without it; set trainer.remat_policy)"
+                                           if r.remat_chosen else "")),
         ("model FLOPs / step / chip", f"{r.model_flops_per_step / 1e9:,.1f} GFLOP (6·N·tokens + attention, "
                                       f"N = {r.params:,})"),
         ("compiled FLOPs / step / chip", compiled),
