@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-STEP = re.compile(r"^step=(\d+) loss=(\S+) mlm_accuracy=\S+ learning_rate=\S+ examples_per_sec=(\S+)$")
+STEP = re.compile(r"^step=(\d+) loss=(\S+) mlm_accuracy=\S+ learning_rate=\S+ examples_per_sec=(\S+) time=[\d.]+$")
 TOLERANCE = 0.02
 
 

@@ -28,7 +28,7 @@ from tpuctl.templates.lmkit.errors import ConfigError, DataError  # noqa: E402
 pytestmark = [pytest.mark.tf, pytest.mark.timeout(300)]
 
 TEMPLATES = Path(config.__file__).resolve().parents[1]
-STEP = re.compile(r"^step=(\d+) loss=(\S+) mlm_accuracy=(\S+) learning_rate=(\S+) examples_per_sec=(\S+)$")
+STEP = re.compile(r"^step=(\d+) loss=(\S+) mlm_accuracy=(\S+) learning_rate=(\S+) examples_per_sec=(\S+) time=[\d.]+$")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from tpuctl.templates.gpt2 import config
 from tpuctl.templates.gpt2 import prepare as prep
 
 REPO = Path(__file__).resolve().parents[1]
-STEP = re.compile(r"^step=(\d+) loss=(\S+) accuracy=(\S+) learning_rate=(\S+) examples_per_sec=(\S+)$")
+STEP = re.compile(r"^step=(\d+) loss=(\S+) accuracy=(\S+) learning_rate=(\S+) examples_per_sec=(\S+) time=[\d.]+$")
 
 
 @pytest.fixture(scope="module")
