@@ -8,7 +8,8 @@ SIGINT/SIGTERM/kill -9 of `tpuctl up` or `tpuctl run` at a random phase; Google'
 code 9 and 13, a bare TPU 429 and Compute's 403 quota, host maintenance mid-job, guest attributes empty or
 failing, a teammate's metadata update in flight (409), OS Login projects, a project with no TPU quota), and
 answers tpuctl does not expect (localcloud's `odd-response`: a create whose operation has no name, a node
-with an empty endpoint list), then cleans up with `down` or `gc`.
+with an empty endpoint list), and detached runs (`tpuctl run --detach`: the supervisor VM killed mid-run, the spot
+TPU preempted; the run must end by itself), then cleans up with `down` or `gc`.
 Afterwards it checks, from the local cloud's own inventory (`/_localcloud/status`):
 
 - leaked: a tpuctl resource of the scenario's run still present after the scenario's cleanup, or (after an
