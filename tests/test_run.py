@@ -101,7 +101,9 @@ def test_run_trains_on_every_worker_and_tears_down(tpc, cloud, project, tmp_path
     # Paths as the user will use them, not the local cloud worker's mirror of the bucket.
     assert f"checkpoint step=15 path=gs://{o.bucket}/runs/ok-run/model/ckpt-15.json" in log
     assert set(o.phases) >= {"validate", "up", "upload", "launch", "train", "tear down", "collect"}
-    assert o.last_step_to_delete_s is not None and o.last_step_to_delete_s <= 5
+    # From the last step by the worker's clock (the job's final checkpoint, export and sync, the watch's poll) to
+    # the delete request: 2.5-5.5 s on this 2-core machine, more under a loaded suite.
+    assert o.last_step_to_delete_s is not None and o.last_step_to_delete_s <= 10
 
 
 @pytest.mark.slow  # fast tier: a failed run tearing down: test_max_recoveries_zero_fails_on_preemption_and_tears_down
