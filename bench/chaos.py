@@ -655,10 +655,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--speed", type=float, default=1000.0)
     p.add_argument("--faults", help=f"comma-separated subset of: {', '.join(FAULTS)} (default: all)")
+    p.add_argument("--without", default="", help="comma-separated faults left out of --faults")
     a = p.parse_args(argv)
-    faults = tuple(a.faults.split(",")) if a.faults else FAULTS
-    if set(faults) - set(FAULTS):
-        p.error(f"unknown fault(s) {', '.join(sorted(set(faults) - set(FAULTS)))}")
+    faults = tuple(f for f in (a.faults.split(",") if a.faults else FAULTS) if f not in a.without.split(","))
+    unknown = (set(faults) | set(filter(None, a.without.split(",")))) - set(FAULTS)
+    if unknown:
+        p.error(f"unknown fault(s) {', '.join(sorted(unknown))}")
     # SIGTERM (a CI timeout) takes the KeyboardInterrupt path so the local cloud stops and kills its workers.
     signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
