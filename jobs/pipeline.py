@@ -11,10 +11,11 @@ preparation). `detach` hands the run to a supervisor VM created alongside the TP
 `tpuctl.jobs.supervisor_vm`) and returns once it took over, or right after launch without one; `attach` picks a
 detached run up again.
 
-Preemption: every `poll_s` the node's state is read; PREEMPTED, gone, or a worker that lost its job
+Preemption: every `poll_s` the node's state is read; PREEMPTED, gone, or a worker that stopped answering
 triggers recovery: status.json says `recovering: true` (so gc leaves the run alone), the node is recreated
 (same zone; if that fails, the plan's failover zones), the same bundle is launched again and the job resumes
-from the latest checkpoint in the bucket. `max_recoveries` bounds it.
+from the latest checkpoint in the bucket. `max_recoveries` bounds it. A node under maintenance, or READY with
+its job's processes gone (it restarted), is waited for and relaunched, not recreated.
 
 Every state entered is marked on the run's timeline (`tpuctl.jobs.timeline`: goodput and dollars by phase).
 """
