@@ -247,13 +247,10 @@ def test_idle_stop_setting_flag_env_default():
 
 @pytest.mark.slow  # fast tier: the daemon: test_start_env_status_fault_stop
 def test_daemon_memory_stays_flat_over_up_down_cycles_with_concurrent_uploads():
-    """The soak in bench/localcloud_soak.py, short (its full run and result: bench/RESULTS.md). The daemon used to
+    """The soak of bench/localcloud_soak.py (tests/daemon_soak.py), short (its full run and result: bench/RESULTS.md). The daemon used to
     keep ~100 MB per concurrent checkpoint upload (465 MB here) and grew to ~600 MB over a few dozen runs; with
     glibc's dynamic mmap threshold it still grew ~40 MB over these four cycles (a CI failure)."""
-    import importlib.util
+    import daemon_soak as soak
 
-    spec = importlib.util.spec_from_file_location("tpuctl_bench_soak", Path(__file__).resolve().parents[1] / "bench" / "localcloud_soak.py")
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
     r = soak.run(cycles=8, uploads=4, upload_mb=4, every=4, settle_s=2.5)  # settled: what the daemon keeps
     assert r["peak_mb"] < soak.RSS_LIMIT_MB and r["growth_after_warmup_mb"] < soak.GROWTH_LIMIT_MB, r["rss_mb"]
