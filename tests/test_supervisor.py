@@ -14,6 +14,7 @@ import pytest
 
 from conftest import cli_env
 from test_run import _live, _spec, _spec_file, _zero, project, tpc  # noqa: F401 - the fixtures too
+from tpuctl import provision
 from tpuctl.jobs import cluster, supervisor_vm, timeline as timelines
 
 RUN = "sv-run"
@@ -100,10 +101,19 @@ def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor
     assert again.handoff == beat.handoff
     cloud.preempt(f"projects/{project}/locations/{ZONE}/nodes/{RUN}")
 
-    def recovered() -> bool:
+    def recovered(times: int) -> bool:
         marks = [m.what for m in (timelines.load(tpc, bucket, RUN) or timelines.Timeline()).marks]
-        return "recover" in marks and "watch" in marks[marks.index("recover"):]
-    _until("the supervisor to recover the preempted TPU", recovered)
+        last = len(marks) - 1 - marks[::-1].index("recover") if "recover" in marks else None
+        return marks.count("recover") == times and "watch" in marks[last:]
+    _until("the supervisor to recover the preempted TPU", lambda: recovered(1))
+    # The supervisor is down (frozen, then killed) while the TPU is preempted and deleted: the one its service
+    # starts next finds no TPU, and makes it again from the plan of the hand-off, as the laptop would.
+    down = supervisor_vm.Heartbeat.read(tpc, bucket, RUN)
+    os.kill(down.pid, signal.SIGSTOP)
+    cloud.preempt(f"projects/{project}/locations/{ZONE}/nodes/{RUN}")
+    provision.delete_node(tpc, ZONE, RUN, deadline_s=60)
+    os.kill(down.pid, signal.SIGKILL)
+    _until("the restarted supervisor to make the deleted TPU again", lambda: recovered(2))
     release.touch()
 
     def ended():
@@ -113,7 +123,7 @@ def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor
     assert final.state == "succeeded" and final.step == 40, (final, _live(cloud, project))
     doc = json.loads(subprocess.run([sys.executable, "-m", "tpuctl", "job", "status", RUN, "--json"], env=env,
                                     capture_output=True, text=True, timeout=60).stdout)
-    assert doc["recoveries"] == 1, doc
+    assert doc["recoveries"] == 2, doc
     assert supervisor_vm.Heartbeat.read(tpc, bucket, RUN).state == "ended"
     out, err = follower.communicate(timeout=60)
     assert follower.returncode == 0, err
@@ -183,3 +193,15 @@ def test_down_deletes_the_supervisor_before_anything_else(tpc):
     assert {r.name for r in gone.deleted} == {f"{run}-supervisor", f"{run}-loader"}
     supervisor_deleted = events.index((f"vm/{ZONE}/{run}-supervisor", "deleted"))
     assert all(not key.endswith("-loader") for key, _ in events[:supervisor_deleted]), events
+
+
+def test_the_plan_handed_to_the_supervisor_is_the_plan_resolved(tmp_path):
+    """What a restarted supervisor makes a deleted TPU again from: every field as the laptop resolved it (the
+    labels' times, the VMs, the steps), through the JSON of the hand-off."""
+    from tpuctl.provision.plan import from_record, make, to_record
+    from tpuctl.spec import RunSpec
+
+    spec = RunSpec.model_validate({**_spec(RUN, accelerator="v3-8"), "vms": [{"name": "loader"}],
+                                   "labels": {"team": "nlp"}, "tags": ["t1"], "zone": [ZONE, "us-central1-b"]})
+    plan = make(spec, project="p-1", owner="ann", now=1000.0)
+    assert from_record(json.loads(json.dumps(to_record(plan)))) == plan
