@@ -513,6 +513,10 @@ class Pipeline:
         from . import supervisor_vm
 
         supervisor_vm.check(self.plan)
+        if self.clients is not None:  # its identity: present, or this caller may create it (else BadInput)
+            from tpuctl.provision import supervisor_account
+
+            supervisor_account.check(self.clients, self.spec.supervisor.service_account)
         prices = catalog.load()
         price = supervisor_vm.price_per_hour(self.plan, prices)
         self.outcome.price_per_hour = round(self.outcome.price_per_hour + price, 4)
@@ -527,17 +531,26 @@ class Pipeline:
             return apply(), None
         from concurrent.futures import ThreadPoolExecutor
 
-        from tpuctl.provision import bucket as buckets
+        from tpuctl.provision import bucket as buckets, supervisor_account
 
         from . import supervisor_vm
 
-        account = buckets.default_service_account(self.clients) if self.plan.service_account == "default" \
+        tpu_account = buckets.default_service_account(self.clients) if self.plan.service_account == "default" \
             else self.plan.service_account
+        account = self.spec.supervisor.service_account or supervisor_account.email_of(self.clients.project)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="supervisor-vm") as pool:
-            creating = pool.submit(supervisor_vm.create, self.clients, self.plan, self.plan.zones[0],
-                                   service_account=account, cancel=self.cancel, progress=ev.resource_progress(self.emit))
+            def supervisor() -> provision.Resource:
+                # Its own least-privilege identity (adopted, or created with its grants), then its VM.
+                supervisor_account.ensure(self.clients, tpu_account=tpu_account,
+                                          account=self.spec.supervisor.service_account)
+                return supervisor_vm.create(self.clients, self.plan, self.plan.zones[0], service_account=account,
+                                            cancel=self.cancel, progress=ev.resource_progress(self.emit))
+
+            creating = pool.submit(supervisor)
             result = apply()
             made = creating.result()
+        # The run's records, on the run's bucket only: the bucket exists now.
+        buckets.grant(self.clients, self.plan.bucket, account, run=self.plan.run, region=self.plan.region)
         self.emit(ev.Note(f"supervisor: tpuctl wheel in "
                           f"{supervisor_vm.upload_wheel(self.clients, self.plan.run, self.plan.bucket)}"))
         return result, made
