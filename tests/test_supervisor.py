@@ -81,6 +81,9 @@ def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor
     assert vm.get("name") == f"{RUN}-supervisor", json.dumps(bucket)
     assert vm["labels"]["tpuctl-role"] == "supervisor"
     assert {"tpuctl-run", "tpuctl-owner", "tpuctl-expires"} <= set(vm["labels"])
+    # Its own least-privilege identity (provision/supervisor_account.py), which its metadata server serves.
+    instance = tpc.instances.get(project=project, zone=ZONE, instance=f"{RUN}-supervisor")
+    assert [a.email for a in instance.service_accounts] == [f"tpuctl-supervisor@{project}.iam.gserviceaccount.com"]
     bucket = next(res["name"] for res in bucket["resources"] if res["kind"] == "bucket")
     beat = supervisor_vm.Heartbeat.read(tpc, bucket, RUN)
     assert beat.state == "supervising" and beat.vm == f"{RUN}-supervisor"
