@@ -49,10 +49,12 @@ def test_a_caller_who_may_not_create_it_is_refused_in_one_line_before_anything_e
     assert line.startswith(f"problem  supervisor.service_account: {sa.email_of(project)} does not exist and you "
                            "may not create it (missing iam.serviceAccounts.create) -> fix: ask a project owner"), line
     spec = _spec_file(tmp_path, _spec("sa-refused", accelerator="v3-8"))
-    p = tpuctl_here(env, "run", str(spec), "--yes", "--detach", "--no-fit-check")
-    errors = [x for x in p.stderr.splitlines() if x.startswith("error:")]
-    assert p.returncode == 2 and errors == [f"error: supervisor.service_account: {sa.email_of(project)} does not "
-                                            "exist and you may not create it (missing iam.serviceAccounts.create)"], p.stderr
+    for dry in ((), ("--dry-run",)):
+        p = tpuctl_here(env, "run", str(spec), "--yes", "--detach", "--no-fit-check", *dry)
+        errors = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+        assert p.returncode == 2 and errors == [
+            f"error: supervisor.service_account: {sa.email_of(project)} does not exist and you may not create it "
+            "(missing iam.serviceAccounts.create)"], (dry, p.stderr)
     assert cloud.inventory()["nodes"] == [] or all(project not in n["name"] for n in cloud.inventory()["nodes"])
     # The API refuses as the preflight said it would.
     from tpuctl.provision.clients import build
