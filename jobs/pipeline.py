@@ -43,6 +43,7 @@ from tpuctl import events as ev
 from tpuctl.errors import (BadInput, CapacityError, Interrupted, JobFailed, NotFound, RunDurationEnded, TpuctlError,
                            Unexpected)
 from tpuctl.provision import Kind, State
+from tpuctl.provision import labels
 from tpuctl.templates import contract
 
 if TYPE_CHECKING:
@@ -781,6 +782,12 @@ class Pipeline:
         if isinstance(action, provision.Ended):
             self._tpu = action.tpu
             raise self._run_ended()
+        expires = (self.plan.labels if self.plan is not None else {}).get(labels.EXPIRES)
+        if expires and time.time() >= float(expires):
+            # Past its TTL gc deletes the run's TPU anyway: a new one would bill for nothing.
+            raise JobFailed(f"the TPU node was lost after run {rec.run}'s TTL ended; it is not made again",
+                            hint=f"checkpoints are kept in gs://{rec.bucket}/runs/{rec.run}/model/: `tpuctl run SPEC "
+                                 f"--name {rec.run} --ttl DURATION` resumes from them")
         if self.outcome.recoveries >= rec.max_recoveries:
             raise JobFailed(f"the TPU node was lost {self.outcome.recoveries + 1} time(s); max recoveries is "
                             f"{rec.max_recoveries}", hint="raise --max-recoveries, or use on-demand provisioning")

@@ -208,3 +208,32 @@ def test_the_plan_handed_to_the_supervisor_is_the_plan_resolved(tmp_path):
                                    "labels": {"team": "nlp"}, "tags": ["t1"], "zone": [ZONE, "us-central1-b"]})
     plan = make(spec, project="p-1", owner="ann", now=1000.0)
     assert from_record(json.loads(json.dumps(to_record(plan)))) == plan
+
+
+@pytest.mark.parametrize("planned_ago,recovered_before,why", [
+    (0, 2, "max recoveries is 2"),  # the recoveries made before it (re)started count
+    (7200, 0, "TTL ended"),  # planned with ttl 1h, two hours ago
+])
+def test_a_supervisor_that_finds_no_tpu_gives_up_where_the_plan_says_so(tpc, tmp_path, monkeypatch, planned_ago,
+                                                                        recovered_before, why):
+    from tpuctl.errors import JobFailed
+    from tpuctl.jobs.pipeline import Pipeline, RunOptions
+    from tpuctl.provision.plan import make
+    from tpuctl.spec import RunSpec
+
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    run = f"sv-gives-up-{recovered_before}"
+    spec = RunSpec.model_validate({**_spec(run, accelerator="v3-8"), "ttl": "1h"})
+    plan = make(spec, project=tpc.project, owner="ann", now=time.time() - planned_ago)
+    tpc.storage.create_bucket(plan.bucket)
+    cluster.save_launch(tpc, cluster.LaunchRecord(run=run, zone=ZONE, node=run, bucket=plan.bucket, bundle_object="b",
+                                                  bundle_sha="s", python="python3", workers=1, max_recoveries=2,
+                                                  launched=time.time() - 60))
+    timeline = timelines.Timeline()
+    for _ in range(recovered_before):
+        timeline.mark("recover", at=time.time() - 30)
+    timeline.save(tpc, plan.bucket, run)
+    pipeline = Pipeline(tpc, options=RunOptions(attach=run, yes=True), plan=plan)
+    with pytest.raises(JobFailed, match=why):
+        pipeline.attach()
+    assert not any(n.name.endswith(f"/{run}") for n in tpc.tpu.list_nodes(parent=f"projects/{tpc.project}/locations/{ZONE}"))
