@@ -526,8 +526,9 @@ class Pipeline:
 
     def _with_supervisor(self, apply: Callable[[], provision.ApplyResult]):
         """`apply()`, and with `detach` the supervisor VM created meanwhile in the plan's first zone (the TPU's
-        region), then the wheel it installs uploaded at once (the bucket exists now). A failure of either reaches the
-        caller once both ended; teardown deletes what was made."""
+        region), running as the supervisor's own service account (provision.supervisor_account: adopted or created,
+        then granted the run's bucket), then the wheel it installs uploaded at once (the bucket exists now). A
+        failure of either reaches the caller once both ended; teardown deletes what was made (never the account)."""
         if not self._supervised:
             return apply(), None
         from concurrent.futures import ThreadPoolExecutor
