@@ -129,6 +129,7 @@ def down(clients: Clients, run: str, *, delete_bucket: bool = False, progress: P
         if r.kind is Kind.VM and r.labels.get(_labels.ROLE) == _labels.SUPERVISOR:
             _delete_one(clients, _Undo.of(r), deadline_s=deadline_s,
                         progress=lambda state, detail, key=r.key: say(key, state.value, detail))
+            say(r.key, State.DELETED.value, "")  # gone before anything else is asked to go
     return _down(clients, run, found, delete_bucket=delete_bucket, progress=progress, deadline_s=deadline_s,
                  spare=spare)
 
