@@ -43,6 +43,7 @@ from tpuctl import events as ev
 from tpuctl.errors import (BadInput, CapacityError, Interrupted, JobFailed, NotFound, RunDurationEnded, TpuctlError,
                            Unexpected)
 from tpuctl.provision import Kind, State
+from tpuctl.provision import labels
 from tpuctl.templates import contract
 
 if TYPE_CHECKING:
@@ -266,6 +267,7 @@ TRANSITIONS: dict[tuple[RunState, Verdict], RunState] = {
     (S.VALIDATE, V.OK): S.UP,
     (S.VALIDATE, V.DRY_RUN): S.DONE,  # planned; nothing created
     (S.ATTACH, V.OK): S.WATCH,
+    (S.ATTACH, V.LOST): S.RECOVER,  # the TPU is gone (Google deleted it while nobody watched): made again
     (S.UP, V.OK): S.PREPARE,
     (S.PREPARE, V.OK): S.SHIP,
     (S.SHIP, V.OK): S.LAUNCH,
@@ -335,14 +337,15 @@ class Pipeline:
 
     def __init__(self, clients: Clients | None, spec=None, *, project: str | None = None, spec_dir: Path | None = None,
                  options: RunOptions = RunOptions(), on_event: ev.EventSink | None = None,
-                 confirm: Callable[[Plan], bool] | None = None):
-        # `clients` may be None for a dry run, which only validates and plans.
+                 confirm: Callable[[Plan], bool] | None = None, plan: Plan | None = None):
+        # `clients` may be None for a dry run, which only validates and plans. `plan`: with `attach`, the run's
+        # resolved plan (a supervisor has it from the hand-off): a TPU that is gone is made again from it.
         self.clients = clients
         self.project = project or clients.project
         self.spec = spec
         self.spec_dir = spec_dir or Path.cwd()
         self.opts = options
-        self.plan = None
+        self.plan = plan
         self.sharding = "data"  # job.sharding as validate() resolves it (auto: by the fit): runtime.sharding
         self.run_name = options.attach or options.name or (spec.name if spec is not None else None)
         self.outcome = Outcome(run=self.run_name or "")
@@ -511,6 +514,10 @@ class Pipeline:
         from . import supervisor_vm
 
         supervisor_vm.check(self.plan)
+        if self.clients is not None:  # its identity: present, or this caller may create it (else BadInput)
+            from tpuctl.provision import supervisor_account
+
+            supervisor_account.check(self.clients, self.spec.supervisor.service_account)
         prices = catalog.load()
         price = supervisor_vm.price_per_hour(self.plan, prices)
         self.outcome.price_per_hour = round(self.outcome.price_per_hour + price, 4)
@@ -519,35 +526,47 @@ class Pipeline:
 
     def _with_supervisor(self, apply: Callable[[], provision.ApplyResult]):
         """`apply()`, and with `detach` the supervisor VM created meanwhile in the plan's first zone (the TPU's
-        region), then the wheel it installs uploaded at once (the bucket exists now). A failure of either reaches the
-        caller once both ended; teardown deletes what was made."""
+        region), running as the supervisor's own service account (provision.supervisor_account: adopted or created,
+        then granted the run's bucket), then the wheel it installs uploaded at once (the bucket exists now). A
+        failure of either reaches the caller once both ended; teardown deletes what was made (never the account)."""
         if not self._supervised:
             return apply(), None
         from concurrent.futures import ThreadPoolExecutor
 
-        from tpuctl.provision import bucket as buckets
+        from tpuctl.provision import bucket as buckets, supervisor_account
 
         from . import supervisor_vm
 
-        account = buckets.default_service_account(self.clients) if self.plan.service_account == "default" \
+        tpu_account = buckets.default_service_account(self.clients) if self.plan.service_account == "default" \
             else self.plan.service_account
+        account = self.spec.supervisor.service_account or supervisor_account.email_of(self.clients.project)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="supervisor-vm") as pool:
-            creating = pool.submit(supervisor_vm.create, self.clients, self.plan, self.plan.zones[0],
-                                   service_account=account, cancel=self.cancel, progress=ev.resource_progress(self.emit))
+            def supervisor() -> provision.Resource:
+                # Its own least-privilege identity (adopted, or created with its grants), then its VM.
+                supervisor_account.ensure(self.clients, tpu_account=tpu_account,
+                                          account=self.spec.supervisor.service_account)
+                return supervisor_vm.create(self.clients, self.plan, self.plan.zones[0], service_account=account,
+                                            cancel=self.cancel, progress=ev.resource_progress(self.emit))
+
+            creating = pool.submit(supervisor)
             result = apply()
             made = creating.result()
+        # The run's records, on the run's bucket only: the bucket exists now.
+        buckets.grant(self.clients, self.plan.bucket, account, run=self.plan.run, region=self.plan.region)
         self.emit(ev.Note(f"supervisor: tpuctl wheel in "
                           f"{supervisor_vm.upload_wheel(self.clients, self.plan.run, self.plan.bucket)}"))
         return result, made
 
     def _hand_over(self) -> None:
+        from tpuctl.provision.plan import to_record
+
         from . import supervisor_vm
 
         rec = self.record
         with self.phase("hand over", supervisor_vm.vm_name(rec.run)):
             supervisor_vm.hand_over(self.clients, rec.run, rec.bucket, on_event=self.emit, cancel=self.cancel,
                                     options={"poll_s": self.opts.poll_s, "delete_bucket": self.opts.delete_bucket,
-                                             "export": list(self.opts.export)})
+                                             "export": list(self.opts.export), "plan": to_record(self.plan)})
 
     def prepare_data(self) -> str | None:
         data = self.spec.job.data
@@ -737,11 +756,19 @@ class Pipeline:
             cluster.close_status(self.clients, self.record.bucket, self.record.run, state="failed",
                                  ended="max_run_duration", on_event=self.emit)
         return RunDurationEnded(
-            f"the flex-start TPU {self.node} reached its max run duration ({self.spec.max_run_duration}) at "
+            f"the flex-start TPU {self.node} reached its max run duration ({self._max_run_duration()}) at "
             f"{self._tpu.detail['ends']} and Google ended it before the job finished (step "
             f"{self.outcome.step or 0}); it was not requested again",
             hint=f"checkpoints are kept in gs://{bucket}/runs/{run}/model/: `tpuctl run SPEC --name {run}` resumes "
                  "from them on a new flex-start TPU (or raise max_run_duration, up to 7d)")
+
+    def _max_run_duration(self) -> str:
+        """As the user wrote it; from the plan when attached (a supervisor has no spec)."""
+        from tpuctl.spec import format_duration
+
+        if self.spec is not None:
+            return self.spec.max_run_duration
+        return format_duration(self.plan.max_run_duration_s) if self.plan and self.plan.max_run_duration_s else "?"
 
     def _recover(self, *, maintenance: bool = False) -> None:
         """Bring the node back and relaunch (the job resumes from its checkpoint). How is the TPU's shape driver's
@@ -756,6 +783,12 @@ class Pipeline:
         if isinstance(action, provision.Ended):
             self._tpu = action.tpu
             raise self._run_ended()
+        expires = (self.plan.labels if self.plan is not None else {}).get(labels.EXPIRES)
+        if expires and time.time() >= float(expires):
+            # Past its TTL gc deletes the run's TPU anyway: a new one would bill for nothing.
+            raise JobFailed(f"the TPU node was lost after run {rec.run}'s TTL ended; it is not made again",
+                            hint=f"checkpoints are kept in gs://{rec.bucket}/runs/{rec.run}/model/: `tpuctl run SPEC "
+                                 f"--name {rec.run} --ttl DURATION` resumes from them")
         if self.outcome.recoveries >= rec.max_recoveries:
             raise JobFailed(f"the TPU node was lost {self.outcome.recoveries + 1} time(s); max recoveries is "
                             f"{rec.max_recoveries}", hint="raise --max-recoveries, or use on-demand provisioning")
@@ -864,18 +897,33 @@ class Pipeline:
 
     def _attached(self) -> Verdict:
         with self.phase("attach"):
-            where = cluster.locate(self.clients, self.run_name)
-            if where.bucket is None:
+            try:
+                where = cluster.locate(self.clients, self.run_name)
+            except NotFound:
+                if self.plan is None:
+                    raise
+                # No TPU: Google deleted it (a preempted Spot VM, an ended queued resource) while nobody watched.
+                # The plan makes it again, as a recovery; the launch record says what ran where. A queued resource
+                # left behind says what the TPU was (a flex-start's end: then it is not requested again).
+                where = None
+                self._tpu = next((r for r in provision.list_resources(self.clients, self.run_name)
+                                  if r.kind is Kind.QUEUED), None)
+            bucket = where.bucket if where is not None else self.plan.bucket
+            if bucket is None:
                 raise NotFound(f"run {self.run_name} has no bucket", field="run")
-            self.record = cluster.load_launch(self.clients, where.bucket, self.run_name)
-            self.record = cluster.LaunchRecord(**{**self.record.__dict__, "zone": where.zone, "node": where.node})
-            self.outcome.bucket = where.bucket
+            self.record = cluster.load_launch(self.clients, bucket, self.run_name)
+            if where is not None:
+                self.record = cluster.LaunchRecord(**{**self.record.__dict__, "zone": where.zone, "node": where.node})
+            self.zone, self.node = self.record.zone, self.record.node
+            self.outcome.bucket = bucket
             self.billing.up_started = self.record.launched
             self.bucket_use.present = True
-            # The timeline goes on where the detached run left it (its laptop saw no steps since).
-            self.timeline = timelines.load(self.clients, where.bucket, self.run_name) or self.timeline
+            # The timeline goes on where the detached run left it (its laptop saw no steps since), and so does
+            # the count of recoveries that max_recoveries bounds.
+            self.timeline = timelines.load(self.clients, bucket, self.run_name) or self.timeline
+            self.outcome.recoveries = sum(m.what == "recover" for m in self.timeline.marks)
         self.timeline.mark("attach", at=time.time())
-        return Verdict.OK
+        return Verdict.OK if where is not None else Verdict.LOST
 
     def _prepared(self) -> None:
         self.bucket_use.data_url = self.prepare_data()

@@ -391,6 +391,7 @@ def serve(run: str, bucket: str, vm: str, zone: str) -> int:
     has ended is only cleaned up."""
     from tpuctl import config, provision
     from tpuctl.provision import waits
+    from tpuctl.provision.plan import from_record
 
     from . import cluster
     from .pipeline import Pipeline, RunOptions, RunState
@@ -407,18 +408,22 @@ def serve(run: str, bucket: str, vm: str, zone: str) -> int:
         options = RunOptions(attach=run, yes=True, poll_s=float(handoff.get("poll_s", 2.0)),
                              delete_bucket=bool(handoff.get("delete_bucket")), export=tuple(handoff.get("export", ())),
                              spare=(f"{provision.Kind.VM.value}/{zone}/{vm}",))
-        pipeline = Pipeline(clients, options=options, on_event=_log)
+        # The resolved plan (hand_over): a TPU Google deleted while no supervisor ran is made again from it.
+        plan = from_record(handoff["plan"]) if handoff.get("plan") else None
+        pipeline = Pipeline(clients, options=options, on_event=_log, plan=plan)
         try:
             pipeline.attach()
         except TpuctlError as exc:
             if pipeline.state is RunState.ATTACH and not isinstance(exc, NotFound):
                 raise  # the run's records could not be read (yet): the service starts this again
-            # The run's own end (the job failed, ...; recorded in its status and torn down), or a run with no TPU
-            # left to watch (Google deleted it while no supervisor ran): nothing to supervise any more.
+            # The run's own end (the job failed, recovery gave up (max recoveries, an ended flex-start TPU); torn
+            # down), or, from a hand-off without a plan, a run with no TPU left: nothing to supervise any more.
             print(f"run {run}: {exc}", file=sys.stderr, flush=True)
-            if pipeline.state is RunState.ATTACH:
-                cluster.close_status(clients, bucket, run, state="failed", ended="supervisor_found_no_tpu",
-                                     on_event=_log)
+            now = cluster.read_status(clients, bucket, run)
+            if now is not None and not now.final:  # a job that failed closed it already, saying how
+                cluster.close_status(clients, bucket, run, state="failed", on_event=_log,
+                                     ended="supervisor_found_no_tpu" if pipeline.state is RunState.ATTACH
+                                     else "supervisor_gave_up")
     beat.stop.set()
     beat.set(state="ended")
     # Last: whatever of the run is left (this VM included). The process dies with its VM.

@@ -120,17 +120,20 @@ class ProjectsService:
         self.metadata: dict[str, dict] = {}   # project id -> commonInstanceMetadata {"items", "fingerprint"}
         self.users: dict[str, dict] = {}      # email -> {"keys": {fingerprint: SshPublicKey}, "username"}
         self.ops: dict[str, dict] = {}        # "projects/P/global/operations/NAME" -> compute#operation
+        self.policies: dict[str, dict] = {}   # "projects/P" or "projects/P/serviceAccounts/EMAIL" -> IAM Policy
         self._on_keys_changed = on_keys_changed  # (project or None for all) -> refresh the workers' keys
 
     # ---------------------------------------------------------------------------------- persistence
     def dump(self) -> dict:
-        return {"shapes": self.shapes, "metadata": self.metadata, "users": self.users, "ops": self.ops}
+        return {"shapes": self.shapes, "metadata": self.metadata, "users": self.users, "ops": self.ops,
+                "policies": self.policies}
 
     def load(self, data: dict) -> None:
         self.shapes = data.get("shapes", {})
         self.metadata = data.get("metadata", {})
         self.users = data.get("users", {})
         self.ops = data.get("ops", {})
+        self.policies = data.get("policies", {})
 
     # ---------------------------------------------------------------------------------- shaping
     def shape(self, project: str, **options) -> dict:
@@ -435,6 +438,83 @@ class ProjectsService:
         return {"name": f"projects/{owner}/serviceAccounts/{email}", "projectId": owner, "uniqueId": uid,
                 "email": email, "displayName": email.split("@")[0], "oauth2ClientId": uid,
                 "etag": base64.b64encode(uid.encode()[:8]).decode()}
+
+    def _account(self, p: dict) -> dict:
+        """The ServiceAccount resource (iam.v1 `ServiceAccount`) of `projects/P/serviceAccounts/EMAIL`."""
+        return self.service_accounts_get({"projectsId": p["projectsId"], "serviceAccountsId": p["serviceAccountsId"]},
+                                         {}, None)
+
+    def _require(self, project: str, permission: str, resource: str) -> None:
+        """403 as Google words a missing permission, for one the project's shape denies the caller."""
+        with self.w.lock:
+            denied = permission in self._shape(project)["denied_permissions"]
+        if denied:
+            raise ApiError("PERMISSION_DENIED", f"Permission '{permission}' denied on resource '{resource}' (or it "
+                           "may not exist).")
+
+    def service_accounts_create(self, p: dict, q: dict, body: dict) -> dict:
+        """iam.v1 `projects.serviceAccounts.create`: `accountId` 6-30 characters of `[a-z]([-a-z0-9]*[a-z0-9])`
+        (CreateServiceAccountRequest), the email ACCOUNT_ID@PROJECT.iam.gserviceaccount.com; 409 when it exists
+        (a project localcloud was not told about has every account already)."""
+        project = p["projectsId"]
+        account = (body or {}).get("accountId") or ""
+        if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])", account) or not 6 <= len(account) <= 30:
+            raise ApiError("INVALID_ARGUMENT", f"Invalid accountId {account!r}: it must be 6-30 characters long and "
+                           "match [a-z]([-a-z0-9]*[a-z0-9]).")
+        self._require(project, "iam.serviceAccounts.create", f"projects/{project}")
+        email = f"{account}@{project}.iam.gserviceaccount.com"
+        with self.w.lock:
+            if self.sa_exists(project, email):
+                raise ApiError("ALREADY_EXISTS", f"Service account {account} already exists within project "
+                               f"projects/{project}.")
+            shape = self.shapes.setdefault(project, self._shape(project))
+            shape["service_accounts"] = sorted({*shape["service_accounts"], email})
+            self.w.changed()
+        made = self._account({"projectsId": project, "serviceAccountsId": email})
+        given = (body or {}).get("serviceAccount") or {}
+        return {**made, **{k: given[k] for k in ("displayName", "description") if k in given}}
+
+    def _policy(self, resource: str) -> dict:
+        return copy.deepcopy(self.policies.get(resource) or {"version": 1, "etag": "ACAB", "bindings": []})
+
+    def _set_policy(self, resource: str, project: str, permission: str, body: dict) -> dict:
+        """setIamPolicy (SetIamPolicyRequest): the whole policy replaces the old; an `etag` that is not the
+        current one is 409 ABORTED (the read-modify-write raced another), none overwrites; a new etag each write."""
+        self._require(project, permission, resource)
+        policy = dict((body or {}).get("policy") or {})
+        with self.w.lock:
+            current = self._policy(resource)
+            if policy.get("etag") and policy["etag"] != current["etag"]:
+                raise ApiError("ABORTED", "There were concurrent policy changes. Please retry the whole "
+                               "read-modify-write with exponential backoff.")
+            etag = base64.b64encode(hashlib.sha256(f"{resource}{time.time_ns()}".encode()).digest()[:8]).decode()
+            self.policies[resource] = {"version": int(policy.get("version") or 1), "etag": etag,
+                                       "bindings": [b for b in policy.get("bindings") or [] if b.get("members")]}
+            self.w.changed()
+            return self._policy(resource)
+
+    def project_get_iam_policy(self, p: dict, q: dict, body: dict) -> dict:
+        """cloudresourcemanager.v3 `projects.getIamPolicy`."""
+        resource = f"projects/{p['projectsId']}"
+        self._require(p["projectsId"], "resourcemanager.projects.getIamPolicy", resource)
+        with self.w.lock:
+            return self._policy(resource)
+
+    def project_set_iam_policy(self, p: dict, q: dict, body: dict) -> dict:
+        """cloudresourcemanager.v3 `projects.setIamPolicy`."""
+        return self._set_policy(f"projects/{p['projectsId']}", p["projectsId"],
+                                "resourcemanager.projects.setIamPolicy", body)
+
+    def service_account_get_iam_policy(self, p: dict, q: dict, body: None) -> dict:
+        """iam.v1 `projects.serviceAccounts.getIamPolicy` (who may act as the account); 404 for an unknown one."""
+        account = self._account(p)
+        with self.w.lock:
+            return self._policy(account["name"])
+
+    def service_account_set_iam_policy(self, p: dict, q: dict, body: dict) -> dict:
+        """iam.v1 `projects.serviceAccounts.setIamPolicy`."""
+        account = self._account(p)
+        return self._set_policy(account["name"], account["projectId"], "iam.serviceAccounts.setIamPolicy", body)
 
     def _owner(self, email: str) -> str | None:
         """The shaped project an account email belongs to; None when it is no project localcloud was told about."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tpuctl import catalog as catalog_mod
@@ -189,3 +189,23 @@ def _order_zones(zones: tuple[str, ...]) -> tuple[str, ...]:
     region = region_of(zones[0])
     return tuple(sorted(zones, key=lambda z: region_of(z) != region))
 
+
+
+def to_record(plan: Plan) -> dict[str, Any]:
+    """The plan exactly as resolved (its labels and their times included), as JSON: what a detached run's
+    supervisor makes the run's resources again from when Google deleted them (`from_record`). Unlike
+    `to_json` (for people), nothing is left out or rounded."""
+    doc = asdict(plan)
+    doc["vms"] = [vm.model_dump() for vm in plan.vms]
+    doc["steps"] = [{**asdict(s), "kind": s.kind.value} for s in plan.steps]
+    return doc
+
+
+def from_record(doc: Mapping[str, Any]) -> Plan:
+    """The Plan `to_record` wrote (JSON turned its tuples into lists)."""
+    def tuples(d: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+    return Plan(**{**tuples(doc), "accelerator": AcceleratorType(**tuples(doc["accelerator"])),
+                   "vms": tuple(VmSpec(**v) for v in doc["vms"]),
+                   "steps": tuple(Step(**{**tuples(s), "kind": Kind(s["kind"])}) for s in doc["steps"])})

@@ -341,7 +341,7 @@ def test_ssh_on_an_oslogin_node_without_a_known_account_fails_at_once(cloud, tmp
 def test_doctor_prints_one_line_per_check_and_exits_by_the_result(cloud, env):
     p = tpuctl(env, "doctor", "--zone", ZONE)
     assert p.returncode == 0, p.stderr
-    assert [ln.split()[0] for ln in p.stdout.splitlines()] == ["ok"] * 7
+    assert [ln.split()[0] for ln in p.stdout.splitlines()] == ["ok"] * 8  # 7 checks + the supervisor's account
     cloud.shape_project(env["TPUCTL_PROJECT"], default_network=False, metadata={"enable-oslogin": "TRUE"})
     p = tpuctl_here(env, "doctor", "--zone", ZONE, "--json")
     assert p.returncode == 2, p.stderr

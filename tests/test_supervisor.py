@@ -14,6 +14,7 @@ import pytest
 
 from conftest import cli_env
 from test_run import _live, _spec, _spec_file, _zero, project, tpc  # noqa: F401 - the fixtures too
+from tpuctl import provision
 from tpuctl.jobs import cluster, supervisor_vm, timeline as timelines
 
 RUN = "sv-run"
@@ -80,6 +81,9 @@ def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor
     assert vm.get("name") == f"{RUN}-supervisor", json.dumps(bucket)
     assert vm["labels"]["tpuctl-role"] == "supervisor"
     assert {"tpuctl-run", "tpuctl-owner", "tpuctl-expires"} <= set(vm["labels"])
+    # Its own least-privilege identity (provision/supervisor_account.py), which its metadata server serves.
+    instance = tpc.instances.get(project=project, zone=ZONE, instance=f"{RUN}-supervisor")
+    assert [a.email for a in instance.service_accounts] == [f"tpuctl-supervisor@{project}.iam.gserviceaccount.com"]
     bucket = next(res["name"] for res in bucket["resources"] if res["kind"] == "bucket")
     beat = supervisor_vm.Heartbeat.read(tpc, bucket, RUN)
     assert beat.state == "supervising" and beat.vm == f"{RUN}-supervisor"
@@ -100,10 +104,19 @@ def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor
     assert again.handoff == beat.handoff
     cloud.preempt(f"projects/{project}/locations/{ZONE}/nodes/{RUN}")
 
-    def recovered() -> bool:
+    def recovered(times: int) -> bool:
         marks = [m.what for m in (timelines.load(tpc, bucket, RUN) or timelines.Timeline()).marks]
-        return "recover" in marks and "watch" in marks[marks.index("recover"):]
-    _until("the supervisor to recover the preempted TPU", recovered)
+        last = len(marks) - 1 - marks[::-1].index("recover") if "recover" in marks else None
+        return marks.count("recover") == times and "watch" in marks[last:]
+    _until("the supervisor to recover the preempted TPU", lambda: recovered(1))
+    # The supervisor is down (frozen, then killed) while the TPU is preempted and deleted: the one its service
+    # starts next finds no TPU, and makes it again from the plan of the hand-off, as the laptop would.
+    down = supervisor_vm.Heartbeat.read(tpc, bucket, RUN)
+    os.kill(down.pid, signal.SIGSTOP)
+    cloud.preempt(f"projects/{project}/locations/{ZONE}/nodes/{RUN}")
+    provision.delete_node(tpc, ZONE, RUN, deadline_s=60)
+    os.kill(down.pid, signal.SIGKILL)
+    _until("the restarted supervisor to make the deleted TPU again", lambda: recovered(2))
     release.touch()
 
     def ended():
@@ -113,7 +126,7 @@ def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor
     assert final.state == "succeeded" and final.step == 40, (final, _live(cloud, project))
     doc = json.loads(subprocess.run([sys.executable, "-m", "tpuctl", "job", "status", RUN, "--json"], env=env,
                                     capture_output=True, text=True, timeout=60).stdout)
-    assert doc["recoveries"] == 1, doc
+    assert doc["recoveries"] == 2, doc
     assert supervisor_vm.Heartbeat.read(tpc, bucket, RUN).state == "ended"
     out, err = follower.communicate(timeout=60)
     assert follower.returncode == 0, err
@@ -183,3 +196,44 @@ def test_down_deletes_the_supervisor_before_anything_else(tpc):
     assert {r.name for r in gone.deleted} == {f"{run}-supervisor", f"{run}-loader"}
     supervisor_deleted = events.index((f"vm/{ZONE}/{run}-supervisor", "deleted"))
     assert all(not key.endswith("-loader") for key, _ in events[:supervisor_deleted]), events
+
+
+def test_the_plan_handed_to_the_supervisor_is_the_plan_resolved(tmp_path):
+    """What a restarted supervisor makes a deleted TPU again from: every field as the laptop resolved it (the
+    labels' times, the VMs, the steps), through the JSON of the hand-off."""
+    from tpuctl.provision.plan import from_record, make, to_record
+    from tpuctl.spec import RunSpec
+
+    spec = RunSpec.model_validate({**_spec(RUN, accelerator="v3-8"), "vms": [{"name": "loader"}],
+                                   "labels": {"team": "nlp"}, "tags": ["t1"], "zone": [ZONE, "us-central1-b"]})
+    plan = make(spec, project="p-1", owner="ann", now=1000.0)
+    assert from_record(json.loads(json.dumps(to_record(plan)))) == plan
+
+
+@pytest.mark.parametrize("planned_ago,recovered_before,why", [
+    (0, 2, "max recoveries is 2"),  # the recoveries made before it (re)started count
+    (7200, 0, "TTL ended"),  # planned with ttl 1h, two hours ago
+])
+def test_a_supervisor_that_finds_no_tpu_gives_up_where_the_plan_says_so(tpc, tmp_path, monkeypatch, planned_ago,
+                                                                        recovered_before, why):
+    from tpuctl.errors import JobFailed
+    from tpuctl.jobs.pipeline import Pipeline, RunOptions
+    from tpuctl.provision.plan import make
+    from tpuctl.spec import RunSpec
+
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    run = f"sv-gives-up-{recovered_before}"
+    spec = RunSpec.model_validate({**_spec(run, accelerator="v3-8"), "ttl": "1h"})
+    plan = make(spec, project=tpc.project, owner="ann", now=time.time() - planned_ago)
+    tpc.storage.create_bucket(plan.bucket)
+    cluster.save_launch(tpc, cluster.LaunchRecord(run=run, zone=ZONE, node=run, bucket=plan.bucket, bundle_object="b",
+                                                  bundle_sha="s", python="python3", workers=1, max_recoveries=2,
+                                                  launched=time.time() - 60))
+    timeline = timelines.Timeline()
+    for _ in range(recovered_before):
+        timeline.mark("recover", at=time.time() - 30)
+    timeline.save(tpc, plan.bucket, run)
+    pipeline = Pipeline(tpc, options=RunOptions(attach=run, yes=True), plan=plan)
+    with pytest.raises(JobFailed, match=why):
+        pipeline.attach()
+    assert not any(n.name.endswith(f"/{run}") for n in tpc.tpu.list_nodes(parent=f"projects/{tpc.project}/locations/{ZONE}"))

@@ -154,6 +154,12 @@ class JobSpec(_Strict):
         return env
 
 
+class SupervisorSpec(_Strict):
+    # The service account a detached run's supervisor VM runs as; None: tpuctl-supervisor@PROJECT, which tpuctl
+    # creates when missing (provision/supervisor_account.py).
+    service_account: str | None = None
+
+
 class RunSpec(_Strict):
     name: str | None = None
     project: str | None = None
@@ -179,6 +185,7 @@ class RunSpec(_Strict):
     allow_cross_region: bool = False
     internal_ips: bool = False  # workers get no external address (org policy vmExternalIpAccess); reach them from the VPC
     job: JobSpec | None = None
+    supervisor: SupervisorSpec = Field(default_factory=SupervisorSpec)  # of `run --detach`
 
     @model_validator(mode="before")
     @classmethod

@@ -23,7 +23,7 @@ SECTION = "Provision and inspect"
 @click.pass_context
 def doctor(ctx, spec_file, cloud, project, spec_flags: SpecFlags, as_json) -> None:
     """Check the project before a run: APIs, network, service account, permissions, external IPs, OS Login,
-    TPU quota."""
+    TPU quota, the supervisor's service account (`run --detach`)."""
     from tpuctl import provision as prov
     from tpuctl.cli.provision import resolve
     from tpuctl.provision import preflight
@@ -38,7 +38,11 @@ def doctor(ctx, spec_file, cloud, project, spec_flags: SpecFlags, as_json) -> No
             cat.check_zone(zone)
         target = preflight.Target.of_spec(spec, cat)
     clients = prov.connect(config.ensure_endpoint(settings, on_event=console.report))
-    checks = preflight.checks(clients, target)
+    from tpuctl.provision import supervisor_account
+
+    # The identity a detached run's supervisor runs as (`run --detach` creates it, when the caller may).
+    checks = [*preflight.checks(clients, target),
+              supervisor_account.preflight_check(clients, spec.supervisor.service_account)]
     ok = all(c.ok for c in checks)
     if as_json:
         console.emit_json({"project": settings.project, "target": settings.target, "ok": ok,

@@ -128,6 +128,11 @@ def run_command(spec_file, name, yes, detach, no_supervisor, attach, download, d
             outcome = go()
     finally:  # after the live view ended, so the summary is the last thing on the terminal
         _finish(pipeline.outcome, lines)
+    if dry_run and detach and not no_supervisor and (reached := config.reachable(settings)) is not None:
+        from tpuctl.provision import supervisor_account
+
+        # The identity its supervisor would run as: present, or creatable by this caller (read-only).
+        supervisor_account.check(provision.connect(reached), spec.supervisor.service_account)
     if dry_run and not as_json:
         plan = pipeline.plan
         console.table(("step", "kind", "name", "where", "$/h"),
