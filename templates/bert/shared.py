@@ -1,6 +1,6 @@
-"""lmkit (templates/lmkit), the code the built-in templates share, imported the way this package itself was:
-the top-level `lmkit` that ships beside `bert` in a job bundle (template.json `uses`), else the installed
-`tpuctl.templates.lmkit`."""
+"""lmkit (templates/lmkit), the code the language-model templates share, imported the way this package itself was:
+the top-level `lmkit` that ships beside the template in a job bundle (template.json `uses`), else the installed
+`tpuctl.templates.lmkit`. Every template built on lmkit carries this same file (templates/README.md)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import importlib
 
 
 def lmkit(module: str):
-    """lmkit's `module` (e.g. "checkpoints"). A copy of this package outside tpuctl (a user's template begun as
-    a copy of bert, loaded on the laptop) has no top-level `lmkit` there: it gets the installed one."""
+    """lmkit's `module` (e.g. "trainer"). A copy of this package outside tpuctl (a user's template begun as a copy
+    of a built-in, loaded on the laptop) has no top-level `lmkit` there: it gets the installed one."""
     if not __package__.startswith("tpuctl."):
         try:
             return importlib.import_module(f"lmkit.{module}")

@@ -1,4 +1,4 @@
-"""The training program's configuration: one JSON file, a typed schema split into task / trainer / runtime.
+"""The language-model templates' config file: one JSON file, a typed schema split into task / trainer / runtime.
 
 File shape (every section and field optional; unknown keys are refused so typos fail loudly)::
 
@@ -7,15 +7,13 @@ File shape (every section and field optional; unknown keys are refused so typos 
      "trainer": {"max_steps": 1000, ...},
      "runtime": {"data_dir": "gs://b/data", "model_dir": "gs://b/model", "export_dir": "gs://b/export"}}
 
-Resolution: the dataclass defaults (BERT-base shaped), then the named preset (`presets` in template.json,
-which the jobs side reads too), then the file's sections.
+Resolution: the dataclass defaults, then the named preset (`presets` in the template's template.json, which the
+jobs side reads too), then the file's sections (`build_sections`).
 
-- `task` is *what* is learned: the encoder's shape, the sequence length and the masking rate. `vocab_size`
+- `task` is *what* is learned: each template's own dataclass (bert/config.py, gpt2/config.py). `vocab_size`
   left at 0 is taken from the prepared data's manifest; set explicitly it must match the manifest.
-  `max_predictions_per_seq` left at 0 is seq_len x mask_rate rounded up to a multiple of 4 (20 at seq 128,
-  80 at seq 512: google-research/bert's values).
-- `trainer` is *how*: batch, steps, optimiser schedule, checkpoint and logging cadence.
-- `runtime` is *where*: data/model/export locations, accelerator choice and numeric policy.
+- `trainer` is *how*: batch, steps, optimiser schedule, checkpoint and logging cadence (TrainerConfig, here).
+- `runtime` is *where*: data/model/export locations, accelerator choice and numeric policy (RuntimeConfig, here).
 
 Pure stdlib: this module is imported on TPU workers and by tpuctl on a laptop without TensorFlow.
 """
@@ -25,38 +23,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .shared import lmkit
-
-ConfigError = lmkit("errors").ConfigError
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    """The model and the masked-LM objective. Defaults are BERT-base."""
-
-    seq_len: int = 128
-    vocab_size: int = 0  # 0: from the data manifest
-    hidden_size: int = 768
-    num_layers: int = 12
-    num_heads: int = 12
-    intermediate_size: int = 3072
-    dropout: float = 0.1
-    mask_rate: float = 0.15  # of maskable tokens; of those 80% [MASK], 10% random, 10% unchanged
-    # The vocabulary projection runs only at this many (gathered) positions per sequence, the masked ones plus
-    # weight-0 padding, as google-research/bert's run_pretraining.py; 0: derived (see `predictions_per_seq`).
-    max_predictions_per_seq: int = 0
-
-    @property
-    def predictions_per_seq(self) -> int:
-        """Masked positions per sequence (static): the set value, else seq_len x mask_rate up to a multiple of 4."""
-        if self.max_predictions_per_seq:
-            return self.max_predictions_per_seq
-        return min(self.seq_len, 4 * math.ceil(self.seq_len * self.mask_rate / 4))
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -143,11 +114,6 @@ class SectionedConfig:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
-class BertConfig(SectionedConfig):
-    task: TaskConfig = field(default_factory=TaskConfig)
-
-
 def read_presets(template_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
     """A template's presets from its template.json (the jobs side reads the same file), less the descriptions
     that are for people."""
@@ -155,19 +121,9 @@ def read_presets(template_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
     return {name: {k: v for k, v in preset.items() if k != "description"} for name, preset in meta["presets"].items()}
 
 
-PRESETS = read_presets(Path(__file__).parent)
-
 FRAMEWORKS = ("tensorflow", "jax")  # Keras backends the template runs on
 SHARDINGS = ("data", "fsdp")  # runtime.sharding
 REMAT_POLICIES = ("none", "minimal_with_context", "minimal")  # lmkit/layers.py REMAT's, most HBM first
-
-
-def build(data: dict[str, Any]) -> BertConfig:
-    """Defaults, then `data["preset"]`, then the sections of `data`; validated. Raises ConfigError.
-
-    This is the config's one schema: the worker runs it on the file it is given, and tpuctl runs it (named
-    by `config.validate` in template.json) on the same config before it creates anything."""
-    return build_sections(BertConfig, data, PRESETS, validate)
 
 
 def build_sections(cls, data: dict[str, Any], presets: dict, check) -> SectionedConfig:
@@ -212,15 +168,6 @@ def read_json(path: str | Path) -> dict[str, Any]:
         raise ConfigError("", f"cannot read {path}: {exc}") from exc
 
 
-def load(path: str | Path) -> BertConfig:
-    return build(read_json(path))
-
-
-def with_overrides(cfg: BertConfig, **sections: dict[str, Any]) -> BertConfig:
-    """A copy with some fields of some sections replaced, validated (tests and the CLI use this)."""
-    return override(cfg, sections, validate)
-
-
 def override(cfg: SectionedConfig, sections: dict[str, dict[str, Any]], check) -> SectionedConfig:
     """A copy of `cfg` with some fields of some sections replaced; `check(copy)` validates it."""
     data = cfg.to_dict()
@@ -254,16 +201,11 @@ def _section(cls, name: str, values: dict[str, Any]):
     return cls(**typed)
 
 
-def validate(cfg: BertConfig) -> None:
-    """The rules that keep shapes static and TPU-friendly. Raises ConfigError naming the field."""
-    t, tr, rt = cfg.task, cfg.trainer, cfg.runtime
+def trainer_runtime_checks(tr: TrainerConfig, rt: RuntimeConfig) -> list[tuple[bool, str, str]]:
+    """(ok, field, rule) for the trainer and runtime sections every language-model template shares: the rules
+    that keep shapes static and TPU-friendly."""
     of_spe = f"must be a positive multiple of trainer.steps_per_execution ({tr.steps_per_execution})"
-    checks = [
-        (t.seq_len in (128, 256, 512), "task.seq_len", "must be 128, 256 or 512"),
-        *transformer_checks(t),
-        (0.0 < t.mask_rate < 1.0, "task.mask_rate", "must be in (0, 1)"),
-        (0 <= t.max_predictions_per_seq <= t.seq_len, "task.max_predictions_per_seq",
-         f"must be in [1, task.seq_len ({t.seq_len})], or 0 to derive it from seq_len x mask_rate"),
+    return [
         (tr.per_replica_batch_size > 0 and tr.per_replica_batch_size % 8 == 0,
          "trainer.per_replica_batch_size", "must be a positive multiple of 8"),
         (tr.max_steps > 0 and tr.max_steps % tr.steps_per_execution == 0,
@@ -296,6 +238,10 @@ def validate(cfg: BertConfig) -> None:
         (rt.mixed_precision in ("auto", "float32", "mixed_bfloat16"),
          "runtime.mixed_precision", "must be auto, float32 or mixed_bfloat16"),
     ]
+
+
+def check(checks: list[tuple[bool, str, str]]) -> None:
+    """Raise ConfigError naming the field of the first (ok, field, rule) that is not ok."""
     for ok, name, rule in checks:
         if not ok:
             raise ConfigError(name, rule)
@@ -311,13 +257,3 @@ def transformer_checks(t) -> list[tuple[bool, str, str]]:
         (t.intermediate_size > 0, "task.intermediate_size", "must be > 0"),
         (0.0 <= t.dropout < 1.0, "task.dropout", "must be in [0, 1)"),
     ]
-
-
-def parameter_count(preset: str, vocab_size: int = 30522) -> int:
-    """Weights of `preset` at `vocab_size` (BERT's own 30522 by default), for listings (`tpuctl templates`)."""
-    t = build({"preset": preset}).task
-    h, i = t.hidden_size, t.intermediate_size
-    embeddings = (vocab_size + t.seq_len) * h + 2 * h  # tied output projection; LayerNorm
-    layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h  # attention, feed-forward, two LayerNorms
-    head = h * h + h + 2 * h + vocab_size  # transform, LayerNorm, output bias
-    return embeddings + t.num_layers * layer + head

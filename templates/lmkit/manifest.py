@@ -1,9 +1,11 @@
 """The prepared data set's manifest: what the shards hold, so a run can check that data and model agree.
 
-`manifest.json` sits next to the shards, `vocab.txt` and `tokenizer.json`, and is written last: a directory
+`manifest.json` sits next to the shards and the template's tokenizer files, and is written last: a directory
 with a manifest is complete. Records are raw little-endian token ids, `seq_len` of them per record, in
 TFRecord framing (`record_format` "raw-uint16-le" when the vocabulary fits 16 bits, else "raw-uint32-le"):
-no tf.train.Example wrapper, no masking (the input pipeline masks dynamically).
+no tf.train.Example wrapper, nothing derived (BERT's input pipeline masks dynamically). Each template's data has
+its own `format` (bert/manifest.py, gpt2/prepare.py), which a reader names (`expect`): one template's data is
+refused by another's program.
 
 Pure stdlib, readable from local paths; the trainer reads gs:// manifests through tf.io.gfile and passes
 the text to `Manifest.from_json`.
@@ -16,15 +18,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .shared import lmkit
+from .errors import DataError
 
-DataError = lmkit("errors").DataError
-
-FORMAT = "tpuctl-bert-mlm/1"
 MANIFEST_NAME = "manifest.json"
-VOCAB_NAME = "vocab.txt"
-TOKENIZER_NAME = "tokenizer.json"
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 @dataclass(frozen=True)
@@ -46,11 +42,11 @@ class Manifest:
     doc_format: str  # "blank" (blank-line separated documents) or "line" (one document per line)
     documents: int
     sequences: int
-    tokens: int  # non-padding tokens, [CLS]/[SEP] included
+    tokens: int  # non-padding tokens, the template's special tokens included
     unk_tokens: int
     raw_bytes: int
+    format: str  # the template's data format, e.g. "tpuctl-bert-mlm/1"
     shards: tuple[Shard, ...] = field(default_factory=tuple)
-    format: str = FORMAT
 
     @property
     def prepared_bytes(self) -> int:
@@ -66,9 +62,9 @@ class Manifest:
         return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, *, where: str, expect: str = FORMAT) -> Manifest:
-        """Parse a manifest of format `expect` (another template's packed token ids share this shape); `where`
-        names it in errors. Raises DataError."""
+    def from_json(cls, text: str, *, where: str, expect: str) -> Manifest:
+        """Parse a manifest of format `expect` (the reading template's); `where` names it in errors. Raises
+        DataError."""
         try:
             data = json.loads(text)
             if data.get("format") != expect:

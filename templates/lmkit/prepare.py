@@ -1,4 +1,6 @@
-"""Data preparation: text corpus -> WordPiece vocabulary -> packed, sharded TFRecords + manifest.
+"""Data preparation both templates share: text corpus -> the template's tokenizer -> token ids packed into sharded
+TFRecords + manifest. A template's prepare.py brings its tokenizer, its packer and its manifest's contents, and
+runs them through `prepare_with` and `encode_into` (bert/prepare.py, gpt2/prepare.py).
 
 Used on the laptop by `tpuctl data prepare` and `tpuctl run`; needs `tokenizers`, `numpy` and
 `google-crc32c`, not TensorFlow (records are framed here; the trainer reads them with tf.data).
@@ -11,23 +13,19 @@ ends it; the usual BERT corpus layout (one sentence or paragraph per line). "lin
 a document (one-document-per-line dumps such as Wikipedia extractions). A line is never held whole if it is
 huge: it is cut at whitespace into pieces of at most 64k characters.
 
-Tokenizer: WordPiece trained with HF `tokenizers`, BERT normaliser and pre-tokeniser, special tokens
-[PAD] [UNK] [CLS] [SEP] [MASK] with ids 0-4; or an existing vocab.txt (`vocab_file`). Training memory is
-bounded by *sampling*, not by the corpus: when the corpus is larger than `tokenizer_sample_bytes`
-(default 64 MiB), the trainer sees that many bytes read as evenly spaced 1 MiB blocks across all files
-(cut to whole lines), so its word-count table scales with the sample, never with the corpus.
+Tokenizer training memory is bounded by *sampling*, not by the corpus (`train_on_sample`): when the corpus is
+larger than the template's `tokenizer_sample_bytes`, the trainer sees that many bytes read as evenly spaced 1 MiB
+blocks across all files (cut to whole lines), so its word-count table scales with the sample, never with the
+corpus.
 
-Encoding streams: a reader thread cuts the text into ~1 MiB batches of pieces, `encode_batch_fast` encodes
-each batch on all cores (the Rust side releases the GIL and fans out over its thread pool), and the main
-thread packs and writes while the next batch encodes. Memory is a few batches, whatever the corpus size.
-
-Packing (RoBERTa "full sentences" style): the token stream of all documents, a [SEP] after each document,
-is cut into `seq_len - 1` token chunks, each prefixed with [CLS]; a sequence may span a document boundary
-(the [SEP] marks it), and only the very last sequence is padded with [PAD]. No static masking and no dupe
-factor: the trainer masks each epoch afresh.
+Encoding streams (`encode_into`): a reader thread cuts the text into batches of ~`batch_bytes` of pieces,
+`encode_batch_fast` encodes each batch on all cores (the Rust side releases the GIL and fans out over its thread
+pool), and the main thread packs and writes while the next batch encodes. Memory is a few batches, whatever the
+corpus size.
 
 Output directory: `train-NNNNN.tfrecord` shards of `shard_sequences` records (each written under a
-temporary name and renamed when complete), `vocab.txt`, `tokenizer.json`, and `manifest.json` last.
+temporary name and renamed when complete, `ShardWriter`), the template's tokenizer files, and `manifest.json`
+last (`write_manifest`). `upload` copies it to Cloud Storage, the manifest last.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ import base64
 import codecs
 import fnmatch
 import glob
-import hashlib
 import itertools
 import os
 import queue
@@ -48,10 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .shared import lmkit
-
-DataError = lmkit("errors").DataError
-from .manifest import FORMAT, MANIFEST_NAME, SPECIAL_TOKENS, TOKENIZER_NAME, VOCAB_NAME, Manifest, Shard
+from .errors import DataError
+from .manifest import MANIFEST_NAME, Manifest, Shard
 
 READ_CHUNK = 4 << 20
 SAMPLE_BLOCK = 1 << 20
@@ -60,36 +55,6 @@ SNIFF_BYTES = 64 << 10
 
 Progress = Callable[[str, int, int], None]
 """progress(stage, done_bytes, total_bytes); stages: "tokenizer", "encode"."""
-
-
-@dataclass(frozen=True)
-class PrepareOptions:
-    vocab_size: int = 30522
-    seq_len: int = 128
-    lowercase: bool = True
-    strip_accents: bool | None = None  # None: follow `lowercase` (BERT's rule); False keeps Hangul syllables whole
-    limit_alphabet: int = 4000  # 1000 (the library default) leaves many [UNK] in Korean/CJK text
-    min_frequency: int = 2
-    vocab_file: str | None = None  # an existing vocab.txt instead of training one
-    doc_format: str = "blank"
-    tokenizer_sample_bytes: int = 64 << 20
-    shard_sequences: int = 65536
-    batch_bytes: int = 1 << 20
-
-    def validate(self) -> None:
-        checks = [
-            (self.seq_len in (128, 256, 512), "seq_len", "must be 128, 256 or 512"),
-            (len(SPECIAL_TOKENS) < self.vocab_size <= 1 << 24, "vocab_size", "must be between 6 and 16777216"),
-            (self.limit_alphabet > 0, "limit_alphabet", "must be > 0"),
-            (self.min_frequency > 0, "min_frequency", "must be > 0"),
-            (self.doc_format in ("blank", "line"), "doc_format", "must be 'blank' or 'line'"),
-            (self.tokenizer_sample_bytes >= SAMPLE_BLOCK, "tokenizer_sample_bytes", "must be >= 1 MiB"),
-            (self.shard_sequences > 0, "shard_sequences", "must be > 0"),
-            (self.batch_bytes > 0, "batch_bytes", "must be > 0"),
-        ]
-        for ok, name, rule in checks:
-            if not ok:
-                raise DataError(f"{name}: {rule}")
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -281,42 +246,6 @@ def sample_lines(sources: list[Source], budget: int, *, storage_client=None) -> 
 # -------------------------------------------------------------------------------------------- tokenizer
 
 
-def _bert_tokenizer(model, opts: PrepareOptions):
-    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
-
-    tok = Tokenizer(model)
-    tok.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, strip_accents=opts.strip_accents, lowercase=opts.lowercase)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    return tok
-
-
-def build_tokenizer(sources: list[Source], opts: PrepareOptions, *, storage_client=None,
-                    progress: Progress | None = None):
-    """Train a WordPiece tokenizer on a bounded sample (or load `opts.vocab_file`). Raises DataError."""
-    from tokenizers import models, trainers
-
-    if opts.vocab_file:
-        vocab = Path(opts.vocab_file)
-        try:
-            model = models.WordPiece.from_file(str(vocab), unk_token="[UNK]")
-        except Exception as exc:  # the Rust side raises a bare Exception for unreadable vocab files
-            raise DataError(f"{vocab}: cannot read the vocabulary ({exc})", path=str(vocab)) from exc
-        tok = _bert_tokenizer(model, opts)
-        missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
-        if missing:
-            raise DataError(f"{vocab}: vocabulary lacks the special token(s) {missing}", path=str(vocab))
-        return tok
-    tok = _bert_tokenizer(models.WordPiece(unk_token="[UNK]"), opts)
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=opts.vocab_size, min_frequency=opts.min_frequency, limit_alphabet=opts.limit_alphabet,
-        special_tokens=list(SPECIAL_TOKENS), continuing_subword_prefix="##", show_progress=False)
-    train_on_sample(tok, trainer, sources, opts.tokenizer_sample_bytes, storage_client=storage_client,
-                    progress=progress)
-    return tok
-
-
 def train_on_sample(tok, trainer, sources: list[Source], sample_bytes: int, *, storage_client=None,
                     progress: Progress | None = None) -> None:
     """Train `tok` with `trainer` on at most `sample_bytes` of the corpus (`sample_lines`, non-blank lines).
@@ -338,13 +267,13 @@ def train_on_sample(tok, trainer, sources: list[Source], sample_bytes: int, *, s
                         progress("tokenizer", written + len(data), budget)
                     written += len(data)
         if not written:
-            raise DataError(f"corpus is empty: {_names(sources)} has no text", path=sources[0].url if sources else None)
+            raise DataError(f"corpus is empty: {source_names(sources)} has no text", path=sources[0].url if sources else None)
         tok.train([str(path)], trainer=trainer)
     if progress:
         progress("tokenizer", budget, budget)
 
 
-def _names(sources: list[Source]) -> str:
+def source_names(sources: list[Source]) -> str:
     names = [s.url for s in sources[:3]]
     return ", ".join(names) + (f" and {len(sources) - 3} more" if len(sources) > 3 else "")
 
@@ -359,7 +288,7 @@ def _masked_crc(data: bytes) -> bytes:
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8 & 0xFFFFFFFF).to_bytes(4, "little")
 
 
-class _ShardWriter:
+class ShardWriter:
     """TFRecord shards of fixed-size records, rotated every `per_shard` records; renamed into place when full."""
 
     def __init__(self, out: Path, per_shard: int):
@@ -421,51 +350,6 @@ def stream_ids(carry, encodings: list, ends: list[bool], separator: int):
     return np.concatenate((carry, flat)), sum(ends)
 
 
-class _Packer:
-    """Packs token-id pieces into [CLS]-prefixed fixed-length sequences (see the module docstring)."""
-
-    def __init__(self, writer: _ShardWriter, seq_len: int, dtype: str, special: dict[str, int]):
-        import numpy as np
-
-        self.np, self.writer, self.seq_len = np, writer, seq_len
-        self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.cls, self.sep, self.pad, self.unk = (special[t] for t in ("[CLS]", "[SEP]", "[PAD]", "[UNK]"))
-        self.carry = np.empty(0, dtype=np.int64)
-        self.sequences = self.tokens = self.unk_tokens = self.documents = 0
-
-    def add(self, encodings: list, ends: list[bool]) -> None:
-        """Append a batch of `tokenizers.Encoding`s; `.ids` is read here, not in the thread that encodes,
-        so the encoder's next batch runs on all cores while this one is converted and written."""
-        buf, ended = stream_ids(self.carry, encodings, ends, self.sep)
-        self.documents += ended
-        body = self.seq_len - 1
-        n = len(buf) // body
-        self._emit(buf[: n * body].reshape(n, body))
-        self.carry = buf[n * body:]
-
-    def finish(self) -> None:
-        if len(self.carry):
-            row = self.np.full((1, self.seq_len - 1), self.pad, dtype=self.np.int64)
-            row[0, : len(self.carry)] = self.carry
-            self._emit(row, real=len(self.carry))
-            self.carry = self.carry[:0]
-        self.writer.close()
-
-    def _emit(self, bodies, real: int | None = None) -> None:
-        np = self.np
-        if not len(bodies):
-            return
-        seqs = np.empty((len(bodies), self.seq_len), dtype=self.dtype)
-        seqs[:, 0] = self.cls
-        seqs[:, 1:] = bodies
-        self.sequences += len(seqs)
-        self.tokens += seqs.size if real is None else real + 1
-        counted = bodies if real is None else bodies[:, :real]
-        self.unk_tokens += int((counted == self.unk).sum())
-        for row in seqs:
-            self.writer.write(row.tobytes())
-
-
 # ------------------------------------------------------------------------------------------ the pipeline
 
 
@@ -505,7 +389,7 @@ def _background(items: Iterable[Any], depth: int) -> Iterator[Any]:
         thread.join(timeout=5)
 
 
-def _text_batches(sources: list[Source], opts: PrepareOptions,
+def _text_batches(sources: list[Source], opts,
                   storage_client) -> Iterator[tuple[list[str], list[bool], int]]:
     """Pieces grouped into batches of ~batch_bytes characters, each with the bytes read so far (for progress)."""
     texts: list[str] = []
@@ -525,17 +409,6 @@ def _text_batches(sources: list[Source], opts: PrepareOptions,
         finished += s.size
     if texts:
         yield texts, ends, finished
-
-
-def prepare(corpus: Iterable[str], out_dir: str | Path, opts: PrepareOptions = PrepareOptions(), *,
-            storage_client=None, progress: Progress | None = None) -> Manifest:
-    """Tokenizer + shards + manifest in `out_dir` (a local directory, created if needed).
-
-    Re-running with unchanged inputs rewrites the same data. On failure the shards written by this call
-    are removed (and `out_dir` itself if this call created it) and no manifest is written. Blocks until
-    done. Raises DataError naming the file at fault.
-    """
-    return prepare_with(_prepare, corpus, out_dir, opts, storage_client=storage_client, progress=progress)
 
 
 def prepare_with(write, corpus: Iterable[str], out_dir: str | Path, opts, *, storage_client=None,
@@ -560,35 +433,7 @@ def prepare_with(write, corpus: Iterable[str], out_dir: str | Path, opts, *, sto
         raise
 
 
-def _prepare(sources: list[Source], out: Path, opts: PrepareOptions, storage_client,
-             progress: Progress | None) -> Manifest:
-    (out / MANIFEST_NAME).unlink(missing_ok=True)  # a directory without a manifest is incomplete
-    tok = build_tokenizer(sources, opts, storage_client=storage_client, progress=progress)
-    tok.model.save(str(out))
-    tok.save(str(out / TOKENIZER_NAME))
-    vocab_size = tok.get_vocab_size()
-    special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
-    writer = _ShardWriter(out, opts.shard_sequences)
-    packer = _Packer(writer, opts.seq_len, dtype, special)
-    encode_into(packer, writer, lambda texts, ends: (tok.encode_batch_fast(texts, add_special_tokens=False), ends),
-                sources, opts, storage_client, progress)
-    if packer.sequences == 0:
-        raise DataError(f"corpus is empty: {_names(sources)} has no text", path=sources[0].url)
-    return write_manifest(out, Manifest(
-        seq_len=opts.seq_len, vocab_size=vocab_size,
-        vocab_sha256=hashlib.sha256((out / VOCAB_NAME).read_bytes()).hexdigest(),
-        record_format=f"raw-{dtype}-le", special_ids=special,
-        tokenizer={"type": "wordpiece", "vocab_file": opts.vocab_file, "requested_vocab_size": opts.vocab_size,
-                   "lowercase": opts.lowercase, "strip_accents": opts.strip_accents,
-                   "limit_alphabet": opts.limit_alphabet, "min_frequency": opts.min_frequency,
-                   "sample_bytes": opts.tokenizer_sample_bytes},
-        doc_format=opts.doc_format, documents=packer.documents, sequences=packer.sequences,
-        tokens=packer.tokens, unk_tokens=packer.unk_tokens, raw_bytes=total_bytes(sources),
-        shards=tuple(writer.shards)))
-
-
-def encode_into(packer, writer: _ShardWriter, encode, sources: list[Source], opts, storage_client,
+def encode_into(packer, writer: ShardWriter, encode, sources: list[Source], opts, storage_client,
                 progress: Progress | None = None):
     """Stream the corpus through `encode(texts, ends) -> (encodings, ends)` (one encoding per text, or per run of
     texts it joined, with whether each ends its document) into `packer.add(encodings, ends)`, reading
@@ -638,13 +483,12 @@ def file_crc32c(path: Path) -> str:
     return base64.b64encode(crc.digest()).decode("ascii")
 
 
-def upload(local_dir: str | Path, url: str, *, storage_client=None, workers: int = 8,
-           progress: Progress | None = None, extra_files: Iterable[str] = (VOCAB_NAME, TOKENIZER_NAME),
-           manifest_format: str = FORMAT) -> tuple[int, int]:
+def upload(local_dir: str | Path, url: str, *, extra_files: Iterable[str], manifest_format: str, storage_client=None,
+           workers: int = 8, progress: Progress | None = None) -> tuple[int, int]:
     """Copy a prepared directory to `gs://bucket/prefix`; returns (uploaded, skipped) file counts.
 
-    Idempotent: objects already there with the same CRC32C are skipped. Shards and `extra_files` (vocabulary,
-    tokenizer) go up in parallel; the manifest goes last, so a reader that sees it sees complete data. Blocks.
+    Idempotent: objects already there with the same CRC32C are skipped. Shards and `extra_files` (the template's
+    tokenizer files) go up in parallel; the manifest goes last, so a reader that sees it sees complete data. Blocks.
     """
     from concurrent.futures import ThreadPoolExecutor
 

@@ -1,4 +1,6 @@
-"""BERT masked-LM pretraining: `python -m bert.train --config CONFIG.json [--replicas N]`.
+"""The language-model templates' training program, for an `Objective` (what a template trains: its config, model,
+batches and tokenizer files): `python -m TEMPLATE.train --config CONFIG.json [--replicas N]` is `main` with the
+template's objective (bert/train.py, gpt2/train.py).
 
 Reads one config file (config.py), the prepared data's manifest (refusing data that disagrees with the
 config or with the checkpoints already in `model_dir`), resolves the strategy (strategy.py), restores the
@@ -7,16 +9,16 @@ are written atomically every `trainer.checkpoint_every` steps, at the end, and a
 a notice (the file `TPUCTL_SAVE_REQUEST` names appears: save and go on; SIGTERM: save, then end by SIGTERM;
 templates/README.md "Save on notice"), and a rerun with the same
 config resumes from the latest one exactly: step counter, optimizer state, dropout's random state and the data
-order continue where they stopped (the checkpoint holds the sequences consumed; data.py skips them), so N steps
+order continue where they stopped (the checkpoint holds the sequences consumed; shards.py skips them), so N steps
 straight and N/2 + resume + N/2 give the same weights. A rerun after completion only re-exports.
 
 Output lines on stdout, one event per line, `key=value` fields separated by single spaces (values have no
-spaces); the first word says what the line is:
+spaces); the first word says what the line is (ACCURACY: the objective's `accuracy`, e.g. mlm_accuracy):
 
     start backend=jax strategy=tpu processes=2 hosts=2 devices=16 per_replica_batch=8 global_batch=128 step=0 max_steps=200 vocab_size=8000 seq_len=128
-    step=120 loss=6.1234 mlm_accuracy=0.0412 learning_rate=0.00012 examples_per_sec=812.3
+    step=120 loss=6.1234 ACCURACY=0.0412 learning_rate=0.00012 examples_per_sec=812.3
     checkpoint step=200 path=/model/checkpoints/ckpt-200
-    done step=200 loss=5.9876 mlm_accuracy=0.0833 export_dir=/model/export
+    done step=200 loss=5.9876 ACCURACY=0.0833 export_dir=/model/export
     stopped step=130 reason=sigterm     (after the checkpoint a SIGTERM asked for; the process then ends by SIGTERM)
     idle worker=3 reason=pod-slice-driven-by-worker-0     (TF: workers 1..N-1 of a multi-host TPU slice; exit 0)
 
@@ -26,12 +28,14 @@ a process, process 0 alone writes checkpoints, summaries and the export). Checkp
 
 `step=` lines come every `trainer.log_every` steps; loss and accuracy there are averages over the steps since
 the previous line; examples_per_sec counts global-batch examples over that window's wall time (the first
-window includes tracing and compilation). TensorBoard scalars (loss, mlm_accuracy, learning_rate,
+window includes tracing and compilation). TensorBoard scalars (loss, ACCURACY, learning_rate,
 examples_per_sec) go to `model_dir/tensorboard` at the same steps.
 
-Artifacts in `export_dir` (default `model_dir/export`): model.keras, vocab.txt, tokenizer.json,
-manifest.json, config.json (the resolved config), metrics.json (final step, loss, accuracy, throughput).
+Artifacts in `export_dir` (default `model_dir/export`): model.keras, the objective's `data_files()` (tokenizer,
+manifest), config.json (the resolved config), metrics.json (final step, loss, accuracy, throughput).
 Exit status: 0 done, 2 bad config or data (one `error: ...` line on stderr), 1 anything else.
+
+Light to import (the standard library and strategy.py): Keras may be imported only once run() has set its backend.
 """
 
 from __future__ import annotations
@@ -44,31 +48,28 @@ import math
 import os
 import sys
 
-from . import config as config_mod
-from .config import BertConfig
-from .shared import lmkit
-
-ConfigError, TemplateError = lmkit("errors").ConfigError, lmkit("errors").TemplateError
+from . import strategy as strategy_mod
+from .config import SectionedConfig
+from .errors import ConfigError, TemplateError
 
 RUN_STATE = "run.json"
-SHARD = lmkit("strategy").SHARD  # in an Objective's fsdp_layout: the dimension split over the devices
+SHARD = strategy_mod.SHARD  # in an Objective's fsdp_layout: the dimension split over the devices
 
 
 class Objective:
     """What a language-model template trains. run() does the rest (strategy on either backend, resume,
     checkpoints, progress lines, TensorBoard, export) for every template whose objective this is: BERT's masked
-    LM is this class; GPT-2's causal LM (gpt2/train.py) subclasses it. The template's `data` and `model` modules
-    are imported when first used: Keras may be imported only once run() has set its backend."""
+    LM (bert/train.py) and GPT-2's causal LM (gpt2/train.py) subclass it. The template's `data` and `model`
+    modules are imported when first used: Keras may be imported only once run() has set its backend."""
 
-    package = __package__  # the template's package, as imported here: "bert" on a worker
-    name = "bert"  # `python -m NAME.train`
-    accuracy = "mlm_accuracy"  # the compiled accuracy metric, as the progress lines and metrics.json name it
+    package = ""  # the template's package, as imported there (its __package__): "bert" on a worker
+    name = ""  # `python -m NAME.train`
+    accuracy = "accuracy"  # the compiled accuracy metric, as the progress lines and metrics.json name it
     no_weight_decay = ("bias", "gamma", "beta")  # variables AdamW leaves undecayed (biases, LayerNorm)
-    config = config_mod  # load() and with_overrides() of the template's config
-    # runtime.sharding fsdp: per weight (Keras path regex), the dimension split over the devices (lmkit
-    # strategy.shard_weights): lmkit's embeddings and attention, and BERT's feed-forward and MLM transform.
-    fsdp_layout = {**lmkit("strategy").TRANSFORMER_LAYOUT, r"layer\d+_intermediate/kernel": (SHARD, None),
-                   r"layer\d+_output/kernel": (None, SHARD), "mlm_transform/kernel": (SHARD, None)}
+    config = None  # the template's config module: load(), with_overrides() and build()
+    # runtime.sharding fsdp: per weight (Keras path regex), the dimension split over the devices
+    # (strategy.shard_weights); a template adds its feed-forward's to the embeddings' and attention's.
+    fsdp_layout = strategy_mod.TRANSFORMER_LAYOUT
 
     def module(self, name: str):
         return importlib.import_module(f"{self.package}.{name}")
@@ -82,38 +83,27 @@ class Objective:
     def trainer(self, model):
         """(what `fit` trains, its loss): by default the model itself, with the vocabulary cross-entropy of its
         logits. Either way the variables are the model's, and the model is what is checkpointed and exported."""
-        SparseSoftmaxCrossEntropy = lmkit("layers").SparseSoftmaxCrossEntropy
+        from .layers import SparseSoftmaxCrossEntropy
 
         # Per-token loss x weight, summed, / sum of weights: the mean over the predicted tokens only.
         return model, SparseSoftmaxCrossEntropy(reduction="mean_with_sample_weight")
 
     def dataset(self, cfg, manifest, batch_size: int, input_context, skip: int):
         """Batches of `batch_size` for `input_context`'s pipeline, after its first `skip` sequences (a resume's)."""
-        return self.module("data").make_dataset(
-            cfg.runtime.data_dir, manifest, batch_size, mask_rate=cfg.task.mask_rate,
-            max_predictions=cfg.task.predictions_per_seq, shuffle_buffer=cfg.trainer.shuffle_buffer,
-            input_context=input_context, seed=cfg.runtime.seed, skip=skip)
+        raise NotImplementedError
 
     def data_files(self) -> tuple[str, ...]:
         """The prepared data's files the export carries (tokenizer, manifest)."""
-        from .manifest import MANIFEST_NAME, TOKENIZER_NAME, VOCAB_NAME
-
-        return VOCAB_NAME, TOKENIZER_NAME, MANIFEST_NAME
+        raise NotImplementedError
 
     def batch_shapes(self, task, batch: int):
-        """One element of `dataset` as (shape, dtype) leaves: what the step is compiled for without data (the
-        masked LM: ids and mask [B, L], the gathered positions, their labels and weights [B, P])."""
-        seq, predictions = (batch, task.seq_len), (batch, task.predictions_per_seq)
-        return ({"input_ids": (seq, "int32"), "input_mask": (seq, "int32"),
-                 "masked_positions": (predictions, "int32")}, (predictions, "int32"), (predictions, "float32"))
+        """One element of `dataset` as (shape, dtype) leaves: what the step is compiled for without data."""
+        raise NotImplementedError
 
 
-MASKED_LM = Objective()
-
-
-def main(argv: list[str] | None = None, objective: Objective = MASKED_LM, description: str = "") -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {objective.name}.train",
-                                     description=description or __doc__.splitlines()[0])
+def main(argv: list[str] | None, objective: Objective, description: str) -> int:
+    """The template's `python -m NAME.train`: one config file, trained by run(). Returns the exit status."""
+    parser = argparse.ArgumentParser(prog=f"python -m {objective.name}.train", description=description)
     parser.add_argument("--config", required=True, help=f"JSON config file (see {objective.name}/config.py)")
     parser.add_argument("--replicas", type=int, default=None,
                         help="rehearse an N-core TPU on the CPU with N logical devices")
@@ -130,7 +120,7 @@ def main(argv: list[str] | None = None, objective: Objective = MASKED_LM, descri
     return 0
 
 
-def run(cfg: BertConfig, *, log=None, objective: Objective = MASKED_LM) -> dict:
+def run(cfg: SectionedConfig, *, log=None, objective: Objective) -> dict:
     """Train `objective` per `cfg` to max_steps (resuming if checkpoints exist) and export. Returns the final metrics.
 
     Blocks for the whole training. `log(line)` receives the progress lines (default: print to stdout).
@@ -150,13 +140,12 @@ def run(cfg: BertConfig, *, log=None, objective: Objective = MASKED_LM) -> dict:
             keras.config.set_dtype_policy(policy or keras.config.floatx())  # floatx: Keras' default policy
 
 
-def _train(cfg: BertConfig, log, objective: Objective) -> dict:
+def _train(cfg: SectionedConfig, log, objective: Objective) -> dict:
     """run's training, which leaves its dtype policy set."""
     emit = log or (lambda line: print(line, flush=True))
     rt = cfg.runtime
     if not rt.data_dir or not rt.model_dir:
         raise ConfigError("runtime", "data_dir and model_dir are required")
-    strategy_mod = lmkit("strategy")
 
     jax_backend = rt.framework == "jax"
     if not jax_backend:
@@ -174,21 +163,20 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
     if keras.backend.backend() != rt.framework:
         raise ConfigError("runtime.framework", f"{rt.framework} asked, but Keras was already imported with "
                           f"the {keras.backend.backend()} backend in this process; run the trainer in a fresh one")
-    checkpoints = lmkit("checkpoints")
-    Monitor, notices, Profile = lmkit("callbacks").Monitor, lmkit("callbacks").notices, lmkit("callbacks").Profile
-    from .data import join
-    from .model import WarmupLinearDecay
+    from . import checkpoints, layers
+    from .callbacks import Monitor, Profile, notices
+    from .shards import join
 
     manifest = objective.read_manifest(rt.data_dir)
     writer = resolved.process == 0  # JAX: every host trains, only process 0 writes
     cfg = _bind_model_dir(tf, cfg, manifest, objective, write=writer)
 
     if rt.sharding == "fsdp":
-        resolved = _shard_weights(strategy_mod, resolved, cfg.task, objective)
+        resolved = _shard_weights(resolved, cfg.task, objective)
     tr = cfg.trainer
     global_batch = tr.per_replica_batch_size * resolved.replicas
     peak = _peak_learning_rate(tr, global_batch)
-    schedule = WarmupLinearDecay(peak, tr.warmup_steps, tr.max_steps, peak * tr.end_learning_rate_fraction)
+    schedule = layers.WarmupLinearDecay(peak, tr.warmup_steps, tr.max_steps, peak * tr.end_learning_rate_fraction)
     precision = rt.mixed_precision if rt.mixed_precision != "auto" else (
         "mixed_bfloat16" if resolved.kind == "tpu" else "float32")
     keras.config.set_dtype_policy(precision)
@@ -196,12 +184,12 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
 
     strategy = resolved.strategy
     if jax_backend and resolved.kind == "tpu":
-        lmkit("layers").use_tpu_kernels(strategy.device_mesh.backend_mesh)
+        layers.use_tpu_kernels(strategy.device_mesh.backend_mesh)
     with strategy.scope():
         model = objective.build_model(cfg.task, manifest.vocab_size)
         trainer, loss = objective.trainer(model)
         if jax_backend:
-            lmkit("layers").use_remat(trainer, tr.remat_policy)
+            layers.use_remat(trainer, tr.remat_policy)
         # JAX always compiles the step (eager JAX is op by op); TF compiles on TPU by itself.
         optimizer = _compile(keras, trainer, loss, tr, schedule, objective,
                              jit_compile=jax_backend or (rt.jit_compile and resolved.kind != "tpu"))
@@ -265,7 +253,7 @@ def _train(cfg: BertConfig, log, objective: Objective) -> dict:
     return metrics
 
 
-def compile_target(config: dict, *, devices, vocab_size: int, objective: Objective = MASKED_LM) -> dict:
+def compile_target(config: dict, *, devices, vocab_size: int, objective: Objective) -> dict:
     """The training step as run() builds it, for compiling ahead of time for a slice that need not be here
     (`tpuctl fit`, template.json `fit`): the same model, trainer, loss, optimizer, precision and data-parallel
     sharding (state replicated, the batch split over `devices`, a mesh axis "batch" as Keras' DataParallel; under
@@ -282,7 +270,7 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from .model import WarmupLinearDecay
+    from . import layers
 
     if keras.backend.backend() != "jax":
         raise ConfigError("runtime.framework", "compile_target needs Keras' JAX backend (KERAS_BACKEND=jax)")
@@ -292,12 +280,12 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     keras.config.set_dtype_policy(precision)
     global_batch = tr.per_replica_batch_size * len(devices)
     peak = _peak_learning_rate(tr, global_batch)
-    schedule = WarmupLinearDecay(peak, tr.warmup_steps, tr.max_steps, peak * tr.end_learning_rate_fraction)
+    schedule = layers.WarmupLinearDecay(peak, tr.warmup_steps, tr.max_steps, peak * tr.end_learning_rate_fraction)
     model = objective.build_model(cfg.task, vocab_size)
     trainer, loss = objective.trainer(model)
     _compile(keras, trainer, loss, tr, schedule, objective, jit_compile=True)
     mesh = Mesh(np.array(devices), ("batch",))
-    lmkit("layers").use_tpu_kernels(mesh)  # compiled for a TPU, whatever this host's own devices are
+    layers.use_tpu_kernels(mesh)  # compiled for a TPU, whatever this host's own devices are
     replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
 
     def batch(per_device: int):
@@ -314,11 +302,11 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
                   for g, gs in zip(groups, shardings))
 
     def step_for(remat_policy: str):  # a fresh function each: jit would reuse a trace made under another policy
-        lmkit("layers").use_remat(trainer, remat_policy)
+        layers.use_remat(trainer, remat_policy)
         return jax.jit(lambda *a: trainer.train_step(*a), donate_argnums=0, out_shardings=(None, shardings))
 
     return {"step": step_for(tr.remat_policy), "step_for": step_for, "remat_policy": tr.remat_policy,
-            "remat_policies": list(lmkit("layers").REMAT),
+            "remat_policies": list(layers.REMAT),
             "state": state, "batch": batch, "per_device_batch": tr.per_replica_batch_size,
             "max_steps": tr.max_steps,
             "params": int(sum(np.prod(v.value.shape) for v in trainer.trainable_variables)),
@@ -347,12 +335,7 @@ def _fsdp_shardings(trainer, layout: dict, mesh) -> dict:
     return placed
 
 
-def fit_target(config: dict, *, devices, vocab_size: int) -> dict:
-    """template.json `fit`: BERT's masked LM as compile_target describes it."""
-    return compile_target(config, devices=devices, vocab_size=vocab_size)
-
-
-def _shard_weights(strategy_mod, resolved, task, objective: Objective):
+def _shard_weights(resolved, task, objective: Objective):
     """runtime.sharding fsdp: `resolved` with the weights split over its devices. Each split dimension (the
     hidden and feed-forward sizes) must divide evenly: JAX places no uneven split. Raises ConfigError."""
     devices = resolved.replicas
@@ -372,12 +355,13 @@ def _peak_learning_rate(tr, global_batch: int) -> float:
     return tr.learning_rate * (ratio if tr.lr_scaling == "linear" else 1.0)
 
 
-def _bind_model_dir(tf, cfg: BertConfig, manifest, objective: Objective, *, write: bool = True) -> BertConfig:
+def _bind_model_dir(tf, cfg: SectionedConfig, manifest, objective: Objective, *,
+                    write: bool = True) -> SectionedConfig:
     """Check the data against the config and against what model_dir was trained with; record that on first use.
 
     Returns `cfg` with the manifest's vocab_size. Raises DataError / ConfigError before anything is written.
     """
-    from .data import join
+    from .shards import join
 
     rt = cfg.runtime
     state_path = join(rt.model_dir, RUN_STATE)
@@ -404,7 +388,7 @@ def _compile(keras, model, loss, tr, schedule, objective: Objective, *, jit_comp
     examples' weights (BERT: the mask; GPT-2: all but each block's last position); slots built. In scope. The
     accuracy is Keras' on logits, computed in fewer passes, and the optimizer Keras' AdamW, in one kernel per
     variable without XLA (layers.py)."""
-    AdamW, TopOneAccuracy = lmkit("layers").AdamW, lmkit("layers").TopOneAccuracy
+    from .layers import AdamW, TopOneAccuracy
 
     optimizer = AdamW(
         learning_rate=schedule, weight_decay=tr.weight_decay, beta_1=tr.adam_beta_1, beta_2=tr.adam_beta_2,
@@ -419,7 +403,7 @@ def _compile(keras, model, loss, tr, schedule, objective: Objective, *, jit_comp
     return optimizer
 
 
-def _local_copy(keras, weights: list, cfg: BertConfig, vocab_size: int, objective: Objective):
+def _local_copy(keras, weights: list, cfg: SectionedConfig, vocab_size: int, objective: Objective):
     """The model with `weights` (this host's whole copies), outside the slice-wide distribution."""
     keras.distribution.set_distribution(None)  # training is over: variables on this host's default device
     local = objective.build_model(cfg.task, vocab_size)
@@ -446,9 +430,9 @@ def _write(tf, path: str, text: str) -> None:
         f.write(text)
 
 
-def _export(tf, model, cfg: BertConfig, data_dir: str, export_dir: str, metrics: dict,
+def _export(tf, model, cfg: SectionedConfig, data_dir: str, export_dir: str, metrics: dict,
             data_files: tuple[str, ...]) -> None:
-    from .data import join
+    from .shards import join
 
     tf.io.gfile.makedirs(export_dir)
     model.save(join(export_dir, "model.keras"))
@@ -457,6 +441,3 @@ def _export(tf, model, cfg: BertConfig, data_dir: str, export_dir: str, metrics:
     _write(tf, join(export_dir, "config.json"), json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     _write(tf, join(export_dir, "metrics.json"), json.dumps(metrics, indent=2, sort_keys=True))
 
-
-if __name__ == "__main__":
-    sys.exit(main())
