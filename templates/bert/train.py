@@ -51,9 +51,9 @@ class MaskedLM(_trainer.Objective):
             input_context=input_context, seed=cfg.runtime.seed, skip=skip)
 
     def data_files(self) -> tuple[str, ...]:
-        from .manifest import MANIFEST_NAME, TOKENIZER_NAME, VOCAB_NAME
+        from .manifest import TOKENIZER_NAME, VOCAB_NAME
 
-        return VOCAB_NAME, TOKENIZER_NAME, MANIFEST_NAME
+        return VOCAB_NAME, TOKENIZER_NAME, lmkit("manifest").MANIFEST_NAME
 
     def batch_shapes(self, task, batch: int):
         """data.make_dataset's element: ids and mask [B, L], the gathered positions, their labels and weights [B, P]."""
