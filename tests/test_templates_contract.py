@@ -58,7 +58,8 @@ def test_a_builtins_bundle_ships_itself_and_lmkit_only_and_its_program_imports_f
         tar.extractall(tmp_path / "bundle", filter="data")
     # As a worker runs it (the bundle's root on the path, no TensorFlow needed to load the program): the light
     # modules load, every template module from the bundle, lmkit's too, none from the installed tpuctl.
-    probe = (f"import sys; sys.path.insert(0, '.'); import {name}.train, {name}.prepare, {name}.export; "
+    probe = (f"import sys; sys.path.insert(0, '.'); "
+             f"import {name}.config, {name}.train, {name}.prepare, {name}.export; "
              f"{name}.config.build({{'preset': '{template.default_preset}'}}); "
              "import json; print(json.dumps([m for m in sys.modules if m.split('.')[0] in ('bert', 'gpt2', 'lmkit')"
              " or m.startswith('tpuctl.templates')]))")

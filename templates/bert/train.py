@@ -6,15 +6,11 @@ BERT's objective: the masked LM of model.py on the dynamically masked batches of
 disagrees with the config or with `model_dir`'s checkpoints. Safe to kill at any moment; a rerun with the same
 config resumes exactly.
 
-Output lines on stdout (lmkit/trainer.py says what each means), with `mlm_accuracy` the accuracy at the masked
-positions:
+Output lines on stdout are lmkit/trainer.py's (start, step, checkpoint, done, stopped, idle), with
+`mlm_accuracy` the accuracy at the masked positions:
 
-    start backend=jax strategy=tpu processes=2 hosts=2 devices=16 per_replica_batch=8 global_batch=128 step=0 max_steps=200 vocab_size=8000 seq_len=128
     step=120 loss=6.1234 mlm_accuracy=0.0412 learning_rate=0.00012 examples_per_sec=812.3
-    checkpoint step=200 path=/model/checkpoints/ckpt-200
     done step=200 loss=5.9876 mlm_accuracy=0.0833 export_dir=/model/export
-    stopped step=130 reason=sigterm     (after the checkpoint a SIGTERM asked for; the process then ends by SIGTERM)
-    idle worker=3 reason=pod-slice-driven-by-worker-0     (TF: workers 1..N-1 of a multi-host TPU slice; exit 0)
 
 Artifacts in `export_dir` (default `model_dir/export`): model.keras, vocab.txt, tokenizer.json,
 manifest.json, config.json (the resolved config), metrics.json (final step, loss, accuracy, throughput).
@@ -25,8 +21,6 @@ from __future__ import annotations
 
 import sys
 
-from . import config as config_mod
-from .config import BertConfig
 from .shared import lmkit
 
 _trainer = lmkit("trainer")
@@ -37,9 +31,7 @@ class MaskedLM(_trainer.Objective):
     """BERT's part of the program: its config, model, masked batches and tokenizer files."""
 
     package = __package__  # "bert" on a worker
-    name = "bert"
     accuracy = "mlm_accuracy"
-    config = config_mod
     # runtime.sharding fsdp: lmkit's embeddings and attention, and BERT's feed-forward and MLM transform.
     fsdp_layout = {**_trainer.Objective.fsdp_layout, r"layer\d+_intermediate/kernel": (SHARD, None),
                    r"layer\d+_output/kernel": (None, SHARD), "mlm_transform/kernel": (SHARD, None)}
@@ -63,21 +55,7 @@ class MaskedLM(_trainer.Objective):
 
 
 MASKED_LM = MaskedLM()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return _trainer.main(argv, MASKED_LM, description=__doc__.splitlines()[0])
-
-
-def run(cfg: BertConfig, *, log=None) -> dict:
-    """Train per `cfg` to max_steps (resuming if checkpoints exist) and export; returns the final metrics.
-    Blocks; see lmkit/trainer.py run for what it raises and returns."""
-    return _trainer.run(cfg, log=log, objective=MASKED_LM)
-
-
-def fit_target(config: dict, *, devices, vocab_size: int) -> dict:
-    """template.json `fit`: the masked LM's step, as lmkit/trainer.py compile_target describes it."""
-    return _trainer.compile_target(config, devices=devices, vocab_size=vocab_size, objective=MASKED_LM)
+main, run, fit_target = MASKED_LM.main, MASKED_LM.run, MASKED_LM.fit_target  # the program, the library's call, `fit`
 
 
 if __name__ == "__main__":

@@ -63,13 +63,21 @@ class Objective:
     modules are imported when first used: Keras may be imported only once run() has set its backend."""
 
     package = ""  # the template's package, as imported there (its __package__): "bert" on a worker
-    name = ""  # `python -m NAME.train`
     accuracy = "accuracy"  # the compiled accuracy metric, as the progress lines and metrics.json name it
     no_weight_decay = ("bias", "gamma", "beta")  # variables AdamW leaves undecayed (biases, LayerNorm)
-    config = None  # the template's config module: load(), with_overrides() and build()
     # runtime.sharding fsdp: per weight (Keras path regex), the dimension split over the devices
     # (strategy.shard_weights); a template adds its feed-forward's to the embeddings' and attention's.
     fsdp_layout = strategy_mod.TRANSFORMER_LAYOUT
+
+    @property
+    def name(self) -> str:
+        """The template's name: `python -m NAME.train`."""
+        return self.package.rpartition(".")[2]
+
+    @property
+    def config(self):
+        """The template's config module: load(), build() and with_overrides()."""
+        return self.module("config")
 
     def module(self, name: str):
         return importlib.import_module(f"{self.package}.{name}")
@@ -100,10 +108,26 @@ class Objective:
         """One element of `dataset` as (shape, dtype) leaves: what the step is compiled for without data."""
         raise NotImplementedError
 
+    # The template's train module exports these three: its program (`python -m NAME.train`), the library's call
+    # and template.json `fit`.
+    def main(self, argv: list[str] | None = None) -> int:
+        return main(argv, self)
 
-def main(argv: list[str] | None, objective: Objective, description: str) -> int:
-    """The template's `python -m NAME.train`: one config file, trained by run(). Returns the exit status."""
-    parser = argparse.ArgumentParser(prog=f"python -m {objective.name}.train", description=description)
+    def run(self, cfg, *, log=None) -> dict:
+        """Train per `cfg` to max_steps (resuming if checkpoints exist) and export; returns the final metrics.
+        Blocks; see the module's run() for what it raises and returns."""
+        return run(cfg, log=log, objective=self)
+
+    def fit_target(self, config: dict, *, devices, vocab_size: int) -> dict:
+        """template.json `fit`: this objective's step, as compile_target describes it."""
+        return compile_target(config, devices=devices, vocab_size=vocab_size, objective=self)
+
+
+def main(argv: list[str] | None, objective: Objective) -> int:
+    """`python -m NAME.train` for `objective` (its `main`): one config file, trained by run(). Returns the exit
+    status. `--help` says the first line of the template's train module's docstring."""
+    doc = sys.modules[type(objective).__module__].__doc__ or ""  # "__main__" under `python -m`: that module
+    parser = argparse.ArgumentParser(prog=f"python -m {objective.name}.train", description=doc.partition("\n")[0])
     parser.add_argument("--config", required=True, help=f"JSON config file (see {objective.name}/config.py)")
     parser.add_argument("--replicas", type=int, default=None,
                         help="rehearse an N-core TPU on the CPU with N logical devices")
