@@ -42,16 +42,17 @@ def test_builtins_declare_every_part():
     assert [p.name for p in found["bert"].uses] == ["lmkit"]
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2"])
-def test_a_builtins_bundle_ships_itself_and_lmkit_only_and_its_program_imports_from_them(tmp_path, name):
-    """Neither built-in imports the other: each gets what they share from lmkit, as a user's template does."""
+@pytest.mark.parametrize("name", ["bert", "gpt2", "mine"])
+def test_a_bundle_ships_the_template_and_lmkit_only_and_its_program_imports_from_them(tmp_path, name):
+    """Neither built-in imports the other: each gets what they share from lmkit, as a user's template begun as a
+    copy of bert (`mine`) does."""
     import subprocess
     import sys
     import tarfile
 
     from tpuctl.jobs import bundle
 
-    template = contract.find(name)
+    template = contract.find(str(copy_template(tmp_path / "src", name)) if name == "mine" else name)
     job = bundle.JobDescription(run="b", project="p", bucket="b", module=template.entry_module, config={})
     with tarfile.open(bundle.build(template.root, job, tmp_path, packages=template.uses).path) as tar:
         assert {m.name.split("/")[0] for m in tar.getmembers()} == {"job.json", "tpuctl_agent", name, "lmkit"}
@@ -61,13 +62,13 @@ def test_a_builtins_bundle_ships_itself_and_lmkit_only_and_its_program_imports_f
     probe = (f"import sys; sys.path.insert(0, '.'); "
              f"import {name}.config, {name}.train, {name}.prepare, {name}.export; "
              f"{name}.config.build({{'preset': '{template.default_preset}'}}); "
-             "import json; print(json.dumps([m for m in sys.modules if m.split('.')[0] in ('bert', 'gpt2', 'lmkit')"
-             " or m.startswith('tpuctl.templates')]))")
+             f"import json; print(json.dumps([m for m in sys.modules if m.split('.')[0] in ('{name}', 'bert', 'gpt2', "
+             "'lmkit') or m.startswith('tpuctl.templates')]))")
     r = subprocess.run([sys.executable, "-I", "-c", probe], cwd=tmp_path / "bundle", capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     loaded = json.loads(r.stdout.strip().splitlines()[-1])
-    assert {m.split(".")[0] for m in loaded} == {name, "lmkit"}, loaded
+    assert {m.split(".")[0] for m in loaded} == {name, "lmkit"}, loaded  # not tpuctl's, nor the other template
     assert {"lmkit.trainer", "lmkit.config", "lmkit.prepare", "lmkit.hf_export"} <= set(loaded), loaded
 
 

@@ -41,7 +41,7 @@ class PrepareOptions:
     seq_len: int = 1024
     min_frequency: int = 2
     doc_format: str = "blank"
-    # Half BERT's (bert/prepare.py): on bench/peers.py's 100 MB corpus a 32 MiB sample trains 50257-token BPE in ~4 s instead of
+    # Half BERT's: on bench/peers.py's 100 MB corpus a 32 MiB sample trains 50257-token BPE in ~4 s instead of
     # ~6.5 s and encodes the corpus into 0.19% more tokens than a 64 MiB one (--sample-mb raises it).
     tokenizer_sample_bytes: int = 32 << 20
     shard_sequences: int = 16384
