@@ -250,7 +250,7 @@ def train_worker(family: str, jit: bool, steps: int, rounds: int) -> dict:
         if who == "keras-hub":  # what keras-hub's compile(loss="auto", weighted_metrics="auto") picks
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
             metric, optimizer = keras.metrics.SparseCategoricalAccuracy(), keras.optimizers.AdamW(1e-4)
-        else:  # what bert/train.py trains and compiles for the template: its trainer, loss, metric and optimizer
+        else:  # what lmkit/trainer.py trains and compiles for the template: its trainer, loss, metric and optimizer
             net, loss = objective.trainer(net)
             metric, optimizer = TopOneAccuracy(), AdamW(1e-4)
         net.compile(optimizer=optimizer, loss=loss, weighted_metrics=[metric],

@@ -111,7 +111,7 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
     if side == "tpuctl" and variant.get("remat"):
         config.update(trainer={"remat_policy": variant["remat"]}, runtime={"framework": "jax"})
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu", **options).devices
-    from bert.train import compile_target
+    from lmkit.trainer import compile_target
 
     objective = _keras_hub_objective(template) if side == "keras-hub" else (
         __import__("gpt2.train").train.CAUSAL_LM if template == "gpt2" else __import__("bert.train").train.MASKED_LM)

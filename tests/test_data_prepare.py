@@ -20,8 +20,10 @@ from click.testing import CliRunner
 from tpuctl import console
 from tpuctl.cli import cli
 from tpuctl.templates.bert import prepare as prep
+from tpuctl.templates.lmkit import prepare as shared_prep
 from tpuctl.templates.lmkit.errors import DataError
-from tpuctl.templates.bert.manifest import SPECIAL_TOKENS, Manifest
+from tpuctl.templates.bert.manifest import FORMAT, SPECIAL_TOKENS
+from tpuctl.templates.lmkit.manifest import Manifest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,7 +105,7 @@ def test_packed_sequences_have_cls_fixed_length_and_padding_only_at_the_very_end
 
 def test_manifest_records_shards_counts_and_vocab_hash(prepared):
     out, manifest = prepared
-    on_disk = Manifest.from_json((out / "manifest.json").read_text(), where="m")
+    on_disk = Manifest.from_json((out / "manifest.json").read_text(), where="m", expect=FORMAT)
     assert on_disk == manifest
     assert len(manifest.shards) > 1 and all(s.sequences <= 256 for s in manifest.shards)
     assert sum(s.sequences for s in manifest.shards) == manifest.sequences
@@ -111,7 +113,7 @@ def test_manifest_records_shards_counts_and_vocab_hash(prepared):
     import hashlib
 
     assert manifest.vocab_sha256 == hashlib.sha256((out / "vocab.txt").read_bytes()).hexdigest()
-    assert all(s.crc32c == prep.file_crc32c(out / s.path) for s in manifest.shards)
+    assert all(s.crc32c == shared_prep.file_crc32c(out / s.path) for s in manifest.shards)
     assert manifest.tokenizer["limit_alphabet"] == 4000 and manifest.tokenizer["strip_accents"] is False
     assert not list(out.glob(".*partial"))
 
@@ -137,11 +139,11 @@ def test_an_existing_vocab_file_is_used_as_is(tmp_path, prepared, corpus):
 
 def test_tokenizer_sample_is_bounded_and_spread_over_all_files(tmp_path):
     files = [write_corpus(tmp_path / f"c{i}.txt", documents=3000, seed=i) for i in range(3)]
-    sources = prep.expand([str(tmp_path / "c*.txt")])
+    sources = shared_prep.expand([str(tmp_path / "c*.txt")])
     assert [s.url for s in sources] == [str(f) for f in files]
-    budget = prep.SAMPLE_BLOCK
+    budget = shared_prep.SAMPLE_BLOCK
     assert sum(s.size for s in sources) > 2 * budget
-    lines = list(prep.sample_lines(sources, budget))
+    lines = list(shared_prep.sample_lines(sources, budget))
     assert sum(len(ln.encode()) + 1 for ln in lines) <= budget
     for f in files:
         own = set(f.read_text().splitlines())
@@ -153,8 +155,8 @@ def test_tokenizer_sample_is_bounded_and_spread_over_all_files(tmp_path):
 def test_huge_lines_are_cut_into_bounded_pieces(tmp_path):
     f = tmp_path / "long.txt"
     f.write_text(" ".join(["word"] * 40000) + "\n")
-    pieces = list(prep.iter_pieces(prep.Source(str(f), f.stat().st_size), "blank"))
-    assert len(pieces) > 1 and all(len(t) <= prep.MAX_PIECE_CHARS for t, _ in pieces)
+    pieces = list(shared_prep.iter_pieces(shared_prep.Source(str(f), f.stat().st_size), "blank"))
+    assert len(pieces) > 1 and all(len(t) <= shared_prep.MAX_PIECE_CHARS for t, _ in pieces)
     assert [end for _, end in pieces] == [False] * (len(pieces) - 1) + [True]
 
 

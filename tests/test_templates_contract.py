@@ -38,8 +38,38 @@ def test_builtins_declare_every_part():
         assert t.validate_config is not None and t.data is not None and t.outputs.checkpoints
         assert t.data.manifest == "manifest.json" and callable(t.data.prepare) and callable(t.data.upload)
     assert found["bert"].data.tokenizer == "wordpiece" and found["gpt2"].data.tokenizer == "byte-bpe"
-    assert [p.name for p in found["gpt2"].uses] == ["bert", "lmkit"]
+    assert [p.name for p in found["gpt2"].uses] == ["lmkit"]
     assert [p.name for p in found["bert"].uses] == ["lmkit"]
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "mine"])
+def test_a_bundle_ships_the_template_and_lmkit_only_and_its_program_imports_from_them(tmp_path, name):
+    """Neither built-in imports the other: each gets what they share from lmkit, as a user's template begun as a
+    copy of bert (`mine`) does."""
+    import subprocess
+    import sys
+    import tarfile
+
+    from tpuctl.jobs import bundle
+
+    template = contract.find(str(copy_template(tmp_path / "src", name)) if name == "mine" else name)
+    job = bundle.JobDescription(run="b", project="p", bucket="b", module=template.entry_module, config={})
+    with tarfile.open(bundle.build(template.root, job, tmp_path, packages=template.uses).path) as tar:
+        assert {m.name.split("/")[0] for m in tar.getmembers()} == {"job.json", "tpuctl_agent", name, "lmkit"}
+        tar.extractall(tmp_path / "bundle", filter="data")
+    # As a worker runs it (the bundle's root on the path, no TensorFlow needed to load the program): the light
+    # modules load, every template module from the bundle, lmkit's too, none from the installed tpuctl.
+    probe = (f"import sys; sys.path.insert(0, '.'); "
+             f"import {name}.config, {name}.train, {name}.prepare, {name}.export; "
+             f"{name}.config.build({{'preset': '{template.default_preset}'}}); "
+             f"import json; print(json.dumps([m for m in sys.modules if m.split('.')[0] in ('{name}', 'bert', 'gpt2', "
+             "'lmkit') or m.startswith('tpuctl.templates')]))")
+    r = subprocess.run([sys.executable, "-I", "-c", probe], cwd=tmp_path / "bundle", capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {m.split(".")[0] for m in loaded} == {name, "lmkit"}, loaded  # not tpuctl's, nor the other template
+    assert {"lmkit.trainer", "lmkit.config", "lmkit.prepare", "lmkit.hf_export"} <= set(loaded), loaded
 
 
 @pytest.mark.parametrize("part", sorted(contract.REQUIRED[""]))

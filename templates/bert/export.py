@@ -24,84 +24,17 @@ The tokenizer keeps the casing and accent choices the vocabulary was built with 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from .manifest import FORMAT, MANIFEST_NAME, TOKENIZER_NAME, VOCAB_NAME, Manifest
+from .manifest import FORMAT, TOKENIZER_NAME, VOCAB_NAME
 from .shared import lmkit
-from .train import RUN_STATE  # run.json: the task that model_dir was trained with (train.py is light to import)
 
-_portable = lmkit("portable")
-INDEX, model_arrays, parse_index, step_of = _portable.INDEX, _portable.model_arrays, _portable.parse_index, _portable.step_of
+_export = lmkit("hf_export")
+join = _export.join
+Manifest, MANIFEST_NAME = lmkit("manifest").Manifest, lmkit("manifest").MANIFEST_NAME
 
 LAYER_NORM_EPSILON = 1e-12  # model.py's LayerNormalization epsilon everywhere (the published BERT's)
 TYPE_VOCAB_SIZE = 2
-
-
-def join(base: str, name: str) -> str:
-    return base.rstrip("/") + "/" + name
-
-
-def read_json(run, url: str) -> dict:
-    try:
-        return json.loads(run.read(url))
-    except ValueError as exc:
-        raise ValueError(f"{url}: not JSON ({exc})") from exc
-
-
-def latest_checkpoint(run) -> tuple[int, dict]:
-    """(step, model arrays by Keras path) of the newest checkpoint in `run.model_dir`. Raises FileNotFoundError
-    when there is none (the index or the file it names is missing)."""
-    ckpt_dir = join(run.model_dir, "checkpoints")
-    names = parse_index(run.read(join(ckpt_dir, INDEX)).decode())
-    if not names:
-        raise FileNotFoundError(f"{join(ckpt_dir, INDEX)} names no checkpoint")
-    step = step_of(names[0])
-    if step is None:
-        raise ValueError(f"{join(ckpt_dir, names[0])} is not a portable .npz checkpoint (written by another "
-                         "version of the template)")
-    return step, model_arrays(run.read(join(ckpt_dir, names[0])))
-
-
-def task_of(run) -> dict:
-    """The task the checkpoints were trained with (vocab_size resolved), from model_dir/run.json."""
-    return read_json(run, join(run.model_dir, RUN_STATE))["task"]
-
-
-def take(weights: dict, name: str, shape: tuple):
-    """One checkpoint array, checked against the shape the task implies. Raises ValueError."""
-    if name not in weights:
-        raise ValueError(f"the checkpoint has no variable {name!r}: it was written by another model")
-    value = weights[name]
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"checkpoint variable {name!r} has shape {tuple(value.shape)}, the task implies {shape}")
-    return value
-
-
-def dense(weights: dict, name: str, n_in: int, n_out: int):
-    """A Keras kernel stored [in, ...] (Dense, or MultiHeadAttention's Q/K/V [in, heads, head_dim]) flattened to
-    [in, out]: Keras' own and GPT-2's Conv1D layout; a torch Linear weight is its transpose."""
-    return weights[name].reshape(n_in, n_out)
-
-
-def require() -> None:
-    """Import the laptop-side libraries first (ImportError), so a missing one fails before anything is written."""
-    import numpy  # noqa: F401
-    import safetensors.numpy  # noqa: F401
-    import tokenizers  # noqa: F401
-
-
-def write_safetensors(tensors: dict, path: Path) -> None:
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    # "format": "pt" is the metadata transformers expects of a PyTorch-loadable safetensors file.
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, str(path),
-              metadata={"format": "pt"})
-
-
-def write_json(path: Path, doc: dict) -> None:
-    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def hf_tensors(weights: dict, task: dict) -> dict:
@@ -111,7 +44,7 @@ def hf_tensors(weights: dict, task: dict) -> dict:
 
     h = task["hidden_size"]
     for name, shape in _keras_shapes(task).items():
-        take(weights, name, shape)
+        _export.take(weights, name, shape)
     out = {
         "bert.embeddings.word_embeddings.weight": weights["token_embedding/embeddings"],
         "bert.embeddings.position_embeddings.weight": weights["position_embedding/positions"],
@@ -127,7 +60,7 @@ def hf_tensors(weights: dict, task: dict) -> dict:
     for layer in range(task["num_layers"]):
         ours, theirs = f"layer{layer}", f"bert.encoder.layer.{layer}"
         for part in ("query", "key", "value"):
-            out[f"{theirs}.attention.self.{part}.weight"] = dense(weights, f"{ours}_attention/{part}/kernel", h, h).T
+            out[f"{theirs}.attention.self.{part}.weight"] = _export.dense(weights, f"{ours}_attention/{part}/kernel", h, h).T
             out[f"{theirs}.attention.self.{part}.bias"] = weights[f"{ours}_attention/{part}/bias"].reshape(h)
         out[f"{theirs}.attention.output.dense.weight"] = \
             weights[f"{ours}_attention/attention_output/kernel"].reshape(h, h).T
@@ -150,30 +83,7 @@ def _keras_shapes(task: dict) -> dict:
             "position_embedding/positions": (L, h), "embedding_norm/gamma": (h,), "embedding_norm/beta": (h,),
             "mlm_transform/kernel": (h, h), "mlm_transform/bias": (h,), "mlm_norm/gamma": (h,),
             "mlm_norm/beta": (h,),
-            **layer_shapes(task, norms=("attention_norm", "output_norm"), mlp=("intermediate", "output"))}
-
-
-def layer_shapes(task: dict, *, norms: tuple[str, str], mlp: tuple[str, str]) -> dict:
-    """The transformer layers' variables as model.py names them (`layer{i}_...`), with their shapes: attention,
-    the two layer norms `norms` and the feed-forward pair `mlp` (in, out). GPT-2's layers differ only in names."""
-    h, n, i = task["hidden_size"], task["num_heads"], task["intermediate_size"]
-    d = h // n
-    shapes = {}
-    for layer in range(task["num_layers"]):
-        p = f"layer{layer}"
-        for part in ("query", "key", "value"):
-            shapes[f"{p}_attention/{part}/kernel"] = (h, n, d)
-            shapes[f"{p}_attention/{part}/bias"] = (n, d)
-        shapes[f"{p}_attention/attention_output/kernel"] = (n, d, h)
-        shapes[f"{p}_attention/attention_output/bias"] = (h,)
-        for norm in norms:
-            shapes[f"{p}_{norm}/gamma"] = (h,)
-            shapes[f"{p}_{norm}/beta"] = (h,)
-        shapes[f"{p}_{mlp[0]}/kernel"] = (h, i)
-        shapes[f"{p}_{mlp[0]}/bias"] = (i,)
-        shapes[f"{p}_{mlp[1]}/kernel"] = (i, h)
-        shapes[f"{p}_{mlp[1]}/bias"] = (h,)
-    return shapes
+            **_export.layer_shapes(task, norms=("attention_norm", "output_norm"), mlp=("intermediate", "output"))}
 
 
 def hf_config(task: dict, manifest: Manifest) -> dict:
@@ -207,27 +117,27 @@ def tokenizer_files(run, out_dir: Path, manifest: Manifest, seq_len: int) -> Non
     lowercase = bool(manifest.tokenizer.get("lowercase", True))
     special = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
                "mask_token": "[MASK]"}
-    write_json(out_dir / "tokenizer_config.json", {
+    _export.write_json(out_dir / "tokenizer_config.json", {
         "tokenizer_class": "BertTokenizer", "do_lower_case": lowercase,
         "strip_accents": manifest.tokenizer.get("strip_accents"), "tokenize_chinese_chars": True,
         "do_basic_tokenize": True, "never_split": None, "model_max_length": seq_len,
         "clean_up_tokenization_spaces": False, **special})
-    write_json(out_dir / "special_tokens_map.json", special)
+    _export.write_json(out_dir / "special_tokens_map.json", special)
 
 
 def to_hf(run, out_dir) -> list[str]:
     """Write the Hugging Face export of `run` (a contract.RunFiles: model_dir, data_dir, read) into `out_dir`.
     Returns the file names written. Raises FileNotFoundError (no checkpoint, no run.json, no data files) or
     ValueError (a checkpoint of another model). Blocks for the reads; idempotent (files are overwritten)."""
-    require()
+    _export.require()
     out = Path(out_dir)
-    task = task_of(run)
+    task = _export.task_of(run)
     manifest = Manifest.from_json(run.read(join(run.data_dir, MANIFEST_NAME)).decode("utf-8"),
                                   where=join(run.data_dir, MANIFEST_NAME), expect=FORMAT)
-    step, weights = latest_checkpoint(run)
+    step, weights = _export.latest_checkpoint(run)
     tensors = hf_tensors(weights, task)
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(tensors, out / "model.safetensors")
-    write_json(out / "config.json", {**hf_config(task, manifest), "tpuctl_step": step})
+    _export.write_safetensors(tensors, out / "model.safetensors")
+    _export.write_json(out / "config.json", {**hf_config(task, manifest), "tpuctl_step": step})
     tokenizer_files(run, out, manifest, task["seq_len"])
     return sorted(p.name for p in out.iterdir())

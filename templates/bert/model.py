@@ -111,20 +111,3 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
     logits = embedding(x, reverse=True)
     return keras.Model({"input_ids": ids, "input_mask": mask, "masked_positions": positions}, logits, name="bert_mlm")
 
-
-@keras.saving.register_keras_serializable(package="bert")
-class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warm-up from 0 to `peak` over `warmup_steps`, then linear decay to `end` at `total_steps`."""
-
-    def __init__(self, peak: float, warmup_steps: int, total_steps: int, end: float):
-        self.peak, self.warmup_steps, self.total_steps, self.end = peak, warmup_steps, total_steps, end
-
-    def __call__(self, step):
-        step = ops.cast(step, "float32")
-        warm = self.peak * step / max(self.warmup_steps, 1)
-        frac = ops.clip((step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1), 0.0, 1.0)
-        decay = self.peak + (self.end - self.peak) * frac
-        return ops.where(step < self.warmup_steps, warm, decay)
-
-    def get_config(self):
-        return {"peak": self.peak, "warmup_steps": self.warmup_steps, "total_steps": self.total_steps, "end": self.end}

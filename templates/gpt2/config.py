@@ -1,8 +1,8 @@
-"""The GPT-2 program's configuration: the BERT template's file shape, trainer and runtime sections; its own task.
+"""The GPT-2 program's configuration: lmkit's file shape (lmkit/config.py), trainer and runtime sections; its own task.
 
     {"preset": "gpt2-tiny", "task": {...}, "trainer": {...}, "runtime": {...}}
 
-Resolution: dataclass defaults (GPT-2 small shaped task; trainer/runtime defaults of bert/config.py), then the
+Resolution: dataclass defaults (GPT-2 small shaped task; lmkit's trainer/runtime defaults), then the
 named preset (`presets` in template.json), then the file's sections. Unknown keys are refused.
 
 Pure stdlib: imported on TPU workers and by tpuctl on a laptop without TensorFlow.
@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .shared import bert, lmkit
+from .shared import lmkit
 
-_bert_config = bert("config")
-ConfigError = lmkit("errors").ConfigError
-TrainerConfig, RuntimeConfig = _bert_config.TrainerConfig, _bert_config.RuntimeConfig
+_config = lmkit("config")
+ConfigError = _config.ConfigError
+TrainerConfig, RuntimeConfig = _config.TrainerConfig, _config.RuntimeConfig
 
 
 @dataclass(frozen=True)
@@ -36,40 +36,37 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
-class Gpt2Config(_bert_config.SectionedConfig):
+class Gpt2Config(_config.SectionedConfig):
     task: TaskConfig = field(default_factory=TaskConfig)
 
 
-PRESETS = _bert_config.read_presets(Path(__file__).parent)
+PRESETS = _config.read_presets(Path(__file__).parent)
 
 
 def build(data: dict[str, Any]) -> Gpt2Config:
     """Defaults, then `data["preset"]`, then the sections of `data`; validated. Raises ConfigError (with
     `field` and `rule`: tpuctl runs this on the same config before it creates anything)."""
-    return _bert_config.build_sections(Gpt2Config, data, PRESETS, validate)
+    return _config.build_sections(Gpt2Config, data, PRESETS, validate)
 
 
 def load(path: str | Path) -> Gpt2Config:
-    return build(_bert_config.read_json(path))
+    return build(_config.read_json(path))
 
 
 def with_overrides(cfg: Gpt2Config, **sections: dict[str, Any]) -> Gpt2Config:
     """A copy with some fields of some sections replaced, validated."""
-    return _bert_config.override(cfg, sections, validate)
+    return _config.override(cfg, sections, validate)
 
 
 def validate(cfg: Gpt2Config) -> None:
-    """Static, TPU-friendly shapes. Trainer and runtime follow BERT's rules (checked by its validator)."""
+    """Static, TPU-friendly shapes: the task's rules, then lmkit's trainer and runtime rules. Raises ConfigError."""
     t = cfg.task
-    checks = [
+    _config.check([
         (t.seq_len >= 8 and t.seq_len % 8 == 0, "task.seq_len", "must be a positive multiple of 8 (1024 for GPT-2)"),
-        *_bert_config.transformer_checks(t),
+        *_config.transformer_checks(t),
         (t.layer_norm_epsilon > 0, "task.layer_norm_epsilon", "must be > 0"),
-    ]
-    for ok, name, rule in checks:
-        if not ok:
-            raise ConfigError(name, rule)
-    _bert_config.validate(_bert_config.BertConfig(trainer=cfg.trainer, runtime=cfg.runtime))
+        *_config.trainer_runtime_checks(cfg.trainer, cfg.runtime),
+    ])
 
 
 def parameter_count(preset: str, vocab_size: int = 50257) -> int:

@@ -1,7 +1,7 @@
 """The tf.data input pipeline: prepared blocks -> fixed-shape next-token batches.
 
 Shards are split per input pipeline, shuffled, read interleaved and batched with `drop_remainder` by
-bert/data.py's `batches`. Each element: ({"input_ids": int32[B, L]}, labels int32[B, L], weights float32[B, L]) where
+lmkit/shards.py's `batches`. Each element: ({"input_ids": int32[B, L]}, labels int32[B, L], weights float32[B, L]) where
 labels are the ids shifted left by one and the last position (whose next token is in the next block) has
 weight 0: every block trains L-1 predictions with static shapes.
 """
@@ -11,15 +11,14 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .prepare import FORMAT, Manifest
-from .shared import bert
+from .shared import lmkit
 
-_bert_data = bert("data")
-join = _bert_data.join
+_shards = lmkit("shards")
 
 
 def read_manifest(data_dir: str) -> Manifest:
     """The manifest of a prepared GPT-2 data directory (local or gs://). Raises DataError if absent or another kind."""
-    return _bert_data.read_manifest(data_dir, expect=FORMAT, prepare_hint="--template gpt2 ")
+    return _shards.read_manifest(data_dir, expect=FORMAT, prepare_hint="--template gpt2 ")
 
 
 def shift(ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -34,11 +33,11 @@ def make_dataset(data_dir: str, manifest: Manifest, batch_size: int, *, shuffle_
                  input_context: tf.distribute.InputContext | None = None, seed: int = 0,
                  skip: int = 0) -> tf.data.Dataset:
     """An infinite dataset of batches of `batch_size` blocks (per replica when `input_context` is given), after
-    the first `skip` blocks of this pipeline (a resume's: bert/data.py `batches`)."""
+    the first `skip` blocks of this pipeline (a resume's: lmkit/shards.py `batches`)."""
 
     def example(ids, batch_seed):  # nothing random: the seed is for templates that draw (BERT's masks)
         labels, weights = shift(ids)
         return {"input_ids": ids}, labels, weights
 
-    return _bert_data.batches(data_dir, manifest, batch_size, example, shuffle_buffer=shuffle_buffer,
-                              input_context=input_context, seed=seed, skip=skip)
+    return _shards.batches(data_dir, manifest, batch_size, example, shuffle_buffer=shuffle_buffer,
+                           input_context=input_context, seed=seed, skip=skip)

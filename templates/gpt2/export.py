@@ -24,9 +24,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .prepare import EOT, FILES, FORMAT, MANIFEST_NAME, Manifest
-from .shared import bert
+from .shared import lmkit
 
-_export = bert("export")
+_export = lmkit("hf_export")
 join = _export.join
 
 

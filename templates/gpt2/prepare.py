@@ -1,8 +1,8 @@
 """Data preparation for GPT-2: text corpus -> byte-level BPE -> fixed blocks of token ids in TFRecord shards.
 
 Laptop side (`tpuctl data prepare --template gpt2`, `tpuctl run` with `template: gpt2`); needs `tokenizers`,
-`numpy`, `google-crc32c`, not TensorFlow. Reading, sampling, streaming, shard framing and upload are the BERT
-template's (bert/prepare.py: same inputs, documents, gs:// handling, flat memory, atomic shards, manifest last).
+`numpy`, `google-crc32c`, not TensorFlow. Reading, documents, sampling, streaming, shard framing and upload are
+lmkit's (lmkit/prepare.py: inputs local or gs://, flat memory, atomic shards, manifest last), as BERT's are.
 
 Tokenizer: byte-level BPE (what `tokenizers.ByteLevelBPETokenizer` builds: BPE over the 256-byte alphabet, GPT-2's
 pre-tokeniser, no prefix space, no normalisation, so every byte sequence round-trips) trained on a bounded sample, with one special token
@@ -22,12 +22,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .shared import bert, lmkit
+from .shared import lmkit
 
-_bert = bert("prepare")
-_manifest = bert("manifest")
+_kit = lmkit("prepare")
 DataError = lmkit("errors").DataError
-Manifest, MANIFEST_NAME = _manifest.Manifest, _manifest.MANIFEST_NAME
+Manifest, MANIFEST_NAME = lmkit("manifest").Manifest, lmkit("manifest").MANIFEST_NAME
 
 FORMAT = "tpuctl-gpt2-clm/1"
 EOT = "<|endoftext|>"
@@ -57,7 +56,7 @@ class PrepareOptions:
             (257 < self.vocab_size <= 1 << 24, "vocab_size", "must be between 258 (256 bytes + <|endoftext|> + 1) and 16777216"),
             (self.min_frequency > 0, "min_frequency", "must be > 0"),
             (self.doc_format in ("blank", "line"), "doc_format", "must be 'blank' or 'line'"),
-            (self.tokenizer_sample_bytes >= _bert.SAMPLE_BLOCK, "tokenizer_sample_bytes", "must be >= 1 MiB"),
+            (self.tokenizer_sample_bytes >= _kit.SAMPLE_BLOCK, "tokenizer_sample_bytes", "must be >= 1 MiB"),
             (self.shard_sequences > 0, "shard_sequences", "must be > 0"),
             (self.batch_bytes > 0, "batch_bytes", "must be > 0"),
         ]
@@ -76,8 +75,8 @@ def build_tokenizer(sources, opts: PrepareOptions, *, storage_client=None, progr
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=opts.vocab_size, min_frequency=opts.min_frequency, special_tokens=[EOT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    _bert.train_on_sample(tok, trainer, sources, opts.tokenizer_sample_bytes, storage_client=storage_client,
-                          progress=progress)
+    _kit.train_on_sample(tok, trainer, sources, opts.tokenizer_sample_bytes, storage_client=storage_client,
+                         progress=progress)
     return tok
 
 
@@ -94,7 +93,7 @@ class Packer:
         self.sequences = self.tokens = self.documents = 0
 
     def add(self, encodings: list, ends: list[bool]) -> None:
-        buf, ended = _bert.stream_ids(self.carry, encodings, ends, self.eot)
+        buf, ended = _kit.stream_ids(self.carry, encodings, ends, self.eot)
         self.documents += ended
         n = len(buf) // self.seq_len
         for row in buf[: n * self.seq_len].reshape(n, self.seq_len).astype(self.dtype):
@@ -135,10 +134,10 @@ def document_runs(texts: list[str], ends: list[bool], run_chars: int = RUN_CHARS
 
 def prepare(corpus: Iterable[str], out_dir: str | Path, opts: PrepareOptions = PrepareOptions(), *,
             storage_client=None, progress=None) -> Manifest:
-    """Tokenizer files + shards + manifest in `out_dir` (created if needed); same contract as bert.prepare:
+    """Tokenizer files + shards + manifest in `out_dir` (created if needed); lmkit's contract (prepare_with):
     idempotent for unchanged inputs, cleans up after a failure, no manifest unless complete. Blocks.
     Raises DataError naming the file at fault."""
-    return _bert.prepare_with(_prepare, corpus, out_dir, opts, storage_client=storage_client, progress=progress)
+    return _kit.prepare_with(_prepare, corpus, out_dir, opts, storage_client=storage_client, progress=progress)
 
 
 def _prepare(sources, out: Path, opts: PrepareOptions, storage_client, progress) -> Manifest:
@@ -149,18 +148,18 @@ def _prepare(sources, out: Path, opts: PrepareOptions, storage_client, progress)
     vocab_size = tok.get_vocab_size()
     eot = tok.token_to_id(EOT)
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
-    writer = _bert._ShardWriter(out, opts.shard_sequences)
+    writer = _kit.ShardWriter(out, opts.shard_sequences)
     packer = Packer(writer, opts.seq_len, dtype, eot)
 
     def encode(texts, ends):
         runs, run_ends = document_runs(texts, ends)
         return tok.encode_batch_fast(runs, add_special_tokens=False), run_ends
 
-    dropped = _bert.encode_into(packer, writer, encode, sources, opts, storage_client, progress)
+    dropped = _kit.encode_into(packer, writer, encode, sources, opts, storage_client, progress)
     if packer.sequences == 0:
-        raise DataError(f"corpus too small: {_bert._names(sources)} holds {dropped} tokens, fewer than one "
+        raise DataError(f"corpus too small: {_kit.source_names(sources)} holds {dropped} tokens, fewer than one "
                         f"{opts.seq_len}-token block", path=sources[0].url)
-    return _bert.write_manifest(out, Manifest(
+    return _kit.write_manifest(out, Manifest(
         seq_len=opts.seq_len, vocab_size=vocab_size,
         vocab_sha256=hashlib.sha256((out / VOCAB_NAME).read_bytes() + (out / MERGES_NAME).read_bytes()).hexdigest(),
         record_format=f"raw-{dtype}-le", special_ids={EOT: eot},
@@ -168,11 +167,11 @@ def _prepare(sources, out: Path, opts: PrepareOptions, storage_client, progress)
                    "min_frequency": opts.min_frequency, "sample_bytes": opts.tokenizer_sample_bytes,
                    "dropped_tail_tokens": dropped},
         doc_format=opts.doc_format, documents=packer.documents, sequences=packer.sequences,
-        tokens=packer.tokens, unk_tokens=0, raw_bytes=_bert.total_bytes(sources), shards=tuple(writer.shards),
+        tokens=packer.tokens, unk_tokens=0, raw_bytes=_kit.total_bytes(sources), shards=tuple(writer.shards),
         format=FORMAT))
 
 
 def upload(local_dir: str | Path, url: str, *, storage_client=None, workers: int = 8, progress=None) -> tuple[int, int]:
-    """bert.prepare.upload with GPT-2's tokenizer files and manifest format (idempotent; manifest last)."""
-    return _bert.upload(local_dir, url, storage_client=storage_client, workers=workers, progress=progress,
-                        extra_files=FILES, manifest_format=FORMAT)
+    """lmkit's upload with GPT-2's tokenizer files and manifest format (idempotent; manifest last)."""
+    return _kit.upload(local_dir, url, extra_files=FILES, manifest_format=FORMAT, storage_client=storage_client,
+                       workers=workers, progress=progress)

@@ -1,24 +1,18 @@
-"""The BERT template's pieces GPT-2 shares rather than copies: the training program (bert/train.py's loop, for
-which gpt2/train.py is an Objective), the config file's builder with its trainer/runtime schema, errors, the
-manifest, the shard reader, the prepare pipeline (reading, sampling, streaming, shard writing, upload), the
-learning-rate schedule; and through it lmkit's layers, strategy (TPU/GPU/CPU, TensorFlow or JAX, and the TPU VM
-guest), checkpoints and progress callback.
-
-Installed, they are `tpuctl.templates.bert`; in a job bundle `bert` ships beside `gpt2` (template.json `uses`),
-so the same code is imported by either name.
-"""
+"""lmkit (templates/lmkit), the code the language-model templates share, imported the way this package itself was:
+the top-level `lmkit` that ships beside the template in a job bundle (template.json `uses`), else the installed
+`tpuctl.templates.lmkit`. A copy of this package outside tpuctl (a user's template begun as a copy of a built-in,
+loaded on the laptop) has no top-level `lmkit` there: it gets the installed one. Every template built on lmkit
+carries this same file (templates/README.md)."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
-
-def bert(module: str):
-    """The BERT template's `module` (e.g. "config"), imported the way this package itself was."""
-    base = "tpuctl.templates.bert" if __package__.startswith("tpuctl.") else "bert"
-    return importlib.import_module(f"{base}.{module}")
+_LMKIT = ("lmkit" if not __package__.startswith("tpuctl.") and importlib.util.find_spec("lmkit") is not None
+          else "tpuctl.templates.lmkit")
 
 
 def lmkit(module: str):
-    """lmkit's `module` (templates/lmkit: the layers, strategy, checkpoints, ... both templates share)."""
-    return bert("shared").lmkit(module)
+    """lmkit's `module` (e.g. "trainer")."""
+    return importlib.import_module(f"{_LMKIT}.{module}")

@@ -1,18 +1,16 @@
 """GPT-2 causal-LM pretraining: `python -m gpt2.train --config CONFIG.json [--replicas N]`.
 
-The BERT template's program (bert/train.py: strategy on TensorFlow or JAX, TPU VM / pod slice / GPU / CPU
+lmkit's training program (lmkit/trainer.py: strategy on TensorFlow or JAX, TPU VM / pod slice / GPU / CPU
 rehearsal, resume from the latest backend-neutral checkpoint, progress lines, TensorBoard, export) training
 GPT-2's objective: the causal LM of model.py on the next-token batches of data.py, refusing data that
 disagrees with the config or with `model_dir`'s checkpoints. Safe to kill at any moment; a rerun with the same
 config resumes.
 
-Output lines on stdout are bert.train's, with `accuracy` (next-token accuracy) for `mlm_accuracy`:
+Output lines on stdout are lmkit/trainer.py's (start, step, checkpoint, done, stopped, idle), with
+`accuracy` the next-token accuracy:
 
-    start backend=jax strategy=cpu processes=1 hosts=1 devices=8 per_replica_batch=8 global_batch=64 step=0 max_steps=200 vocab_size=8000 seq_len=128
     step=120 loss=6.1234 accuracy=0.0412 learning_rate=0.00012 examples_per_sec=812.3
-    checkpoint step=200 path=/model/checkpoints/ckpt-200.npz
     done step=200 loss=5.9876 accuracy=0.0833 export_dir=/model/export
-    idle worker=3 reason=pod-slice-driven-by-worker-0
 
 TensorBoard scalars in `model_dir/tensorboard`; checkpoints in `model_dir/checkpoints`; export in `export_dir`
 (default `model_dir/export`): model.keras, vocab.json, merges.txt, tokenizer.json, manifest.json, config.json,
@@ -23,24 +21,21 @@ from __future__ import annotations
 
 import sys
 
-from . import config as config_mod
 from .config import Gpt2Config
-from .shared import bert, lmkit
+from .shared import lmkit
 
-_bert_train = bert("train")
+_trainer = lmkit("trainer")
+SHARD = _trainer.SHARD
 
 
-class CausalLM(_bert_train.Objective):
+class CausalLM(_trainer.Objective):
     """GPT-2's part of the program: its config, model, next-token batches and tokenizer files."""
 
-    package = __package__
-    name = "gpt2"
-    accuracy = "accuracy"
-    no_weight_decay = (*_bert_train.Objective.no_weight_decay, "positions")
-    config = config_mod
+    package = __package__  # "gpt2" on a worker
+    no_weight_decay = (*_trainer.Objective.no_weight_decay, "positions")
     # runtime.sharding fsdp: lmkit's embeddings and attention, and GPT-2's MLP, split on the hidden dimension.
-    fsdp_layout = {**lmkit("strategy").TRANSFORMER_LAYOUT, r"layer\d+_mlp_in/kernel": (_bert_train.SHARD, None),
-                   r"layer\d+_mlp_out/kernel": (None, _bert_train.SHARD)}
+    fsdp_layout = {**_trainer.Objective.fsdp_layout, r"layer\d+_mlp_in/kernel": (SHARD, None),
+                   r"layer\d+_mlp_out/kernel": (None, SHARD)}
 
     def trainer(self, model):
         """The model with its final hidden states beside the logits, whose loss differentiates straight into them
@@ -66,21 +61,7 @@ class CausalLM(_bert_train.Objective):
 
 
 CAUSAL_LM = CausalLM()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return _bert_train.main(argv, CAUSAL_LM, description=__doc__.splitlines()[0])
-
-
-def run(cfg: Gpt2Config, *, log=None) -> dict:
-    """Train per `cfg` to max_steps (resuming if checkpoints exist) and export; returns the final metrics.
-    Blocks; see bert.train.run for what it raises and returns."""
-    return _bert_train.run(cfg, log=log, objective=CAUSAL_LM)
-
-
-def fit_target(config: dict, *, devices, vocab_size: int) -> dict:
-    """template.json `fit`: the causal LM's step, as bert.train.compile_target describes it."""
-    return _bert_train.compile_target(config, devices=devices, vocab_size=vocab_size, objective=CAUSAL_LM)
+main, run, fit_target = CAUSAL_LM.main, CAUSAL_LM.run, CAUSAL_LM.fit_target  # the program, the library's call, `fit`
 
 
 if __name__ == "__main__":

@@ -407,7 +407,7 @@ def _splash_attention(q, k, v, *, causal: bool, key_mask):
 # MaxText's names and meanings (MaxText/configs/base.yml `remat_policy`, MaxText/layers/decoders.py
 # get_remat_policy): "minimal" saves the matmuls without batch dimensions (the projections and the MLP's) and
 # recomputes everything else for the backward pass (normalisation, GELU, dropout masks, attention);
-# "minimal_with_context" also saves the attention's output ("context"). templates/bert/config.py lists the names.
+# "minimal_with_context" also saves the attention's output ("context"). templates/lmkit/config.py lists the names.
 REMAT = {
     "none": None,
     "minimal_with_context": lambda cp: cp.save_from_both_policies(cp.checkpoint_dots_with_no_batch_dims,
@@ -642,3 +642,22 @@ class PositionEmbedding(layers.Layer):
     def get_config(self):
         return {**super().get_config(), "seq_len": self.seq_len,
                 "initializer": keras.initializers.serialize(self.initializer)}
+
+
+# Registered as "bert>": the name the model.keras files BERT exported before this moved to lmkit carry.
+@keras.saving.register_keras_serializable(package="bert")
+class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up from 0 to `peak` over `warmup_steps`, then linear decay to `end` at `total_steps`."""
+
+    def __init__(self, peak: float, warmup_steps: int, total_steps: int, end: float):
+        self.peak, self.warmup_steps, self.total_steps, self.end = peak, warmup_steps, total_steps, end
+
+    def __call__(self, step):
+        step = ops.cast(step, "float32")
+        warm = self.peak * step / max(self.warmup_steps, 1)
+        frac = ops.clip((step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1), 0.0, 1.0)
+        decay = self.peak + (self.end - self.peak) * frac
+        return ops.where(step < self.warmup_steps, warm, decay)
+
+    def get_config(self):
+        return {"peak": self.peak, "warmup_steps": self.warmup_steps, "total_steps": self.total_steps, "end": self.end}
