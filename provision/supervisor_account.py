@@ -16,6 +16,8 @@ given the run bucket's role; its project roles are its owner's to grant.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from google.api_core import exceptions as gexc
 
 from tpuctl.errors import BadInput, TpuctlError
@@ -144,9 +146,11 @@ def ensure(clients: Clients, *, tpu_account: str, account: str | None = None) ->
     checked). The run bucket's role is `bucket.grant`'s, once the bucket exists."""
     email = account or email_of(clients.project)
     member = buckets.member(email)
+    created = False
     if account:
         check(clients, account)
     elif not _exists(clients, email):
+        created = True
         try:
             waits.call(lambda: clients.post_json("iam", f"v1/projects/{clients.project}/serviceAccounts", {
                 "accountId": ACCOUNT_ID, "serviceAccount": {
@@ -160,9 +164,38 @@ def ensure(clients: Clients, *, tpu_account: str, account: str | None = None) ->
             if not isinstance(exc.__cause__, gexc.Conflict):  # made meanwhile (another run): adopted
                 raise
     if not account:
-        _grant_on_project(clients, member)
-        _grant_on_account(clients, tpu_account, ACT_AS_ROLE, member)
+        fresh = created
+        _once_visible(lambda: _grant_on_project(clients, member), fresh=fresh, what=f"grant project roles to {email}")
+        _once_visible(lambda: _grant_on_account(clients, tpu_account, ACT_AS_ROLE, member), fresh=fresh,
+                      what=f"grant {ACT_AS_ROLE} on {tpu_account} to {email}")
     return email
+
+
+# IAM is eventually consistent: "if you write data with the IAM API, then immediately read that data, the read
+# operation might return an older version ... retry the request with truncated exponential backoff" (IAM API
+# reference, cloud.google.com/iam/docs/reference/rest). A policy naming an account made seconds ago may be
+# refused (400 INVALID_ARGUMENT: the member does not exist) until the account is visible; Terraform's
+# google_service_account waits for the same reason. Only for an account this call created.
+NEW_ACCOUNT_S = 120.0
+
+
+def _once_visible(grant: Callable[[], None], *, fresh: bool, what: str) -> None:
+    """`grant()`; for a `fresh` account, again with backoff while IAM answers 400 (by its HTTP code), up to
+    NEW_ACCOUNT_S (then WaitTimeout). Any other error, or any error for an older account, is raised at once."""
+    if not fresh:
+        grant()
+        return
+
+    def attempt() -> tuple[bool, None]:
+        try:
+            grant()
+        except TpuctlError as exc:
+            if isinstance(exc.__cause__, gexc.BadRequest):
+                return False, None
+            raise
+        return True, None
+
+    waits.until(attempt, what=f"{what} (a new account becoming visible to IAM)", deadline_s=NEW_ACCOUNT_S)
 
 
 def preflight_check(clients: Clients, account: str | None = None):

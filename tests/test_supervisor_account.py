@@ -97,3 +97,30 @@ def test_a_project_policy_write_from_a_stale_read_is_refused_and_the_grant_reads
     sa._grant_on_project(pc, "serviceAccount:x@y.iam.gserviceaccount.com")
     assert len(reads) == 2
     assert _project_roles_of(pc, "x@y.iam.gserviceaccount.com") == set(sa.PROJECT_ROLES)
+
+
+def test_a_grant_naming_an_account_made_seconds_ago_is_retried_while_iam_has_not_seen_it():
+    """IAM reads are eventually consistent: a policy naming a brand-new member may be refused with 400 for a
+    while. A fresh account's grant is tried again (with backoff) until it goes through; an older account's 400,
+    or a fresh one's other errors, are raised at once."""
+    from tpuctl.errors import TpuctlError
+
+    calls: list[int] = []
+
+    def grant(fail: int, cause: Exception):
+        def once():
+            calls.append(1)
+            if len(calls) <= fail:
+                raise TpuctlError("refused") from cause
+        return once
+
+    sa._once_visible(grant(3, gexc.BadRequest("member does not exist")), fresh=True, what="grant")
+    assert len(calls) == 4
+    calls.clear()
+    with pytest.raises(TpuctlError):
+        sa._once_visible(grant(3, gexc.BadRequest("member does not exist")), fresh=False, what="grant")
+    assert len(calls) == 1
+    calls.clear()
+    with pytest.raises(TpuctlError):
+        sa._once_visible(grant(3, gexc.Forbidden("no")), fresh=True, what="grant")
+    assert len(calls) == 1
