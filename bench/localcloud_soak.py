@@ -1,11 +1,7 @@
 """Local cloud daemon soak: resident memory over many up/down cycles against the real background daemon.
 
-One cycle is what a `tpuctl run` asks of the daemon: a TPU node created and deleted (its SSH worker started and
-stopped), a bucket created, checkpoint-sized objects uploaded concurrently (several workers write at once; below
-8 MiB the client sends them as multipart uploads, which the storage proxy buffers), read back, and the bucket
-deleted. The daemon's RSS is read from /proc after each reporting interval, right after the cycle, garbage of
-the last requests included (the daemon trims its heap every 2 s; `settle_s` waits for that, to see only what it
-keeps). Goal: flat after warm-up (growth from the first report to the last < 25 MB) and below 200 MB.
+What a cycle does and the goal (flat after warm-up, below 200 MB): tests/daemon_soak.py, which test_localcloud_cli
+also runs, short. This is its command line:
 
     .venv/bin/python bench/localcloud_soak.py [--cycles 300] [--uploads 4] [--upload-mb 6] [--every 25] [--json]
 """
