@@ -207,8 +207,8 @@ def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project, tm
     assert o.cost_usd == pytest.approx(expected, rel=0.05, abs=1e-4) and o.cost_usd > 0
     # Its goodput, from its timeline in the bucket: the phases add up to its wall time and its cost, the
     # preemption's loss (steps after the restored checkpoint, the recovery) on its own, one recovery.
-    status = json.loads(_tpuctl(cloud, tmp_path, project, "job", "status", "pre-run", "--json").stdout)
-    by_phase = json.loads(_tpuctl(cloud, tmp_path, project, "cost", "pre-run", "--json").stdout)
+    status = json.loads(_here(cloud, tmp_path, project, "job", "status", "pre-run", "--json").stdout)
+    by_phase = json.loads(_here(cloud, tmp_path, project, "cost", "pre-run", "--json").stdout)
     print("DEBUGMARKS", [(round(m.at - started, 2), m.what, m.step) for m in p.timeline.marks])
     print("DEBUGPHASE", by_phase)
     assert status["recoveries"] == by_phase["recoveries"] == 1 and by_phase["ended"]
@@ -223,7 +223,7 @@ def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project, tm
     assert 1 < seconds["productive"] < 4 and seconds["recovery"] > 1
     assert by_phase["lost_to_preemption_usd"] == pytest.approx(usd["wasted_progress"] + usd["recovery"], abs=2e-6)
     assert by_phase["lost_to_preemption_usd"] > 0
-    shown = _tpuctl(cloud, tmp_path, project, "cost", "pre-run")
+    shown = _here(cloud, tmp_path, project, "cost", "pre-run")
     assert "productive" in shown.stdout and "lost to preemption: $" in shown.stderr, shown.stderr
 
 
