@@ -337,8 +337,7 @@ def test_detach_returns_after_launch_and_job_commands_see_it(tpc, cloud, project
 
 def test_bad_spec_is_one_line_exit_2_and_creates_nothing(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, {**_spec("bad-spec"), "job": {"template": "no-such-template"}})
-    r = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes"], env=_env(cloud, tmp_path, project),
-                       capture_output=True, text=True, timeout=60)
+    r = _here(cloud, tmp_path, project, "run", str(spec), "--yes")
     assert r.returncode == 2
     assert r.stderr.startswith("error: job.template: no template 'no-such-template'")
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
