@@ -569,7 +569,8 @@ def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
     assert _corpus_path("data/*.txt", example.parent) == str(example.parent / "data" / "*.txt")
 
 
-@pytest.mark.parametrize("watch_saw", ["maintenance", "only-lost-workers"])
+# The fast tier keeps only-lost-workers: the same wait for the same node, reached through the race as well.
+@pytest.mark.parametrize("watch_saw", [pytest.param("maintenance", marks=pytest.mark.slow), "only-lost-workers"])
 def test_an_on_demand_node_under_maintenance_is_waited_for_not_recreated(tpc, cloud, project, monkeypatch, watch_saw):
     """`only-lost-workers`: the node went into maintenance just after the watch read it READY, so the watch saw
     only its workers gone (a race CI met); the node is still the one to wait for."""
