@@ -176,7 +176,7 @@ def test_second_ctrl_c_prints_the_down_command(env, pc, cloud):
         proc.kill()
     assert proc.returncode == 130 and "tpuctl down r1" in err, err
     cloud.faults.clear()
-    d = tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
+    d = tpuctl_here(env, "down", "r1", "--yes", "--delete-bucket")
     assert d.returncode == 0, d.stderr
     assert everything(pc) == []
 
