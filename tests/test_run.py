@@ -218,9 +218,10 @@ def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project, tm
     assert sum(by_phase["usd"].values()) == pytest.approx(by_phase["total_usd"], abs=1e-5)
     assert by_phase["total_usd"] == pytest.approx(o.cost_usd, abs=2e-4)
     seconds, usd = by_phase["seconds"], by_phase["usd"]
-    # 40 steps of 0.1 s, a few lost: the rest is launching, recovering and tearing down. The first node, a spot
-    # one preempted in its first minute, cost nothing; the second bills from the recovery on.
-    assert 1 < seconds["productive"] < 4 and seconds["recovery"] > 1
+    # 40 steps of 0.1 s (4.07 s at a load average of 17: up to twice that), a few lost: the rest is launching,
+    # recovering and tearing down. The first node, a spot one preempted in its first minute, cost nothing; the
+    # second bills from the recovery on.
+    assert 1 < seconds["productive"] < 8 and seconds["recovery"] > 1
     assert by_phase["lost_to_preemption_usd"] == pytest.approx(usd["wasted_progress"] + usd["recovery"], abs=2e-6)
     assert by_phase["lost_to_preemption_usd"] > 0
     shown = _here(cloud, tmp_path, project, "cost", "pre-run")
