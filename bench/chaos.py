@@ -1,6 +1,7 @@
 """Seeded chaos runner: random run shapes and fault schedules against ONE local cloud, then the invariants.
 
     .venv/bin/python bench/chaos.py --scenarios 200 --seed 1
+    .venv/bin/python bench/chaos.py --each-fault-once --shape v3-8 --seed 3 --without detached   # CI's slice
 
 Each scenario picks a shape (single/multi-host, on-demand/spot/queued) and one fault schedule (capacity in
 some zones, 429 storms, 503s, operations that never finish, preemption mid-job, worker death, SSH drops,
@@ -183,8 +184,8 @@ class Scenario:
         return f"chaos-{self.index:03d}-{self.fault.split('-')[0][:5]}"
 
 
-def pick(rng: random.Random, index: int, faults: tuple[str, ...] = FAULTS) -> Scenario:
-    accelerator, zones, hosts = rng.choice(SHAPES)
+def pick(rng: random.Random, index: int, faults: tuple[str, ...] = FAULTS, shapes: tuple = SHAPES) -> Scenario:
+    accelerator, zones, hosts = rng.choice(shapes)
     fault = rng.choice(faults)
     provisioning = rng.choice(PROVISIONING)
     if fault in ("preempt-mid-job", "preempt-creating", "detached"):
@@ -621,21 +622,21 @@ class Totals:
                 f"wrong exit codes: {self.wrong}", f"scenarios: {self.scenarios}"]
 
 
-def scenarios(n: int, seed: int, faults: tuple[str, ...] = FAULTS) -> Iterator[Scenario]:
+def scenarios(n: int, seed: int, faults: tuple[str, ...] = FAULTS, shapes: tuple = SHAPES) -> Iterator[Scenario]:
     """The first len(faults) scenarios take every fault once (in a seeded order), so even a short slice
     covers each kind; the rest draw faults at random."""
     rng = random.Random(seed)
     first = list(faults)
     rng.shuffle(first)
     for i in range(n):
-        yield pick(rng, i, (first[i],) if i < len(first) else faults)
+        yield pick(rng, i, (first[i],) if i < len(first) else faults, shapes)
 
 
-def run_all(n: int, seed: int, *, speed: float = 1000.0, faults: tuple[str, ...] = FAULTS,
+def run_all(n: int, seed: int, *, speed: float = 1000.0, faults: tuple[str, ...] = FAULTS, shapes: tuple = SHAPES,
             say: Callable[[str], None] = print) -> Totals:
     totals = Totals()
     with Stack(speed=speed) as stack:
-        for s in scenarios(n, seed, faults):
+        for s in scenarios(n, seed, faults, shapes):
             o = run_scenario(stack, s)
             totals.add(o)
             say(o.line())
@@ -656,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", type=float, default=1000.0)
     p.add_argument("--faults", help=f"comma-separated subset of: {', '.join(FAULTS)} (default: all)")
     p.add_argument("--without", default="", help="comma-separated faults left out of --faults")
+    # CI's slice runs every fault once on the cheapest shape (one host); the shapes are what a long run varies.
+    p.add_argument("--shape", choices=[s[0] for s in SHAPES], help="only this accelerator (default: all shapes)")
+    p.add_argument("--each-fault-once", action="store_true", help="one scenario per fault (overrides --scenarios)")
     a = p.parse_args(argv)
     faults = tuple(f for f in (a.faults.split(",") if a.faults else FAULTS) if f not in a.without.split(","))
     unknown = (set(faults) | set(filter(None, a.without.split(",")))) - set(FAULTS)
@@ -664,7 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a CI timeout) takes the KeyboardInterrupt path so the local cloud stops and kills its workers.
     signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
-    totals = run_all(a.scenarios, a.seed, speed=a.speed, faults=faults, say=lambda line: print(line, flush=True))
+    shapes = tuple(s for s in SHAPES if a.shape in (None, s[0]))
+    n = len(faults) if a.each_fault_once else a.scenarios
+    totals = run_all(n, a.seed, speed=a.speed, faults=faults, shapes=shapes, say=lambda line: print(line, flush=True))
     print(f"seed {a.seed}, {time.monotonic() - t0:.0f} s on {os.cpu_count()} cores")
     for line in totals.summary():
         print(line)

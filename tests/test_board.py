@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, new_project, tpuctl
+from conftest import cli_env, new_project, tpuctl, tpuctl_here
 from test_run import run_preempted_at
 
 SCALARS = Path(__file__).parent / "job_templates" / "scalars"
@@ -134,7 +134,7 @@ def test_board_shows_each_runs_scalars_at_the_steps_it_logged_and_stops_on_ctrl_
 
 
 def test_board_of_a_run_without_a_bucket_is_one_line_and_starts_nothing(cloud, tmp_path):
-    r = tpuctl(cli_env(cloud, tmp_path), "board", "no-such-run", "--port", "0")
+    r = tpuctl_here(cli_env(cloud, tmp_path), "board", "no-such-run", "--port", "0")
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: run: run no-such-run has no bucket in project"), r.stderr
     assert not (tmp_path / "home" / "board").exists() or not any((tmp_path / "home" / "board").rglob("*"))

@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from conftest import new_project, tpuctl
+from conftest import new_project, tpuctl_here
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from test_provision import FAST_DEADLINE, everything, make_plan
@@ -35,7 +35,7 @@ def test_a_bad_bucket_name_is_refused_before_anything_naming_the_rule(name, rule
 
 
 def test_the_cli_says_it_in_one_line_and_exits_2(env, pc):
-    p = tpuctl(env, *UP, "--bucket", "my-google-bucket")
+    p = tpuctl_here(env, *UP, "--bucket", "my-google-bucket")
     assert p.returncode == 2, p.stderr
     assert p.stderr.startswith("error: bucket: 'my-google-bucket' is not a valid bucket name: must not contain "
                                "'google'"), p.stderr
@@ -69,7 +69,7 @@ def test_a_create_conflict_with_another_project_is_one_bad_input(pc, cloud):
 
 
 def test_buckets_are_created_with_soft_delete_off_and_the_plan_says_so(env, pc):
-    p = tpuctl(env, *UP, "--dry-run", "--json")
+    p = tpuctl_here(env, *UP, "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
     plan = json.loads(p.stdout)["plan"]
     assert plan["bucket_soft_delete"] == "0s"
@@ -81,9 +81,9 @@ def test_buckets_are_created_with_soft_delete_off_and_the_plan_says_so(env, pc):
 
 
 def test_a_chosen_soft_delete_retention_is_validated_and_applied(env, pc):
-    p = tpuctl({**env, "TPUCTL_BUCKET_SOFT_DELETE": "3d"}, *UP, "--dry-run")
+    p = tpuctl_here({**env, "TPUCTL_BUCKET_SOFT_DELETE": "3d"}, *UP, "--dry-run")
     assert p.returncode == 2 and p.stderr.startswith("error: bucket_soft_delete:") and "7 to 90 days" in p.stderr
-    p = tpuctl({**env, "TPUCTL_BUCKET_SOFT_DELETE": "14d"}, *UP, "--dry-run", "--json")
+    p = tpuctl_here({**env, "TPUCTL_BUCKET_SOFT_DELETE": "14d"}, *UP, "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
     assert "soft delete 14d" in next(s for s in json.loads(p.stdout)["plan"]["steps"] if s["key"] == "bucket")["detail"]
     plan = make_plan(pc, bucket_soft_delete="14d")

@@ -356,7 +356,7 @@ def test_doctor_prints_one_line_per_check_and_exits_by_the_result(cloud, env):
 
 def test_up_exits_2_with_the_fix_and_creates_nothing(cloud, env):
     cloud.shape_project(env["TPUCTL_PROJECT"], disabled_services=["tpu.googleapis.com"])
-    p = tpuctl(env, "up", "--accelerator", "v3-8", "--zone", ZONE, "--name", "r1", "--yes")
+    p = tpuctl_here(env, "up", "--accelerator", "v3-8", "--zone", ZONE, "--name", "r1", "--yes")
     assert p.returncode == 2, p.stderr
     assert "error: project: project" in p.stderr and "gcloud services enable tpu.googleapis.com" in p.stderr
     assert created_in(cloud, pclients(cloud, env["TPUCTL_PROJECT"])) == []

@@ -207,8 +207,8 @@ def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project, tm
     assert o.cost_usd == pytest.approx(expected, rel=0.05, abs=1e-4) and o.cost_usd > 0
     # Its goodput, from its timeline in the bucket: the phases add up to its wall time and its cost, the
     # preemption's loss (steps after the restored checkpoint, the recovery) on its own, one recovery.
-    status = json.loads(_tpuctl(cloud, tmp_path, project, "job", "status", "pre-run", "--json").stdout)
-    by_phase = json.loads(_tpuctl(cloud, tmp_path, project, "cost", "pre-run", "--json").stdout)
+    status = json.loads(_here(cloud, tmp_path, project, "job", "status", "pre-run", "--json").stdout)
+    by_phase = json.loads(_here(cloud, tmp_path, project, "cost", "pre-run", "--json").stdout)
     print("DEBUGMARKS", [(round(m.at - started, 2), m.what, m.step) for m in p.timeline.marks])
     print("DEBUGPHASE", by_phase)
     assert status["recoveries"] == by_phase["recoveries"] == 1 and by_phase["ended"]
@@ -218,12 +218,13 @@ def test_preemption_mid_run_recovers_from_the_checkpoint(tpc, cloud, project, tm
     assert sum(by_phase["usd"].values()) == pytest.approx(by_phase["total_usd"], abs=1e-5)
     assert by_phase["total_usd"] == pytest.approx(o.cost_usd, abs=2e-4)
     seconds, usd = by_phase["seconds"], by_phase["usd"]
-    # 40 steps of 0.1 s, a few lost: the rest is launching, recovering and tearing down. The first node, a spot
-    # one preempted in its first minute, cost nothing; the second bills from the recovery on.
-    assert 1 < seconds["productive"] < 4 and seconds["recovery"] > 1
+    # 40 steps of 0.1 s (4.07 s at a load average of 17: up to twice that), a few lost: the rest is launching,
+    # recovering and tearing down. The first node, a spot one preempted in its first minute, cost nothing; the
+    # second bills from the recovery on.
+    assert 1 < seconds["productive"] < 8 and seconds["recovery"] > 1
     assert by_phase["lost_to_preemption_usd"] == pytest.approx(usd["wasted_progress"] + usd["recovery"], abs=2e-6)
     assert by_phase["lost_to_preemption_usd"] > 0
-    shown = _tpuctl(cloud, tmp_path, project, "cost", "pre-run")
+    shown = _here(cloud, tmp_path, project, "cost", "pre-run")
     assert "productive" in shown.stdout and "lost to preemption: $" in shown.stderr, shown.stderr
 
 
@@ -337,8 +338,7 @@ def test_detach_returns_after_launch_and_job_commands_see_it(tpc, cloud, project
 
 def test_bad_spec_is_one_line_exit_2_and_creates_nothing(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, {**_spec("bad-spec"), "job": {"template": "no-such-template"}})
-    r = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes"], env=_env(cloud, tmp_path, project),
-                       capture_output=True, text=True, timeout=60)
+    r = _here(cloud, tmp_path, project, "run", str(spec), "--yes")
     assert r.returncode == 2
     assert r.stderr.startswith("error: job.template: no template 'no-such-template'")
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
@@ -570,7 +570,8 @@ def test_example_spec_works_from_any_directory(tmp_path, monkeypatch):
     assert _corpus_path("data/*.txt", example.parent) == str(example.parent / "data" / "*.txt")
 
 
-@pytest.mark.parametrize("watch_saw", ["maintenance", "only-lost-workers"])
+# The fast tier keeps only-lost-workers: the same wait for the same node, reached through the race as well.
+@pytest.mark.parametrize("watch_saw", [pytest.param("maintenance", marks=pytest.mark.slow), "only-lost-workers"])
 def test_an_on_demand_node_under_maintenance_is_waited_for_not_recreated(tpc, cloud, project, monkeypatch, watch_saw):
     """`only-lost-workers`: the node went into maintenance just after the watch read it READY, so the watch saw
     only its workers gone (a race CI met); the node is still the one to wait for."""

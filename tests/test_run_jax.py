@@ -1,10 +1,12 @@
-"""`tpuctl run` of the BERT template on JAX across a 2-host slice of the local cloud, preempted mid-run.
+"""`tpuctl run` of the BERT template on JAX on the local cloud: across the 2 hosts of a v5e and of a TPU7x
+slice, and a TPU7x VM preempted or ended.
 
 A v5litepod-16 has 2 hosts of 8 chips. With `framework: jax` each worker runs its own process; they meet
 through `jax.distributed` (coordinator: worker 0 from worker-network-endpoints; process ids from each worker's
 metadata server), each forcing 8 CPU devices under the local cloud's LOCALCLOUD_TPU_REHEARSAL=cpu, and train
-one DataParallel model over 16 devices with cross-process all-reduces. The node is preempted after a checkpoint;
-tpuctl recreates it and the job resumes from the bucket's checkpoint on both hosts.
+one DataParallel model over 16 devices with cross-process all-reduces. Resuming a JAX cluster after a lost node
+is test_multislice's 2x2 run (requeued slice) and the spot TPU7x test below (recreated VM); this run is not
+preempted.
 """
 
 from __future__ import annotations
@@ -23,30 +25,28 @@ pytest.importorskip("jax")
 
 @pytest.mark.slow
 @pytest.mark.tf
-@pytest.mark.timeout(900)
-def test_jax_on_a_2_host_v5e_slice_trains_on_both_hosts_and_resumes_after_preemption(tpc, cloud, project):
+@pytest.mark.timeout(600)
+def test_jax_on_a_2_host_v5e_slice_trains_on_both_hosts_with_one_checkpoint_writer(tpc, cloud, project):
     spec = spec_mod.from_mapping({
         "name": "bert-jax", "zone": "us-east5-a", "accelerator": "v5litepod-16", "provisioning": "spot",
         "job": {"template": "bert", "preset": "bert-tiny", "framework": "jax",
-                "config": {"trainer": {"max_steps": 30, "checkpoint_every": 10, "log_every": 10,
+                "config": {"trainer": {"max_steps": 20, "checkpoint_every": 10, "log_every": 10,
                                        "steps_per_execution": 10, "warmup_steps": 5, "per_replica_batch_size": 8,
                                        "shuffle_buffer": 256}},
                 "data": {"corpus": [str(REPO / "examples" / "data" / "corpus.txt")], "vocab_size": 2000}}})
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=1.0))
     assert (p.spec.job.framework, p.spec.runtime_version) == ("jax", None)
-    o = run_preempted_at(p, cloud, 20)  # after the first checkpoint
+    o = p.run()
     assert p.plan.runtime_version == "v2-alpha-tpuv5-lite" and p.plan.framework == "jax"
-    assert o.state == "succeeded" and o.recoveries == 1 and o.step == 30, o
+    assert o.state == "succeeded" and o.recoveries == 0 and o.step == 20, o
     logs = [_text(tpc, o.bucket, f"runs/bert-jax/logs/worker-{w}.log") for w in range(2)]
-    for w, log in enumerate(logs):  # the second incarnation's logs: both hosts resumed from the bucket
+    for w, log in enumerate(logs):  # both hosts are processes of one JAX cluster over the slice's 16 devices
         start = next(line for line in log.splitlines() if line.startswith("start "))
         assert start.startswith("start backend=jax strategy=cpu processes=2 hosts=2 devices=16 per_replica_batch=8 "
-                                "global_batch=128 step="), (w, log[-2000:])
-        resumed = int(re.search(r" step=(\d+) ", start)[1])
-        assert resumed in (10, 20), start  # at most one checkpoint interval lost
-        assert f"step={resumed + 10} " in log and "done step=30 " in log, (w, log[-2000:])
-    assert "checkpoint step=30 " in logs[0] and "checkpoint step=" not in logs[1]  # process 0 alone writes
-    assert {"checkpoints/ckpt-30.npz", "checkpoints/checkpoint", "export/metrics.json"} <= set(o.artifacts)
+                                "global_batch=128 step=0 "), (w, log[-2000:])
+        assert "step=10 " in log and "done step=20 " in log, (w, log[-2000:])
+    assert "checkpoint step=20 " in logs[0] and "checkpoint step=" not in logs[1]  # process 0 alone writes
+    assert {"checkpoints/ckpt-20.npz", "checkpoints/checkpoint", "export/metrics.json"} <= set(o.artifacts)
     assert _zero(cloud, project)
 
 

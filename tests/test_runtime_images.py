@@ -15,7 +15,7 @@ import pytest
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 
-from conftest import FAST_POLLING, new_project, official_clients
+from conftest import FAST_POLLING, new_project, official_clients, tpuctl_here
 from tpuctl import catalog, spec as spec_mod
 from tpuctl import provision
 from tpuctl.errors import BadInput
@@ -132,8 +132,7 @@ def test_tpuctl_run_of_the_bert_template_on_v6e_with_tensorflow_exits_2_with_one
     project = new_project()
     env = {**os.environ, "TPUCTL_API_ENDPOINT": cloud.endpoint, "TPUCTL_STORAGE_HOST": cloud.storage_host,
            "TPUCTL_PROJECT": project, "TPUCTL_HOME": str(tmp_path / "home"), "NO_COLOR": "1"}
-    r = subprocess.run([sys.executable, "-m", "tpuctl", "run", str(spec), "--yes", "--framework", "tensorflow"], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+    r = tpuctl_here(env, "run", str(spec), "--yes", "--framework", "tensorflow", cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith("error: job.framework: TensorFlow does not run on v6e"), r.stderr

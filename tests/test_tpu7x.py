@@ -252,8 +252,8 @@ def test_a_flex_start_instance_that_says_stop_is_stopped_at_its_end(pc, cloud):
 
 
 def test_up_and_run_tpu7x_from_the_cli_plan_it_on_compute_engine_with_jax(env, tmp_path):
-    p = tpuctl(env, "up", "--accelerator", "tpu7x-8", "--zone", ZONE, "--name", "c7", "--provisioning",
-               "flex-start", "--max-run-duration", "2h", "--dry-run", "--json")
+    p = tpuctl_here(env, "up", "--accelerator", "tpu7x-8", "--zone", ZONE, "--name", "c7", "--provisioning",
+                    "flex-start", "--max-run-duration", "2h", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
     plan = json.loads(p.stdout)["plan"]
     assert plan["api"] == "compute" and plan["max_run_duration"] == "2h"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import FAST_POLLING, new_project, tpuctl, tpuctl_here
+from conftest import FAST_POLLING, new_project, tpuctl_here
 from google.api_core import exceptions as gexc
 from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials
@@ -89,7 +89,7 @@ def test_each_generation_draws_on_the_quota_google_names(accelerator, spot, quot
 def test_up_past_the_quota_in_every_zone_exits_3_naming_it_and_creates_nothing(cloud, env):
     project = env["TPUCTL_PROJECT"]
     cloud.shape_project(project, tpu_quotas={V6E: 4})
-    p = tpuctl(env, "up", "--accelerator", "v6e-8", "--zone", f"{ZONE},{OTHER_ZONE}", "--name", "q1", "--yes")
+    p = tpuctl_here(env, "up", "--accelerator", "v6e-8", "--zone", f"{ZONE},{OTHER_ZONE}", "--name", "q1", "--yes")
     assert p.returncode == 3, p.stderr
     assert "tpu-quota: v6e-8 needs 8 of quota " + V6E in p.stderr and "iam-admin/quotas" in p.stderr
     inv = cloud.inventory()
@@ -170,8 +170,8 @@ def test_each_provisioning_model_is_checked_against_the_quota_google_draws_it_fr
 
 
 def test_up_dry_run_json_names_the_quota_each_zone_is_checked_against(env):
-    p = tpuctl(env, "up", "--accelerator", "v6e-8", "--zone", f"{FLEX_ZONE}", "--provisioning", "flex-start",
-               "--max-run-duration", "1h", "--name", "d1", "--dry-run", "--json")
+    p = tpuctl_here(env, "up", "--accelerator", "v6e-8", "--zone", f"{FLEX_ZONE}", "--provisioning", "flex-start",
+                    "--max-run-duration", "1h", "--name", "d1", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["plan"]["quotas"] == [
         {"zone": FLEX_ZONE, "service": "tpu.googleapis.com", "quota": V6E_SPOT,

@@ -114,7 +114,7 @@ def test_up_takes_the_spec_fields_a_user_expects_as_flags_and_variables(env, pc)
 def test_capacity_everywhere_exits_3_and_leaves_nothing(env, pc, cloud):
     cloud.faults.add("capacity", service="tpu", zone="us-central1-a")
     cloud.faults.add("capacity", service="tpu", zone="us-central1-b")
-    p = tpuctl(env, "up", "--accelerator", "v3-8", "--zone", "us-central1-a,us-central1-b", "--name", "r2", "--yes")
+    p = tpuctl_here(env, "up", "--accelerator", "v3-8", "--zone", "us-central1-a,us-central1-b", "--name", "r2", "--yes")
     assert p.returncode == 3 and "no capacity" in p.stderr and "removed" in p.stderr, p.stderr
     assert everything(pc) == []
 
@@ -176,7 +176,7 @@ def test_second_ctrl_c_prints_the_down_command(env, pc, cloud):
         proc.kill()
     assert proc.returncode == 130 and "tpuctl down r1" in err, err
     cloud.faults.clear()
-    d = tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
+    d = tpuctl_here(env, "down", "r1", "--yes", "--delete-bucket")
     assert d.returncode == 0, d.stderr
     assert everything(pc) == []
 

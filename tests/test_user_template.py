@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_run import _buckets, _text, _tpuctl, _zero, project, tpc  # noqa: F401 (fixtures)
+from test_run import _buckets, _here, _text, _tpuctl, _zero, project, tpc  # noqa: F401 (fixtures)
 
 LINREG = Path(__file__).parent / "job_templates" / "linreg"
 
@@ -65,7 +65,7 @@ def test_a_user_template_trains_checkpoints_to_the_bucket_and_leaves_nothing_run
 def test_a_user_template_missing_a_part_is_one_line_exit_2_creating_nothing(cloud, project, tmp_path):
     part = "outputs"  # each part in-process: test_templates_contract.py; here, the CLI's answer
     _user_template(tmp_path, **{part: None})
-    r = _tpuctl(cloud, tmp_path, project, "run", str(_spec(tmp_path, "bad-tpl")), "--yes")
+    r = _here(cloud, tmp_path, project, "run", str(_spec(tmp_path, "bad-tpl")), "--yes")
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert lines[0].startswith(f"error: job.template: template linreg ({tmp_path / 'linreg'}): template.json does "
@@ -76,7 +76,7 @@ def test_a_user_template_missing_a_part_is_one_line_exit_2_creating_nothing(clou
 def test_a_user_template_whose_entry_module_is_missing_is_refused_naming_it(cloud, project, tmp_path):
     root = _user_template(tmp_path)
     (root / "train.py").rename(root / "trainer.py")
-    r = _tpuctl(cloud, tmp_path, project, "run", str(_spec(tmp_path, "bad-entry")), "--yes")
+    r = _here(cloud, tmp_path, project, "run", str(_spec(tmp_path, "bad-entry")), "--yes")
     assert r.returncode == 2 and r.stderr.startswith("error: job.template: "), r.stderr
     assert "entry_module 'linreg.train'" in r.stderr.splitlines()[0] and "train.py" in r.stderr.splitlines()[0]
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
@@ -84,8 +84,8 @@ def test_a_user_template_whose_entry_module_is_missing_is_refused_naming_it(clou
 
 def test_a_user_templates_config_check_runs_before_anything_is_created(cloud, project, tmp_path):
     _user_template(tmp_path)
-    r = _tpuctl(cloud, tmp_path, project, "run", str(_spec(tmp_path, "bad-cfg", {"trainer": {"max_stepz": 3}})),
-                "--yes")
+    r = _here(cloud, tmp_path, project, "run", str(_spec(tmp_path, "bad-cfg", {"trainer": {"max_stepz": 3}})),
+              "--yes")
     assert r.returncode == 2 and r.stderr.startswith("error: job.config.trainer.max_stepz: unknown field"), r.stderr
     assert _buckets(cloud, project) == [] and _zero(cloud, project)
 
