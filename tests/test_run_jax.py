@@ -125,17 +125,17 @@ def test_spot_tpu7x_preempted_by_compute_is_recreated_and_resumes_from_the_check
 @pytest.mark.timeout(600)
 def test_flex_start_tpu7x_ended_at_its_max_run_duration_stops_the_run_without_asking_again(tpc, cloud, project,
                                                                                             tmp_path):
-    """Compute deletes a flex-start TPU7x VM at its max run duration (12 h, 43 s of wall clock at the tests'
+    """Compute deletes a flex-start TPU7x VM at its max run duration (24 h, 86 s of wall clock at the tests'
     speed) while the job trains: the run ends with exit code 4 and a resume hint, and no second TPU is asked for."""
     from tpuctl.errors import RunDurationEnded
     from tpuctl.ledger import Ledger
 
     spec = spec_mod.from_mapping(_tpu7x_spec("flex-7x", max_steps=100000, provisioning="flex-start",
-                                             max_run_duration="12h"))
+                                             max_run_duration="24h"))
     p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
     with pytest.raises(RunDurationEnded) as e:
         p.run()
-    assert e.value.exit_code == 4 and "max run duration (12h)" in e.value.message, e.value.message
+    assert e.value.exit_code == 4 and "max run duration (1d)" in e.value.message, e.value.message
     assert "--name flex-7x" in e.value.hint and "gs://" in e.value.hint
     assert p.outcome.recoveries == 0 and (p.outcome.step or 0) >= 5, p.outcome
     assert [e.kind for e in Ledger().entries() if e.kind == "tpu" and e.run == "flex-7x"] == ["tpu"]
