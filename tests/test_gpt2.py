@@ -3,6 +3,7 @@ one end-to-end gpt2-tiny run on the local cloud."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -168,7 +169,7 @@ def check_trainer() -> str:
             runs = []
             for variant in ("logits", "fused", *(() if tensorflow else ("blocked",))):
                 if variant == "blocked":
-                    layers.tpu_target, layers.HEAD_BLOCK = (lambda: True), 4
+                    layers.tpu_target, layers.HEAD_TOKENS = (lambda: True), 16  # 4 blocks of 4 at batch 4
                 keras.utils.set_random_seed(0)
                 model = build_model(_task(), vocab_size=50)
                 trainer, loss = ((model, SparseSoftmaxCrossEntropy()) if variant == "logits" else
@@ -202,6 +203,45 @@ def test_the_trainer_trains_as_the_cross_entropy_of_the_logits_on_jax():
     from conftest import on_jax
 
     assert on_jax("test_gpt2", "check_trainer", timeout=300) == "jax"  # three trainings, one a blocked head
+
+
+def head_lowered_for_a_tpu() -> str:
+    """(In a fresh JAX interpreter.) GPT-2's TPU head (blocked_softmax_cross_entropy) and its gradient lowered for
+    a v5e 2x2 that is not there at gpt2-tiny's sizes (seq 128, vocab 8000, batch 64 a chip): its logits come
+    HEAD_TOKENS (1024) tokens a device at a time, 16 positions, so the [B, L, vocab] logits are nowhere in the
+    program (with a block of 128 positions they were 375 of the step's 458 MiB of temporaries)."""
+    from tpuctl.templates import aot
+
+    aot.compile_only()
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from tpuctl.templates.lmkit import layers
+
+    devices = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices
+    mesh = Mesh(np.array(devices), ("batch",))
+    layers.use_tpu_kernels(mesh)
+    batch, length, hidden, vocab = 64 * len(devices), 128, 128, 8000
+    split, replicated = NamedSharding(mesh, PartitionSpec("batch")), NamedSharding(mesh, PartitionSpec())
+
+    def loss(h, embeddings, labels):
+        return layers.blocked_softmax_cross_entropy(labels, h, embeddings)[0].sum()
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+        jax.ShapeDtypeStruct((batch, length, hidden), "bfloat16", sharding=split),
+        jax.ShapeDtypeStruct((vocab, hidden), "float32", sharding=replicated),
+        jax.ShapeDtypeStruct((batch, length), "int32", sharding=split)).as_text()
+    assert f"{batch}x16x{vocab}xf32" in text, "no block of 16 positions' logits"
+    assert f"x{length}x{vocab}x" not in text, "the [B, L, vocab] logits in the program"
+    return "jax"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the TPU compiler (libtpu) is not installed")
+def test_on_a_tpu_the_head_never_holds_the_whole_logits():
+    from conftest import on_jax
+
+    assert on_jax("test_gpt2", "head_lowered_for_a_tpu", timeout=300) == "jax"
 
 
 @pytest.mark.tf

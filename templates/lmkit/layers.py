@@ -510,17 +510,16 @@ def tpu_target() -> bool:
 
 
 def _head_blocks(fn, labels, hidden, embeddings, block: int, *, remat: bool = False):
-    """fn(labels, logits) (arrays [B, block], or a tuple of them) for each block of `block` positions of `hidden`
-    [B, L, h], whose logits are hidden @ `embeddings` [V, h]^T as the tied head computes them (in hidden's dtype,
-    then float32), concatenated over the blocks: each block's [B, block, V] logits are dead once it is done;
-    `remat`: the backward pass recomputes each block's logits (jax.checkpoint) instead of keeping them. The blocks
-    are unrolled, not a loop (lax.map): the compiler's cost analysis counts a loop's body once, which would
-    hide all but one block's FLOPs and bytes from `tpuctl fit` and bench/tpu_compile.py. JAX only."""
+    """fn(labels, logits) (arrays [B, block], or a tuple of them) for each block of `block` positions (a divisor
+    of L) of `hidden` [B, L, h], whose logits are hidden @ `embeddings` [V, h]^T as the tied head computes them (in
+    hidden's dtype, then float32), concatenated over the blocks: each block's [B, block, V] logits are dead once
+    it is done; `remat`: the backward pass recomputes each block's logits (jax.checkpoint) instead of keeping them.
+    The blocks are unrolled, not a loop (lax.map): the compiler's cost analysis counts a loop's body once, which
+    would hide all but one block's FLOPs and bytes from `tpuctl fit` and bench/tpu_compile.py. JAX only."""
     import jax
     import jax.numpy as jnp
 
     length = hidden.shape[1]
-    block = math.gcd(length, block)
     kernel = ops.convert_to_tensor(embeddings).astype(hidden.dtype)
     labels = jnp.asarray(labels, jnp.int32)
 
@@ -532,12 +531,23 @@ def _head_blocks(fn, labels, hidden, embeddings, block: int, *, remat: bool = Fa
     return jax.tree.map(lambda *ts: jnp.concatenate(ts, axis=1), *parts)
 
 
-HEAD_BLOCK = 128  # positions per block of the blocked head: [B, 128, 50257] float32 is 206 MB at batch 8
+# Tokens per device in each block of the blocked head: gpt2-small's 128 positions at batch 8, whose [1024, 50257]
+# float32 logits are 206 MB. A budget of tokens, not positions: with a fixed 128 positions gpt2-tiny (seq 128,
+# batch 64) had one block, the whole [64, 128, 8000] logits in float32 and bfloat16, 375 of the step's 458 MiB of
+# temporaries (the compiler's memory-usage report; bench/RESULTS.md, tpu_compile), and a larger batch grew them.
+HEAD_TOKENS = 1024
+
+
+def head_block(length: int, per_device_batch: int) -> int:
+    """Positions per block of the blocked head: the most that divide `length` and keep a block's tokens on a
+    device within HEAD_TOKENS (at least one position)."""
+    most = max(1, HEAD_TOKENS // per_device_batch)
+    return max(d for d in range(1, min(length, most) + 1) if length % d == 0)
 
 
 def blocked_softmax_cross_entropy(labels, hidden, embeddings):
     """(`softmax_cross_entropy(labels, logits)`, `top_one_correct(labels, logits)`) per token of `hidden`
-    [B, L, h], where logits = hidden @ embeddings^T (a tied head, no bias), computed HEAD_BLOCK positions at a
+    [B, L, h], where logits = hidden @ embeddings^T (a tied head, no bias), computed `head_block` positions at a
     time, each block recomputed for the backward pass (jax.checkpoint): the [B, L, V] logits and their gradient
     never exist whole; the price is the head's forward matmul once more. What the TPU runs (tpu_target): a
     [B, L, V] float32 tensor is gpt2-small's largest by far (1.6 GB per device at batch 8). JAX only."""
@@ -546,7 +556,10 @@ def blocked_softmax_cross_entropy(labels, hidden, embeddings):
     def both(y, logits):
         return _softmax_loss(y, logits)[0], jax.lax.stop_gradient(top_one_correct(y, logits))
 
-    return _head_blocks(both, labels, hidden, embeddings, HEAD_BLOCK, remat=True)
+    # The batch is split over the mesh's "batch" axis (use_tpu_kernels): each device holds its share's blocks.
+    devices = 1 if _tpu_mesh is None else _tpu_mesh.shape["batch"]
+    block = head_block(hidden.shape[1], max(1, hidden.shape[0] // devices))
+    return _head_blocks(both, labels, hidden, embeddings, block, remat=True)
 
 
 def top_one_correct(labels, logits):
