@@ -11,8 +11,9 @@ Time and money are estimates from a roofline: max(model FLOPs / peak bf16 FLOP/s
 the gradient all-reduce over ICI on more than one chip; model FLOPs are 6·N·tokens plus attention
 (12·layers·hidden·seq per token, PaLM's count). With `slices: N` (multislice, weak scaling: every slice runs
 the same per-chip batch), the step then all-reduces the gradients across the N slices over the data-center
-network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all N slices, the HBM answer is one slice's. Compiles are cached under TPUCTL_HOME/fit by template content,
-config, topology, batch and versions: a repeat answers at once. Silent: progress goes to `on_event`.
+network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all N slices, the HBM answer is one slice's.
+Compiles are cached under TPUCTL_HOME/fit by template content, config, topology, batch and versions: a repeat
+answers at once. Silent: progress goes to `on_event`.
 
 `job.sharding` (the template's runtime.sharding): `data` replicates the training state on every device; `fsdp`
 splits weights, gradients and optimizer state over them (each device holds 1/N of the state and gathers weights
