@@ -54,6 +54,8 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
                             [PY, "bench/localcloud_soak.py"]),
         "fsdp_fit": ("`tpuctl fit` of gpt2-xl on v5litepod-8, v5p-8 and v6e-8 with job.sharding data and fsdp "
                      "(fits or not, HBM per chip, est. step time) and auto's pick", [PY, "bench/fsdp_fit.py"]),
+        "weak_scaling": ("`tpuctl fit --slices N` of gpt2-small (seq 1024) on 1, 2 and 4 slices of v5p-8, same per-chip "
+                         "batch: est. step time, tokens/s, scaling efficiency", [PY, "bench/weak_scaling.py"]),
         "chaos": ("chaos: leaked resources, lost checkpoints, wrong exit codes over seeded fault scenarios (goal 0/0/0)",
                   [PY, "bench/chaos.py", "--scenarios", str(chaos_scenarios), "--seed", str(chaos_seed)]),
         "suite_time": ("Test suite time: the fast tier (`-m \"not slow\"`, goal < 5 min) and the whole suite (the README's "
@@ -169,6 +171,7 @@ HEADLINE_LINES = {
     "peers": re.compile(r"^(train \S+ \S+:|prepare /|recipe /).*"),
     "suite_time": re.compile(r"^(fast|suite): \d+ s .*"),
     "fsdp_fit": re.compile(r"^gpt2-xl \S+ (data|fsdp): fits \S+ [\d.]+ of [\d.]+ GB|^gpt2-xl \S+ auto: .*"),
+    "weak_scaling": re.compile(r"^gpt2-small \d x v5p-8 .*"),
 }
 HEADLINE_KEYS = {
     "train_bench": ("steps_per_sec", "examples_per_sec"),

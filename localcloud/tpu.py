@@ -34,6 +34,14 @@ PREEMPT_FREE_S = 60.0
 # (compute/docs/instances/create-use-spot, "Detect preemption"). Simulated seconds, but never shorter than the
 # real seconds a process gets to end on any stop (workers.TERM_GRACE_S): a save takes real time at any speed.
 PREEMPT_NOTICE_S = 30.0
+# Multislice auto repair (tpu/docs/multislice-introduction, "Auto repair": "When a slice encounters a maintenance
+# event, preemption, or hardware failure, Cloud TPU will create a new slice ... After the new slice is created,
+# all other slices in the Multislice environment will be restarted so training can continue"). Inferred, as
+# Google documents none of them: the seconds from the lost slice's power-off to its re-creation, the queued
+# resource staying ACTIVE throughout (SUSPENDED is "no longer eligible for further allocation", which a repair
+# contradicts), the new slice being a node of the same name CREATING -> READY, and the others' restart showing
+# as RESTARTING with health UNHEALTHY_MAINTENANCE for REPAIR_S.
+SLICE_REPAIR_S = 30.0
 
 _ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 # queuedResourceId and nodeSpec.nodeId "Should follow the `^[A-Za-z0-9_.~+%-]+$` regex format" (tpu v2 discovery).
@@ -131,7 +139,8 @@ class TpuService:
         self.queued: dict[str, dict] = {}      # full QR name -> record
         self.ops: dict[str, dict] = {}         # full operation name -> Operation body
         for action in ("create_done", "create_failed", "delete_done", "stop_done", "start_done", "update_done",
-                       "preempt", "power_off", "repair_done", "qr_accept", "qr_tick", "qr_delete_done", "qr_expire"):
+                       "preempt", "power_off", "repair_done", "qr_accept", "qr_tick", "qr_delete_done", "qr_expire",
+                       "slice_repair"):
             world.actions[f"tpu.{action}"] = getattr(self, f"_{action}")
 
     # ---------------------------------------------------------------------------------- persistence
@@ -430,6 +439,10 @@ class TpuService:
                     self.nodes.get(n, {}).get("node", {}).get("state") == "READY" for n in qr["nodes"]):
                 self._qr_state(qr, "ACTIVE")
                 self._schedule_flex_end(qr)
+            if rec.pop("restart_others", False) and qr:  # a repaired slice: "all other slices ... restarted"
+                for other in qr["nodes"]:
+                    if other != node and self.nodes.get(other, {}).get("node", {}).get("state") == "READY":
+                        self.repair(other, "RESTARTING")
             self.w.changed()
 
     def _create_failed(self, node: str, message: str, code: int = 8) -> None:
@@ -679,9 +692,14 @@ class TpuService:
             if time.time() - parse_time(rec["node"]["createTime"]) <= PREEMPT_FREE_S:
                 self.w.meter.forgive(node)
             qr = self.queued.get(rec["node"].get("queuedResource", ""))
-            if qr and qr["qr"]["state"]["state"] == "ACTIVE":
+            # A multislice's lost slice is repaired (SLICE_REPAIR_S), its queued resource stays ACTIVE.
+            if qr and qr["qr"]["state"]["state"] == "ACTIVE" and not self._multislice(rec):
                 self._qr_state(qr, "SUSPENDED", initiator=qr["qr"]["state"].get("stateInitiator", "SERVICE"))
             self.w.changed()
+
+    @staticmethod
+    def _multislice(rec: dict) -> bool:
+        return rec.get("slice", {}).get("count", 1) > 1
 
     def _power_off(self, node: str) -> None:
         """The end of a preemption's notice: whatever still runs on the guests dies."""
@@ -689,6 +707,24 @@ class TpuService:
             rec = self.nodes.get(node)
             if rec is not None and rec["node"]["state"] == "PREEMPTED":
                 self._stop_workers(rec)
+                if self._multislice(rec):
+                    self.w.later(SLICE_REPAIR_S, "tpu.slice_repair", node=node)
+
+    def _slice_repair(self, node: str) -> None:
+        """Cloud TPU creates a new slice in place of a multislice's lost one (SLICE_REPAIR_S): a node of the
+        same name and request, CREATING; once it is READY (`_create_done`) the other slices restart."""
+        with self.w.lock:
+            rec = self.nodes.get(node)
+            qr = self.queued.get((rec or {}).get("node", {}).get("queuedResource", ""))
+            if rec is None or rec["node"]["state"] != "PREEMPTED" or not qr or qr["qr"]["state"]["state"] != "ACTIVE":
+                return  # deleted (or its request deleted) meanwhile: nothing to repair
+            del self.nodes[node]
+            body = {k: v for k, v in rec["node"].items() if k not in ("state", "health", "healthDescription")}
+            new = self._new_node(node.rsplit("/nodes/", 1)[0], rec["project"], rec["zone"], node.rsplit("/", 1)[-1],
+                                 body, facts.TPU_TYPES[rec["type"]], queued=qr["qr"]["name"])
+            new.update(slice=rec["slice"], restart_others=True)
+            self._start_create(new, "queuedResources.repair")
+            self.w.changed()
 
     def repair(self, node: str, state: str = "REPAIRING", sim_seconds: float = REPAIR_S) -> None:
         """Put a READY node through host maintenance now: REPAIRING (or RESTARTING) with health

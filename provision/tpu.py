@@ -348,16 +348,20 @@ def multislice_to_resource(qr: tpu_v2.QueuedResource, nodes: list[tpu_v2.Node | 
                            local: bool) -> Resource:
     """A multislice queued resource as one TPU (Kind.TPU, the queued resource's name): every slice's workers in
     slice order, numbered on (worker i of slice s is s x hosts + i, the process id JAX gives it); READY only
-    when every slice is, else the first slice's state that is not (PREEMPTED for one that is gone). Pure."""
+    when every slice is, else the first slice's state that is not (PREEMPTED for one that is gone), REPAIRING while
+    the queued resource stays ACTIVE meanwhile. Pure."""
     base = queued_to_resource(qr)
     seen = [None if n is None else to_resource(n, local=local) for n in nodes]
     workers: list[Worker] = []
     for r in seen:
         workers += [replace(w, index=len(workers) + k) for k, w in enumerate(r.workers if r is not None else ())]
-    # A slice that is gone while its queued resource stays was lost (preempted, or deleted under it): the run
-    # requeues the whole request, as it would for a preempted slice.
+    # A slice that is gone while its queued resource stays was lost (preempted, or deleted under it).
     states_ = [State.PREEMPTED if r is None else r.state for r in seen]
     state = next((s for s in states_ if s is not State.READY), State.READY)
+    if state is not State.READY and base.state is State.READY:
+        # The request is still ACTIVE: Google's auto repair is making the lost slice again and will restart the
+        # others (provision/shapes/queued.py): REPAIRING, waited for, not requeued.
+        state = State.REPAIRING
     first = next((r for r in seen if r is not None), None)
     return replace(base, kind=Kind.TPU, state=state, workers=tuple(workers),
                    detail={**base.detail, **(first.detail if first is not None else {}), "queued_resource": qr.name,

@@ -276,3 +276,58 @@ def attention_lowered_for_a_tpu() -> str:
 @needs_compiler
 def test_on_a_tpu_attention_with_dropout_runs_the_fused_kernel():
     assert on_jax("test_fit", "attention_lowered_for_a_tpu", timeout=300) == "jax"
+
+
+# gpt2-small on v5p-8 (4 chips, one host; the zone sells it): the weak-scaling case bench/weak_scaling.py records.
+GPT2_SMALL_V5P = ("name: ws\nzone: us-east5-a\naccelerator: v5p-8\n"
+                  "job: {template: gpt2, preset: gpt2-small, framework: jax}\n")
+
+
+def test_slices_add_the_gradient_all_reduce_over_dcn(monkeypatch, tmp_path):
+    """Weak scaling: each slice runs the same per-chip batch; the step adds a ring all-reduce of the float32
+    gradients across the slices over DCN, each of the slice's 4 chips moving its share at Google's 50 Gbps a
+    v5p chip (cloud.google.com/tpu/docs/v5p)."""
+    monkeypatch.setitem(sys.modules, "libtpu", None)
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    spec = tmp_path / "ws.yaml"
+    spec.write_text(GPT2_SMALL_V5P)
+    one, two, four = (tpuctl.fit(spec_mod.from_mapping({**spec_mod.read_file(spec), "slices": n}), spec_dir=tmp_path)
+                      for n in (1, 2, 4))
+    assert one.slices == 1 and one.dcn_s == 0.0
+    for r, n in ((two, 2), (four, 4)):
+        gradient = 4 * r.params  # bytes: float32
+        assert r.slices == n and r.dcn_s == pytest.approx(2 * (n - 1) / n * gradient / (4 * 50e9 / 8))
+        assert r.est_step_s == pytest.approx(one.est_step_s + r.dcn_s)
+        assert r.global_batch == n * one.global_batch and r.per_chip_batch == one.per_chip_batch
+        assert r.hbm_per_chip_bytes == one.hbm_per_chip_bytes and r.chips == one.chips == 4
+        assert r.est_tokens_per_s == pytest.approx(n * one.global_batch * 1024 / r.est_step_s)
+        assert r.est_mfu == pytest.approx(one.est_mfu * one.est_step_s / r.est_step_s)
+        assert r.price_per_hour == pytest.approx(n * one.price_per_hour)
+        assert r.est_cost_usd == pytest.approx(r.est_run_s / 3600 * r.price_per_hour)
+    assert four.dcn_s == pytest.approx(1.5 * two.dcn_s)  # 2(N-1)/N: 1 at two slices, 1.5 at four
+
+
+def test_fit_json_reports_the_slices_and_refuses_a_multislice_google_does_not_make(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "libtpu", None)
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    from tpuctl.cli import cli
+
+    spec = tmp_path / "ws.yaml"
+    spec.write_text(GPT2_SMALL_V5P)
+    out = CliRunner().invoke(cli, ["fit", str(spec), "--slices", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["slices"] == 2 and data["dcn_s"] > 0 and data["global_batch"] == 2 * 4 * data["per_chip_batch"]
+    assert data["est_step_s"] > data["dcn_s"] and data["est_tokens_per_s"] > 0 and data["est_cost_usd"] > 0
+    from rich.console import Console
+
+    from tpuctl import console
+
+    table, errors = io.StringIO(), io.StringIO()  # the console's streams were bound at its import, not CliRunner's
+    monkeypatch.setattr(console, "out", Console(file=table, width=1000, no_color=True))
+    monkeypatch.setattr(console, "err", Console(file=errors, width=1000, no_color=True))
+    human = CliRunner().invoke(cli, ["fit", str(spec), "--slices", "2"])
+    assert human.exit_code == 0 and "2 x v5p-8, data parallel across them over DCN" in table.getvalue()
+    assert "the gradient all-reduce over DCN, an estimate" in table.getvalue()
+    refused = CliRunner().invoke(cli, ["fit", str(spec), "--slices", "2", "--accelerator", "v3-8"])
+    assert refused.exit_code == 2 and "error: slices: Google's multislice is for TPU v4 and later" in errors.getvalue()

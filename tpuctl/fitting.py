@@ -9,8 +9,11 @@ Without the compiler the same report is an analytic estimate (a deliberately hig
 
 Time and money are estimates from a roofline: max(model FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), plus
 the gradient all-reduce over ICI on more than one chip; model FLOPs are 6·N·tokens plus attention
-(12·layers·hidden·seq per token, PaLM's count). Compiles are cached under TPUCTL_HOME/fit by template content,
-config, topology, batch and versions: a repeat answers at once. Silent: progress goes to `on_event`.
+(12·layers·hidden·seq per token, PaLM's count). With `slices: N` (multislice, weak scaling: every slice runs
+the same per-chip batch), the step then all-reduces the gradients across the N slices over the data-center
+network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all N slices, the HBM answer is one slice's.
+Compiles are cached under TPUCTL_HOME/fit by template content, config, topology, batch and versions: a repeat
+answers at once. Silent: progress goes to `on_event`.
 
 `job.sharding` (the template's runtime.sharding): `data` replicates the training state on every device; `fsdp`
 splits weights, gradients and optimizer state over them (each device holds 1/N of the state and gathers weights
@@ -63,20 +66,30 @@ class Chip:
     # or half the bidirectional ICI bandwidth per chip where only that is published (v6e gives both: 400, 800)
     devices_per_chip: int  # JAX devices (TensorCores not fused into one megacore) per chip
     source: str
+    dcn_bytes_per_s: float = 0.0  # per-chip data-center network bandwidth (DCN, between slices; see the table);
+    # 0: no multislice on the generation
 
 
-GiB, GB = 2**30, 1e9
+GiB, GB, Gbit = 2**30, 1e9, 1e9 / 8
 # One table; every number is from the page named (checked 2026-11). v2's all-reduce bandwidth is not published:
 # inferred as v3's.
 CHIPS: dict[str, Chip] = {
     "v2": Chip(16 * GiB, 45e12, 600 * GB, 340e12 / 1024, 2, "https://cloud.google.com/tpu/docs/v2"),
     "v3": Chip(32 * GiB, 123e12, 900 * GB, 340e12 / 1024, 2, "https://cloud.google.com/tpu/docs/v3"),
-    "v4": Chip(32 * GiB, 275e12, 1200 * GB, 1.1e15 / 4096, 1, "https://cloud.google.com/tpu/docs/v4"),
-    "v5e": Chip(16 * GB, 197e12, 819 * GB, 51.2e12 / 256, 1, "https://cloud.google.com/tpu/docs/v5e"),
-    "v5p": Chip(95 * GiB, 459e12, 2765 * GB, 1200 * GB / 2, 1, "https://cloud.google.com/tpu/docs/v5p"),
-    "v6e": Chip(32 * GB, 918e12, 1640 * GB, 102.4e12 / 256, 1, "https://cloud.google.com/tpu/docs/v6e"),
-    "tpu7x": Chip(192 * GiB, 2307e12, 7380 * GB, 1200 * GB / 2, 2, "https://cloud.google.com/tpu/docs/tpu7x"),
+    "v4": Chip(32 * GiB, 275e12, 1200 * GB, 1.1e15 / 4096, 1, "https://cloud.google.com/tpu/docs/v4", 25 * Gbit),
+    "v5e": Chip(16 * GB, 197e12, 819 * GB, 51.2e12 / 256, 1, "https://cloud.google.com/tpu/docs/v5e", 25 * Gbit),
+    "v5p": Chip(95 * GiB, 459e12, 2765 * GB, 1200 * GB / 2, 1, "https://cloud.google.com/tpu/docs/v5p", 50 * Gbit),
+    "v6e": Chip(32 * GB, 918e12, 1640 * GB, 102.4e12 / 256, 1, "https://cloud.google.com/tpu/docs/v6e", 100 * Gbit),
+    "tpu7x": Chip(192 * GiB, 2307e12, 7380 * GB, 1200 * GB / 2, 2, "https://cloud.google.com/tpu/docs/tpu7x",
+                  100 * Gbit),
 }
+# DCN bandwidth per chip (checked 2026-11-28); a host's is this times its chips. Published per chip: v5p 50 Gbps
+# (cloud.google.com/tpu/docs/v5p: "Data center network (DCN) bandwidth per chip (Gbps) 50"), v6e and TPU7x 100 Gbps
+# (cloud.google.com/tpu/docs/tpu7x's table, v5p/v6e/TPU7x columns). v5e: its "Per-host NIC configuration 2 x 100
+# Gbps" for 8 chips a host, and "Data center network bandwidth per Pod 6.4 Tbps" over 256 chips, both 25 Gbps a
+# chip (cloud.google.com/tpu/docs/v6e, v5e column; v6e's 4 x 200 Gbps and 25.6 Tbps agree with its 100). v4: Google
+# publishes none; 25 Gbps, the lowest any generation's page gives, so the estimate errs slow. v2 and v3 have no
+# multislice (tpu/docs/multislice-introduction): 0.
 
 
 @dataclass(frozen=True)
@@ -89,7 +102,7 @@ class Fit:
     method: str  # "compiled" | "analytic"
     accelerator: str
     topology: str  # as libtpu names it, e.g. "v5e:2x2"
-    chips: int
+    chips: int  # in one slice
     per_chip_batch: int
     global_batch: int
     seq_len: int
@@ -118,6 +131,8 @@ class Fit:
     sharding: str = "data"  # the training state on the devices: "data" (replicated) or "fsdp" (split over them)
     remat_policy: str = "none"  # the template's remat policy the figures are for: the config's, or (remat_chosen)
     remat_chosen: bool = False  # the first of the template's policies that makes the batch fit when it does not
+    slices: int = 1  # multislice: the step time, tokens/s, global batch, price and cost are for all of them
+    dcn_s: float = 0.0  # of est_step_s: the gradient all-reduce across the slices over DCN (dcn_seconds)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -177,14 +192,17 @@ class _Request:
     vocab_size: int
     accel: catalog_mod.AcceleratorType
     chip: Chip
-    price_per_hour: float
+    price_per_hour: float  # one slice's
     sharding: str = "data"
+    slices: int = 1
 
 
 def _request(spec, spec_dir: Path, accelerator: str | None, sharding: str = "data") -> _Request:
     """The spec's job as the workers would get it with `sharding` (placeholder bucket and run: paths change no
-    compile). Raises BadInput for a spec without a job, an unknown type, or a config the template refuses."""
+    compile). Raises BadInput for a spec without a job, an unknown type, a config the template refuses, or
+    `slices` Google's multislice does not make (the check `run` makes)."""
     from tpuctl.jobs import bundle as bundles
+    from tpuctl.provision import shapes
     from tpuctl.templates import contract
 
     job = spec.job
@@ -198,6 +216,7 @@ def _request(spec, spec_dir: Path, accelerator: str | None, sharding: str = "dat
     if chip is None:
         raise BadInput(f"no chip facts for TPU generation {accel.generation}", field="accelerator",
                        hint=f"fit knows {', '.join(CHIPS)}")
+    shapes.QUEUED.check_slices(accel, spec.slices, spec.provisioning, job.framework)
     template = contract.find(job.template, base_dir=spec_dir)
     config = bundles.job_config(job.config, preset=job.preset, bucket="fit", run="fit", data_url=None,
                                 framework="jax", sharding=sharding)
@@ -206,7 +225,7 @@ def _request(spec, spec_dir: Path, accelerator: str | None, sharding: str = "dat
     vocab = getattr(getattr(resolved, "task", None), "vocab_size", 0) or job.data.vocab_size
     zone = spec.zones[0] if spec.zones else accel.zones[0]
     price = cat.tpu_price_per_hour(accel.name, zone, spec.provisioning in ("spot", "preemptible"))
-    return _Request(template, config, resolved, vocab, accel, chip, price, sharding)
+    return _Request(template, config, resolved, vocab, accel, chip, price, sharding, spec.slices)
 
 
 def _template_hash(template) -> str:
@@ -325,18 +344,31 @@ def _first_remat(measure: Callable[[str], tuple[float, bool]], policies: list[st
     return None
 
 
+def dcn_seconds(chip: Chip, chips: int, params: int, slices: int) -> float:
+    """Seconds a step spends all-reducing the float32 gradients of `params` weights across `slices` slices of
+    `chips` chips over DCN, after the all-reduce (or, under fsdp, reduce-scatter) inside each slice over ICI: a
+    ring over N slices moves 2(N-1)/N of the gradient's bytes, each host its share (its chips' part of the slice)
+    through its own DCN bandwidth (chip.dcn_bytes_per_s times its chips): per slice, chips x the chip's figure.
+    Not overlapped with compute (XLA can overlap part of it): the estimate errs slow."""
+    if slices < 2:
+        return 0.0
+    return 2 * (slices - 1) / slices * 4 * params / (chips * chip.dcn_bytes_per_s)
+
+
 def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per_chip: float,
-             sharding: str = "data") -> tuple[float, float]:
+             sharding: str = "data", slices: int = 1) -> tuple[float, float]:
     """(model FLOPs per chip per step, estimated step seconds) of `model` (its "params", "layers", "hidden",
     "seq_len") at `per_chip_batch` on `chips` chips of `chip` moving `bytes_per_chip` per step (module
     docstring: the roofline, plus the gradients' all-reduce; under fsdp the weights' two all-gathers, forward
-    and backward, and the gradients' reduce-scatter: three halves of a ring all-reduce where data has two)."""
+    and backward, and the gradients' reduce-scatter: three halves of a ring all-reduce where data has two),
+    on each of `slices` slices, plus their all-reduce over DCN (dcn_seconds)."""
     seq = model["seq_len"]
     model_flops = (6 * model["params"] + 12 * model["layers"] * model["hidden"] * seq) * per_chip_batch * seq
     halves = 3 if sharding == "fsdp" else 2
     allreduce_s = (halves * (chips - 1) / chips * 4 * model["params"] / chip.allreduce_bytes_per_s
                    if chips > 1 else 0.0)  # float32 gradients (and weights), ring all-reduce
-    return model_flops, max(model_flops / chip.peak_bf16_flops, bytes_per_chip / chip.hbm_bytes_per_s) + allreduce_s
+    return model_flops, (max(model_flops / chip.peak_bf16_flops, bytes_per_chip / chip.hbm_bytes_per_s) + allreduce_s
+                         + dcn_seconds(chip, chips, model["params"], slices))
 
 
 def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, model: dict, hbm: float,
@@ -346,8 +378,11 @@ def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, 
     devices = accel.chips * chip.devices_per_chip
     per_chip_batch = per_device_batch * chip.devices_per_chip
     seq = model["seq_len"]
-    model_flops, step_s = roofline(chip, accel.chips, model, per_chip_batch, bytes_per_chip, req.sharding)
+    model_flops, step_s = roofline(chip, accel.chips, model, per_chip_batch, bytes_per_chip, req.sharding,
+                                   req.slices)
     run_s = model["max_steps"] * step_s
+    price = req.price_per_hour * req.slices  # one queued resource bills its N slices
+    devices *= req.slices  # weak scaling: every slice runs the per-chip batch
     return Fit(
         fits=fits, method=method, accelerator=accel.name, topology=topology, chips=accel.chips,
         per_chip_batch=per_chip_batch, global_batch=per_device_batch * devices, seq_len=seq, params=model["params"],
@@ -357,9 +392,10 @@ def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, 
         bytes_accessed_per_step=bytes_per_chip, est_step_s=step_s,
         est_mfu=model_flops / (step_s * chip.peak_bf16_flops) if step_s else 0.0,
         est_tokens_per_s=per_device_batch * devices * seq / step_s if step_s else 0.0, max_steps=model["max_steps"],
-        est_run_s=run_s, price_per_hour=req.price_per_hour, est_cost_usd=run_s / 3600 * req.price_per_hour,
+        est_run_s=run_s, price_per_hour=price, est_cost_usd=run_s / 3600 * price,
         jax=versions[0], libtpu=versions[1], compiles=compiles, chip_source=chip.source, sharding=req.sharding,
-        remat_policy=remat[0], remat_chosen=remat[1])
+        remat_policy=remat[0], remat_chosen=remat[1], slices=req.slices,
+        dcn_s=dcn_seconds(chip, accel.chips, model["params"], req.slices))
 
 
 def _analytic_model(req: _Request) -> dict | None:
@@ -544,8 +580,9 @@ def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ign
 def note(result: Fit) -> ev.Note:
     """The fit as one line of the plan."""
     how = "compiled" if result.method == "compiled" else f"analytic estimate, not compiled: {result.not_compiled}"
-    return ev.Note(f"fit: {_gb(result.hbm_per_chip_bytes)} of {_gb(result.hbm_capacity_bytes)} HBM per chip ({how}; "
-                   f"sharding {result.sharding}); "
+    slices = f" on each of {result.slices} slices" if result.slices > 1 else ""
+    return ev.Note(f"fit: {_gb(result.hbm_per_chip_bytes)} of {_gb(result.hbm_capacity_bytes)} HBM per chip{slices} "
+                   f"({how}; sharding {result.sharding}); "
                    f"est. {result.est_step_s * 1e3:.1f} ms/step, MFU {result.est_mfu:.0%}, "
                    f"{duration_text(result.est_run_s)} and ${result.est_cost_usd:,.2f} for {result.max_steps} steps")
 

@@ -6,7 +6,15 @@ queued resource (force) takes the node along.
 Multislice (`slices: N`, tpu/docs/multislice-introduction): one queued resource whose node spec carries
 `multisliceParams {nodeCount: N, nodeIdPrefix: RUN}` makes the slices RUN-0 .. RUN-(N-1). The jobs layer sees
 it as one TPU named RUN (`tpu.get_multislice`): every slice's workers, READY only when every slice is. Losing
-one slice loses the job (its processes meet in one JAX cluster): the whole request is queued again."""
+one slice loses the job (its processes meet in one JAX cluster), and Google repairs the request itself
+(tpu/docs/multislice-introduction, "Auto repair": "When a slice encounters a maintenance event, preemption, or
+hardware failure, Cloud TPU will create a new slice. In the rare case that there are insufficient resources to
+create a new slice, the creation won't complete until hardware becomes available. After the new slice is
+created, all other slices in the Multislice environment will be restarted so training can continue."). Google
+does not say which states the request and its nodes show meanwhile; tpuctl takes a queued resource still ACTIVE
+with a slice not READY (gone, PREEMPTED, CREATING, RESTARTING) for one under repair and waits for every slice to
+be READY (REPAIR_DEADLINE_S), then relaunches every host; one no longer ACTIVE (SUSPENDED: "no longer eligible
+for further allocation", tpu/docs/queued-resources), or not whole by the deadline, is queued again whole."""
 
 from __future__ import annotations
 
@@ -122,9 +130,9 @@ class Queued(TpuNode):
             tpu.delete_node(clients, zone, node, deadline_s=deadline_s, cancel=cancel, progress=progress)
 
     def recovery_action(self, r: Resource) -> RecoveryAction:
-        """A multislice that lost a slice is requeued whole (every slice and host restart together, as Google's
-        auto-repair restarts the job on all slices); one under maintenance is waited for first. A single
-        node: as any queued node (requeued)."""
+        """A multislice whose request Google is repairing (REPAIRING: ACTIVE with a slice not READY, module
+        docstring) is waited for, up to REPAIR_DEADLINE_S, then requeued whole; one whose request Google gave up
+        (SUSPENDED) is requeued whole at once. A single node: as any queued node (requeued)."""
         if "slices" not in r.detail or r.state is State.DELETED or run_ended(r):
             return super().recovery_action(r)
         return Wait(r, otherwise=Requeue(r)) if r.state is State.REPAIRING else Requeue(r)

@@ -31,7 +31,11 @@ def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
                                       f"N = {r.params:,})"),
         ("compiled FLOPs / step / chip", compiled),
         ("bytes accessed / step / chip", f"{r.bytes_accessed_per_step / 1e9:,.2f} GB"),
-        ("est. step time", f"{r.est_step_s * 1e3:,.2f} ms (roofline)"),
+        *([("slices", f"{r.slices} x {r.accelerator}, data parallel across them over DCN (weak scaling: each runs "
+                      f"the per-chip batch); step, tokens/s and cost are for all {r.slices}")] if r.slices > 1 else []),
+        ("est. step time", f"{r.est_step_s * 1e3:,.2f} ms (roofline"
+                           + (f", of which {r.dcn_s * 1e3:,.2f} ms the gradient all-reduce over DCN, an estimate from "
+                              "Google's published DCN bandwidth)" if r.slices > 1 else ")")),
         ("est. MFU", f"{r.est_mfu:.0%}"),
         ("est. tokens/s", f"{r.est_tokens_per_s:,.0f}"),
         ("est. run", f"{fit_mod.duration_text(r.est_run_s)} for {r.max_steps:,} steps, "
