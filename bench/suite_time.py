@@ -47,8 +47,9 @@ def timed(name: str, limit_s: float, slowest: int = 0) -> str:
     wall = time.monotonic() - t0
     summary = next((l.strip("= ") for l in reversed(out.splitlines()) if " in " in l and "passed" in l), "?")
     durations = [l for l in out.splitlines() if re.match(r"^\d+\.\d+s (call|setup|teardown) ", l)][:slowest]
+    failed = [l for l in out.splitlines() if l.startswith(("FAILED ", "ERROR "))]  # which, not only how many
     return "\n".join([f"{name}: {wall:.0f} s (goal <= {goal_s} s){interrupted}; load before {before}, after {load()}; "
-                      f"`{shlex.join(['python'] + cmd[1:])}`; {summary}", *durations])
+                      f"`{shlex.join(['python'] + cmd[1:])}`; {summary}", *failed, *durations])
 
 
 def main(argv: list[str] | None = None) -> int:
