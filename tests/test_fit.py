@@ -222,10 +222,12 @@ def test_the_template_step_compiles_for_two_topologies_and_a_repeat_is_cached(mo
 @pytest.mark.timeout(1800)
 @needs_compiler
 def test_a_run_that_cannot_fit_is_refused_before_anything_exists(env, tmp_path):
+    # 32768 sequences a chip: 8192 fit (7.99 of 16 GB) once GPT-2's head blocked by tokens (tpu28), and the run
+    # went on to train them on the CPU.
     spec = tmp_path / "over.yaml"
     spec.write_text("name: over\nzone: us-central1-a\naccelerator: v5litepod-1\n"
                     "job: {template: gpt2, preset: gpt2-tiny, framework: jax,\n"
-                    "      config: {task: {num_layers: 1}, trainer: {per_replica_batch_size: 8192}}}\n")
+                    "      config: {task: {num_layers: 1}, trainer: {per_replica_batch_size: 32768}}}\n")
     out = tpuctl_cli(env, "run", str(spec), "--yes", timeout=1500)
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 2 and len(errors) == 1, out.stderr
