@@ -40,6 +40,7 @@ Light to import (the standard library and strategy.py): Keras may be imported on
 
 from __future__ import annotations
 
+import abc
 import argparse
 import dataclasses
 import importlib
@@ -56,7 +57,7 @@ RUN_STATE = "run.json"
 SHARD = strategy_mod.SHARD  # in an Objective's fsdp_layout: the dimension split over the devices
 
 
-class Objective:
+class Objective(abc.ABC):
     """What a language-model template trains. run() does the rest (strategy on either backend, resume,
     checkpoints, progress lines, TensorBoard, export) for every template whose objective this is: BERT's masked
     LM (bert/train.py) and GPT-2's causal LM (gpt2/train.py) subclass it. The template's `data` and `model`
@@ -96,17 +97,17 @@ class Objective:
         # Per-token loss x weight, summed, / sum of weights: the mean over the predicted tokens only.
         return model, SparseSoftmaxCrossEntropy(reduction="mean_with_sample_weight")
 
+    @abc.abstractmethod
     def dataset(self, cfg, manifest, batch_size: int, input_context, skip: int):
         """Batches of `batch_size` for `input_context`'s pipeline, after its first `skip` sequences (a resume's)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def data_files(self) -> tuple[str, ...]:
         """The prepared data's files the export carries (tokenizer, manifest)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def batch_shapes(self, task, batch: int):
         """One element of `dataset` as (shape, dtype) leaves: what the step is compiled for without data."""
-        raise NotImplementedError
 
     # The template's train module exports these three: its program (`python -m NAME.train`), the library's call
     # and template.json `fit`.
