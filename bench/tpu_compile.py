@@ -124,9 +124,9 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
 
 # --------------------------------------------------------------------------------------------- the parent
 
-def _source_hash(templates: str) -> str:
+def _source_hash(templates: str, pattern: str = "*.py") -> str:
     h = hashlib.sha256()
-    for f in sorted(Path(templates).rglob("*.py")):
+    for f in sorted(Path(templates).rglob(pattern)):
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -139,7 +139,8 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
 
     topology, options = topology_of(catalog.load().accelerator(accelerator))
     key = json.dumps([side, MODELS[model], topology, options, per_device_batch, layers, compiler_versions(),
-                      _version("keras"), _source_hash(templates) if side == "tpuctl" else None]
+                      _version("keras"), _source_hash(templates) if side == "tpuctl" else None,
+                      _source_hash(str(REPO / "templates"), "aot.py")]  # how it measures
                      + ([variant] if variant else []))  # a key without it: the defaults' figures cached before
     path = CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if path.exists():
@@ -180,7 +181,8 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: bool,
     # pooler and segment embeddings that the masked-LM loss never trains).
     tpuctl_model = compiled("tpuctl", model, accelerator, per_device, layers, templates, variant)["model"]
     per_chip = per_device * chip.devices_per_chip
-    flops, step_s = roofline(chip, accel.chips, tpuctl_model, per_chip, cost["bytes"] * chip.devices_per_chip)
+    flops, step_s = roofline(chip, accel.chips, tpuctl_model, per_chip, cost["bytes"] * chip.devices_per_chip,
+                             compiled_flops_per_chip=cost["flops"] * chip.devices_per_chip)
     row = {"side": side, "batch": per_chip, "fits": fits, "hbm": need * chip.devices_per_chip,
            "bytes": cost["bytes"] * chip.devices_per_chip, "flops": cost["flops"] * chip.devices_per_chip,
            "model_flops": flops, "step_s": step_s, "mfu": flops / (step_s * chip.peak_bf16_flops),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 
@@ -149,8 +150,8 @@ def check_trainer() -> str:
     """CausalLMTrainer (the tied head's loss differentiated straight into the hidden states and the embedding)
     trains exactly as the model with the cross-entropy of its logits: the same losses, accuracies and weights
     after 12 AdamW steps, with each block's last position weighted 0 (TensorFlow without and with XLA; JAX).
-    On JAX also the TPU's loss and accuracy (the head a block of positions at a time, here 4 blocks of 4; the
-    TPU's attention kernel is not for a CPU). Returns the backend."""
+    On JAX also the TPU's loss and accuracy (the head's Pallas kernels, in Pallas' interpreter; the TPU's
+    attention kernel is not for a CPU). Returns the backend."""
     import keras
 
     from tpuctl.templates.lmkit import layers
@@ -167,9 +168,9 @@ def check_trainer() -> str:
     try:
         for jit in (False, True) if tensorflow else (True,):
             runs = []
-            for variant in ("logits", "fused", *(() if tensorflow else ("blocked",))):
-                if variant == "blocked":
-                    layers.tpu_target, layers.HEAD_TOKENS = (lambda: True), 16  # 4 blocks of 4 at batch 4
+            for variant in ("logits", "fused", *(() if tensorflow else ("tpu",))):
+                if variant == "tpu":  # the TPU's head kernels, in Pallas' interpreter
+                    layers.tpu_target = lambda: True
                 keras.utils.set_random_seed(0)
                 model = build_model(_task(), vocab_size=50)
                 trainer, loss = ((model, SparseSoftmaxCrossEntropy()) if variant == "logits" else
@@ -202,14 +203,58 @@ def test_the_trainer_trains_as_the_cross_entropy_of_the_logits_on_jax():
     pytest.importorskip("jax")
     from conftest import on_jax
 
-    assert on_jax("test_gpt2", "check_trainer", timeout=300) == "jax"  # three trainings, one a blocked head
+    assert on_jax("test_gpt2", "check_trainer", timeout=300) == "jax"  # three trainings, one the TPU's head
+
+
+def fused_head_matches_the_cross_entropy() -> str:
+    """(In a fresh JAX interpreter.) The TPU head's Pallas kernels (fused_head), run in Pallas' interpreter, give
+    the cross-entropy, the first-argmax accuracy and the gradients of the logits hidden @ embeddings^T computed
+    whole: with tiles of 128 (the gradient's: 256 vocabulary rows), 300 tokens and a vocabulary of 1000 span
+    3 x 8 tiles, both padded (the online softmax rescales across vocabulary tiles), and duplicated embedding rows
+    make ties, which the first index wins."""
+    from tpuctl.templates import aot
+
+    aot.compile_only()  # before JAX: where libtpu is installed, its lock must not stop another process's compile
+    import jax
+    import jax.numpy as jnp
+
+    from tpuctl.templates.lmkit import fused_head
+
+    tiles = fused_head.Tiles(tokens=128, vocab=128, grad_tokens=128, grad_vocab=256)
+    tokens, width, vocab = 300, 32, 1000
+    rng = np.random.default_rng(0)
+    embeddings = rng.normal(size=(vocab, width)).astype("float32")
+    embeddings[500:510] = embeddings[990:1000] = embeddings[0:10]  # ties across tiles: indices 0-9 must win
+    hidden = rng.normal(size=(tokens, width)).astype("float32") * 2
+    hidden[:60] = embeddings[rng.integers(0, 10, 60)] * 4  # confidently one of the tied rows
+    labels = rng.integers(0, vocab, tokens).astype("int32")
+    labels[:20], labels[20:40], labels[40:60] = np.arange(20) % 10, 500 + np.arange(20) % 10, 990 + np.arange(20) % 10
+    weights = rng.uniform(size=tokens).astype("float32")
+
+    def whole(hidden, embeddings):
+        logits = hidden @ embeddings.T
+        loss = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
+        return loss, (jnp.argmax(logits, -1) == labels).astype("float32")  # argmax: the first index wins
+
+    def fused(hidden, embeddings):
+        return fused_head.fused_softmax_cross_entropy(jnp.asarray(labels), hidden, embeddings, tiles, True)
+
+    (want_loss, want_correct), (loss, correct) = whole(hidden, embeddings), fused(hidden, embeddings)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(correct, want_correct)
+    assert 0 < want_correct[:60].sum() < 60  # the tied rows' labels: the first index right, the copies wrong
+    want, got = (jax.grad(lambda h, e: jnp.sum(f(h, e)[0] * weights), argnums=(0, 1))(hidden, embeddings)
+                 for f in (whole, fused))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    return "jax"
 
 
 def head_lowered_for_a_tpu() -> str:
-    """(In a fresh JAX interpreter.) GPT-2's TPU head (blocked_softmax_cross_entropy) and its gradient lowered for
-    a v5e 2x2 that is not there at gpt2-tiny's sizes (seq 128, vocab 8000, batch 64 a chip): its logits come
-    HEAD_TOKENS (1024) tokens a device at a time, 16 positions, so the [B, L, vocab] logits are nowhere in the
-    program (with a block of 128 positions they were 375 of the step's 458 MiB of temporaries)."""
+    """(In a fresh JAX interpreter.) GPT-2's TPU head (fused_softmax_cross_entropy) and its gradient lowered for a
+    v5e 2x2 that is not there at gpt2-tiny's sizes (seq 128, vocab 8000, batch 64 a chip): two Pallas kernels
+    (forward; the embeddings' gradient), and no tensor in the program anywhere near the [tokens, vocab] logits
+    (with the head as XLA ops they were 375 of the step's 458 MiB of temporaries)."""
     from tpuctl.templates import aot
 
     aot.compile_only()
@@ -226,22 +271,33 @@ def head_lowered_for_a_tpu() -> str:
     split, replicated = NamedSharding(mesh, PartitionSpec("batch")), NamedSharding(mesh, PartitionSpec())
 
     def loss(h, embeddings, labels):
-        return layers.blocked_softmax_cross_entropy(labels, h, embeddings)[0].sum()
+        return layers.fused_softmax_cross_entropy(labels, h, embeddings)[0].sum()
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
         jax.ShapeDtypeStruct((batch, length, hidden), "bfloat16", sharding=split),
         jax.ShapeDtypeStruct((vocab, hidden), "float32", sharding=replicated),
         jax.ShapeDtypeStruct((batch, length), "int32", sharding=split)).as_text()
-    assert f"{batch}x16x{vocab}xf32" in text, "no block of 16 positions' logits"
-    assert f"x{length}x{vocab}x" not in text, "the [B, L, vocab] logits in the program"
+    assert text.count("@tpu_custom_call") == 2, "not the head's two kernels"
+    largest = max(math.prod(int(d) for d in dims.split("x")) for dims in re.findall(r"tensor<((?:\d+x)+)\w+>", text)
+                  for dims in [dims.rstrip("x")])
+    assert largest < 64 * length * vocab // 4, f"a tensor of {largest} elements: the logits are in the program"
     return "jax"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the TPU compiler (libtpu) is not installed")
-def test_on_a_tpu_the_head_never_holds_the_whole_logits():
-    from conftest import on_jax
+@pytest.fixture(scope="module")
+def tpu_head() -> dict[str, str]:
+    from conftest import on_jax_each
 
-    assert on_jax("test_gpt2", "head_lowered_for_a_tpu", timeout=300) == "jax"
+    return on_jax_each("test_gpt2", ("fused_head_matches_the_cross_entropy", "head_lowered_for_a_tpu"))
+
+
+def test_the_tpu_heads_kernels_compute_the_cross_entropy_and_its_gradients(tpu_head):
+    assert tpu_head["fused_head_matches_the_cross_entropy"] == "jax", tpu_head["fused_head_matches_the_cross_entropy"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the TPU compiler (libtpu) is not installed")
+def test_on_a_tpu_the_head_never_holds_the_whole_logits(tpu_head):
+    assert tpu_head["head_lowered_for_a_tpu"] == "jax", tpu_head["head_lowered_for_a_tpu"]
 
 
 @pytest.mark.tf

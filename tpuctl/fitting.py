@@ -7,9 +7,10 @@ reports the HBM the program needs (arguments + temporaries + outputs - aliases) 
 and bytes the compiler counts, and, by compiling a few more batches, the largest per-chip batch that fits.
 Without the compiler the same report is an analytic estimate (a deliberately high one), marked as such.
 
-Time and money are estimates from a roofline: max(model FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), plus
+Time and money are estimates from a roofline: max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), plus
 the gradient all-reduce over ICI on more than one chip; model FLOPs are 6·N·tokens plus attention
-(12·layers·hidden·seq per token, PaLM's count). With `slices: N` (multislice, weak scaling: every slice runs
+(12·layers·hidden·seq per token, PaLM's count), and the FLOPs are the compiled ones where the program does more
+(a recomputed forward under remat, or GPT-2's TPU head): MFU counts the model's alone. With `slices: N` (multislice, weak scaling: every slice runs
 the same per-chip batch), the step then all-reduces the gradients across the N slices over the data-center
 network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all N slices, the HBM answer is one slice's.
 Compiles are cached under TPUCTL_HOME/fit by template content, config, topology, batch and versions: a repeat
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -239,8 +241,14 @@ def _template_hash(template) -> str:
     return h.hexdigest()
 
 
+# The compiling side's own code: how it measures (e.g. the bytes of kernels that declare none) is part of an answer.
+def _aot_hash() -> str:
+    return hashlib.sha256(Path(importlib.util.find_spec("tpuctl.templates.aot").origin).read_bytes()).hexdigest()
+
+
 def _cache_path(req: _Request, topology: str, options: dict, versions: tuple) -> Path:
     key = json.dumps({"template": _template_hash(req.template), "config": req.config, "vocab": req.vocab_size,
+                      "measure": _aot_hash(),
                       "topology": topology, "options": options, "versions": versions, "keras": _version("keras")},
                      sort_keys=True, default=str)
     return paths.home() / "fit" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
@@ -356,10 +364,13 @@ def dcn_seconds(chip: Chip, chips: int, params: int, slices: int) -> float:
 
 
 def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per_chip: float,
-             sharding: str = "data", slices: int = 1) -> tuple[float, float]:
+             sharding: str = "data", slices: int = 1, compiled_flops_per_chip: float | None = None
+             ) -> tuple[float, float]:
     """(model FLOPs per chip per step, estimated step seconds) of `model` (its "params", "layers", "hidden",
-    "seq_len") at `per_chip_batch` on `chips` chips of `chip` moving `bytes_per_chip` per step (module
-    docstring: the roofline, plus the gradients' all-reduce; under fsdp the weights' two all-gathers, forward
+    "seq_len") at `per_chip_batch` on `chips` chips of `chip` moving `bytes_per_chip` and computing
+    `compiled_flops_per_chip` (if known; the model's FLOPs where fewer: the compiler's count leaves out a Pallas
+    kernel that declares none, e.g. splash attention's) per step (module docstring: the roofline, plus the
+    gradients' all-reduce; under fsdp the weights' two all-gathers, forward
     and backward, and the gradients' reduce-scatter: three halves of a ring all-reduce where data has two),
     on each of `slices` slices, plus their all-reduce over DCN (dcn_seconds)."""
     seq = model["seq_len"]
@@ -367,7 +378,8 @@ def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per
     halves = 3 if sharding == "fsdp" else 2
     allreduce_s = (halves * (chips - 1) / chips * 4 * model["params"] / chip.allreduce_bytes_per_s
                    if chips > 1 else 0.0)  # float32 gradients (and weights), ring all-reduce
-    return model_flops, (max(model_flops / chip.peak_bf16_flops, bytes_per_chip / chip.hbm_bytes_per_s) + allreduce_s
+    flops = max(model_flops, compiled_flops_per_chip or 0.0)
+    return model_flops, (max(flops / chip.peak_bf16_flops, bytes_per_chip / chip.hbm_bytes_per_s) + allreduce_s
                          + dcn_seconds(chip, chips, model["params"], slices))
 
 
@@ -379,7 +391,7 @@ def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, 
     per_chip_batch = per_device_batch * chip.devices_per_chip
     seq = model["seq_len"]
     model_flops, step_s = roofline(chip, accel.chips, model, per_chip_batch, bytes_per_chip, req.sharding,
-                                   req.slices)
+                                   req.slices, compiled_flops)
     run_s = model["max_steps"] * step_s
     price = req.price_per_hour * req.slices  # one queued resource bills its N slices
     devices *= req.slices  # weak scaling: every slice runs the per-chip batch

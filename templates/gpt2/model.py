@@ -72,7 +72,7 @@ class CausalLMTrainer(keras.Model):
     (layers.tied_softmax_cross_entropy) instead of through a [tokens, vocab] logits gradient. Compile it with
     `TokenLoss` (which reduces the per-token losses this computes) and metrics on the logits. Save, export and
     serve the model it was made from: that one maps ids to logits. On a TPU (layers.use_tpu_kernels) the loss and
-    accuracy come from the tied head a block of positions at a time (layers.blocked_softmax_cross_entropy)."""
+    accuracy come from the tied head's fused kernels (layers.fused_softmax_cross_entropy)."""
 
     def __init__(self, model: keras.Model, **kwargs):
         super().__init__(model.inputs, {"logits": model.outputs[0], "hidden": model.get_layer("final_norm").output},
@@ -81,10 +81,10 @@ class CausalLMTrainer(keras.Model):
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         if _layers.tpu_target():
-            # The [tokens, vocab] logits never whole (blocked_softmax_cross_entropy), nor the logits output, which
-            # nothing reads (XLA drops it): the accuracy comes from the same blocks, handed to compute_metrics in
+            # The [tokens, vocab] logits never in HBM (fused_softmax_cross_entropy), nor the logits output, which
+            # nothing reads (XLA drops it): the accuracy comes from the same kernel, handed to compute_metrics in
             # y_pred (Keras' JAX trainer returns it from the differentiated function as it is, this dict).
-            per_token, y_pred["correct"] = _layers.blocked_softmax_cross_entropy(y, y_pred["hidden"],
+            per_token, y_pred["correct"] = _layers.fused_softmax_cross_entropy(y, y_pred["hidden"],
                                                                                 self.embedding.embeddings)
         else:
             per_token = tied_softmax_cross_entropy(y, y_pred["logits"], y_pred["hidden"], self.embedding.embeddings)

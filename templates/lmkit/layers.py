@@ -47,8 +47,8 @@ published models' maths; what changes is how much random-number and projection w
 On a TPU (`use_tpu_kernels`: the trainer declares it there, `tpuctl fit` when it compiles for one), where the
 TPU compiler is the judge (bench/tpu_compile.py): attention runs Pallas' splash attention kernel, its
 probabilities not dropped out (use_tpu_kernels says why), so the [B, heads, L, L] scores never reach HBM, and
-GPT-2's loss and accuracy run the tied head a block of positions at a time (`blocked_softmax_cross_entropy`),
-so the [tokens, vocab] logits never exist whole. Everything written for TensorFlow without XLA below is off there
+GPT-2's loss and accuracy run the tied head through two Pallas kernels (`fused_softmax_cross_entropy`), so the
+[tokens, vocab] logits never reach HBM. Everything written for TensorFlow without XLA below is off there
 by construction.
 
 Without XLA (TensorFlow's graph mode: its CPU and GPU training) every op is a pass over memory and autodiff of a
@@ -423,7 +423,7 @@ def use_remat(trainer: keras.Model, policy: str) -> None:
     of reading it from HBM. MaxText checkpoints each decoder layer; here the one checkpoint spans the model,
     which for these policies saves the same values (each layer's input is the sum of saved matmul outputs,
     recomputed elementwise). The loss stays outside: Keras builds its compiled loss on the first call and keeps
-    what it saw, which inside a checkpoint would leak the trace (GPT-2's TPU head recomputes its blocks itself).
+    what it saw, which inside a checkpoint would leak the trace (GPT-2's TPU head recomputes its tiles itself).
     "none" restores Keras' own. JAX backend only."""
     import jax
 
@@ -509,57 +509,37 @@ def tpu_target() -> bool:
     return _tpu_mesh is not None
 
 
-def _head_blocks(fn, labels, hidden, embeddings, block: int, *, remat: bool = False):
-    """fn(labels, logits) (arrays [B, block], or a tuple of them) for each block of `block` positions (a divisor
-    of L) of `hidden` [B, L, h], whose logits are hidden @ `embeddings` [V, h]^T as the tied head computes them (in
-    hidden's dtype, then float32), concatenated over the blocks: each block's [B, block, V] logits are dead once
-    it is done; `remat`: the backward pass recomputes each block's logits (jax.checkpoint) instead of keeping them.
-    The blocks are unrolled, not a loop (lax.map): the compiler's cost analysis counts a loop's body once, which
-    would hide all but one block's FLOPs and bytes from `tpuctl fit` and bench/tpu_compile.py. JAX only."""
+def fused_softmax_cross_entropy(labels, hidden, embeddings):
+    """(`softmax_cross_entropy(labels, logits)`, `top_one_correct(labels, logits)`) per token of `hidden`
+    [B, L, h], where logits = hidden @ embeddings^T (a tied head, no bias), by fused_head's Pallas kernels: each
+    tile of logits stays in the TPU's on-chip memory, so the [B, L, V] logits (gpt2-small's largest tensor,
+    1.6 GB in float32 per device at batch 8) and their gradient never reach HBM. What the TPU runs
+    (tpu_target). Per device under shard_map over the mesh's batch axis, as splash attention (XLA cannot
+    partition a Pallas kernel); in Pallas' interpreter where the devices are not a TPU's (tests). JAX only."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
 
-    length = hidden.shape[1]
-    kernel = ops.convert_to_tensor(embeddings).astype(hidden.dtype)
-    labels = jnp.asarray(labels, jnp.int32)
+    from . import fused_head
 
-    def one(h, y, kernel):
-        return fn(y, jnp.matmul(h, kernel.T).astype(jnp.float32))
+    def per_device(labels, hidden, embeddings, interpret=False):
+        from jax.experimental.pallas import tpu as pltpu
 
-    one = jax.checkpoint(one) if remat else one
-    parts = [one(hidden[:, i:i + block], labels[:, i:i + block], kernel) for i in range(0, length, block)]
-    return jax.tree.map(lambda *ts: jnp.concatenate(ts, axis=1), *parts)
+        batch, length, width = hidden.shape
+        # Inside shard_map over the run's TPU mesh Pallas reports the target's VMEM, also when compiling for a
+        # TPU that is not there (tpuctl fit); the interpreter has none.
+        vmem = None if interpret else pltpu.get_tpu_info().vmem_capacity_bytes
+        loss, correct = fused_head.fused_softmax_cross_entropy(
+            jnp.reshape(labels, (-1,)).astype(jnp.int32), jnp.reshape(hidden, (-1, width)), embeddings,
+            fused_head.tiles_for(batch * length, width, vmem), interpret)
+        return jnp.reshape(loss, (batch, length)), jnp.reshape(correct, (batch, length))
 
-
-# Tokens per device in each block of the blocked head: gpt2-small's 128 positions at batch 8, whose [1024, 50257]
-# float32 logits are 206 MB. A budget of tokens, not positions: with a fixed 128 positions gpt2-tiny (seq 128,
-# batch 64) had one block, the whole [64, 128, 8000] logits in float32 and bfloat16, 375 of the step's 458 MiB of
-# temporaries (the compiler's memory-usage report; bench/RESULTS.md, tpu_compile), and a larger batch grew them.
-HEAD_TOKENS = 1024
-
-
-def head_block(length: int, per_device_batch: int) -> int:
-    """Positions per block of the blocked head: the most that divide `length` and keep a block's tokens on a
-    device within HEAD_TOKENS (at least one position)."""
-    most = max(1, HEAD_TOKENS // per_device_batch)
-    return max(d for d in range(1, min(length, most) + 1) if length % d == 0)
-
-
-def blocked_softmax_cross_entropy(labels, hidden, embeddings):
-    """(`softmax_cross_entropy(labels, logits)`, `top_one_correct(labels, logits)`) per token of `hidden`
-    [B, L, h], where logits = hidden @ embeddings^T (a tied head, no bias), computed `head_block` positions at a
-    time, each block recomputed for the backward pass (jax.checkpoint): the [B, L, V] logits and their gradient
-    never exist whole; the price is the head's forward matmul once more. What the TPU runs (tpu_target): a
-    [B, L, V] float32 tensor is gpt2-small's largest by far (1.6 GB per device at batch 8). JAX only."""
-    import jax
-
-    def both(y, logits):
-        return _softmax_loss(y, logits)[0], jax.lax.stop_gradient(top_one_correct(y, logits))
-
-    # The batch is split over the mesh's "batch" axis (use_tpu_kernels): each device holds its share's blocks.
-    devices = 1 if _tpu_mesh is None else _tpu_mesh.shape["batch"]
-    block = head_block(hidden.shape[1], max(1, hidden.shape[0] // devices))
-    return _head_blocks(both, labels, hidden, embeddings, block, remat=True)
+    embeddings = ops.convert_to_tensor(embeddings)
+    if _tpu_mesh is None or _tpu_mesh.devices.flat[0].platform != "tpu":
+        return per_device(labels, hidden, embeddings, interpret=True)
+    split = PartitionSpec("batch")
+    return jax.shard_map(per_device, mesh=_tpu_mesh, in_specs=(split, split, PartitionSpec()),
+                         out_specs=(split, split), check_vma=False)(labels, hidden, embeddings)
 
 
 def top_one_correct(labels, logits):
