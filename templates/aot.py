@@ -34,7 +34,7 @@ REQUIRED = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
 # written once are counted: a floor of its traffic. (Shapes in the optimized HLO: "%name = RESULT custom-call(...)
 # ... custom_call_target="tpu_custom_call", operand_layout_constraints={OPERANDS}, ...".)
 KERNEL_CALL = re.compile(r"= (.*?) custom-call\(.*custom_call_target=\"tpu_custom_call\", "
-                         r"operand_layout_constraints=\{(.*?)\}, ")
+                         r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}")  # shapes{layout}, ...
 ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
 MEMORY = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
           "generated_code_size_in_bytes")

@@ -333,3 +333,38 @@ def test_fit_json_reports_the_slices_and_refuses_a_multislice_google_does_not_ma
     assert "the gradient all-reduce over DCN, an estimate" in table.getvalue()
     refused = CliRunner().invoke(cli, ["fit", str(spec), "--slices", "2", "--accelerator", "v3-8"])
     assert refused.exit_code == 2 and "error: slices: Google's multislice is for TPU v4 and later" in errors.getvalue()
+
+
+# Two kernels as libtpu's optimized HLO writes them (abridged from a gpt2-small step compiled for a v5e 2x2):
+# splash attention's forward, which declares no cost, and fused_head's forward, which does.
+KERNEL_HLO = (
+    '  %splash_mha_fwd_residuals.2 = (f32[8,512,128]{2,1,0:T(8,128)}, bf16[8,12,1024,64]{3,2,1,0:T(8,128)(2,1)S(1)})'
+    ' custom-call(%copy-done.225, %bitcast.340), custom_call_target="tpu_custom_call", operand_layout_constraints='
+    '{s32[8,1024]{1,0}, bf16[8,12,1024,64]{3,2,1,0}}, frontend_attributes={kernel_metadata={}}, backend_config='
+    '{"custom_call_config":{"body":"TUzvUgFN"}}\n'
+    '  %shard_map.444 = (f32[8192,1]{1,0:T(8,128)}, f32[8192,768]{1,0:T(8,128)S(1)}) custom-call(%bitcast.367, '
+    '%bitcast.353), custom_call_target="tpu_custom_call", operand_layout_constraints={bf16[8192,768]{1,0}, '
+    'bf16[50688,768]{1,0}}, backend_config={"custom_call_config":{"body":"TUzv","cost_estimate":{"flops":"1"}}}\n'
+    '  %fusion.1 = bf16[8192,768]{1,0} fusion(%p), kind=kLoop, calls=%fused_computation.1\n')
+
+
+def test_a_kernel_that_declares_no_cost_counts_its_operands_and_results_once():
+    """The compiler's cost analysis counts a Pallas kernel's bytes only when the kernel declares them (splash
+    attention does not: a step of it alone reported no bytes at all), so the fit adds, for each such kernel,
+    its operands read once and results written once; a kernel with a cost estimate is the compiler's."""
+    from tpuctl.templates import aot
+
+    splash = 4 * 8 * 512 * 128 + 2 * 8 * 12 * 1024 * 64 + 4 * 8 * 1024 + 2 * 8 * 12 * 1024 * 64
+    assert aot.undeclared_kernel_bytes(KERNEL_HLO) == splash
+    assert aot.undeclared_kernel_bytes(KERNEL_HLO.split("\n", 1)[1]) == 0
+
+
+def test_the_step_estimate_takes_the_compiled_flops_where_the_program_does_more():
+    """Recompute (remat, GPT-2's TPU head) costs FLOPs the model's count does not have: the step estimate takes
+    the larger of the two; MFU stays the model's FLOPs over the step."""
+    chip = fitting.CHIPS["v5e"]
+    model = {"params": 124_000_000, "layers": 12, "hidden": 768, "seq_len": 1024}
+    model_flops, plain = fitting.roofline(chip, 1, model, 8, 1.0)
+    assert fitting.roofline(chip, 1, model, 8, 1.0, compiled_flops_per_chip=model_flops / 2) == (model_flops, plain)
+    more = fitting.roofline(chip, 1, model, 8, 1.0, compiled_flops_per_chip=1.5 * model_flops)
+    assert more == (model_flops, pytest.approx(1.5 * plain))
