@@ -50,9 +50,9 @@ class Tiles:
 def tiles_for(tokens: int, width: int, vmem_bytes: int | None) -> Tiles:
     """The largest tiles (powers of two, no more than `tokens` needs) whose buffers fit in half of a TensorCore's
     `vmem_bytes` (None: not a TPU: the defaults) for `tokens` hidden states `width` wide; the kernels may then use
-    three quarters of it. The gradient's vocabulary tile stops at 2048 rows: the vocabulary is padded to a whole
-    number of tiles (GPT-2's 50257 to 51200), whose rows cost FLOPs. A larger
-    token tile reads the embeddings fewer times, a larger vocabulary tile the hidden states: the HBM traffic.
+    three quarters of it. The gradient's vocabulary tile stops at 2048 rows: the last tile runs past the
+    vocabulary's end (GPT-2's 50257 rows take 25 tiles, 51200 rows), and those rows cost FLOPs. A larger token
+    tile reads the embeddings fewer times, a larger vocabulary tile the hidden states: the HBM traffic.
     VMEM per token of the forward's tile: the [tokens, width] hidden block (bfloat16) and expected-embedding
     output (float32), double-buffered, and its float32 accumulator (16 x width), [tokens, 1] columns padded to
     128 lanes of 4 bytes (~12 of them), and a [tokens, vocab] float32 tile of logits with its bfloat16 copy. Per
@@ -92,12 +92,15 @@ def _forward_kernel(labels_ref, hidden_ref, kernel_ref, lse_ref, picked_ref, bes
         best[...] = jnp.zeros(best.shape, jnp.float32)
         acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-    kernel = kernel_ref[...]
+    # The vocabulary's last tile runs past its end (the embeddings are not padded: a padded copy would be one
+    # more [V, h] buffer in HBM): those rows hold whatever the buffer holds, so they are zeroed, and masked below.
+    rows = j * kernel_ref.shape[0] + jax.lax.broadcasted_iota(jnp.int32, (kernel_ref.shape[0], 1), 0)
+    kernel = jnp.where(rows < vocab, kernel_ref[...], 0)
     logits = jax.lax.dot_general(hidden_ref[...], kernel, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)  # [tokens, vocab] of the tile
     # Column indices in float32 (exact below 2**24): float reductions lower on every TPU generation.
     column = (j * logits.shape[1] + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)).astype(jnp.float32)
-    logits = jnp.where(column < vocab, logits, -jnp.inf)  # the padding past the vocabulary
+    logits = jnp.where(column < vocab, logits, -jnp.inf)
     block_top = jnp.max(logits, axis=1, keepdims=True)
     block_best = jnp.min(jnp.where(logits == block_top, column, jnp.inf), axis=1, keepdims=True)
     new_top = jnp.maximum(top[...], block_top)
@@ -126,7 +129,8 @@ def _embeddings_grad_kernel(labels_ref, lse_ref, upstream_ref, hidden_ref, kerne
 
     hidden = hidden_ref[...]
     # The tile transposed, [vocab, tokens]: the per-token values are rows [1, tokens] broadcast down it, and the
-    # gradient's matmul is a plain [vocab, tokens] @ [tokens, h].
+    # gradient's matmul is a plain [vocab, tokens] @ [tokens, h]. Each gradient row is its embedding row's alone:
+    # the rows past the vocabulary's end (the last tile's) compute garbage that Pallas does not write back.
     logits = jax.lax.dot_general(kernel_ref[...], hidden, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
     row = (pl.program_id(0) * logits.shape[0] + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 0)).astype(jnp.float32)
@@ -136,20 +140,18 @@ def _embeddings_grad_kernel(labels_ref, lse_ref, upstream_ref, hidden_ref, kerne
 
 
 def _padded(labels, hidden, embeddings, tiles: Tiles):
-    """`labels` [T] as float32, `hidden` [T, h] and `embeddings` [V, h] in hidden's dtype, padded to whole tiles
-    (padded tokens: zeros, label 0; padded vocabulary: zero rows, which the forward masks)."""
-    (tokens, _), vocab = hidden.shape, embeddings.shape[0]
+    """`labels` [T] as float32, `hidden` [T, h] padded to whole token tiles (zeros, label 0, no gradient), and
+    `embeddings` [V, h] in hidden's dtype."""
+    tokens = hidden.shape[0]
     t_pad = _round_up(tokens, max(tiles.tokens, tiles.grad_tokens))
-    v_pad = _round_up(vocab, max(tiles.vocab, tiles.grad_vocab))
     return (jnp.pad(labels.astype(jnp.float32), (0, t_pad - tokens)),
-            jnp.pad(hidden, ((0, t_pad - tokens), (0, 0))),
-            jnp.pad(embeddings.astype(hidden.dtype), ((0, v_pad - vocab), (0, 0))))
+            jnp.pad(hidden, ((0, t_pad - tokens), (0, 0))), embeddings.astype(hidden.dtype))
 
 
 def _forward(labels, hidden, kernel, vocab: int, tiles: Tiles, interpret: bool):
-    """(lse, label logit, first argmax [T] float32 each, expected embedding [T, h] float32) for padded inputs."""
-    (tokens, width), v_pad = hidden.shape, kernel.shape[0]
-    tm, tv, item = tiles.tokens, tiles.vocab, hidden.dtype.itemsize
+    """(lse, label logit, first argmax [T] float32 each, expected embedding [T, h] float32) for _padded's."""
+    (tokens, width), tm, tv, item = hidden.shape, tiles.tokens, tiles.vocab, hidden.dtype.itemsize
+    v_pad = _round_up(vocab, tv)  # what the tiles cover
     cost = pl.CostEstimate(
         flops=4 * tokens * v_pad * width + 8 * tokens * v_pad, transcendentals=tokens * v_pad,
         bytes_accessed=(tokens * width * item + (tokens // tm) * v_pad * width * item  # embeddings per token tile
@@ -157,7 +159,7 @@ def _forward(labels, hidden, kernel, vocab: int, tiles: Tiles, interpret: bool):
     column = pl.BlockSpec((tm, 1), lambda i, j: (i, 0))
     lse, picked, best, expected = pl.pallas_call(
         functools.partial(_forward_kernel, vocab=vocab),
-        grid=(tokens // tm, v_pad // tv),
+        grid=(tokens // tm, v_pad // tv),  # vocabulary innermost: the token tile's accumulators stay in VMEM
         in_specs=[column, pl.BlockSpec((tm, width), lambda i, j: (i, 0)),
                   pl.BlockSpec((tv, width), lambda i, j: (j, 0))],
         out_specs=[column, column, column, pl.BlockSpec((tm, width), lambda i, j: (i, 0))],
@@ -172,9 +174,10 @@ def _forward(labels, hidden, kernel, vocab: int, tiles: Tiles, interpret: bool):
 
 
 def _embeddings_grad(labels, lse, upstream, hidden, kernel, tiles: Tiles, interpret: bool):
-    """d loss / d embeddings [V_pad, h] float32 for per-token `upstream` [T] gradients (padded inputs)."""
-    (tokens, width), v_pad = hidden.shape, kernel.shape[0]
+    """d loss / d embeddings [V, h] float32 for per-token `upstream` [T] gradients (_padded's inputs)."""
+    (tokens, width), vocab = hidden.shape, kernel.shape[0]
     tm, tv, item = tiles.grad_tokens, tiles.grad_vocab, hidden.dtype.itemsize
+    v_pad = _round_up(vocab, tv)
     cost = pl.CostEstimate(
         flops=4 * tokens * v_pad * width + 6 * tokens * v_pad, transcendentals=tokens * v_pad,
         bytes_accessed=(v_pad * width * item + (v_pad // tv) * tokens * (width * item + 12)  # hidden per vocab tile
@@ -182,11 +185,11 @@ def _embeddings_grad(labels, lse, upstream, hidden, kernel, tiles: Tiles, interp
     per_token = pl.BlockSpec((1, tm), lambda j, i: (0, i))
     return pl.pallas_call(
         _embeddings_grad_kernel,
-        grid=(v_pad // tv, tokens // tm),
+        grid=(v_pad // tv, tokens // tm),  # tokens innermost: the vocabulary tile's gradient stays in VMEM
         in_specs=[per_token, per_token, per_token, pl.BlockSpec((tm, width), lambda j, i: (i, 0)),
                   pl.BlockSpec((tv, width), lambda j, i: (j, 0))],
         out_specs=pl.BlockSpec((tv, width), lambda j, i: (j, 0)),
-        out_shape=jax.ShapeDtypeStruct((v_pad, width), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((vocab, width), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=tiles.vmem_limit),
         cost_estimate=cost, interpret=interpret,
@@ -213,10 +216,10 @@ def _fused_forward(labels, hidden, embeddings, tiles, interpret):
 def _fused_backward(tiles, interpret, residuals, upstream):
     (labels_f, hidden, kernel), lse, expected, labels, embeddings = residuals
     d_loss = upstream[0].astype(jnp.float32)
-    tokens, vocab = d_loss.shape[0], embeddings.shape[0]
+    tokens = d_loss.shape[0]
     d_hidden = d_loss[:, None] * (expected - jnp.take(kernel, labels, axis=0).astype(jnp.float32))
     d_padded = jnp.pad(d_loss, (0, hidden.shape[0] - tokens))  # padded tokens carry no gradient
-    d_embeddings = _embeddings_grad(labels_f, lse, d_padded, hidden, kernel, tiles, interpret)[:vocab]
+    d_embeddings = _embeddings_grad(labels_f, lse, d_padded, hidden, kernel, tiles, interpret)
     return (jnp.zeros(labels.shape, jax.dtypes.float0), d_hidden.astype(hidden.dtype),
             d_embeddings.astype(embeddings.dtype))
 
