@@ -1,7 +1,7 @@
 """tpuctl's templates against keras-hub's models as the TPU compiler sees them, on this CPU machine.
 
     .venv/bin/python bench/tpu_compile.py [--accelerators v5litepod-4,v6e-4] [--models gpt2-small,bert-128,bert-512]
-                                          [--layers N] [--dropout R] [--remat P] [--largest]
+                                          [--layers N] [--dropout R] [--remat P] [--largest [N]]
 
 For each model and accelerator, the training step of tpuctl's template (its `fit` target: the model, trainer,
 loss, AdamW, mixed_bfloat16 and data-parallel sharding the workers run) and that of keras-hub's model of the same
@@ -9,9 +9,11 @@ sizes (`GPT2CausalLM`, `BertMaskedLM`, built from config, nothing downloaded: ke
 its loss, Keras' `SparseCategoricalCrossentropy`, with the same optimizer, precision, batch and sharding, via the
 template's `compile_target`) is compiled by libtpu for the slice's topology (templates/aot.py: the TPU is only a
 compile target). Per chip: HBM the program needs (arguments + temporaries + outputs - aliases), bytes accessed
-and FLOPs (the compiler's cost analysis), and tpuctl/fitting.py's roofline step-time estimate and MFU (model
-FLOPs: the template's 6·N·tokens plus attention, the same for both sides). `--largest` also searches the
-largest per-chip batch that fits (fitting's search, by compiling: minutes a point). Dropout 0 on both sides
+and FLOPs (the compiler's cost analysis, plus the operands and results of a Pallas kernel that declares no cost,
+e.g. splash attention: templates/aot.py), and tpuctl/fitting.py's roofline step-time estimate (the compiled
+FLOPs where more than the model's) and MFU (model FLOPs: the template's 6·N·tokens plus attention, the same for
+both sides). `--largest [N]` also searches the largest per-chip batch that fits (fitting's search, by compiling
+N more batches, 2 by default: minutes a point; an answer not compiled is "predicted"). Dropout 0 on both sides
 (GPT-2 practice since nanoGPT) unless `--dropout R` (the presets' 0.1): then keras-hub drops out hidden states
 and attention probabilities (its attention is the XLA path then), tpuctl hidden states only (on a TPU its
 attention is the splash kernel, which has no dropout: templates/lmkit/layers.py, use_tpu_kernels). `--remat P`
@@ -165,7 +167,7 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
     return answer
 
 
-def measure(side: str, model: str, accelerator: str, layers: int, largest: bool, templates: str,
+def measure(side: str, model: str, accelerator: str, layers: int, largest: int, templates: str,
             variant: dict) -> dict:
     """One side's row: per-chip figures at the model's batch, the roofline estimate, the largest batch."""
     from tpuctl import catalog
@@ -194,7 +196,7 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: bool,
             p = compiled(side, model, accelerator, batch, layers, templates, variant)
             return _need(p, p["state_bytes"])
 
-        best, how = _largest(at, per_device, cap, point["state_bytes"], 2, grow=True)
+        best, how = _largest(at, per_device, cap, point["state_bytes"], largest, grow=True)
         row["largest"] = f"{best * chip.devices_per_chip} ({how})"
     return row
 
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="task.dropout on both sides (the presets' is 0.1); default 0")
     parser.add_argument("--remat", default="", help="tpuctl's trainer.remat_policy (e.g. minimal); default none")
-    parser.add_argument("--largest", action="store_true", help="also search the largest per-chip batch that fits")
+    parser.add_argument("--largest", type=int, nargs="?", const=2, default=0, metavar="N",
+                        help="also search the largest per-chip batch that fits, in N compiles more (default 2)")
     parser.add_argument("--templates", default=str(REPO / "templates"),
                         help="tpuctl's templates from this directory (e.g. an earlier commit's, for a before/after)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
