@@ -346,6 +346,7 @@ class SelfAttention(layers.Layer):
 
 
 _tpu_mesh = None  # use_tpu_kernels
+NO_PALLAS = ("TPU v2", "TPU v3")  # device kinds whose Mosaic compiles no bfloat16 matmul (use_tpu_kernels)
 
 
 def use_tpu_kernels(mesh) -> None:
@@ -359,9 +360,13 @@ def use_tpu_kernels(mesh) -> None:
     (keras/src/layers/attention/multi_head_attention.py), and MaxText's attention has no dropout at all, its
     `dropout_rate` (0 by default, MaxText/configs/base.yml) applying to hidden states only. The compiler's
     figures agree: with dropout 0.1 the XLA path writes [B, heads, L, L] scores, probabilities and their mask
-    to HBM in every layer (bench/RESULTS.md, tpu_compile). JAX backend only."""
+    to HBM in every layer (bench/RESULTS.md, tpu_compile). JAX backend only.
+
+    Not on TPU v2 and v3, where the Pallas TPU compiler (Mosaic) refuses the kernels' bfloat16 matmuls
+    ("CompileTimeMosaicUnsupportedRhsType: Unsupported matmul RHS type on target: vector<128x128xbf16>",
+    compiling splash attention for a v3 2x2): there attention and the loss stay XLA's, as on a CPU."""
     global _tpu_mesh
-    _tpu_mesh = mesh
+    _tpu_mesh = None if mesh is None or mesh.devices.flat[0].device_kind in NO_PALLAS else mesh
 
 
 def _splash_attention(q, k, v, *, causal: bool, key_mask):
