@@ -271,7 +271,7 @@ def attention_lowered_for_a_tpu() -> str:
     text = jax.jit(jax.grad(loss)).lower(weights, seeds, x).as_text()
     assert "tpu_custom_call" in text, "no splash kernel in the program"
     scores = f"{batch // len(devices)}x{heads}x{length}x{length}"
-    assert scores not in text and f"{batch}x{heads}x{length}x{length}" not in text, f"[B, heads, L, L] in the program"
+    assert scores not in text and f"{batch}x{heads}x{length}x{length}" not in text, "[B, heads, L, L] in the program"
     return "jax"
 
 

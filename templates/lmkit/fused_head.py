@@ -3,8 +3,8 @@
 What GPT-2's loss is on a TPU (layers.use_tpu_kernels). The logits hidden @ embeddings^T of a [tokens, vocab]
 head are gpt2-small's largest tensor by far (1.6 GB in float32 per device at batch 8), and under XLA every pass
 over them (the matmul's output, the softmax's reductions, the backward's recompute and gradient) is a round trip
-through HBM: the blocked XLA head (layers.blocked_softmax_cross_entropy) keeps them from existing whole, not from
-being written and read. Here each [token block, vocab block] tile of logits lives in the TensorCore's on-chip
+through HBM: the blocked XLA head this replaced (a block of positions at a time, each recomputed for the
+backward) kept them from existing whole, not from being written and read. Here each [token block, vocab block] tile of logits lives in the TensorCore's on-chip
 memory (VMEM) only, as splash attention does for attention scores:
 
 - forward, one pass over the vocabulary per token block (the vocabulary axis innermost): an online log-sum-exp
@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
