@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from tpuctl import catalog, cost, fitting, ledger, provision
 from tpuctl import events as ev
 from tpuctl.errors import (BadInput, CapacityError, Interrupted, JobFailed, NotFound, RunDurationEnded, TpuctlError,
-                           Unexpected)
+                           Unexpected, WaitTimeout)
 from tpuctl.provision import Kind, State
 from tpuctl.provision import labels
 from tpuctl.templates import contract
@@ -678,7 +678,11 @@ class Pipeline:
                     if workers_lost:
                         # Every worker answers on a READY node, but the job's processes are gone: the node was
                         # restarted under it (host maintenance reboots the VMs, and can be over before a poll
-                        # sees it). The same node takes the job again; recreating it would throw it away.
+                        # sees it). The same node takes the job again; recreating it would throw it away. Unless
+                        # a worker refuses a new connection: the poll ran over one still open while the worker
+                        # died (its processes killed before its SSH server stopped), and a dead worker is lost.
+                        if not await self._workers_accept_ssh(fleet):
+                            return Verdict.LOST, None
                         self.emit(ev.Warn(f"the job's processes on TPU node {rec.node} are gone: it restarted"))
                         return Verdict.MAINTENANCE, None
                     unreachable = unreachable + 1 if any(s.state == "unreachable" for s in states) else 0
@@ -694,6 +698,15 @@ class Pipeline:
                     await asyncio.wait_for(asyncio.shield(follower), timeout=0.5)
                 except (asyncio.TimeoutError, Exception):
                     follower.cancel()
+
+    @staticmethod
+    async def _workers_accept_ssh(fleet: Fleet) -> bool:
+        """Whether every worker accepts a new SSH connection within the fleet's deadline."""
+        try:
+            await asyncio.gather(*(fleet.connection(t.index, fresh=True) for t in fleet.targets))
+        except WaitTimeout:
+            return False
+        return True
 
     async def _node_not_ready(self) -> Verdict | None:
         """MAINTENANCE (Google is repairing the node) or LOST (gone, preempted, ...) unless the node is READY."""

@@ -408,6 +408,35 @@ def test_lost_worker_is_detected_and_the_run_recovers(tpc, cloud, project):
     assert _zero(cloud, project)
 
 
+def test_a_worker_dead_under_an_open_connection_is_lost_not_restarted(tpc, cloud, project, monkeypatch):
+    """The worker is killed and the watch's poll, over a connection still open, finds the job's processes gone
+    ("lost"): on a READY node that reads as a restart, but the worker refuses new connections, so the node is
+    lost and recreated (bench/chaos.py's kill-worker on a spot v3-8, under load, relaunched on the dead worker
+    and exited 1 after waiting 180 s for its SSH)."""
+    from tpuctl.jobs import launch
+    from tpuctl.jobs.launch import WorkerState
+
+    spec = spec_mod.from_mapping(_spec("kw-open", accelerator="v3-8",
+                                       trainer={"max_steps": 30, "checkpoint_every": 5, "step_seconds": 0.1}))
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
+    polled = launch.poll
+    struck = threading.Event()
+
+    async def poll(fleet, run):
+        states = await polled(fleet, run)
+        if not struck.is_set() and (p.outcome.step or 0) >= 8:
+            struck.set()
+            cloud.faults.add("kill-worker", node=_node_path(p), worker=0)
+            return [WorkerState(s.index, "lost") for s in states]  # what the open connection answered
+        return states
+
+    monkeypatch.setattr(launch, "poll", poll)
+    o = p.run()
+    assert struck.is_set()
+    assert o.state == "succeeded" and o.recoveries == 1 and o.step == 30
+    assert _zero(cloud, project)
+
+
 def _tpuctl(cloud, tmp_path, project, *argv, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tpuctl", *argv], env=_env(cloud, tmp_path, project), cwd=tmp_path,
                           capture_output=True, text=True, timeout=timeout)
