@@ -11,8 +11,8 @@ Time and money are estimates from a roofline: max(FLOPs / peak bf16 FLOP/s, byte
 the gradient all-reduce over ICI on more than one chip; model FLOPs are 6·N·tokens plus attention
 (12·layers·hidden·seq per token, PaLM's count), and the FLOPs are the compiled ones where the program does more
 (a recomputed forward under remat, or GPT-2's TPU head): MFU counts the model's alone. With `slices: N`
-(multislice, weak scaling: every slice runs the same per-chip batch), the step then all-reduces the gradients across the N slices over the data-center
-network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all N slices, the HBM answer is one slice's.
+(multislice, weak scaling: every slice runs the same per-chip batch), the step then all-reduces the gradients
+across the N slices over the data-center network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all N slices, the HBM answer is one slice's.
 Compiles are cached under TPUCTL_HOME/fit by template content, config, topology, batch and versions: a repeat
 answers at once. Silent: progress goes to `on_event`.
 
