@@ -1,7 +1,7 @@
 """tpuctl's templates against keras-hub's models as the TPU compiler sees them, on this CPU machine.
 
     .venv/bin/python bench/tpu_compile.py [--accelerators v5litepod-4,v6e-4] [--models gpt2-small,bert-128,bert-512]
-                                          [--layers N] [--dropout R] [--remat P] [--largest [N]]
+                                          [--layers N] [--dropout R] [--remat P] [--sharding S] [--largest [N]]
 
 For each model and accelerator, the training step of tpuctl's template (its `fit` target: the model, trainer,
 loss, AdamW, mixed_bfloat16 and data-parallel sharding the workers run) and that of keras-hub's model of the same
@@ -17,7 +17,9 @@ N more batches, 2 by default: minutes a point; an answer not compiled is "predic
 (GPT-2 practice since nanoGPT) unless `--dropout R` (the presets' 0.1): then keras-hub drops out hidden states
 and attention probabilities (its attention is the XLA path then), tpuctl hidden states only (on a TPU its
 attention is the splash kernel, which has no dropout: templates/lmkit/layers.py, use_tpu_kernels). `--remat P`
-compiles tpuctl's side under its remat policy P (trainer.remat_policy; keras-hub's has none). `--layers N`
+compiles tpuctl's side under its remat policy P (trainer.remat_policy; keras-hub's has none), `--sharding fsdp`
+with its weights, gradients and optimizer state split over the devices (runtime.sharding; keras-hub's stay
+data-parallel, Keras' DataParallel: what `keras_hub` users run). `--layers N`
 compiles N-layer variants: minutes fewer per compile, to iterate; the figures to quote are the full models'.
 
 Compiles are cached in ~/.cache/tpuctl-bench/tpu_compile by side, model, topology, batch, the template's source
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -112,13 +115,16 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
     config["task"]["dropout"] = variant.get("dropout", 0.0)
     if side == "tpuctl" and variant.get("remat"):
         config.update(trainer={"remat_policy": variant["remat"]}, runtime={"framework": "jax"})
+    if side == "tpuctl" and variant.get("sharding"):
+        config.setdefault("runtime", {}).update(framework="jax", sharding=variant["sharding"])
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu", **options).devices
     from lmkit.trainer import compile_target
 
     objective = _keras_hub_objective(template) if side == "keras-hub" else (
         __import__("gpt2.train").train.CAUSAL_LM if template == "gpt2" else __import__("bert.train").train.MASKED_LM)
     target = compile_target(config, devices=devices, vocab_size=vocab, objective=objective)
-    state_bytes = sum(leaf.size * leaf.dtype.itemsize for group in target["state"] for leaf in group)
+    state_bytes = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize  # a device's
+                      for group in target["state"] for leaf in group)
     point = aot.compile_point(target, batch)
     return {**point, "state_bytes": int(state_bytes),
             "model": {k: target[k] for k in ("params", "layers", "hidden", "seq_len")}}
@@ -184,6 +190,7 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: int, 
     tpuctl_model = compiled("tpuctl", model, accelerator, per_device, layers, templates, variant)["model"]
     per_chip = per_device * chip.devices_per_chip
     flops, step_s = roofline(chip, accel.chips, tpuctl_model, per_chip, cost["bytes"] * chip.devices_per_chip,
+                             sharding=variant.get("sharding", "data") if side == "tpuctl" else "data",
                              compiled_flops_per_chip=cost["flops"] * chip.devices_per_chip)
     row = {"side": side, "batch": per_chip, "fits": fits, "hbm": need * chip.devices_per_chip,
            "bytes": cost["bytes"] * chip.devices_per_chip, "flops": cost["flops"] * chip.devices_per_chip,
@@ -210,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="task.dropout on both sides (the presets' is 0.1); default 0")
     parser.add_argument("--remat", default="", help="tpuctl's trainer.remat_policy (e.g. minimal); default none")
+    parser.add_argument("--sharding", default="", help="tpuctl's runtime.sharding (fsdp); default data")
     parser.add_argument("--largest", type=int, nargs="?", const=2, default=0, metavar="N",
                         help="also search the largest per-chip batch that fits, in N compiles more (default 2)")
     parser.add_argument("--templates", default=str(REPO / "templates"),
@@ -224,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
           "| est. step ms | est. MFU | largest batch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
-    variant = {k: v for k, v in (("dropout", args.dropout), ("remat", args.remat)) if v}
+    variant = {k: v for k, v in (("dropout", args.dropout), ("remat", args.remat), ("sharding", args.sharding)) if v}
     for model in args.models.split(","):
         for accelerator in args.accelerators.split(","):
             rows = {side: measure(side, model, accelerator, args.layers, args.largest, args.templates,
