@@ -149,7 +149,9 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
     key = json.dumps([side, MODELS[model], topology, options, per_device_batch, layers, compiler_versions(),
                       _version("keras"), _source_hash(templates) if side == "tpuctl" else None,
                       _source_hash(str(REPO / "templates"), "aot.py")]  # how it measures
-                     + ([variant] if variant else []))  # a key without it: the defaults' figures cached before
+                     + ([variant] if variant else [])  # a key without it: the defaults' figures cached before
+                     # keras-hub's step is built by the templates' trainer, with lmkit's metrics
+                     + ([_source_hash(templates, "lmkit/*.py")] if side == "keras-hub" else []))
     path = CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if path.exists():
         return json.loads(path.read_text())

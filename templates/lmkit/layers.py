@@ -484,8 +484,19 @@ def _softmax_loss(labels, logits):
     top = ops.max(logits, axis=-1, keepdims=True)
     exp = ops.exp(logits - top)
     total = ops.sum(exp, axis=-1, keepdims=True)
-    picked = ops.take_along_axis(logits, labels[..., None], axis=-1)
-    return (ops.log(total) + top - picked)[..., 0], exp, total
+    return (ops.log(total) + top - _picked(labels, logits))[..., 0], exp, total
+
+
+def _picked(labels, logits):
+    """logits [..., V] at int `labels` [...], as [..., 1]. Compiled, a select summed in the pass that reads the
+    logits for their maximum, not a gather: the TPU compiler (libtpu 0.0.42) emits that gather for a tpu7x's
+    SparseCore and fails on some shapes (gpt2-small's [80, 1024, 50257] logits a device: "RET_CHECK failure
+    (platforms/xla/sparse_core/gather_emitter.cc) ... Expected packed element gather indices to either be 1
+    dimensional or to be bitpacked"). Without XLA, TensorFlow's gather of one value a row."""
+    if _compiled():
+        hit = ops.arange(logits.shape[-1], dtype="int32") == labels[..., None]
+        return ops.sum(ops.where(hit, logits, ops.zeros((), logits.dtype)), axis=-1, keepdims=True)
+    return ops.take_along_axis(logits, labels[..., None], axis=-1)
 
 
 def tied_softmax_cross_entropy(labels, logits, hidden, embeddings):
@@ -566,7 +577,7 @@ def top_one_correct(labels, logits):
         import tensorflow as tf
 
         return ops.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), labels), "float32")
-    picked = ops.take_along_axis(logits, labels[..., None], axis=-1)
+    picked = _picked(labels, logits)
     earlier = ops.arange(logits.shape[-1], dtype="int32") < labels[..., None]
     beaten = ops.logical_or(logits > picked, ops.logical_and(logits == picked, earlier))
     return ops.cast(ops.logical_not(ops.any(beaten, axis=-1)), "float32")
