@@ -488,12 +488,12 @@ def _softmax_loss(labels, logits):
 
 
 def _picked(labels, logits):
-    """logits [..., V] at int `labels` [...], as [..., 1]. Compiled, a select summed in the pass that reads the
-    logits for their maximum, not a gather: the TPU compiler (libtpu 0.0.42) emits that gather for a tpu7x's
-    SparseCore and fails on some shapes (gpt2-small's [80, 1024, 50257] logits a device: "RET_CHECK failure
-    (platforms/xla/sparse_core/gather_emitter.cc) ... Expected packed element gather indices to either be 1
-    dimensional or to be bitpacked"). Without XLA, TensorFlow's gather of one value a row."""
-    if _compiled():
+    """logits [..., V] at int `labels` [...], as [..., 1]. On a TPU (tpu_target), a select summed in the pass
+    that reads the logits for their maximum, not a gather: the TPU compiler (libtpu 0.0.42) emits that gather
+    for a tpu7x's SparseCore and fails on some shapes (gpt2-small's [80, 1024, 50257] logits a device:
+    "RET_CHECK failure (platforms/xla/sparse_core/gather_emitter.cc) ... Expected packed element gather indices
+    to either be 1 dimensional or to be bitpacked"). Elsewhere the gather of one value a row."""
+    if tpu_target():
         hit = ops.arange(logits.shape[-1], dtype="int32") == labels[..., None]
         return ops.sum(ops.where(hit, logits, ops.zeros((), logits.dtype)), axis=-1, keepdims=True)
     return ops.take_along_axis(logits, labels[..., None], axis=-1)
