@@ -26,9 +26,10 @@ Compiles are cached in ~/.cache/tpuctl-bench/tpu_compile by side, model, topolog
 (tpuctl's side) and the jax/libtpu/keras versions. keras-hub lives in bench/peers.py's virtualenv (it sees this
 interpreter's packages: the same jax, libtpu and Keras).
 
-Not compared: MaxText (the issue asks for its GPT-2 step). It is not a pip package of this Python: its
-repository pins jax versions of its own and Python >= 3.12 (jax 0.11+ here needs 3.12, the venv is 3.11), so
-its compiled step would come from another compiler than the templates'; not installed.
+Not compared: MaxText (the issue asks for its GPT-2 step). Its PyPI package (maxtext 0.2.5, and every release
+before it) requires Python >= 3.12, jax >= 0.11.1 and libtpu >= 0.0.46; this machine's Python is 3.11 (jax 0.11
+needs 3.12 too), so it does not install, and its compiled step would come from another compiler than the
+templates' anyway.
 """
 
 from __future__ import annotations
