@@ -1,7 +1,7 @@
 """tpuctl's templates against keras-hub's models as the TPU compiler sees them, on this CPU machine.
 
     .venv/bin/python bench/tpu_compile.py [--accelerators v5litepod-4,v6e-4] [--models gpt2-small,bert-128,bert-512]
-                                          [--layers N] [--dropout R] [--remat P] [--largest [N]]
+                                          [--layers N] [--dropout R] [--remat P] [--sharding S] [--largest [N]]
 
 For each model and accelerator, the training step of tpuctl's template (its `fit` target: the model, trainer,
 loss, AdamW, mixed_bfloat16 and data-parallel sharding the workers run) and that of keras-hub's model of the same
@@ -17,16 +17,19 @@ N more batches, 2 by default: minutes a point; an answer not compiled is "predic
 (GPT-2 practice since nanoGPT) unless `--dropout R` (the presets' 0.1): then keras-hub drops out hidden states
 and attention probabilities (its attention is the XLA path then), tpuctl hidden states only (on a TPU its
 attention is the splash kernel, which has no dropout: templates/lmkit/layers.py, use_tpu_kernels). `--remat P`
-compiles tpuctl's side under its remat policy P (trainer.remat_policy; keras-hub's has none). `--layers N`
+compiles tpuctl's side under its remat policy P (trainer.remat_policy; keras-hub's has none), `--sharding fsdp`
+with its weights, gradients and optimizer state split over the devices (runtime.sharding; keras-hub's stay
+data-parallel, Keras' DataParallel: what `keras_hub` users run). `--layers N`
 compiles N-layer variants: minutes fewer per compile, to iterate; the figures to quote are the full models'.
 
 Compiles are cached in ~/.cache/tpuctl-bench/tpu_compile by side, model, topology, batch, the template's source
 (tpuctl's side) and the jax/libtpu/keras versions. keras-hub lives in bench/peers.py's virtualenv (it sees this
 interpreter's packages: the same jax, libtpu and Keras).
 
-Not compared: MaxText (the issue asks for its GPT-2 step). It is not a pip package of this Python: its
-repository pins jax versions of its own and Python >= 3.12 (jax 0.11+ here needs 3.12, the venv is 3.11), so
-its compiled step would come from another compiler than the templates'; not installed.
+Not compared: MaxText (the issue asks for its GPT-2 step). Its PyPI package (maxtext 0.2.5, and every release
+before it) requires Python >= 3.12, jax >= 0.11.1 and libtpu >= 0.0.46; this machine's Python is 3.11 (jax 0.11
+needs 3.12 too), so it does not install, and its compiled step would come from another compiler than the
+templates' anyway.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -112,13 +116,16 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
     config["task"]["dropout"] = variant.get("dropout", 0.0)
     if side == "tpuctl" and variant.get("remat"):
         config.update(trainer={"remat_policy": variant["remat"]}, runtime={"framework": "jax"})
+    if side == "tpuctl" and variant.get("sharding"):
+        config.setdefault("runtime", {}).update(framework="jax", sharding=variant["sharding"])
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu", **options).devices
     from lmkit.trainer import compile_target
 
     objective = _keras_hub_objective(template) if side == "keras-hub" else (
         __import__("gpt2.train").train.CAUSAL_LM if template == "gpt2" else __import__("bert.train").train.MASKED_LM)
     target = compile_target(config, devices=devices, vocab_size=vocab, objective=objective)
-    state_bytes = sum(leaf.size * leaf.dtype.itemsize for group in target["state"] for leaf in group)
+    state_bytes = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize  # a device's
+                      for group in target["state"] for leaf in group)
     point = aot.compile_point(target, batch)
     return {**point, "state_bytes": int(state_bytes),
             "model": {k: target[k] for k in ("params", "layers", "hidden", "seq_len")}}
@@ -143,7 +150,9 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
     key = json.dumps([side, MODELS[model], topology, options, per_device_batch, layers, compiler_versions(),
                       _version("keras"), _source_hash(templates) if side == "tpuctl" else None,
                       _source_hash(str(REPO / "templates"), "aot.py")]  # how it measures
-                     + ([variant] if variant else []))  # a key without it: the defaults' figures cached before
+                     + ([variant] if variant else [])  # a key without it: the defaults' figures cached before
+                     # keras-hub's step is built by the templates' trainer, with lmkit's metrics
+                     + ([_source_hash(templates, "lmkit/*.py")] if side == "keras-hub" else []))
     path = CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if path.exists():
         return json.loads(path.read_text())
@@ -184,6 +193,7 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: int, 
     tpuctl_model = compiled("tpuctl", model, accelerator, per_device, layers, templates, variant)["model"]
     per_chip = per_device * chip.devices_per_chip
     flops, step_s = roofline(chip, accel.chips, tpuctl_model, per_chip, cost["bytes"] * chip.devices_per_chip,
+                             sharding=variant.get("sharding", "data") if side == "tpuctl" else "data",
                              compiled_flops_per_chip=cost["flops"] * chip.devices_per_chip)
     row = {"side": side, "batch": per_chip, "fits": fits, "hbm": need * chip.devices_per_chip,
            "bytes": cost["bytes"] * chip.devices_per_chip, "flops": cost["flops"] * chip.devices_per_chip,
@@ -210,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="task.dropout on both sides (the presets' is 0.1); default 0")
     parser.add_argument("--remat", default="", help="tpuctl's trainer.remat_policy (e.g. minimal); default none")
+    parser.add_argument("--sharding", default="", help="tpuctl's runtime.sharding (fsdp); default data")
     parser.add_argument("--largest", type=int, nargs="?", const=2, default=0, metavar="N",
                         help="also search the largest per-chip batch that fits, in N compiles more (default 2)")
     parser.add_argument("--templates", default=str(REPO / "templates"),
@@ -224,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
           "| est. step ms | est. MFU | largest batch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
-    variant = {k: v for k, v in (("dropout", args.dropout), ("remat", args.remat)) if v}
+    variant = {k: v for k, v in (("dropout", args.dropout), ("remat", args.remat), ("sharding", args.sharding)) if v}
     for model in args.models.split(","):
         for accelerator in args.accelerators.split(","):
             rows = {side: measure(side, model, accelerator, args.layers, args.largest, args.templates,

@@ -8,6 +8,8 @@ import importlib.metadata
 import io
 import importlib.util
 import json
+import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -268,10 +270,17 @@ def attention_lowered_for_a_tpu() -> str:
     seeds = [v.value for v in layer.non_trainable_variables]
     x = jax.ShapeDtypeStruct((batch, length, heads * 32), "float32",
                              sharding=NamedSharding(mesh, PartitionSpec("batch")))
-    text = jax.jit(jax.grad(loss)).lower(weights, seeds, x).as_text()
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 2))).lower(weights, seeds, x)
+    text = lowered.as_text()
     assert "tpu_custom_call" in text, "no splash kernel in the program"
     scores = f"{batch // len(devices)}x{heads}x{length}x{length}"
     assert scores not in text and f"{batch}x{heads}x{length}x{length}" not in text, "[B, heads, L, L] in the program"
+    # The projections write and read the kernel's heads-first layout themselves: the TPU program moves no
+    # activation between layouts (the split-reshape-transpose form copied [B, L, hidden] twelve times).
+    copies = [shape for shape, dims in re.findall(r"= ((?:bf16|f32)\[([\d,]+)\])\S* (?:copy|transpose)\(",
+                                                  lowered.compile().as_text())
+              if math.prod(int(d) for d in dims.split(",")) >= batch // len(devices) * length * heads * 32 // 2]
+    assert not copies, f"layout copies of activations: {copies}"
     return "jax"
 
 

@@ -284,6 +284,45 @@ def head_lowered_for_a_tpu() -> str:
     return "jax"
 
 
+def tpu_attention_matches_xlas() -> str:
+    """(In a fresh JAX interpreter.) SelfAttention's TPU form (use_tpu_kernels: its projections as einsums into and
+    out of heads-first [B, heads, L, head_dim], the splash kernel in Pallas' interpreter) computes what its XLA
+    form does, causal and with a key mask, and so do the gradients of its input and of its eight weights."""
+    from tpuctl.templates import aot
+
+    aot.compile_only()
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from tpuctl.templates.lmkit import layers
+
+    batch, length, heads, head_dim = 2, 128, 2, 64
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(batch, length, heads * head_dim)), "float32")
+    key_mask = jnp.asarray(np.arange(length)[None, :] < np.array([[length], [90]]), "int32")  # one padded
+    for causal, mask in ((True, None), (False, key_mask)):
+        layer = layers.SelfAttention(heads, head_dim, causal=causal, seed=1)
+        layer.build(x.shape)
+        weights = [jnp.asarray(rng.normal(size=v.shape) * 0.1, "float32") for v in layer.trainable_variables]
+        seeds = [v.value for v in layer.non_trainable_variables]
+
+        def loss(weights, x):
+            out, _ = layer.stateless_call(weights, seeds, x, key_mask=mask)
+            real = 1.0 if mask is None else mask[:, :, None]  # a padding position's output is nobody's
+            return jnp.sum(out * real * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+        try:
+            layers.use_tpu_kernels(Mesh(np.array(jax.devices()[:1]), ("batch",)))
+            tpu = jax.value_and_grad(loss, argnums=(0, 1))(weights, x)
+        finally:
+            layers.use_tpu_kernels(None)
+        xla = jax.value_and_grad(loss, argnums=(0, 1))(weights, x)
+        for a, b in zip(jax.tree.leaves(tpu), jax.tree.leaves(xla)):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=f"causal={causal}")
+    return "jax"
+
+
 def no_kernels_where_mosaic_has_no_bfloat16_matmul() -> str:
     """(In a fresh JAX interpreter.) On TPU v2 and v3 the Pallas kernels are off (their Mosaic refuses a bfloat16
     matmul: compiling gpt2-tiny's step with splash attention for a v3-8 failed so), on v4 they are on."""
@@ -310,7 +349,11 @@ def tpu_head() -> dict[str, str]:
     from conftest import on_jax_each
 
     return on_jax_each("test_gpt2", ("fused_head_matches_the_cross_entropy", "head_lowered_for_a_tpu",
-                                     "no_kernels_where_mosaic_has_no_bfloat16_matmul"))
+                                     "no_kernels_where_mosaic_has_no_bfloat16_matmul", "tpu_attention_matches_xlas"))
+
+
+def test_the_tpu_attention_computes_what_xlas_does(tpu_head):
+    assert tpu_head["tpu_attention_matches_xlas"] == "jax", tpu_head["tpu_attention_matches_xlas"]
 
 
 def test_the_tpu_heads_kernels_compute_the_cross_entropy_and_its_gradients(tpu_head):

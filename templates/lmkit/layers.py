@@ -297,6 +297,8 @@ class SelfAttention(layers.Layer):
                                            (*x_shape[:-1], n, d))
 
     def call(self, x, key_mask=None, training=False):
+        if _tpu_mesh is not None:
+            return self._tpu_call(x, key_mask)
         dt, (length, hidden), (n, d) = self.compute_dtype, x.shape[1:], (self.num_heads, self.head_dim)
         # One [hidden, 3 hidden] matmul, split on its last axis: as fast as a 5-d einsum under XLA and ~15%
         # faster without it (TensorFlow's graph mode on CPU/GPU), where the einsum's strided slices are copies.
@@ -307,17 +309,26 @@ class SelfAttention(layers.Layer):
         biases = [ops.reshape(ops.cast(p.bias, dt), (n * d,)) for p in (self.query, self.key, self.value)]
         kernel = ops.concatenate([kernels[0] * scale, *kernels[1:]], axis=1)
         bias = ops.concatenate([biases[0] * scale, *biases[1:]], axis=0)
-        # Heads to the front with one transpose of all three, [3, B, heads, L, head_dim], whose leading-axis
-        # slices share its buffer; the attention products then need no transposes of their own.
         q, k, v = (ops.reshape(t, (-1, length, n, d)) for t in ops.split(ops.matmul(x, kernel) + bias, 3, axis=-1))
-        if _tpu_mesh is not None:  # no dropout of the probabilities there (use_tpu_kernels says why)
-            out = _splash_attention(q, k, v, causal=self.causal, key_mask=key_mask)
-        else:
-            out = self._attention(q, k, v, key_mask, training)
+        out = self._attention(q, k, v, key_mask, training)
         # A [B x L, hidden] matmul, as the projection in: einsum("bqnd,ndh->bqh") runs on TensorFlow as a batched
         # matmul broadcasting the kernel, whose gradient is B per-sequence kernels, then summed.
         kernel = ops.reshape(ops.cast(self.attention_output.kernel, dt), (n * d, hidden))
         return ops.matmul(ops.reshape(out, (-1, length, n * d)), kernel) + ops.cast(self.attention_output.bias, dt)
+
+    def _tpu_call(self, x, key_mask):
+        """`call` on a TPU (use_tpu_kernels): the splash kernel, whose probabilities are not dropped out
+        (use_tpu_kernels says why). Each projection is its own einsum straight into or out of the kernel's
+        [B, heads, L, head_dim], as MultiHeadAttention writes them: the TPU compiler lays a matmul's output out as
+        its consumer wants, where the one [hidden, 3 hidden] matmul's split, reshape and transpose to heads-first
+        were layout copies of [B, L, hidden], forward and backward (bench/RESULTS.md, tpu_compile)."""
+        dt, scale = self.compute_dtype, 1.0 / math.sqrt(self.head_dim)
+        q, k, v = (ops.einsum("blc,cnd->bnld", x, ops.cast(p.kernel, dt) * ops.cast(s, dt))
+                   + ops.cast(p.bias, dt)[:, None, :] * ops.cast(s, dt)
+                   for p, s in ((self.query, scale), (self.key, 1.0), (self.value, 1.0)))
+        out = _splash_attention(q, k, v, causal=self.causal, key_mask=key_mask)
+        return (ops.einsum("bnld,ndh->blh", out, ops.cast(self.attention_output.kernel, dt))
+                + ops.cast(self.attention_output.bias, dt))
 
     def _attention(self, q, k, v, key_mask, training):
         """softmax(q k^T + mask) v for q, k, v [B, L, heads, head_dim] (q already scaled), its probabilities
@@ -370,7 +381,7 @@ def use_tpu_kernels(mesh) -> None:
 
 
 def _splash_attention(q, k, v, *, causal: bool, key_mask):
-    """SelfAttention's softmax(q k^T + mask) v for q, k, v [B, L, heads, head_dim] (q already scaled) through the
+    """SelfAttention's softmax(q k^T + mask) v for q, k, v [B, heads, L, head_dim] (q already scaled) through the
     TPU's fused attention kernel: JAX's Pallas splash attention, the kernel Keras' `dot_product_attention` picks
     on a TPU (keras/src/backend/jax/nn.py), block by block in the TPU's on-chip memory, so the [B, heads, L, L]
     scores and probabilities never reach HBM (forward or backward; the backward recomputes them per block).
@@ -384,28 +395,28 @@ def _splash_attention(q, k, v, *, causal: bool, key_mask):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
     from jax.sharding import PartitionSpec
 
-    _, length, heads, _ = q.shape
+    _, heads, length, _ = q.shape
     block = min(512, length)  # MaxText's default blocks; the sequence itself when shorter
     one = masks.CausalMask((length, length)) if causal else masks.FullMask((length, length))
     kernel = splash.make_splash_mha(
         masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
         block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                                      block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True))
+                                      block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True),
+        interpret=_tpu_mesh.devices.flat[0].platform != "tpu")  # Pallas' interpreter off a TPU (tests)
 
     def per_device(q, k, v, segments):
         ids = None if segments is None else splash.SegmentIds(q=segments, kv=segments)
         return jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(q, k, v, ids)
 
     split = PartitionSpec("batch")
-    heads_first = [jnp.swapaxes(t, 1, 2) for t in (q, k, v)]  # the kernel's [heads, L, head_dim] per example
     if key_mask is None:
         out = jax.shard_map(lambda q, k, v: per_device(q, k, v, None), mesh=_tpu_mesh, in_specs=(split,) * 3,
-                            out_specs=split, check_vma=False)(*heads_first)
+                            out_specs=split, check_vma=False)(q, k, v)
     else:
         out = jax.shard_map(per_device, mesh=_tpu_mesh, in_specs=(split,) * 4, out_specs=split,
-                            check_vma=False)(*heads_first, jnp.asarray(key_mask, jnp.int32))
+                            check_vma=False)(q, k, v, jnp.asarray(key_mask, jnp.int32))
     # MaxText's name for the attention's output, which its remat policies "minimal_with_context" save (REMAT).
-    return jax.ad_checkpoint.checkpoint_name(jnp.swapaxes(out, 1, 2), "context")
+    return jax.ad_checkpoint.checkpoint_name(out, "context")
 
 
 # Remat (activation checkpointing) policies a run can name in trainer.remat_policy, fastest (most HBM) first:
@@ -473,8 +484,19 @@ def _softmax_loss(labels, logits):
     top = ops.max(logits, axis=-1, keepdims=True)
     exp = ops.exp(logits - top)
     total = ops.sum(exp, axis=-1, keepdims=True)
-    picked = ops.take_along_axis(logits, labels[..., None], axis=-1)
-    return (ops.log(total) + top - picked)[..., 0], exp, total
+    return (ops.log(total) + top - _picked(labels, logits))[..., 0], exp, total
+
+
+def _picked(labels, logits):
+    """logits [..., V] at int `labels` [...], as [..., 1]. On a TPU (tpu_target), a select summed in the pass
+    that reads the logits for their maximum, not a gather: the TPU compiler (libtpu 0.0.42) emits that gather
+    for a tpu7x's SparseCore and fails on some shapes (gpt2-small's [80, 1024, 50257] logits a device:
+    "RET_CHECK failure (platforms/xla/sparse_core/gather_emitter.cc) ... Expected packed element gather indices
+    to either be 1 dimensional or to be bitpacked"). Elsewhere the gather of one value a row."""
+    if tpu_target():
+        hit = ops.arange(logits.shape[-1], dtype="int32") == labels[..., None]
+        return ops.sum(ops.where(hit, logits, ops.zeros((), logits.dtype)), axis=-1, keepdims=True)
+    return ops.take_along_axis(logits, labels[..., None], axis=-1)
 
 
 def tied_softmax_cross_entropy(labels, logits, hidden, embeddings):
@@ -555,7 +577,7 @@ def top_one_correct(labels, logits):
         import tensorflow as tf
 
         return ops.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), labels), "float32")
-    picked = ops.take_along_axis(logits, labels[..., None], axis=-1)
+    picked = _picked(labels, logits)
     earlier = ops.arange(logits.shape[-1], dtype="int32") < labels[..., None]
     beaten = ops.logical_or(logits > picked, ops.logical_and(logits == picked, earlier))
     return ops.cast(ops.logical_not(ops.any(beaten, axis=-1)), "float32")
