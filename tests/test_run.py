@@ -408,6 +408,7 @@ def test_lost_worker_is_detected_and_the_run_recovers(tpc, cloud, project):
     assert _zero(cloud, project)
 
 
+@pytest.mark.slow  # fast tier: the watch's restarted-or-lost answer: test_an_on_demand_node_under_maintenance_is_waited_for_not_recreated
 def test_a_worker_dead_under_an_open_connection_is_lost_not_restarted(tpc, cloud, project, monkeypatch):
     """The worker is killed and the watch's poll, over a connection still open, finds the job's processes gone
     ("lost"): on a READY node that reads as a restart, but the worker refuses new connections, so the node is
