@@ -12,7 +12,8 @@ the gradient all-reduce over ICI on more than one chip; model FLOPs are 6·N·to
 (12·layers·hidden·seq per token, PaLM's count), and the FLOPs are the compiled ones where the program does more
 (a recomputed forward under remat, or GPT-2's TPU head): MFU counts the model's alone. With `slices: N`
 (multislice, weak scaling: every slice runs the same per-chip batch), the step then all-reduces the gradients
-across the N slices over the data-center network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all N slices, the HBM answer is one slice's.
+across the N slices over the data-center network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all
+N slices, the HBM answer is one slice's.
 Compiles are cached under TPUCTL_HOME/fit by template content, config, topology, batch and versions: a repeat
 answers at once. Silent: progress goes to `on_event`.
 
@@ -369,7 +370,8 @@ def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per
     "seq_len") at `per_chip_batch` on `chips` chips of `chip` moving `bytes_per_chip` and computing
     `compiled_flops_per_chip` (if known; the model's FLOPs where fewer: the compiler's count leaves out a Pallas
     kernel that declares none, e.g. splash attention's) per step (module docstring: the roofline, plus the
-    gradients' all-reduce; under fsdp the weights' two all-gathers, forward and backward, and the gradients' reduce-scatter: three halves of a ring all-reduce where data has two),
+    gradients' all-reduce; under fsdp the weights' two all-gathers, forward and backward, and the gradients'
+    reduce-scatter: three halves of a ring all-reduce where data has two),
     on each of `slices` slices, plus their all-reduce over DCN (dcn_seconds)."""
     seq = model["seq_len"]
     model_flops = (6 * model["params"] + 12 * model["layers"] * model["hidden"] * seq) * per_chip_batch * seq
