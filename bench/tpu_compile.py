@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
           "| est. step ms | est. MFU | largest batch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
-    variant = {k: v for k, v in (("dropout", args.dropout), ("remat", args.remat), ("sharding", args.sharding)) if v}
+    variant = {k: v for k, v in (("dropout", args.dropout), ("remat", args.remat), ("sharding", args.sharding))
+               if v}
     for model in args.models.split(","):
         for accelerator in args.accelerators.split(","):
             rows = {side: measure(side, model, accelerator, args.layers, args.largest, args.templates,
