@@ -60,6 +60,7 @@ from 1.20x to 1.37x keras-hub's on a 2-core AMD EPYC (bench/peers.py; bench/RESU
 
 from __future__ import annotations
 
+import functools
 import math
 
 import keras
@@ -189,9 +190,43 @@ def gelu(x):
         return ops.cast(_gelu_with_gradient(_float32(x)), x.dtype)
     if not _compiled():
         return keras.activations.gelu(x, approximate=False)
-    # In float32: in bfloat16, 1 + erf(x / sqrt 2) would keep only a bit or two for x < -2.5.
+    if tpu_target() and keras.backend.standardize_dtype(x.dtype) in ("bfloat16", "float16"):
+        return _gelu_keeping_its_input()(x)
+    return _exact_gelu(x)
+
+
+def _exact_gelu(x):
+    """0.5 x (1 + erf(x / sqrt 2)) in float32, rounded to x's dtype: in bfloat16, 1 + erf(x / sqrt 2) would keep
+    only a bit or two for x < -2.5."""
     y = _float32(x)
     return ops.cast(0.5 * y * (1.0 + ops.erf(y * (1.0 / math.sqrt(2.0)))), x.dtype)
+
+
+@functools.cache
+def _gelu_keeping_its_input():
+    """`_exact_gelu` for half-precision x on a TPU (JAX), whose backward pass keeps x itself, not a float32 copy.
+    Differentiated by autodiff, the float32 x is what the backward reads, and the TPU compiler (libtpu 0.0.42,
+    v4) then writes it out in the forward as a second result of the first feed-forward matmul, kept until the
+    backward: a float32 [tokens, intermediate] a layer, twice the bfloat16 x. Here the backward recomputes the
+    float32 x from x behind an optimization barrier, which keeps XLA from merging the two conversions into that
+    one saved tensor (bert-128's step on a v4-8: 37.6 -> 32.2 GB of HBM traffic; bench/RESULTS.md, tpu_compile)."""
+    import jax
+
+    @jax.custom_vjp
+    def gelu_(x):
+        return _exact_gelu(x)
+
+    def forward(x):
+        return _exact_gelu(x), x
+
+    def backward(x, upstream):
+        y = _float32(jax.lax.optimization_barrier(x))
+        phi = ops.exp(-0.5 * y * y) * (1.0 / math.sqrt(2.0 * math.pi))
+        cdf = 0.5 * (1.0 + ops.erf(y * (1.0 / math.sqrt(2.0))))
+        return (ops.cast(_float32(upstream) * (cdf + y * phi), x.dtype),)
+
+    gelu_.defvjp(forward, backward)
+    return gelu_
 
 
 def _gelu_with_gradient(x):
