@@ -23,7 +23,9 @@ published models' maths; what changes is how much random-number and projection w
   Hugging Face's), in float32: TensorFlow's and JAX's `gelu` write it with erfc, which XLA lowers to two
   rational approximations and an exp, selected per element, where erf is one (bert-tiny +2.4% steps/s on
   TensorFlow). Without XLA it stays `tf.nn.gelu`, which is no fused kernel either (the TF profiler shows its
-  Neg, Erfc and Mul ops): it stays that erfc form, with its derivative written out for the backward pass.
+  Neg, Erfc and Mul ops): it stays that erfc form, with its derivative written out for the backward pass. On
+  a TPU (JAX, bfloat16) its derivative is written out too, so the backward pass keeps the bfloat16 input, not
+  a float32 copy the TPU compiler would keep for it (`_gelu_keeping_its_input`).
 - `LayerNormalization` is Keras' layer (same variables, same maths); without XLA its gradient is written out.
 - `SparseSoftmaxCrossEntropy` is Keras' `SparseCategoricalCrossentropy(from_logits=True)`, the same per-token
   loss and gradient (softmax - one-hot), in fewer passes over the [tokens, vocab] logits: TensorFlow's fused
