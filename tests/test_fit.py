@@ -289,6 +289,54 @@ def test_on_a_tpu_attention_with_dropout_runs_the_fused_kernel():
     assert on_jax("test_fit", "attention_lowered_for_a_tpu", timeout=300) == "jax"
 
 
+def feed_forward_compiled_for_a_v4() -> str:
+    """(In a fresh JAX interpreter.) Two feed-forward blocks (Dense, GELU, Dense) under mixed bfloat16, their gradient
+    compiled for a v4 2x2x1 that is not there: between the forward and the backward pass the TPU program keeps
+    no float32 copy of the [tokens, intermediate] pre-activation, only bfloat16 tensors (autodiff's float32
+    GELU had libtpu write one out beside the matmul's result, in every layer)."""
+    from tpuctl.templates import aot
+
+    aot.compile_only()
+    import jax
+    import keras
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from tpuctl.templates.lmkit import layers
+
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    devices = topologies.get_topology_desc(topology_name="v4:2x2x1", platform="tpu",
+                                           chip_config_name="megacore").devices
+    mesh = Mesh(np.array(devices), ("batch",))
+    batch, length, hidden, inner = 32, 128, 256, 1024
+    inputs = x = keras.Input((length, hidden))
+    for _ in range(2):  # as in BERT: x + FFN(x), normalised (one lone block kept no float32 copy)
+        x = keras.layers.LayerNormalization()(x + keras.layers.Dense(hidden)(
+            keras.layers.Dense(inner, activation=layers.gelu)(x)))
+    model = keras.Model(inputs, x)
+    layers.use_tpu_kernels(mesh)
+
+    def loss(weights, x):
+        out, _ = model.stateless_call(weights, [], x, training=True)
+        return out.astype("float32").sum()
+
+    x = jax.ShapeDtypeStruct((batch, length, hidden), "float32", sharding=NamedSharding(mesh, PartitionSpec("batch")))
+    program = jax.jit(jax.grad(loss)).lower([v.value for v in model.trainable_variables], x).compile().as_text()
+    # What the program writes to memory: results of the instructions outside fused computations.
+    kept = [found.group(1) for computation in re.split(r"\n(?=\S)", program) if not computation.startswith("%fused")
+            for found in map(re.compile(r"= (.+?) [\w-]+\(").search, computation.splitlines()[1:]) if found]
+    activation = f"f32[{batch // len(devices)},{length},{inner}]"
+    assert f"bf16[{batch // len(devices)},{length},{inner}]" in " ".join(kept), "the check would find nothing"
+    assert not [shape for shape in kept if activation in shape], f"a float32 {activation} between the passes"
+    return "jax"
+
+
+@needs_compiler
+def test_on_a_v4_the_feed_forward_keeps_no_float32_activation():
+    assert on_jax("test_fit", "feed_forward_compiled_for_a_v4", timeout=300) == "jax"
+
+
 # gpt2-small on v5p-8 (4 chips, one host; the zone sells it): the weak-scaling case bench/weak_scaling.py records.
 GPT2_SMALL_V5P = ("name: ws\nzone: us-east5-a\naccelerator: v5p-8\n"
                   "job: {template: gpt2, preset: gpt2-small, framework: jax}\n")

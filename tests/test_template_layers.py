@@ -146,6 +146,25 @@ def check_gelu() -> None:
             return y, tape.gradient(y, v)
 
         calls = [(value_and_grad, False), (tf.function(value_and_grad, jit_compile=True), True)]
+    if keras.backend.backend() == "jax":  # and as on a TPU in bfloat16, where its backward pass is written out
+        import jax
+
+        from tpuctl.templates.lmkit import layers
+
+        def on_a_tpu(v):
+            own, layers.tpu_target = layers.tpu_target, lambda: True
+            try:
+                half = keras.ops.cast(v, "bfloat16")
+                return gelu(half), jax.grad(lambda u: keras.ops.cast(gelu(u), "float32").sum())(half)
+            finally:
+                layers.tpu_target = own
+
+        rounded = np.asarray(keras.ops.cast(keras.ops.cast(x, "bfloat16"), "float32"), "float64")
+        got, grad = (np.asarray(keras.ops.cast(t, "float32")) for t in on_a_tpu(x))
+        cdf = np.array([0.5 * (1 + math.erf(v / math.sqrt(2))) for v in rounded])
+        np.testing.assert_allclose(got, rounded * cdf, rtol=2**-7, atol=1e-6)
+        np.testing.assert_allclose(grad, cdf + rounded * np.exp(-0.5 * rounded**2) / math.sqrt(2 * math.pi),
+                                   rtol=2**-7, atol=1e-3)
     for call, compiled in calls:
         got, grad = (np.asarray(t) for t in call(x))
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

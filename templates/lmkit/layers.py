@@ -23,7 +23,9 @@ published models' maths; what changes is how much random-number and projection w
   Hugging Face's), in float32: TensorFlow's and JAX's `gelu` write it with erfc, which XLA lowers to two
   rational approximations and an exp, selected per element, where erf is one (bert-tiny +2.4% steps/s on
   TensorFlow). Without XLA it stays `tf.nn.gelu`, which is no fused kernel either (the TF profiler shows its
-  Neg, Erfc and Mul ops): it stays that erfc form, with its derivative written out for the backward pass.
+  Neg, Erfc and Mul ops): it stays that erfc form, with its derivative written out for the backward pass. On
+  a TPU (JAX, bfloat16) its derivative is written out too, so the backward pass keeps the bfloat16 input, not
+  a float32 copy the TPU compiler would keep for it (`_gelu_keeping_its_input`).
 - `LayerNormalization` is Keras' layer (same variables, same maths); without XLA its gradient is written out.
 - `SparseSoftmaxCrossEntropy` is Keras' `SparseCategoricalCrossentropy(from_logits=True)`, the same per-token
   loss and gradient (softmax - one-hot), in fewer passes over the [tokens, vocab] logits: TensorFlow's fused
@@ -60,6 +62,7 @@ from 1.20x to 1.37x keras-hub's on a 2-core AMD EPYC (bench/peers.py; bench/RESU
 
 from __future__ import annotations
 
+import functools
 import math
 
 import keras
@@ -189,9 +192,43 @@ def gelu(x):
         return ops.cast(_gelu_with_gradient(_float32(x)), x.dtype)
     if not _compiled():
         return keras.activations.gelu(x, approximate=False)
-    # In float32: in bfloat16, 1 + erf(x / sqrt 2) would keep only a bit or two for x < -2.5.
+    if tpu_target() and keras.backend.standardize_dtype(x.dtype) in ("bfloat16", "float16"):
+        return _gelu_keeping_its_input()(x)
+    return _exact_gelu(x)
+
+
+def _exact_gelu(x):
+    """0.5 x (1 + erf(x / sqrt 2)) in float32, rounded to x's dtype: in bfloat16, 1 + erf(x / sqrt 2) would keep
+    only a bit or two for x < -2.5."""
     y = _float32(x)
     return ops.cast(0.5 * y * (1.0 + ops.erf(y * (1.0 / math.sqrt(2.0)))), x.dtype)
+
+
+@functools.cache
+def _gelu_keeping_its_input():
+    """`_exact_gelu` for half-precision x on a TPU (JAX), whose backward pass keeps x itself, not a float32 copy.
+    Differentiated by autodiff, the float32 x is what the backward reads, and the TPU compiler (libtpu 0.0.42,
+    v4) then writes it out in the forward as a second result of the first feed-forward matmul, kept until the
+    backward: a float32 [tokens, intermediate] a layer, twice the bfloat16 x. Here the backward recomputes the
+    float32 x from x behind an optimization barrier, which keeps XLA from merging the two conversions into that
+    one saved tensor (bert-128's step on a v4-8: 37.6 -> 32.2 GB of HBM traffic; bench/RESULTS.md, tpu_compile)."""
+    import jax
+
+    @jax.custom_vjp
+    def gelu_(x):
+        return _exact_gelu(x)
+
+    def forward(x):
+        return _exact_gelu(x), x
+
+    def backward(x, upstream):
+        y = _float32(jax.lax.optimization_barrier(x))
+        phi = ops.exp(-0.5 * y * y) * (1.0 / math.sqrt(2.0 * math.pi))
+        cdf = 0.5 * (1.0 + ops.erf(y * (1.0 / math.sqrt(2.0))))
+        return (ops.cast(_float32(upstream) * (cdf + y * phi), x.dtype),)
+
+    gelu_.defvjp(forward, backward)
+    return gelu_
 
 
 def _gelu_with_gradient(x):
