@@ -324,8 +324,9 @@ def feed_forward_compiled_for_a_v4() -> str:
     x = jax.ShapeDtypeStruct((batch, length, hidden), "float32", sharding=NamedSharding(mesh, PartitionSpec("batch")))
     program = jax.jit(jax.grad(loss)).lower([v.value for v in model.trainable_variables], x).compile().as_text()
     # What the program writes to memory: results of the instructions outside fused computations.
+    result = re.compile(r"= (.+?) [\w-]+\(")
     kept = [found.group(1) for computation in re.split(r"\n(?=\S)", program) if not computation.startswith("%fused")
-            for found in map(re.compile(r"= (.+?) [\w-]+\(").search, computation.splitlines()[1:]) if found]
+            for found in map(result.search, computation.splitlines()[1:]) if found]
     activation = f"f32[{batch // len(devices)},{length},{inner}]"
     assert f"bf16[{batch // len(devices)},{length},{inner}]" in " ".join(kept), "the check would find nothing"
     assert not [shape for shape in kept if activation in shape], f"a float32 {activation} between the passes"

@@ -8,6 +8,8 @@ path (eager, graph, XLA)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from conftest import in_fresh_interpreter, on_jax_each
@@ -24,6 +26,18 @@ def jax_checks() -> dict[str, str]:
     """Every check of this module on JAX, in one fresh interpreter (Keras fixes its backend at import) rather
     than one each: check -> "jax", or the traceback it raised."""
     return on_jax_each("test_template_layers", JAX_CHECKS)
+
+
+@contextlib.contextmanager
+def as_on_a_tpu():
+    """lmkit's layers pick their TPU forms (tpu_target), on this host's devices."""
+    from tpuctl.templates.lmkit import layers
+
+    own, layers.tpu_target = layers.tpu_target, lambda: True
+    try:
+        yield
+    finally:
+        layers.tpu_target = own
 
 
 def check_layers() -> str:
@@ -149,18 +163,11 @@ def check_gelu() -> None:
     if keras.backend.backend() == "jax":  # and as on a TPU in bfloat16, where its backward pass is written out
         import jax
 
-        from tpuctl.templates.lmkit import layers
-
-        def on_a_tpu(v):
-            own, layers.tpu_target = layers.tpu_target, lambda: True
-            try:
-                half = keras.ops.cast(v, "bfloat16")
-                return gelu(half), jax.grad(lambda u: keras.ops.cast(gelu(u), "float32").sum())(half)
-            finally:
-                layers.tpu_target = own
-
-        rounded = np.asarray(keras.ops.cast(keras.ops.cast(x, "bfloat16"), "float32"), "float64")
-        got, grad = (np.asarray(keras.ops.cast(t, "float32")) for t in on_a_tpu(x))
+        half = keras.ops.cast(x, "bfloat16")
+        with as_on_a_tpu():
+            got, grad = gelu(half), jax.grad(lambda u: keras.ops.cast(gelu(u), "float32").sum())(half)
+        got, grad = (np.asarray(keras.ops.cast(t, "float32")) for t in (got, grad))
+        rounded = np.asarray(keras.ops.cast(half, "float32"), "float64")
         cdf = np.array([0.5 * (1 + math.erf(v / math.sqrt(2))) for v in rounded])
         np.testing.assert_allclose(got, rounded * cdf, rtol=2**-7, atol=1e-6)
         np.testing.assert_allclose(grad, cdf + rounded * np.exp(-0.5 * rounded**2) / math.sqrt(2 * math.pi),
@@ -264,13 +271,8 @@ def check_loss_and_accuracy() -> str:
     assert want[1] == ((labels == logits.argmax(axis=-1)) * weights).sum() / weights.sum()
     runs = run(ours=True)
     if keras.backend.backend() == "jax":  # and as on a TPU, the label's logit a select instead of a gather
-        from tpuctl.templates.lmkit import layers
-
-        own, layers.tpu_target = layers.tpu_target, lambda: True
-        try:
+        with as_on_a_tpu():
             runs += run(ours=True)
-        finally:
-            layers.tpu_target = own
     for (value, gradient), accuracy in runs:
         np.testing.assert_allclose(value, want[0][0], rtol=1e-6)
         np.testing.assert_allclose(gradient, want[0][1], rtol=1e-5, atol=1e-9)
