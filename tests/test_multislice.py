@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -257,3 +258,17 @@ def test_a_multislice_host_joins_jax_as_jax_itself_counts_it(monkeypatch):
         assert first["coordinator_address"] == strategy.jax_cluster(vm, rehearsal=True)["coordinator_address"]
         monkeypatch.setenv("MEGASCALE_SLICE_ID", "0")  # the environment wins, as in JAX
         assert guest.tpu_vm().slice_id == 0
+
+
+def test_a_rehearsal_coordinator_port_is_never_one_of_the_kernels_ephemeral_ports():
+    """The rehearsal's coordinator port must not be one the kernel hands to connections (CI once saw
+    "Failed to add port to server" on 34302): below the first ephemeral port, for any node name."""
+    from tpuctl.templates.lmkit import strategy
+
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:
+        first_ephemeral = 32768  # Linux's default where /proc is not there to ask
+    ports = {strategy._rehearsal_port(f"rehearsal-{i:05d}") for i in range(20000)}
+    assert 1024 <= min(ports) and max(ports) < first_ephemeral
+    assert len(ports) > 10000  # spread: two rehearsals at once rarely meet on one port

@@ -236,10 +236,12 @@ def _devices_per_host(vm: guest.TpuVm) -> int:
 
 
 def _rehearsal_port(node: str) -> int:
-    """A rehearsal's hosts share one machine (and 127.0.0.1) with other rehearsals: a port per node, not 8482."""
+    """A rehearsal's hosts share one machine (and 127.0.0.1) with other rehearsals: a port per node, not 8482.
+    Below Linux's ephemeral range (32768 and up by default): a port there can already be some connection's own
+    end, and the coordinator then fails to bind it (seen in CI as "Failed to add port to server")."""
     import zlib
 
-    return 20000 + zlib.crc32(node.encode()) % 20000
+    return 10000 + zlib.crc32(node.encode()) % 22768
 
 
 def _check_tpu_host(vm: guest.TpuVm | None, tpu: str, *, configure_tf: bool = True) -> bool:
