@@ -26,10 +26,13 @@ Compiles are cached in ~/.cache/tpuctl-bench/tpu_compile by side, model, topolog
 (tpuctl's side) and the jax/libtpu/keras versions. keras-hub lives in bench/peers.py's virtualenv (it sees this
 interpreter's packages: the same jax, libtpu and Keras).
 
-Not compared: MaxText (the issue asks for its GPT-2 step). Its PyPI package (maxtext 0.2.5, and every release
-before it) requires Python >= 3.12, jax >= 0.11.1 and libtpu >= 0.0.46; this machine's Python is 3.11 (jax 0.11
-needs 3.12 too), so it does not install, and its compiled step would come from another compiler than the
-templates' anyway.
+`--maxtext` (gpt2 models) adds MaxText's step of the same GPT-2 (its `gpt3` decoder block: pre-LayerNorm with
+biases, tanh GELU, learned positions, tied embeddings; AdamW, gradient clipping 1.0, bfloat16 with float32
+weights, splash attention, pure data parallelism, no remat: `scan_layers=false remat_policy=none`, since a
+scanned MaxText checkpoints every layer whatever its policy), compiled by MaxText's own `train_compile` in a
+virtualenv of its own (maxtext 0.2.5 needs Python >= 3.12 and newer jax and libtpu than the templates pin: a
+`python3.12`/`python3.13` on PATH, in pyenv's versions, or MAXTEXT_PYTHON), and beside it tpuctl's template
+compiled by that same jax and libtpu, so the two rows it is compared with come from one compiler.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import venv
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -61,6 +66,10 @@ MODELS = {
                                                           "dropout": 0.0}}, 30522, 16),
 }
 SIDES = ("tpuctl", "keras-hub")
+# MaxText's side and tpuctl's compiled by MaxText's jax and libtpu (`--maxtext`), in MaxText's virtualenv.
+MAXTEXT_SIDES = ("maxtext", "tpuctl (maxtext's compiler)")
+MAXTEXT_VERSION = "0.2.5"
+MAXTEXT_VENV = CACHE.parent / "maxtext" / "venv"
 
 
 # ------------------------------------------------------------------------------------ the compiling process
@@ -98,9 +107,11 @@ def _keras_hub_objective(template: str):
 
 
 def worker(side: str, model: str, topology: str, options: dict, batch: int, layers: int, templates: str,
-           variant: dict | None = None) -> dict:
-    """Build `side`'s `model` and compile its step for `topology` at per-device `batch` (this process), the
-    templates' code (tpuctl's side; keras-hub's uses its training program) from `templates`."""
+           variant: dict | None = None, accelerator: str = "") -> dict:
+    """Build `side`'s `model` and compile its step for `topology` (`accelerator`'s) at per-device `batch` (this
+    process), the templates' code (tpuctl's sides; keras-hub's uses its training program) from `templates`."""
+    if side == "maxtext":
+        return maxtext_worker(model, accelerator, batch, layers)
     sys.path.insert(0, str(REPO / "templates"))
     import aot
 
@@ -131,6 +142,85 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
             "model": {k: target[k] for k in ("params", "layers", "hidden", "seq_len")}}
 
 
+def maxtext_worker(model: str, accelerator: str, batch: int, layers: int) -> dict:
+    """Compile MaxText's training step of `model`'s GPT-2 (the template config's sizes) for `accelerator` at
+    per-device `batch` by MaxText's own train_compile (this process: MaxText's virtualenv), measured as the
+    templates' steps are (aot.measured)."""
+    sys.path.insert(0, str(REPO / "templates"))
+    import aot
+
+    aot.compile_only()
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # MaxText's own CPU CI: no metadata server to ask
+    template, config, vocab, _ = MODELS[model]
+    task = __import__("gpt2.train").train.CAUSAL_LM.config.build(config).task
+    from maxtext.trainers.pre_train import train_compile
+
+    overrides = {
+        # MaxText names v5e by chips ("v5e-4"), the others as Cloud does (cores for v4 and v5p)
+        "compile_topology": accelerator.replace("v5litepod-", "v5e-"), "compile_topology_num_slices": 1,
+        "per_device_batch_size": batch, "max_target_length": task.seq_len, "decoder_block": "gpt3",
+        "base_emb_dim": task.hidden_size, "base_num_query_heads": task.num_heads, "base_num_kv_heads": task.num_heads,
+        "base_mlp_dim": task.intermediate_size, "base_num_decoder_layers": layers or task.num_layers,
+        "head_dim": task.hidden_size // task.num_heads, "vocab_size": vocab, "trainable_position_size": task.seq_len,
+        "mlp_activations": '["gelu"]', "fused_qkv": True, "logits_via_embedding": True,
+        "normalize_embedding_logits": False, "normalization_layer_epsilon": 1e-5, "dtype": "bfloat16",
+        "weight_dtype": "float32", "opt_type": "adamw", "gradient_clipping_threshold": 1.0,
+        "ici_data_parallelism": -1, "ici_fsdp_parallelism": 1, "dcn_data_parallelism": 1,
+        "scan_layers": False, "remat_policy": "none", "dropout_rate": 0.0, "enable_dropout": False,
+        "attention": "flash", "enable_checkpointing": False, "dataset_type": "synthetic"}
+    compiled = {}
+    own = train_compile.jit_and_compile
+
+    def keep(*args, **kwargs):  # main() compiles through it: keep what it compiled to measure it
+        compiled["step"] = own(*args, **kwargs)
+        return compiled["step"]
+
+    def compile_step():
+        train_compile.jit_and_compile = keep
+        train_compile.main(["", *(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                  for k, v in overrides.items())])
+        return compiled["step"]
+
+    point = aot.measured(compile_step, batch)
+    # Its state is replicated on every device (data parallelism): the arguments, less a batch's few ids.
+    return {**point, "state_bytes": int(point.get("memory", {}).get("argument_size_in_bytes", 0))}
+
+
+def maxtext_python() -> Path | None:
+    """MaxText's interpreter, creating and filling its virtualenv if it is not there yet (idempotent): maxtext
+    (whose wheel declares no dependencies) and the TPU requirements it ships, less those only a URL names. None
+    without a Python >= 3.12 to create it with."""
+    python = MAXTEXT_VENV / "bin" / "python"
+    stamp = MAXTEXT_VENV / "tpuctl-bench-maxtext.json"
+    if python.exists() and stamp.exists() and json.loads(stamp.read_text())["maxtext"] == MAXTEXT_VERSION:
+        return python
+    candidates = [os.environ.get("MAXTEXT_PYTHON"), shutil.which("python3.13"), shutil.which("python3.12"),
+                  *map(str, sorted(Path.home().glob(".pyenv/versions/3.1[2-9]*/bin/python")))]
+    found = next((c for c in candidates if c and subprocess.run(  # a pyenv shim of a version not selected fails
+        [c, "-c", "import sys; sys.exit(sys.version_info < (3, 12))"], capture_output=True).returncode == 0), None)
+    if found is None:
+        return None
+    subprocess.run([found, "-m", "venv", "--clear", str(MAXTEXT_VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, f"maxtext=={MAXTEXT_VERSION}"], check=True)
+    shipped = next(MAXTEXT_VENV.glob("lib/python3*/site-packages/dependencies/requirements/"
+                                     "generated_requirements/tpu-requirements.txt"))
+    requirements = MAXTEXT_VENV / "tpu-requirements-from-the-index.txt"
+    requirements.write_text("".join(line for line in shipped.read_text().splitlines(keepends=True)
+                                    if "://" not in line))
+    subprocess.run([*pip, "-r", str(requirements)], check=True)
+    # MaxText asks for libtpu >= 0.0.46, so pip takes the newest, not the one the jax it took names in its `tpu`
+    # extra (jax 0.12.0.1 names 0.0.50.*; pip took 0.0.52): the one jax was released with.
+    jax_version = subprocess.run([str(python), "-c", "import jax; print(jax.__version__)"], check=True,
+                                 capture_output=True, text=True).stdout.strip()
+    subprocess.run([*pip, f"jax[tpu]=={jax_version}"], check=True)
+    versions = subprocess.run([str(python), "-c", "import importlib.metadata as m, json; print(json.dumps("
+                               "{p: m.version(p) for p in ('maxtext', 'jax', 'libtpu', 'keras')}))"],
+                              check=True, capture_output=True, text=True).stdout
+    stamp.write_text(versions)
+    return python
+
+
 # --------------------------------------------------------------------------------------------- the parent
 
 def _source_hash(templates: str, pattern: str = "*.py") -> str:
@@ -147,8 +237,13 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
     from tpuctl.fitting import _version, compiler_versions, topology_of
 
     topology, options = topology_of(catalog.load().accelerator(accelerator))
-    key = json.dumps([side, MODELS[model], topology, options, per_device_batch, layers, compiler_versions(),
-                      _version("keras"), _source_hash(templates) if side == "tpuctl" else None,
+    python = sys.executable
+    versions = [compiler_versions(), _version("keras")]
+    if side in MAXTEXT_SIDES:
+        python = str(maxtext_python())
+        versions = [json.loads((MAXTEXT_VENV / "tpuctl-bench-maxtext.json").read_text())]
+    key = json.dumps([side, MODELS[model], topology, options, per_device_batch, layers, *versions,
+                      _source_hash(templates) if side.startswith("tpuctl") else None,
                       _source_hash(str(REPO / "templates"), "aot.py")]  # how it measures
                      + ([variant] if variant else [])  # a key without it: the defaults' figures cached before
                      # keras-hub's step is built by the templates' trainer, with lmkit's metrics
@@ -156,7 +251,6 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
     path = CACHE / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if path.exists():
         return json.loads(path.read_text())
-    python = sys.executable
     if side == "keras-hub":
         sys.path.insert(0, str(BENCH))
         from peers import peers_python
@@ -165,8 +259,12 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
     print(f"  compiling {side} {model} for {topology} at per-device batch {per_device_batch}...", flush=True)
     proc = subprocess.run([python, __file__, "--worker", json.dumps([side, model, topology, options,
                                                                       per_device_batch, layers, templates,
-                                                                      variant])],
-                          capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+                                                                      variant, accelerator])],
+                          capture_output=True, text=True,
+                          # Importing libtpu sets TPU_LIBRARY_PATH to its own library (compiler_versions did it
+                          # here), and a child would load that one: MaxText's virtualenv has another libtpu.
+                          env={**{k: v for k, v in os.environ.items() if k != "TPU_LIBRARY_PATH"},
+                               "TF_CPP_MIN_LOG_LEVEL": "3"})
     lines = [line for line in proc.stdout.splitlines() if line.startswith(PROTOCOL)]
     if proc.returncode or not lines:
         raise SystemExit(f"{side} {model} {topology} failed:\n{proc.stderr[-3000:]}")
@@ -225,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also search the largest per-chip batch that fits, in N compiles more (default 2)")
     parser.add_argument("--templates", default=str(REPO / "templates"),
                         help="tpuctl's templates from this directory (e.g. an earlier commit's, for a before/after)")
+    parser.add_argument("--maxtext", action="store_true",
+                        help="also MaxText's step of the gpt2 models, and tpuctl's by MaxText's compiler")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -237,11 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     ratios = []
     variant = {k: v for k, v in (("dropout", args.dropout), ("remat", args.remat), ("sharding", args.sharding))
                if v}
+    if args.maxtext and variant:
+        parser.error("--maxtext compares the models as MaxText's configuration above has them: no --dropout, "
+                     "--remat or --sharding with it")
+    if args.maxtext and maxtext_python() is None:
+        parser.error("--maxtext needs a Python >= 3.12 for MaxText's virtualenv: none on PATH nor in pyenv's "
+                     "versions; name one with MAXTEXT_PYTHON")
     for model in args.models.split(","):
         for accelerator in args.accelerators.split(","):
+            sides = SIDES + (MAXTEXT_SIDES if args.maxtext and MODELS[model][0] == "gpt2" else ())
             rows = {side: measure(side, model, accelerator, args.layers, args.largest, args.templates,
                                   variant)
-                    for side in SIDES}
+                    for side in sides}
             for r in rows.values():
                 label = ", ".join([f"{args.layers} layers"] * bool(args.layers)
                                   + [f"{k} {v}" for k, v in variant.items()])
@@ -253,7 +360,14 @@ def main(argv: list[str] | None = None) -> int:
             ratios.append(f"{model} {accelerator}: HBM {ours['hbm'] / theirs['hbm']:.2f}x (goal <= 0.6), est. step "
                           f"{ours['step_s'] / theirs['step_s']:.2f}x (goal <= 0.75), bytes "
                           f"{ours['bytes'] / theirs['bytes']:.2f}x, compiled FLOPs {ours['flops'] / theirs['flops']:.2f}x")
-    print("\ntpuctl / keras-hub:")
+            if "maxtext" in rows:
+                ours, theirs = rows[MAXTEXT_SIDES[1]], rows["maxtext"]
+                ratios.append(f"{model} {accelerator}, against MaxText (one compiler: "
+                              f"{(MAXTEXT_VENV / 'tpuctl-bench-maxtext.json').read_text().strip()}): est. step "
+                              f"{ours['step_s'] / theirs['step_s']:.2f}x (goal within 10%), HBM "
+                              f"{ours['hbm'] / theirs['hbm']:.2f}x, bytes {ours['bytes'] / theirs['bytes']:.2f}x, "
+                              f"compiled FLOPs {ours['flops'] / theirs['flops']:.2f}x")
+    print("\ntpuctl / keras-hub (and MaxText):")
     print("\n".join(ratios))
     return 0
 

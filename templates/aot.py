@@ -56,15 +56,24 @@ def _required(message: str) -> int | None:
 
 def compile_point(target: dict, batch: int, remat: str | None = None) -> dict:
     """Compile `target`'s (a template's `fit` answer) step at per-device `batch` (under remat policy `remat`
-    if given, through the target's `step_for`): the protocol's answer for it, {"batch", "memory", "cost",
-    "seconds"}, or {"batch", "oom", "message", "seconds"} when the compiler refuses it over HBM. Raises whatever
-    else the compile raises."""
-    started = time.monotonic()
-    try:
+    if given, through the target's `step_for`): measured()'s answer for it."""
+
+    def compile_step():
         # step_for sets the policy on the model it shares with `step`: after another policy's compile, `step`
         # would trace under that one, so each compile names its own (the config's unless `remat`).
         step = target["step_for"](remat or target["remat_policy"]) if "step_for" in target else target["step"]
-        compiled = step.lower(target["state"], target["batch"](batch)).compile()
+        return step.lower(target["state"], target["batch"](batch)).compile()
+
+    return measured(compile_step, batch)
+
+
+def measured(compile_step, batch: int) -> dict:
+    """The protocol's answer for the program `compile_step()` compiles (at per-device `batch`): {"batch",
+    "memory", "cost", "seconds"}, or {"batch", "oom", "message", "seconds"} when the compiler refuses it over HBM.
+    Raises whatever else the compile raises. bench/tpu_compile.py measures MaxText's step with it too."""
+    started = time.monotonic()
+    try:
+        compiled = compile_step()
     except Exception as exc:  # jax's JaxRuntimeError; its status code leads its message
         if not str(exc).startswith(OUT_OF_MEMORY):
             raise

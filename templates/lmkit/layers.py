@@ -661,9 +661,11 @@ class AdamW(keras.optimizers.AdamW):
     is TensorFlow's one `ResourceApplyAdam` kernel per variable instead of Keras' nine ops (module docstring)."""
 
     def update_step(self, gradient, variable, learning_rate):
-        import tensorflow as tf
+        if not tensorflow_without_xla() or self.amsgrad:
+            return super().update_step(gradient, variable, learning_rate)
+        import tensorflow as tf  # here only: a JAX program (a TPU compile) need not have TensorFlow at all
 
-        if not tensorflow_without_xla() or self.amsgrad or not isinstance(gradient, tf.Tensor):
+        if not isinstance(gradient, tf.Tensor):
             return super().update_step(gradient, variable, learning_rate)
         dtype = variable.dtype
         step = ops.cast(self.iterations + 1, dtype)
