@@ -28,11 +28,12 @@ interpreter's packages: the same jax, libtpu and Keras).
 
 `--maxtext` (gpt2 models) adds MaxText's step of the same GPT-2 (its `gpt3` decoder block: pre-LayerNorm with
 biases, tanh GELU, learned positions, tied embeddings; AdamW, gradient clipping 1.0, bfloat16 with float32
-weights, splash attention, pure data parallelism, no remat: `scan_layers=false remat_policy=none`, since a
-scanned MaxText checkpoints every layer whatever its policy), compiled by MaxText's own `train_compile` in a
-virtualenv of its own (maxtext 0.2.5 needs Python >= 3.12 and newer jax and libtpu than the templates pin: a
-`python3.12`/`python3.13` on PATH, in pyenv's versions, or MAXTEXT_PYTHON), and beside it tpuctl's template
-compiled by that same jax and libtpu, so the two rows it is compared with come from one compiler.
+weights, splash attention, pure data parallelism, asked for no remat: `scan_layers=false remat_policy=none`; its
+program still recomputes each layer in the backward pass, as under `full`: bench/RESULTS.md, tpu_compile),
+compiled by MaxText's own `train_compile` in a virtualenv of its own (maxtext 0.2.5 needs Python >= 3.12 and newer
+jax and libtpu than the templates pin: a `python3.12`/`python3.13` on PATH, in pyenv's versions, or
+MAXTEXT_PYTHON), and beside it tpuctl's template compiled by that same jax and libtpu, so the two rows it is
+compared with come from one compiler.
 """
 
 from __future__ import annotations
