@@ -46,7 +46,6 @@ import os
 import shutil
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -71,6 +70,7 @@ SIDES = ("tpuctl", "keras-hub")
 MAXTEXT_SIDES = ("maxtext", "tpuctl (maxtext's compiler)")
 MAXTEXT_VERSION = "0.2.5"
 MAXTEXT_VENV = CACHE.parent / "maxtext" / "venv"
+MAXTEXT_STAMP = MAXTEXT_VENV / "tpuctl-bench-maxtext.json"  # what maxtext_python() installed: its versions
 
 
 # ------------------------------------------------------------------------------------ the compiling process
@@ -111,13 +111,13 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
            variant: dict | None = None, accelerator: str = "") -> dict:
     """Build `side`'s `model` and compile its step for `topology` (`accelerator`'s) at per-device `batch` (this
     process), the templates' code (tpuctl's sides; keras-hub's uses its training program) from `templates`."""
-    if side == "maxtext":
-        return maxtext_worker(model, accelerator, batch, layers)
     sys.path.insert(0, str(REPO / "templates"))
     import aot
 
     sys.path.insert(0, templates)
     aot.compile_only()
+    if side == "maxtext":
+        return maxtext_worker(model, accelerator, batch, layers)
     from jax.experimental import topologies
 
     template, config, vocab, _ = MODELS[model]
@@ -146,13 +146,11 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
 def maxtext_worker(model: str, accelerator: str, batch: int, layers: int) -> dict:
     """Compile MaxText's training step of `model`'s GPT-2 (the template config's sizes) for `accelerator` at
     per-device `batch` by MaxText's own train_compile (this process: MaxText's virtualenv), measured as the
-    templates' steps are (aot.measured)."""
-    sys.path.insert(0, str(REPO / "templates"))
+    templates' steps are (aot.measured). Called by worker(), which has set the process up."""
     import aot
 
-    aot.compile_only()
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # MaxText's own CPU CI: no metadata server to ask
-    template, config, vocab, _ = MODELS[model]
+    _, config, vocab, _ = MODELS[model]
     task = __import__("gpt2.train").train.CAUSAL_LM.config.build(config).task
     from maxtext.trainers.pre_train import train_compile
 
@@ -192,8 +190,7 @@ def maxtext_python() -> Path | None:
     (whose wheel declares no dependencies) and the TPU requirements it ships, less those only a URL names. None
     without a Python >= 3.12 to create it with."""
     python = MAXTEXT_VENV / "bin" / "python"
-    stamp = MAXTEXT_VENV / "tpuctl-bench-maxtext.json"
-    if python.exists() and stamp.exists() and json.loads(stamp.read_text())["maxtext"] == MAXTEXT_VERSION:
+    if python.exists() and MAXTEXT_STAMP.exists() and maxtext_versions()["maxtext"] == MAXTEXT_VERSION:
         return python
     candidates = [os.environ.get("MAXTEXT_PYTHON"), shutil.which("python3.13"), shutil.which("python3.12"),
                   *map(str, sorted(Path.home().glob(".pyenv/versions/3.1[2-9]*/bin/python")))]
@@ -218,8 +215,13 @@ def maxtext_python() -> Path | None:
     versions = subprocess.run([str(python), "-c", "import importlib.metadata as m, json; print(json.dumps("
                                "{p: m.version(p) for p in ('maxtext', 'jax', 'libtpu', 'keras')}))"],
                               check=True, capture_output=True, text=True).stdout
-    stamp.write_text(versions)
+    MAXTEXT_STAMP.write_text(versions)
     return python
+
+
+def maxtext_versions() -> dict:
+    """The maxtext, jax, libtpu and keras versions in MaxText's virtualenv (once maxtext_python() made it)."""
+    return json.loads(MAXTEXT_STAMP.read_text())
 
 
 # --------------------------------------------------------------------------------------------- the parent
@@ -242,7 +244,7 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
     versions = [compiler_versions(), _version("keras")]
     if side in MAXTEXT_SIDES:
         python = str(maxtext_python())
-        versions = [json.loads((MAXTEXT_VENV / "tpuctl-bench-maxtext.json").read_text())]
+        versions = [maxtext_versions()]
     key = json.dumps([side, MODELS[model], topology, options, per_device_batch, layers, *versions,
                       _source_hash(templates) if side.startswith("tpuctl") else None,
                       _source_hash(str(REPO / "templates"), "aot.py")]  # how it measures
@@ -363,8 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{ours['bytes'] / theirs['bytes']:.2f}x, compiled FLOPs {ours['flops'] / theirs['flops']:.2f}x")
             if "maxtext" in rows:
                 ours, theirs = rows[MAXTEXT_SIDES[1]], rows["maxtext"]
-                ratios.append(f"{model} {accelerator}, against MaxText (one compiler: "
-                              f"{(MAXTEXT_VENV / 'tpuctl-bench-maxtext.json').read_text().strip()}): est. step "
+                ratios.append(f"{model} {accelerator}, against MaxText (one compiler: {maxtext_versions()}): est. step "
                               f"{ours['step_s'] / theirs['step_s']:.2f}x (goal within 10%), HBM "
                               f"{ours['hbm'] / theirs['hbm']:.2f}x, bytes {ours['bytes'] / theirs['bytes']:.2f}x, "
                               f"compiled FLOPs {ours['flops'] / theirs['flops']:.2f}x")
