@@ -109,6 +109,16 @@ def _fresh(code: str, backend: str, timeout: float) -> str:
     return proc.stdout
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has). /proc's entry can vanish between opening and
+    reading it (ESRCH, when the parent reaps the process in between), which is dead too."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def official_clients(cloud: LocalCloud, project: str) -> OfficialClients:
     from google.cloud import billing_v1, compute_v1, resourcemanager_v3, storage, tpu_v2
 

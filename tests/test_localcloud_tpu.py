@@ -16,7 +16,7 @@ import pytest
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 
-from conftest import FAST_POLLING
+from conftest import FAST_POLLING, process_alive
 
 ZONE = "europe-west4-a"
 TF = "tpu-vm-tf-2.14.1"
@@ -323,20 +323,9 @@ def test_deleting_a_node_kills_its_processes(clients, tmp_path):
     pid = int(pid_file.read_text())
     clients.tpu.delete_node(name=node.name).result(polling=FAST_POLLING)
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = open(f"/proc/{pid}/stat").read().split()[2]
-    return state != "Z"
+    assert not process_alive(pid)
 
 
 # ------------------------------------------------------------------------------------ queued resources

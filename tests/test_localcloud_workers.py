@@ -14,6 +14,7 @@ from pathlib import Path
 import asyncssh
 import pytest
 
+from conftest import process_alive
 from tpuctl.localcloud import workers
 from tpuctl.localcloud.workers import ANY_USER, MARKER_VAR, WorkerPool, marker, parse_ssh_keys
 
@@ -50,13 +51,6 @@ def _marked_under(root: Path) -> list[int]:
             pids.append(int(entry.name))
     return pids
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture
@@ -192,10 +186,10 @@ def test_detached_processes_survive_the_session_and_die_with_the_node(pool, root
     while len(grandchildren := _marked_under(pool_dir(root, "p/z/detach", 0))) < 3:
         assert time.monotonic() < deadline, grandchildren  # nohup sleep, setsid bash and its sleep
         time.sleep(0.05)
-    assert all(_alive(pid) for pid in pids)
+    assert all(process_alive(pid) for pid in pids)
 
     pool.stop_node("p/z/detach")
-    assert not any(_alive(pid) for pid in grandchildren)
+    assert not any(process_alive(pid) for pid in grandchildren)
     with pytest.raises(OSError):
         ssh(ep, alice_key, "true")
     pool.stop_node("p/z/detach")  # idempotent
@@ -209,9 +203,9 @@ def test_without_proc_processes_are_found_through_ps(tmp_path, alice_key, monkey
         (ep,) = pool.start_node("p/z/noproc", 1, {}, [_key_line("alice", alice_key)], None)
         pid = int(ssh(ep, alice_key, "setsid sleep 300 > /dev/null 2>&1 < /dev/null & echo $!").stdout)
         time.sleep(0.2)
-        assert _alive(pid)
+        assert process_alive(pid)
         pool.stop_node("p/z/noproc")
-        assert not _alive(pid)
+        assert not process_alive(pid)
     finally:
         pool.close()
     assert _marked_under(root) == []
@@ -223,7 +217,7 @@ def test_kill_worker_stops_one_worker_and_start_node_revives_it(pool, alice_key)
     pid = int(ssh(eps[1], alice_key, "nohup sleep 300 > /dev/null 2>&1 & echo $!").stdout)
 
     pool.kill_worker("p/z/kill", 1)
-    assert not _alive(pid)
+    assert not process_alive(pid)
     with pytest.raises(OSError):
         ssh(eps[1], alice_key, "true")
     assert ssh(eps[0], alice_key, "basename $HOME").stdout == b"0\n"
@@ -270,9 +264,9 @@ def test_drop_connections_breaks_sessions_and_hangs_up_foreground_commands(pool,
 
     pid = asyncio.run(go())
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid)
+    assert not process_alive(pid)
     assert ssh(ep, alice_key, "echo back").stdout == b"back\n"
 
 
@@ -354,8 +348,8 @@ def test_a_new_pool_kills_what_a_crashed_pool_left_under_its_root(tmp_path):
                              start_new_session=True)
     try:
         WorkerPool(root).close()
-        assert not _alive(mine.pid)
-        assert _alive(other.pid)  # another pool's worker
+        assert not process_alive(mine.pid)
+        assert process_alive(other.pid)  # another pool's worker
     finally:
         other.kill()
         mine.wait()
