@@ -13,7 +13,8 @@ import time
 from google.cloud import tpu_v2
 
 from test_jobs_harness import storage  # noqa: F401 - the emulated bucket fixture
-from test_localcloud_tpu import _alive, _create
+from conftest import process_alive
+from test_localcloud_tpu import _create
 
 from localcloud.workers import TERM_GRACE_S
 
@@ -61,11 +62,11 @@ def test_a_preempted_guest_reads_the_notice_gets_sigterm_and_runs_until_the_powe
     assert changed[1] == "TRUE" and float(changed[2]) - noticed < 1.0 and float(term[1]) - noticed < 1.0
     # The notice period: still running a while after SIGTERM, killed at the power off.
     time.sleep(TERM_GRACE_S / 2)
-    assert _alive(int(pid))
+    assert process_alive(int(pid))
     deadline = time.monotonic() + 2 * TERM_GRACE_S + 5
-    while _alive(int(pid)) and time.monotonic() < deadline:
+    while process_alive(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(int(pid))
+    assert not process_alive(int(pid))
 
 
 def test_the_agent_turns_the_metadata_notice_into_a_save_and_loses_no_step_to_the_shutdown(tmp_path, storage):
