@@ -100,6 +100,44 @@ def test_the_bootstrap_fetches_the_bundle_with_its_storage_kinds_client_not_the_
                                 bundle_sha="0", launch_id="l1", storage="emulator")
     assert e.value.field == "job.storage"
 
+def test_a_worker_without_the_storage_client_installs_it_held_to_the_images_versions_then_fetches(tmp_path, storage):
+    # The bootstrap's one interpreter lists the image's versions, checks for google-cloud-storage and fetches; here
+    # the worker's Python lacks the client until pip installs it, so the first attempt exits 3 having fetched
+    # nothing, pip runs constrained to the versions listed before it, and the second attempt fetches.
+    b = _ship(tmp_path, storage, _job("no-client", storage, workers=1))
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class NoClient:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'google.cloud.storage':\n"
+        "            raise ImportError('no google-cloud-storage on this image')\n"
+        "sys.meta_path.insert(0, NoClient())\n")
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+if [ "$1 $2 $3" = "-m pip install" ]; then
+  echo "$*" >> {tmp_path}/pip.log; cp image-constraints.txt {tmp_path}/constraints-at-install; touch {tmp_path}/installed
+  exit 0
+fi
+[ -f {tmp_path}/installed ] || export PYTHONPATH={block}
+echo "$1" >> {tmp_path}/starts.log
+exec {PYTHON} "$@"
+""")
+    fake.chmod(0o755)
+    script = remote.bootstrap_script(run="no-client", worker=0, python=str(fake), project="test-project",
+                                     bucket=storage.bucket_name, bundle_object=b.object_name, bundle_sha="0" * 64,
+                                     launch_id="l1", storage=b.storage)
+    env = {k: v for k, v in os.environ.items() if k != "GCE_METADATA_HOST"} | {"HOME": str(tmp_path)}
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "did NOT match" in r.stderr, r.stderr
+    pip = (tmp_path / "pip.log").read_text().split()
+    assert pip[-3:] == ["-c", "image-constraints.txt", "google-cloud-storage"], pip
+    assert "keras==" in (tmp_path / "constraints-at-install").read_text()  # the image's packages, listed before
+    assert (tmp_path / "starts.log").read_text().split() == ["-", "-"]  # an interpreter an attempt, no more
+    assert (tmp_path / remote.workdir("no-client", 0) / "bundle.tar.gz").read_bytes() == b.path.read_bytes()
+
+
 @pytest.mark.parametrize("name", ["Bad", "a b", "x;y", "$(id)", "../up", "", "a" * 64, "-a"])
 def test_hostile_run_names_are_refused(name):
     with pytest.raises(BadInput) as e:
