@@ -100,6 +100,7 @@ def test_the_bootstrap_fetches_the_bundle_with_its_storage_kinds_client_not_the_
                                 bundle_sha="0", launch_id="l1", storage="emulator")
     assert e.value.field == "job.storage"
 
+
 def test_a_worker_without_the_storage_client_installs_it_held_to_the_images_versions_then_fetches(tmp_path, storage):
     # The bootstrap's one interpreter lists the image's versions, checks for google-cloud-storage and fetches; here
     # the worker's Python lacks the client until pip installs it, so the first attempt exits 3 having fetched

@@ -52,7 +52,6 @@ def _marked_under(root: Path) -> list[int]:
     return pids
 
 
-
 @pytest.fixture
 def root(tmp_path) -> Path:
     return (tmp_path / "workers").absolute()
