@@ -1122,7 +1122,8 @@ class StorageServer:
         self._front = self._backend = self._front_thread = None
 
     def buckets(self) -> list[dict]:
-        """Every bucket with what the billing meter and `local status` need, read through the emulator.
+        """Every whole bucket (none an insert is still making) with what the billing meter and `local status`
+        need, read through the emulator.
 
         Keys: name, project, location, labels, iamConfiguration, iam_policy, softDeletePolicy, objects (count),
         bytes.
@@ -1130,11 +1131,16 @@ class StorageServer:
         if self._backend is None or self._front is None:
             raise RuntimeError("storage server is not started")
         backend = self._backend
-        _, listing = backend.call("GET", f"{_API}/b")
+        # An insert records the owner last, under the bucket's lock, after the metadata write; owners read before
+        # the listing therefore name only buckets that were whole when listed. A bucket without one is half made
+        # (clients' buckets.list hides it too) and would otherwise be metered at the default location.
         owners = self._front.projects()
+        _, listing = backend.call("GET", f"{_API}/b")
         result = []
         for bucket in (listing or {}).get("items", []):
             name = bucket["name"]
+            if name not in owners:
+                continue
             _, policy = backend.call("GET", f"{_API}/b/{name}/iam")
             _, objects = backend.call("GET", f"{_API}/b/{name}/o")
             items = (objects or {}).get("items", [])

@@ -295,6 +295,23 @@ def test_bucket_summary_feeds_the_meter(server):
     assert (summary["empty-one"]["objects"], summary["empty-one"]["bytes"]) == (0, 0)
 
 
+def test_the_meters_summary_leaves_out_a_bucket_an_insert_is_still_making(server, monkeypatch):
+    """The meter samples on its own thread; a bucket seen between the emulator's create and the metadata write has
+    no location yet and would be billed at the default multi-region for its whole life."""
+    backend, seen = server._backend, []
+    original = backend.call
+
+    def call(method, path, body=None):
+        if method == "PATCH" and path.endswith("/b/metered"):
+            seen.append({b["name"]: b for b in server.buckets()})
+        return original(method, path, body)
+
+    monkeypatch.setattr(backend, "call", call)
+    _create(client(), "metered")
+    assert seen and "metered" not in seen[0]
+    assert {b["name"]: b["location"] for b in server.buckets()} == {"metered": "US-CENTRAL1"}
+
+
 def _write_big_file(path: Path, size: int) -> str:
     """Write ``size`` pseudo-random bytes in 1 MiB blocks; returns their sha256 (never all in memory)."""
     digest = hashlib.sha256()
