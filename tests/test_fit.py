@@ -244,7 +244,8 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_exists(env, tmp_path):
 def attention_lowered_for_a_tpu() -> str:
     """(In a fresh JAX interpreter.) SelfAttention with dropout 0.1, training, lowered for a v5e 2x2 that is not
     there: on a TPU it runs the splash kernel (a Mosaic custom call), so no [B, heads, L, L] tensor appears in the
-    forward or backward program; its hidden-state dropout is the Dropout layers', not this layer's."""
+    forward or backward program, and reads q, k, v sequence-minor; its hidden-state dropout is the Dropout
+    layers', not this layer's."""
     from tpuctl.templates import aot
 
     aot.compile_only()
@@ -277,10 +278,14 @@ def attention_lowered_for_a_tpu() -> str:
     assert scores not in text and f"{batch}x{heads}x{length}x{length}" not in text, "[B, heads, L, L] in the program"
     # The projections write and read the kernel's heads-first layout themselves: the TPU program moves no
     # activation between layouts (the split-reshape-transpose form copied [B, L, hidden] twelve times).
-    copies = [shape for shape, dims in re.findall(r"= ((?:bf16|f32)\[([\d,]+)\])\S* (?:copy|transpose)\(",
-                                                  lowered.compile().as_text())
+    compiled = lowered.compile().as_text()
+    copies = [shape for shape, dims in re.findall(r"= ((?:bf16|f32)\[([\d,]+)\])\S* (?:copy|transpose)\(", compiled)
               if math.prod(int(d) for d in dims.split(",")) >= batch // len(devices) * length * heads * 32 // 2]
     assert not copies, f"layout copies of activations: {copies}"
+    # The kernel reads q, k and v sequence-minor, [.., head_dim, L]: with head_dim (32) last a TPU pads each to
+    # its 128 lanes, and those padded arrays are what the backward pass keeps.
+    seq_minor = re.findall(rf"= f32\[{batch // len(devices)},{heads},32,{length}\]", compiled)
+    assert len(seq_minor) >= 3, "q, k, v are not laid out sequence-minor"
     return "jax"
 
 

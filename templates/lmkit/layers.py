@@ -435,10 +435,16 @@ def _splash_attention(q, k, v, *, causal: bool, key_mask):
     _, heads, length, _ = q.shape
     block = min(512, length)  # MaxText's default blocks; the sequence itself when shorter
     one = masks.CausalMask((length, length)) if causal else masks.FullMask((length, length))
+    # q, k and v sequence-minor (MaxText's sa_q_layout/sa_k_layout/sa_v_layout: SEQ_MINOR): a TPU tiles an
+    # array's last axis over 128 lanes, so head_dim 64 last would pad every query, key and value the backward
+    # pass keeps to twice its size; the sequence last fills the lanes (bert-128: 10% fewer bytes a step, and
+    # the kept q, k, v half the HBM; bench/RESULTS.md, tpu_compile). The kernel's interface stays head-minor.
+    seq_minor = splash.QKVLayout.SEQ_MINOR
     kernel = splash.make_splash_mha(
         masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
         block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                                      block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True),
+                                      block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True,
+                                      q_layout=seq_minor, k_layout=seq_minor, v_layout=seq_minor),
         interpret=_tpu_mesh.devices.flat[0].platform != "tpu")  # Pallas' interpreter off a TPU (tests)
 
     def per_device(q, k, v, segments):
