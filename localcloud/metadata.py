@@ -53,15 +53,15 @@ class Json:
 Tree = dict[str, Any]
 
 
-def service_account_dir(email: str, scopes: list[str], token: str | None = None) -> Tree:
+def service_account_dir(email: str, scopes: list[str], token: tuple[str, int] | None = None) -> Tree:
     """`instance/service-accounts/<account>/`, as google-auth's `get_service_account_info` and token fetch read it.
 
-    `token` is the account's access token (`tokens.Tokens.issue`: Cloud Storage checks bucket IAM for it); without
-    one, a fresh random string that nothing checks.
+    `token` is the account's access token and its seconds left (`tokens.Tokens.cached`: Cloud Storage checks bucket
+    IAM for it); without one, a fresh random string that nothing checks.
     """
-    token = token or f"ya29.localcloud-{secrets.token_urlsafe(24)}"
+    access, expires_in = token or (f"ya29.localcloud-{secrets.token_urlsafe(24)}", 3599)
     return {"aliases": "default", "email": email, "scopes": "\n".join(scopes) + "\n",
-            "token": Json({"access_token": token, "expires_in": 3599, "token_type": "Bearer"})}
+            "token": Json({"access_token": access, "expires_in": expires_in, "token_type": "Bearer"})}
 
 
 def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: str, attributes: dict[str, str],
@@ -77,7 +77,7 @@ def guest_tree(*, project: str, number: str, zone: str, name: str, instance_id: 
     accounts: Tree = {}
     if service_account is not None:
         email, scopes = service_account
-        token = tokens.issue(email, project) if tokens is not None else None
+        token = tokens.cached(f"{instance_id}/{email}", email, project) if tokens is not None else None
         accounts = {"default": service_account_dir(email, scopes, token),
                     email: service_account_dir(email, scopes, token)}
     instance: Tree = {"machine-type": f"projects/{number}/machineTypes/{machine_type}"} if machine_type else {}

@@ -153,3 +153,36 @@ def test_the_tpu_workers_metadata_token_is_its_service_account_for_storage(cloud
         list(gcs.list_blobs(run_bucket.name))
     B.grant(pc, run_bucket.name, account["email"], run="r1", region="europe-west4")
     assert [b.name for b in gcs.list_blobs(run_bucket.name)] == ["runs/r1/data/part-0.tfrecord"]
+
+
+def test_a_guests_metadata_server_hands_out_one_token_until_it_has_five_minutes_left(monkeypatch):
+    """Google's metadata server caches a token until 5 minutes before it expires (compute/docs/access/
+    authenticate-workloads); a guest waiting for a change rereads its tree many times a second, minting nothing."""
+    from tpuctl.localcloud import tokens as tokens_mod
+    from tpuctl.localcloud.metadata import guest_tree
+
+    now = [1000.0]
+    monkeypatch.setattr(tokens_mod.time, "time", lambda: now[0])
+    tokens = tokens_mod.Tokens()
+    minted = []
+    issue = tokens.issue
+    monkeypatch.setattr(tokens, "issue", lambda *a, **kw: minted.append(issue(*a, **kw)) or minted[-1])
+
+    def token(instance_id: str = "71") -> dict:
+        tree = guest_tree(project="p", number="1", zone="z", name="w-0", instance_id=instance_id, attributes={},
+                          service_account=("sa@p.iam.gserviceaccount.com", ["s"]), tokens=tokens)
+        accounts = tree["instance"]["service-accounts"]
+        assert accounts["default"]["token"] == accounts["sa@p.iam.gserviceaccount.com"]["token"]
+        return accounts["default"]["token"].value
+
+    first = token()
+    assert [token() for _ in range(50)] == [first] * 50 and len(minted) == 1 and first["expires_in"] == 3600
+    now[0] += 3000  # 600 s left: the same token, saying so
+    assert token() == {**first, "expires_in": 600}
+    other = token("72")  # another guest (worker) has its own
+    assert other["access_token"] != first["access_token"]
+    now[0] += 301  # 299 s left: a new one, while the old one still works until it expires
+    renewed = token()
+    assert renewed["access_token"] not in (first["access_token"], other["access_token"])
+    assert renewed["expires_in"] == 3600 and tokens.identity(first["access_token"]).email == "sa@p.iam.gserviceaccount.com"
+    assert len(minted) == 3
