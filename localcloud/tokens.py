@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Only tokens of this shape are checked; any other bearer token (a user's real credentials) acts as the owner.
@@ -33,7 +34,8 @@ class Identity:
 class Tokens:
     """Thread-safe registry of issued tokens. `issue` and `identity` never block on I/O."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock  # wall-clock seconds, as tokens expire on Google's side
         self._lock = threading.Lock()
         self._issued: dict[str, Identity] = {}
         self._cached: dict[str, str] = {}  # a guest's account (its cache key) -> the token its server hands out
@@ -42,7 +44,7 @@ class Tokens:
         """A new token for service account `email` of `project`, valid for `lifetime_s` seconds."""
         token = PREFIX + secrets.token_urlsafe(24)
         with self._lock:
-            now = time.time()
+            now = self._clock()
             self._issued = {t: i for t, i in self._issued.items() if i.expires > now}
             self._issued[token] = Identity(email, project, now + lifetime_s)
         return token
@@ -54,18 +56,18 @@ class Tokens:
         with self._lock:
             token = self._cached.get(key)
             found = self._issued.get(token) if token else None
-        if found is None or found.expires - time.time() <= REFRESH_S:
+        if found is None or found.expires - self._clock() <= REFRESH_S:
             token = self.issue(email, project)
             with self._lock:
                 self._cached[key] = token
                 found = self._issued[token]
-        return token, int(found.expires - time.time())  # whole seconds left, as Google's expires_in counts them
+        return token, int(found.expires - self._clock())  # whole seconds left, as Google's expires_in counts them
 
     def identity(self, token: str) -> Identity | None:
         """Whose token this is; None for a token localcloud did not issue or that has expired."""
         with self._lock:
             found = self._issued.get(token)
-        return found if found is not None and found.expires > time.time() else None
+        return found if found is not None and found.expires > self._clock() else None
 
 
 def is_ours(token: str) -> bool:

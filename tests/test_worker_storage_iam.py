@@ -162,8 +162,7 @@ def test_a_guests_metadata_server_hands_out_one_token_until_it_has_five_minutes_
     from tpuctl.localcloud.metadata import guest_tree
 
     now = [1000.0]
-    monkeypatch.setattr(tokens_mod.time, "time", lambda: now[0])
-    tokens = tokens_mod.Tokens()
+    tokens = tokens_mod.Tokens(clock=lambda: now[0])
     minted = []
     issue = tokens.issue
     monkeypatch.setattr(tokens, "issue", lambda *a, **kw: minted.append(issue(*a, **kw)) or minted[-1])
@@ -184,5 +183,6 @@ def test_a_guests_metadata_server_hands_out_one_token_until_it_has_five_minutes_
     now[0] += 301  # 299 s left: a new one, while the old one still works until it expires
     renewed = token()
     assert renewed["access_token"] not in (first["access_token"], other["access_token"])
-    assert renewed["expires_in"] == 3600 and tokens.identity(first["access_token"]).email == "sa@p.iam.gserviceaccount.com"
+    assert renewed["expires_in"] == 3600
+    assert tokens.identity(first["access_token"]).email == "sa@p.iam.gserviceaccount.com"
     assert len(minted) == 3
