@@ -52,7 +52,7 @@ class Tokens:
     def cached(self, key: str, email: str, project: str) -> tuple[str, int]:
         """The token a guest's metadata server answers for account `email` (`key` names the guest and account),
         and its expires_in: the one it handed out before while that has more than `REFRESH_S` left, else a new one.
-        A guest rereads its metadata tree many times a second while it waits for a change: this issues once."""
+        The server rebuilds a guest's tree every 50 ms while it holds a `wait_for_change` request: this issues once."""
         with self._lock:
             token = self._cached.get(key)
             found = self._issued.get(token) if token else None

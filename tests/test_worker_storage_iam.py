@@ -157,7 +157,7 @@ def test_the_tpu_workers_metadata_token_is_its_service_account_for_storage(cloud
 
 def test_a_guests_metadata_server_hands_out_one_token_until_it_has_five_minutes_left(monkeypatch):
     """Google's metadata server caches a token until 5 minutes before it expires (compute/docs/access/
-    authenticate-workloads); a guest waiting for a change rereads its tree many times a second, minting nothing."""
+    authenticate-workloads); the tree a held wait_for_change request is reread from every 50 ms mints nothing."""
     from tpuctl.localcloud import tokens as tokens_mod
     from tpuctl.localcloud.metadata import guest_tree
 
