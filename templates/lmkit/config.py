@@ -123,7 +123,7 @@ def read_presets(template_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
 
 FRAMEWORKS = ("tensorflow", "jax")  # Keras backends the template runs on
 SHARDINGS = ("data", "fsdp")  # runtime.sharding
-REMAT_POLICIES = ("none", "minimal_with_context", "minimal")  # lmkit/layers.py REMAT's, most HBM first
+REMAT_POLICIES = ("none", "minimal_with_context", "minimal", "full")  # lmkit/layers.py REMAT's, most HBM first
 
 
 def build_sections(cls, data: dict[str, Any], presets: dict, check) -> SectionedConfig:

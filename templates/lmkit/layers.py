@@ -251,6 +251,10 @@ class LayerNormalization(layers.LayerNormalization):
     TensorFlow runs without XLA (`_layer_norm_core`); elsewhere, and for any other axis or option, Keras' own."""
 
     def call(self, inputs):
+        if keras.backend.backend() == "jax":  # what remat policy "full" saves (REMAT); outside a checkpoint a no-op
+            import jax
+
+            inputs = jax.ad_checkpoint.checkpoint_name(inputs, "norm_input")
         rank = len(inputs.shape)
         axes = [a % rank for a in (self.axis if isinstance(self.axis, (list, tuple)) else [self.axis])]
         own = tensorflow_without_xla() and axes == [rank - 1] and self.center and self.scale and not self.rms_scaling
@@ -466,12 +470,16 @@ def _splash_attention(q, k, v, *, causal: bool, key_mask):
 # MaxText's names and meanings (MaxText/configs/base.yml `remat_policy`, MaxText/layers/decoders.py
 # get_remat_policy): "minimal" saves the matmuls without batch dimensions (the projections and the MLP's) and
 # recomputes everything else for the backward pass (normalisation, GELU, dropout masks, attention);
-# "minimal_with_context" also saves the attention's output ("context"). templates/lmkit/config.py lists the names.
+# "minimal_with_context" also saves the attention's output ("context"); "full" saves only what each layer starts
+# from and recomputes the rest, matmuls included: here every LayerNormalization's input ("norm_input": GPT-2's
+# residual stream before each pre-norm, BERT's sums before each post-norm), a [B, L, hidden] tensor twice a layer.
+# templates/lmkit/config.py lists the names.
 REMAT = {
     "none": None,
     "minimal_with_context": lambda cp: cp.save_from_both_policies(cp.checkpoint_dots_with_no_batch_dims,
                                                                   cp.save_only_these_names("context")),
     "minimal": lambda cp: cp.checkpoint_dots_with_no_batch_dims,
+    "full": lambda cp: cp.save_only_these_names("norm_input"),
 }
 
 
@@ -481,8 +489,9 @@ def use_remat(trainer: keras.Model, policy: str) -> None:
     under jax.checkpoint with that policy, so the backward pass recomputes what the policy does not save instead
     of reading it from HBM. MaxText checkpoints each decoder layer; here the one checkpoint spans the model,
     which for these policies saves the same values (each layer's input is the sum of saved matmul outputs,
-    recomputed elementwise). The loss stays outside: Keras builds its compiled loss on the first call and keeps
-    what it saw, which inside a checkpoint would leak the trace (GPT-2's TPU head recomputes its tiles itself).
+    recomputed elementwise; under "full", saved by name), and the compiler schedules the recomputation. The loss
+    stays outside: Keras builds its compiled loss on the first call and keeps what it saw, which inside a
+    checkpoint would leak the trace (GPT-2's TPU head recomputes its tiles itself).
     "none" restores Keras' own. JAX backend only."""
     import jax
 
