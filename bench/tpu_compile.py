@@ -13,7 +13,8 @@ and FLOPs (the compiler's cost analysis, plus the operands and results of a Pall
 e.g. splash attention: templates/aot.py), and tpuctl/fitting.py's roofline step-time estimate (the compiled
 FLOPs where more than the model's) and MFU (model FLOPs: the template's 6·N·tokens plus attention, the same for
 both sides). `--largest [N]` also searches the largest per-chip batch that fits (fitting's search, by compiling
-N more batches, 2 by default: minutes a point; an answer not compiled is "predicted"). Dropout 0 on both sides
+N more batches, 2 by default: minutes a point; "compiled" when the batch a step above it was compiled and does
+not fit, "predicted" when it was not compiled, "at least" when nothing larger was ruled out). Dropout 0 on both sides
 (GPT-2 practice since nanoGPT) unless `--dropout R` (the presets' 0.1): then keras-hub drops out hidden states
 and attention probabilities (its attention is the XLA path then), tpuctl hidden states only (on a TPU its
 attention is the splash kernel, which has no dropout: templates/lmkit/layers.py, use_tpu_kernels). `--remat P`
@@ -287,7 +288,9 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: int, 
     chip = CHIPS[accel.generation]
     per_device = MODELS[model][3] // chip.devices_per_chip
     point = compiled(side, model, accelerator, per_device, layers, templates, variant)
-    need, fits = _need(point, point["state_bytes"])
+    need, compiled_ok = _need(point, point["state_bytes"])
+    cap = chip.hbm_bytes / chip.devices_per_chip
+    fits = compiled_ok and need <= cap
     cost = point.get("cost") or {"flops": 0.0, "bytes": need}
     # Model FLOPs from tpuctl's model for both sides (the same architecture; keras-hub's BERT also carries a
     # pooler and segment embeddings that the masked-LM loss never trains).
@@ -301,8 +304,6 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: int, 
            "model_flops": flops, "step_s": step_s, "mfu": flops / (step_s * chip.peak_bf16_flops),
            "largest": None}
     if largest:
-        cap = chip.hbm_bytes / chip.devices_per_chip
-
         def at(batch: int) -> tuple[float, bool]:
             p = compiled(side, model, accelerator, batch, layers, templates, variant)
             return _need(p, p["state_bytes"])

@@ -67,22 +67,42 @@ def test_without_the_compiler_an_analytic_estimate_and_one_line(monkeypatch, tmp
 
 
 def test_largest_batch_search_stays_within_its_compiles():
-    """Memory = 1 GB of state + 10 MB a batch example, 2 GB available: 96 fits, 104 does not."""
+    """Memory = 1 GB of state + 10 MB a batch example, 2 GB available: 96 fits, 104 does not. The compiler
+    accepts up to 2.1 GB (it compiles somewhat past a chip's published HBM) and refuses beyond."""
     compiled = []
 
     def measure(b):
         compiled.append(b)
         need = 1e9 + 1e7 * b
-        return need, need <= 2e9
+        return need, need <= 2.1e9
 
     assert fitting._largest(measure, 16, 2e9, 1e9, 0, grow=False) == (16, "at least")
     assert fitting._largest(measure, 64, 2e9, 1e9, 0, grow=True) == (96, "predicted")
     assert fitting._largest(measure, 16, 2e9, 1e9, 0, grow=True) == (16, "at least")  # 96 > 4 x 16: not a guess
-    compiled.clear()
-    assert fitting._largest(measure, 16, 2e9, 1e9, 2, grow=True) == (96, "compiled") and compiled == [16, 64, 96]
+    compiled.clear()  # 104 compiles but needs 2.04 GB: it does not fit, so 96 is the answer, checked both ways
+    assert fitting._largest(measure, 16, 2e9, 1e9, 3, grow=True) == (96, "compiled")
+    assert compiled == [16, 64, 96, 104]
+    compiled.clear()  # one compile short of checking 104: 96 fits, and nothing says more does not
+    assert fitting._largest(measure, 16, 2e9, 1e9, 2, grow=True) == (96, "at least") and compiled == [16, 64, 96]
     compiled.clear()
     assert fitting._largest(measure, 512, 2e9, 1e9, 2, grow=True) == (96, "compiled")
-    assert compiled == [512, 96]  # the line through the refused point meets the capacity at 96
+    assert compiled == [512, 96, 104]  # the line through the refused point meets the capacity at 96
+
+
+def test_largest_batch_search_goes_past_the_compilers_own_remat_to_its_refusal():
+    """As the TPU compiler does near a chip's HBM (bert-base keras-hub on a v5e: 15.75 GB at 416 a chip, 15.71
+    at 512, 15.88 at 640): memory grows 10 MB an example to 95, then 0.1 MB (the compiler recomputes instead of
+    keeping) until it refuses past 200. 1 GB of state, 2 GB available."""
+    compiled = []
+
+    def measure(b):
+        compiled.append(b)
+        if b > 200:
+            return 1e9 + 1e7 * b, False
+        return 1e9 + min(1e7 * b, 0.95e9 + 1e5 * (b - 95)), True
+
+    assert fitting._largest(measure, 32, 2e9, 1e9, 8, grow=True) == (200, "compiled")
+    assert compiled == [32, 96, 104, 120, 152, 216, 184, 200, 208]  # the line, a check, a gallop, halving
 
 
 def test_remat_is_tried_only_for_a_batch_within_reach():

@@ -45,7 +45,7 @@ from tpuctl.errors import BadInput, TpuctlError
 
 INSTALL_HINT = "pip install 'tpuctl[tpu]'"
 BATCH_STEP = 8  # per-device batches are multiples of 8 (the TPU's matrix units tile by 8; the templates require it)
-MAX_COMPILES = 3  # per `fit`: the run's batch, then the largest batch predicted from it, then one correction
+MAX_COMPILES = 3  # per `fit`: the run's batch, then the largest batch predicted from it, then one to bound it
 CHECK_COMPILES = 1  # per run/up check: the run's batch; the largest batch that fits is predicted from it
 # run/up compile only when the analytic estimate (an overestimate) reaches this share of the chip's HBM:
 # below it the run fits anyway, and a compile costs a minute even for the tiny presets on a laptop.
@@ -113,8 +113,9 @@ class Fit:
     hbm_per_chip_bytes: int
     hbm_capacity_bytes: int
     max_per_chip_batch: int  # 0: not even the smallest batch fits
-    max_batch_is: str  # "compiled" (that batch was compiled), "predicted" (from the compiles' slope), "at least"
-    # (only the run's batch was compiled: a run/up check that fits stops there)
+    max_batch_is: str  # "compiled" (it fits and the batch a step above it does not, both compiled), "predicted"
+    # (from the compiles' slope), "at least" (it fits, nothing larger was ruled out: a run/up check that fits stops
+    # at the run's batch)
     model_flops_per_step: float
     compiled_flops_per_step: float | None
     bytes_accessed_per_step: float
@@ -300,9 +301,10 @@ class _Compiler:
 
 
 def _need(point: dict, state_bytes: float) -> tuple[float, bool]:
-    """(bytes per device, fits) of one compile: arguments + temporaries + outputs - aliases (the donated state
-    is updated in place); a compile the TPU compiler refused over HBM needs at least the state and the
-    temporaries it named."""
+    """(bytes per device, compiled) of one compile: arguments + temporaries + outputs - aliases (the donated
+    state is updated in place); a compile the TPU compiler refused over HBM needs at least the state and the
+    temporaries it named. The compiler accepts programs somewhat over a chip's published HBM: whether one fits
+    is the caller's comparison."""
     if "oom" in point:
         return state_bytes + (point["oom"] or 0), False
     m = point["memory"]
@@ -313,29 +315,54 @@ def _need(point: dict, state_bytes: float) -> tuple[float, bool]:
 def _largest(measure: Callable[[int], tuple[float, bool]], b0: int, cap: float, state: float, budget: int,
              *, grow: bool) -> tuple[int, str]:
     """The largest per-device batch (a multiple of BATCH_STEP) that fits `cap` bytes, with at most `budget`
-    compiles after the run's own (`b0`); `grow` False: none when `b0` fits. Memory is the state plus a part
-    proportional to the batch (activations, gradients' temporaries): each compile is where that line, through
-    the compiled point nearest the answer, meets `cap` (at most 4x the largest batch compiled); a guess not
-    compiled is "predicted", a batch compiled when larger ones were not tried "at least"."""
+    compiles after the run's own (`b0`); `grow` False: none when `b0` fits. `measure(batch)` is (bytes,
+    compiled); a batch fits when it compiled within `cap`. The answer is "compiled" only when the batch
+    BATCH_STEP above it was compiled too and does not fit, "predicted" when it was not compiled, "at least"
+    when it fits and nothing larger was ruled out.
+    Memory is the state plus a part proportional to the batch (activations, gradients' temporaries): far from
+    `cap` the next compile is where that line, through the compiled point nearest the answer, meets `cap` (at
+    most 4x the largest batch compiled). Near `cap` the line is no guide: the TPU compiler rematerializes on its
+    own there, so memory stops growing with the batch until the compiler refuses (bert-base keras-hub on a v5e:
+    15.75 GB at 416 a chip, 15.71 at 512, 15.88 at 640). So a batch within the last eighth of the room is
+    checked one step above; where two fit that close, the search gallops (each step twice the last, at least
+    an eighth of the batch) until one does not, then halves the gap between."""
     known = {b0: measure(b0)}
+
+    def fits(batch: int) -> bool:
+        need, compiled = known[batch]
+        return compiled and need <= cap
+
     while True:
-        best = max((b for b, (_, ok) in known.items() if ok), default=0)
-        above = min((b for b, (_, ok) in known.items() if not ok), default=None)
+        best = max((b for b in known if fits(b)), default=0)
+        above = min((b for b in known if b > best and not fits(b)), default=None)
         if above is not None and best + BATCH_STEP >= above:
             return best, "compiled"
-        if known[b0][1] and not grow:
+        if fits(b0) and not grow:
             return b0, "at least"
         nearest = best or above
         per_example = (known[nearest][0] - state) / nearest
         limit = 4 * max(known)  # a small model's temporaries barely grow at first: do not leap from them
-        raw = int((cap - state) / per_example) // BATCH_STEP * BATCH_STEP if per_example > 0 else limit + 1
-        guess = min(raw, limit, above - BATCH_STEP if above is not None else limit)
-        if guess <= best or guess in known:
-            return best, "compiled"
+        line = max(0, _steps((cap - state) / per_example)) if per_example > 0 else limit + BATCH_STEP
+        if above is not None:
+            line = min(line, above - BATCH_STEP)
         if budget <= 0:
-            return (guess, "predicted") if raw <= limit else (best, "at least")
+            return (line, "predicted") if best < line <= limit or not best else (best, "at least")
+        close = sorted(b for b in known if fits(b) and known[b][0] >= cap - (cap - state) / 8)
+        if len(close) >= 2:  # the compiler's own remat: only a refusal bounds the batch
+            step = max(best / 8, 2 * (close[-1] - close[-2])) if above is None else (above - best) / 2
+            guess = best + max(BATCH_STEP, _steps(step))
+        elif close or line <= best:
+            guess = best + BATCH_STEP
+        else:
+            guess = line
+        guess = min(guess, limit, above - BATCH_STEP if above is not None else guess)
         known[guess] = measure(guess)
         budget -= 1
+
+
+def _steps(batch: float) -> int:
+    """`batch` rounded down to a multiple of BATCH_STEP."""
+    return int(batch) // BATCH_STEP * BATCH_STEP
 
 
 def _first_remat(measure: Callable[[str], tuple[float, bool]], policies: list[str], need: float, state: float,
