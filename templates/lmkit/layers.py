@@ -50,8 +50,9 @@ On a TPU (`use_tpu_kernels`: the trainer declares it there, `tpuctl fit` when it
 TPU compiler is the judge (bench/tpu_compile.py): attention runs Pallas' splash attention kernel, its
 probabilities not dropped out (use_tpu_kernels says why), so the [B, heads, L, L] scores never reach HBM, and
 GPT-2's loss and accuracy run the tied head through two Pallas kernels (`fused_softmax_cross_entropy`), so the
-[tokens, vocab] logits never reach HBM. Everything written for TensorFlow without XLA below is off there
-by construction.
+[tokens, vocab] logits never reach HBM. Under a remat policy there, `projection` has each projection's gradients
+computed together as soon as they can be, so that no layer's upstream gradient waits in HBM for the optimizer.
+Everything written for TensorFlow without XLA below is off there by construction.
 
 Without XLA (TensorFlow's graph mode: its CPU and GPU training) every op is a pass over memory and autodiff of a
 composite is as many more: there GELU and layer normalisation take hand-written gradients and AdamW one kernel.
@@ -62,6 +63,7 @@ from 1.20x to 1.37x keras-hub's on a 2-core AMD EPYC (bench/peers.py; bench/RESU
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 
@@ -364,12 +366,12 @@ class SelfAttention(layers.Layer):
         its consumer wants, where the one [hidden, 3 hidden] matmul's split, reshape and transpose to heads-first
         were layout copies of [B, L, hidden], forward and backward (bench/RESULTS.md, tpu_compile)."""
         dt, scale = self.compute_dtype, 1.0 / math.sqrt(self.head_dim)
-        q, k, v = (ops.einsum("blc,cnd->bnld", x, ops.cast(p.kernel, dt) * ops.cast(s, dt))
-                   + ops.cast(p.bias, dt)[:, None, :] * ops.cast(s, dt)
+        q, k, v = (projection("blc,cnd->bnld", x, ops.cast(p.kernel, dt) * ops.cast(s, dt),
+                              ops.cast(p.bias, dt)[:, None, :] * ops.cast(s, dt))
                    for p, s in ((self.query, scale), (self.key, 1.0), (self.value, 1.0)))
         out = _splash_attention(q, k, v, causal=self.causal, key_mask=key_mask)
-        return (ops.einsum("bnld,ndh->blh", out, ops.cast(self.attention_output.kernel, dt))
-                + ops.cast(self.attention_output.bias, dt))
+        return projection("bnld,ndh->blh", out, ops.cast(self.attention_output.kernel, dt),
+                          ops.cast(self.attention_output.bias, dt))
 
     def _attention(self, q, k, v, key_mask, training):
         """softmax(q k^T + mask) v for q, k, v [B, L, heads, head_dim] (q already scaled), its probabilities
@@ -483,6 +485,9 @@ REMAT = {
 }
 
 
+_rematted = contextvars.ContextVar("rematted", default=False)  # use_remat's forward pass is being traced
+
+
 def use_remat(trainer: keras.Model, policy: str) -> None:
     """Train `trainer` (Keras' JAX trainer) with remat `policy` (a REMAT name): its forward pass,
     `stateless_call` (a pure function of the variables and the batch, which Keras differentiates through), runs
@@ -501,8 +506,15 @@ def use_remat(trainer: keras.Model, policy: str) -> None:
         return
     saved = REMAT[policy](jax.checkpoint_policies)
 
+    def rematted(*args, **kwargs):
+        token = _rematted.set(True)  # while the forward pass is traced under the checkpoint (projection)
+        try:
+            return own(*args, **kwargs)
+        finally:
+            _rematted.reset(token)
+
     def stateless_call(*args, **kwargs):  # keyword arguments (training, return_losses: Python bools) stay static
-        return jax.checkpoint(lambda *a: own(*a, **kwargs), policy=saved)(*args)
+        return jax.checkpoint(lambda *a: rematted(*a, **kwargs), policy=saved)(*args)
 
     trainer.stateless_call = stateless_call
 
@@ -586,6 +598,44 @@ def tied_softmax_cross_entropy(labels, logits, hidden, embeddings):
 def tpu_target() -> bool:
     """Whether the run's target is a TPU (use_tpu_kernels)."""
     return _tpu_mesh is not None
+
+
+def projection(equation: str, x, kernel, bias):
+    """einsum(equation, x, kernel) + bias, its three gradients autodiff's. On a TPU (tpu_target) under a remat
+    policy (use_remat) the three are computed before any of them is used. Left to itself, the TPU compiler (libtpu
+    0.0.42) schedules a bias's gradient (a sum of its upstream gradient over batch and length) and the tied head's
+    embedding gradient late, near the optimizer, so each keeps its upstream gradient in HBM through the rest of
+    the backward pass: the queries', keys' and values' [B, L, hidden] of every attention layer and BERT's
+    [B, predictions, vocab] logits'. Under remat that is where the step's memory peaks (bert-128 on a v5e under
+    `full`: 17.0 -> 9.5 MB a sequence; `minimal` unchanged); without remat the peak comes before these gradients
+    exist, and the barrier would only cost bytes (bench/RESULTS.md, tpu_compile)."""
+    if not (tpu_target() and _rematted.get()):
+        return ops.einsum(equation, x, kernel) + bias
+    return _projection_with_early_gradients()(equation, x, kernel, bias)
+
+
+@functools.cache
+def _projection_with_early_gradients():
+    import jax
+    import jax.numpy as jnp
+
+    def project(equation, x, kernel, bias):
+        return jnp.einsum(equation, x, kernel) + bias
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def projected(equation, x, kernel, bias):
+        return project(equation, x, kernel, bias)
+
+    def forward(equation, x, kernel, bias):
+        return project(equation, x, kernel, bias), (x, kernel, bias)
+
+    def backward(equation, operands, upstream):
+        # The pullback's forward einsum is unused, and XLA drops it: only the gradients are computed.
+        _, pullback = jax.vjp(functools.partial(project, equation), *operands)
+        return jax.lax.optimization_barrier(pullback(upstream))
+
+    projected.defvjp(forward, backward)
+    return projected
 
 
 def fused_softmax_cross_entropy(labels, hidden, embeddings):
