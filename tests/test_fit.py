@@ -349,7 +349,8 @@ def projection_gradients_are_autodiffs() -> str:
     from tpuctl.templates.lmkit import layers
 
     rng = np.random.default_rng(0)
-    x, kernel, bias = (jnp.asarray(rng.standard_normal(shape), "float32") for shape in ((2, 5, 6), (6, 3, 4), (3, 1, 4)))
+    x, kernel, bias = (jnp.asarray(rng.standard_normal(shape), "float32")
+                       for shape in ((2, 5, 6), (6, 3, 4), (3, 1, 4)))
     early = layers._projection_with_early_gradients()
 
     def loss(project):
