@@ -18,9 +18,9 @@ not fit, "predicted" when it was not compiled, "at least" when nothing larger wa
 (GPT-2 practice since nanoGPT) unless `--dropout R` (the presets' 0.1): then keras-hub drops out hidden states
 and attention probabilities (its attention is the XLA path then), tpuctl hidden states only (on a TPU its
 attention is the splash kernel, which has no dropout: templates/lmkit/layers.py, use_tpu_kernels). `--remat P`
-compiles tpuctl's side under its remat policy P (trainer.remat_policy; keras-hub's has none), `--sharding fsdp`
-with its weights, gradients and optimizer state split over the devices (runtime.sharding; keras-hub's stay
-data-parallel, Keras' DataParallel: what `keras_hub` users run). `--layers N`
+compiles tpuctl's side under its remat policy P (trainer.remat_policy; keras-hub's has none), `--sharding zero1`
+with its optimizer state split over the devices, `--sharding fsdp` its weights, gradients and optimizer state
+(runtime.sharding; keras-hub's stay data-parallel, Keras' DataParallel: what `keras_hub` users run). `--layers N`
 compiles N-layer variants: minutes fewer per compile, to iterate; the figures to quote are the full models'.
 
 Compiles are cached in ~/.cache/tpuctl-bench/tpu_compile by side, model, topology, batch, the template's source
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="task.dropout on both sides (the presets' is 0.1); default 0")
     parser.add_argument("--remat", default="", help="tpuctl's trainer.remat_policy (e.g. minimal); default none")
-    parser.add_argument("--sharding", default="", help="tpuctl's runtime.sharding (fsdp); default data")
+    parser.add_argument("--sharding", default="", help="tpuctl's runtime.sharding (zero1, fsdp); default data")
     parser.add_argument("--largest", type=int, nargs="?", const=2, default=0, metavar="N",
                         help="also search the largest per-chip batch that fits, in N compiles more (default 2)")
     parser.add_argument("--templates", default=str(REPO / "templates"),

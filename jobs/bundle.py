@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from tpuctl import frameworks
 from tpuctl.errors import BadInput, from_google
 from tpuctl.spec import ENV_NAME_RULE, bad_env_names
 from tpuctl.templates import contract
@@ -91,7 +92,7 @@ def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, ru
     and exports live under `gs://BUCKET/runs/RUN/model/`, so the run's results outlive its TPU. `framework`
     (the plan's choice, which fixed the TPU's runtime) becomes `runtime.framework`; `profile` (job.profile, steps
     FIRST-LAST to trace) becomes `runtime.profile`, given only when set: a template without it is not sent it; so
-    does `sharding` (job.sharding as resolved: data or fsdp) become `runtime.sharding`, only when fsdp."""
+    does `sharding` (job.sharding as resolved: data, zero1 or fsdp) become `runtime.sharding`, only when zero1 or fsdp."""
     config = json.loads(json.dumps(dict(overrides or {})))
     if preset:
         config.setdefault("preset", preset)
@@ -105,7 +106,7 @@ def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, ru
         runtime["framework"] = framework
     if profile:
         runtime["profile"] = profile
-    if sharding == "fsdp":
+    if sharding in frameworks.SPLIT:  # not data, nor auto (the config check before the fit answers it)
         runtime["sharding"] = sharding
     config["runtime"] = runtime
     return config

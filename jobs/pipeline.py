@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpuctl import catalog, cost, fitting, ledger, provision
+from tpuctl import catalog, cost, fitting, frameworks, ledger, provision
 from tpuctl import events as ev
 from tpuctl.errors import (BadInput, CapacityError, Interrupted, JobFailed, NotFound, RunDurationEnded, TpuctlError,
                            Unexpected, WaitTimeout)
@@ -481,7 +481,7 @@ class Pipeline:
                 raise BadInput(exc.message, field="job.preset", hint=exc.hint) from exc
             if exc.field == "job.config.runtime.profile" and job.profile:  # it came from `job.profile`
                 raise BadInput(exc.message, field="job.profile", hint=exc.hint) from exc
-            if exc.field == "job.config.runtime.sharding" and job.sharding == "fsdp":  # from `job.sharding`
+            if exc.field == "job.config.runtime.sharding" and job.sharding in frameworks.SPLIT:  # job.sharding
                 raise BadInput(exc.message, field="job.sharding", hint=exc.hint) from exc
             raise
 

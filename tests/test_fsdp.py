@@ -1,7 +1,8 @@
 """runtime.sharding fsdp (issue 30, "Models bigger than a chip"): the weights, their gradients and the optimizer's
 slots split over the devices with Keras' ModelParallel (lmkit strategy.shard_weights), checkpoints that hold
 whole arrays whatever the mesh, and a rehearsal of 2 processes x 2 CPU devices that trains gpt2-tiny with fsdp,
-resumes, and matches data parallelism's loss over the same steps."""
+resumes, and matches data parallelism's loss over the same steps. And zero1 (issue 28: half bert-base's state
+a chip at data parallelism's bytes): only AdamW's slots split (lmkit strategy.split_slot), the same training."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_fsdp_on_tensorflow_is_refused_naming_the_field():
     with pytest.raises(ConfigError) as err:
         config.build({"preset": "gpt2-tiny", "runtime": {"sharding": "fsdp", "framework": "tensorflow"}})
     assert err.value.field == "runtime.sharding" and "jax" in err.value.rule
-    with pytest.raises(ConfigError, match="must be data or fsdp"):
+    with pytest.raises(ConfigError, match="must be data, zero1 or fsdp"):
         config.build({"preset": "gpt2-tiny", "runtime": {"sharding": "zero3", "framework": "jax"}})
     assert config.build({"preset": "gpt2-tiny", "runtime": {"sharding": "fsdp", "framework": "jax"}}).runtime.sharding \
         == "fsdp"
@@ -41,14 +42,15 @@ def test_fsdp_on_tensorflow_is_refused_naming_the_field():
 
 def a_checkpoint_moves_between_meshes() -> str:
     """gpt2-tiny's weights and AdamW slots written under data parallelism on 1 device resume under fsdp on 2, split
-    there, and written again from the split arrays resume whole on 1 device. Needs 2 JAX CPU devices."""
+    there, and under zero1 on 2, only the slots split (each on its first dimension the device count divides); and
+    written again from fsdp's split arrays resume whole on 1 device. Needs 2 JAX CPU devices."""
     import tempfile
 
     import jax
     import keras
 
     from tpuctl.templates.gpt2 import config, model as gpt2_model, train
-    from tpuctl.templates.lmkit import checkpoints, strategy
+    from tpuctl.templates.lmkit import checkpoints, layers, strategy
 
     devices = jax.devices()
     assert len(devices) == 2, devices
@@ -82,6 +84,22 @@ def a_checkpoint_moves_between_meshes() -> str:
     for a, b in zip([*model.weights, *optimizer.variables], [*sharded.weights, *sharded_optimizer.variables]):
         assert np.array_equal(checkpoints.host_value(a), checkpoints.host_value(b)), a.path
 
+    # zero1 (the optimizer a run builds with strategy.slot_layouts): the same checkpoint, only the slots split
+    keras.distribution.set_distribution(data_parallel(devices).strategy)
+    replicated = gpt2_model.build_model(task, vocab_size=VOCAB)
+    split_optimizer = layers.AdamW(learning_rate=1e-3, split_slots=strategy.slot_layouts(data_parallel(devices)))
+    split_optimizer.build(replicated.trainable_variables)
+    assert checkpoints.restore(checkpoints.latest(first), replicated, split_optimizer) == 56
+    slots = {v.path.split("/", 1)[1]: v for v in split_optimizer.variables}
+    for name, whole, half in (("layer0_mlp_in_kernel_momentum", (128, 512), (64, 512)),
+                              ("layer0_mlp_in_bias_velocity", (512,), (256,)),
+                              ("token_embedding_embeddings_momentum", (VOCAB, 128), (VOCAB // 2, 128))):
+        assert slots[name].value.sharding.shard_shape(whole) == half, name
+    assert all(w.value.sharding.is_fully_replicated for w in replicated.weights)
+    assert split_optimizer.iterations.value.sharding.is_fully_replicated
+    for a, b in zip([*model.weights, *optimizer.variables], [*replicated.weights, *split_optimizer.variables]):
+        assert np.array_equal(checkpoints.host_value(a), checkpoints.host_value(b)), a.path
+
     second = tempfile.mkdtemp()
     checkpoints.save(second, 7, sharded, sharded_optimizer, keep=1, examples=56)
     back, back_optimizer = built(data_parallel(devices[:1]))
@@ -96,6 +114,71 @@ def test_a_checkpoint_written_under_one_mesh_resumes_under_another(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert on_jax("test_fsdp", "a_checkpoint_moves_between_meshes", timeout=300) == "jax"
+
+
+def zero1_trains_as_data_parallelism_and_resumes() -> str:
+    """gpt2-tiny on 2 CPU devices: a run trained to 8 steps under zero1, resumed from its step-4 checkpoint
+    (written from the split slots), splits its slots (the layouts strategy.slot_layouts gave its optimizer), logs
+    data parallelism's losses and ends with its arrays (to float32 rounding: the update's sums run in another
+    order)."""
+    import tempfile
+
+    import jax
+    import keras
+
+    from tpuctl.templates.gpt2 import config, prepare, train
+    from tpuctl.templates.lmkit import strategy
+
+    assert len(jax.devices()) == 2, jax.devices()
+    placed = []  # each slot's layout, as the run's optimizer asked for it
+    own_layouts = strategy.slot_layouts
+
+    def recorded(resolved):
+        layout = own_layouts(resolved)
+        return lambda shape: placed.append(layout(shape)) or placed[-1]
+
+    strategy.slot_layouts = recorded
+    work = Path(tempfile.mkdtemp())
+    prepare.prepare([str(write_corpus(work / "corpus.txt", documents=200, seed=5))], work / "data",
+                    prepare.PrepareOptions(vocab_size=VOCAB, seq_len=32, shard_sequences=64))
+    lines: dict[str, list[str]] = {}
+
+    def run(sharding: str, max_steps: int) -> None:
+        cfg = config.build({"preset": "gpt2-tiny", "task": {"seq_len": 32},
+                            "trainer": {**TRAINER, "max_steps": max_steps, "checkpoint_every": 4, "log_every": 2,
+                                        "steps_per_execution": 2},
+                            "runtime": {"data_dir": str(work / "data"), "model_dir": str(work / sharding),
+                                        "seed": 7, "framework": "jax", "sharding": sharding}})
+        train.run(cfg, log=lines.setdefault(sharding, []).append)
+
+    run("data", 8)
+    assert placed == []
+    run("zero1", 4)
+    assert len(placed) > 20 and all(p is not None and "batch" in p.axes for p in placed), placed
+    run("zero1", 8)  # resumes from step 4
+    starts = [line for line in lines["zero1"] if line.startswith("start ")]
+    assert [s.endswith("sharding=zero1") for s in starts] == [True, True] and " step=4 " in starts[1], starts
+
+    def losses(sharding: str) -> dict[int, float]:
+        return {int(m[1]): float(m[2]) for m in re.finditer(r"^step=(\d+) loss=(\S+)", "\n".join(lines[sharding]),
+                                                             re.M)}
+
+    assert sorted(losses("zero1")) == sorted(losses("data")) == [2, 4, 6, 8], lines
+    for step, value in losses("data").items():
+        assert losses("zero1")[step] == pytest.approx(value, abs=1e-4), (step, lines)
+    a, b = (np.load(work / s / "checkpoints" / "ckpt-8.npz") for s in ("data", "zero1"))
+    assert sorted(a.files) == sorted(b.files)
+    for name in a.files:
+        assert np.allclose(a[name], b[name], rtol=1e-4, atol=1e-6), name
+    return keras.backend.backend()
+
+
+@pytest.mark.slow  # three in-process JAX runs: ~1 minute on 2 cores
+def test_zero1_trains_as_data_parallelism_and_resumes(monkeypatch):
+    pytest.importorskip("jax")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert on_jax("test_fsdp", "zero1_trains_as_data_parallelism_and_resumes", timeout=500) == "jax"
 
 
 # The rehearsal: 2 hosts of a 4-device slice as their metadata servers describe them (localcloud's), each host a
@@ -192,7 +275,7 @@ def _spec_file(tmp_path: Path, **job) -> Path:
     return path
 
 
-def test_fit_answers_per_sharding_and_auto_takes_fsdp_only_where_data_does_not_fit(monkeypatch, tmp_path):
+def test_fit_answers_per_sharding_and_auto_takes_the_least_split_that_fits(monkeypatch, tmp_path):
     import tpuctl
     from click.testing import CliRunner
 
@@ -209,7 +292,14 @@ def test_fit_answers_per_sharding_and_auto_takes_fsdp_only_where_data_does_not_f
     assert data.hbm_per_chip_bytes - fsdp.hbm_per_chip_bytes == pytest.approx(16 * 7 / 8 * split - 2 * data.params,
                                                                               rel=1e-6)
     auto = tpuctl.fit(_spec_file(tmp_path))
-    assert auto == fsdp
+    assert auto == fsdp  # zero1 does not fit either: 9 of the 16 bytes a weight stay on each chip
+    # gpt2-large at 16 sequences a chip: over the chip's HBM under data, within it with the slots split
+    large = {"preset": "gpt2-large", "config": {"task": {"seq_len": 128}, "trainer": {"per_replica_batch_size": 16}}}
+    data, zero1 = (tpuctl.fit(_spec_file(tmp_path, sharding=split, **large)) for split in ("data", "zero1"))
+    assert (data.fits, zero1.fits) == (False, True)
+    assert data.hbm_per_chip_bytes - zero1.hbm_per_chip_bytes == pytest.approx(8 * 7 / 8 * data.params, rel=1e-6)
+    assert zero1.est_step_s == data.est_step_s  # its bytes, estimated, are data's (fitting._analytic_bytes)
+    assert tpuctl.fit(_spec_file(tmp_path, **large)) == zero1
     small = tpuctl.fit(_spec_file(tmp_path, preset="gpt2-tiny", config={}))
     assert (small.sharding, small.fits) == ("data", True)  # auto: data wherever it fits
     one_chip = tpuctl.fit(_spec_file(tmp_path), accelerator="v5litepod-1")
@@ -226,7 +316,7 @@ def test_fit_answers_per_sharding_and_auto_takes_fsdp_only_where_data_does_not_f
     monkeypatch.setattr(console, "err", Console(file=shown, width=1000, no_color=True))
     out = CliRunner().invoke(cli, ["fit", str(_spec_file(tmp_path, framework="tensorflow")), "--sharding", "fsdp"])
     assert out.exit_code == 2
-    assert "error: job.sharding: fsdp splits the weights with Keras' ModelParallel, which runs on JAX" in \
+    assert "error: job.sharding: fsdp splits the weights with Keras' distribution API, which runs on JAX" in \
         shown.getvalue()
 
 
@@ -242,10 +332,16 @@ def test_fsdp_makes_the_plan_jax_and_reaches_the_template_config(monkeypatch, tm
     with pytest.raises(BadInput) as err:
         provision.plan(spec_mod.with_framework(fsdp, "tensorflow"), project="p")
     assert err.value.field == "job.sharding"
-    # runtime.sharding only when fsdp: a template without the field (tests/job_templates) is never sent it
+    # runtime.sharding only when split: a template without the field (tests/job_templates) is never sent it
     assert "sharding" not in bundle.job_config({}, preset=None, bucket="b", run="r", data_url=None)["runtime"]
-    assert bundle.job_config({}, preset=None, bucket="b", run="r", data_url=None,
-                             sharding="fsdp")["runtime"]["sharding"] == "fsdp"
+    for split in ("zero1", "fsdp"):
+        assert provision.plan(spec_mod.with_sharding(spec_mod.from_mapping(on_v5p), split), project="p").framework \
+            == "jax"
+        assert bundle.job_config({}, preset=None, bucket="b", run="r", data_url=None,
+                                 sharding=split)["runtime"]["sharding"] == split
+    # auto before the fit check (its answer is shipped): the template checks data's config
+    assert "sharding" not in bundle.job_config({}, preset=None, bucket="b", run="r", data_url=None,
+                                               sharding="auto")["runtime"]
 
 
 def test_a_run_takes_auto_sharding_from_its_fit_check(monkeypatch, tmp_path):

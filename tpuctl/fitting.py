@@ -17,10 +17,12 @@ N slices, the HBM answer is one slice's.
 Compiles are cached under TPUCTL_HOME/fit by template content, config, topology, batch and versions: a repeat
 answers at once. Silent: progress goes to `on_event`.
 
-`job.sharding` (the template's runtime.sharding): `data` replicates the training state on every device; `fsdp`
-splits weights, gradients and optimizer state over them (each device holds 1/N of the state and gathers weights
-as the step uses them: its all-gathers and gradient reduce-scatter move 1.5x the all-reduce's bytes); `auto`
-answers for data when it fits, else for fsdp (on JAX: with `framework` tensorflow, data only).
+`job.sharding` (the template's runtime.sharding): `data` replicates the training state on every device; `zero1`
+splits the optimizer's state over them (each device updates its share of every weight: the gradients'
+reduce-scatter and the weights' all-gather move the all-reduce's bytes); `fsdp` splits weights, gradients and
+optimizer state (each device holds 1/N of the state and gathers weights as the step uses them: its all-gathers
+and gradient reduce-scatter move 1.5x the all-reduce's bytes); `auto` answers for the first of data, zero1 and
+fsdp that fits (on JAX: with `framework` tensorflow, data only).
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class Fit:
     compiles: int  # compiles this call ran (0: all from the cache)
     chip_source: str
     not_compiled: str = ""  # why an analytic estimate: no compiler (how to get it), no step offered, screened
-    sharding: str = "data"  # the training state on the devices: "data" (replicated) or "fsdp" (split over them)
+    sharding: str = "data"  # the training state on the devices: "data" (replicated), "zero1" or "fsdp" (split)
     remat_policy: str = "none"  # the template's remat policy the figures are for: the config's, or (remat_chosen)
     remat_chosen: bool = False  # the first of the template's policies that makes the batch fit when it does not
     slices: int = 1  # multislice: the step time, tokens/s, global batch, price and cost are for all of them
@@ -212,7 +214,7 @@ def _request(spec, spec_dir: Path, accelerator: str | None, sharding: str = "dat
     if job is None:
         raise BadInput("the spec has no job: section, so there is no training step to fit", field="job",
                        hint="add `job: {template: bert, preset: bert-tiny}` (see examples/bert-tiny.yaml)")
-    frameworks.for_sharding(job.framework, sharding)  # fsdp on TensorFlow: refused, naming job.sharding
+    frameworks.for_sharding(job.framework, sharding)  # zero1 or fsdp on TensorFlow: refused, naming job.sharding
     cat = catalog_mod.load()
     accel = cat.accelerator(accelerator or spec.accelerator or "")
     chip = CHIPS.get(accel.generation)
@@ -398,7 +400,7 @@ def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per
     `compiled_flops_per_chip` (if known; the model's FLOPs where fewer: the compiler's count leaves out a Pallas
     kernel that declares none, e.g. splash attention's) per step (module docstring: the roofline, plus the
     gradients' all-reduce; under fsdp the weights' two all-gathers, forward and backward, and the gradients'
-    reduce-scatter: three halves of a ring all-reduce where data has two),
+    reduce-scatter: three halves of a ring all-reduce where data and zero1 have two),
     on each of `slices` slices, plus their all-reduce over DCN (dcn_seconds)."""
     seq = model["seq_len"]
     model_flops = (6 * model["params"] + 12 * model["layers"] * model["hidden"] * seq) * per_chip_batch * seq
@@ -452,21 +454,27 @@ def _analytic_model(req: _Request) -> dict | None:
             "precision": "mixed_bfloat16" if precision == "auto" else precision}
 
 
-def _analytic_bytes(model: dict, batch: int, shards: int = 1) -> tuple[float, float]:
+def _analytic_bytes(model: dict, batch: int, shards: int = 1, sharding: str = "data") -> tuple[float, float]:
     """(HBM, bytes accessed) per device, high on purpose: float32 weights, gradients and two Adam slots (16 B a
-    weight; under fsdp split over `shards` devices but for the token embedding, which the templates replicate, and
-    each device may then hold every weight gathered, in the compute dtype); 16-bit activations as Korthikanti et al. count them without recomputation,
-    s·b·h·(34 + 5·a·s/h) a layer (doubled in float32); float32 logits, their gradient and a 16-bit copy over the
-    whole sequence."""
+    weight, 44 B of traffic). Split over `shards` devices: under zero1 the slots (their traffic as data's: the
+    update's share saved is spent gathering the weights, bert-base compiled for a v5e moved 1.6% more bytes);
+    under fsdp all of it but for the token embedding, which the templates replicate, and each device may then hold
+    every weight gathered, in the compute dtype.
+    16-bit activations as Korthikanti et al. count them without recomputation, s·b·h·(34 + 5·a·s/h) a layer
+    (doubled in float32); float32 logits, their gradient and a 16-bit copy over the whole sequence."""
     s, h, a = model["seq_len"], model["hidden"], model["heads"]
     width = 1 if model["precision"] == "mixed_bfloat16" else 2
     activations = batch * model["layers"] * s * h * (34 + 5 * a * s / h) * width
     logits = batch * s * model["vocab"] * 10
-    gathered = 2 * width * model["params"] if shards > 1 else 0
-    whole = model["vocab"] * h if shards > 1 else 0  # the replicated token embedding
+    batch_bytes = activations + logits
+    if sharding == "zero1" or shards < 2:
+        params = model["params"]
+        return 8 * params + 8 * params / shards + batch_bytes, 44 * params + 2 * batch_bytes
+    gathered = 2 * width * model["params"]
+    whole = model["vocab"] * h  # the replicated token embedding
     split = model["params"] - whole
     state = 16 * (split / shards + whole) + gathered
-    return state + activations + logits, 44 * (split / shards + whole) + 2 * gathered + 2 * (activations + logits)
+    return state + batch_bytes, 44 * (split / shards + whole) + 2 * gathered + 2 * batch_bytes
 
 
 def _analytic(req: _Request, versions: tuple, topology: str) -> Fit | None:
@@ -475,11 +483,11 @@ def _analytic(req: _Request, versions: tuple, topology: str) -> Fit | None:
         return None
     chip = req.chip
     b0 = model["per_device_batch"]
-    shards = req.accel.chips * chip.devices_per_chip if req.sharding == "fsdp" else 1
-    hbm_device, traffic = _analytic_bytes(model, b0, shards)
+    shards = req.accel.chips * chip.devices_per_chip if req.sharding in frameworks.SPLIT else 1
+    hbm_device, traffic = _analytic_bytes(model, b0, shards, req.sharding)
     cap = chip.hbm_bytes / chip.devices_per_chip
-    state, _ = _analytic_bytes(model, 0, shards)
-    per_example = _analytic_bytes(model, 1, shards)[0] - state
+    state, _ = _analytic_bytes(model, 0, shards, req.sharding)
+    per_example = _analytic_bytes(model, 1, shards, req.sharding)[0] - state
     largest = max(0, int((cap - state) / per_example) // BATCH_STEP * BATCH_STEP)
     return _roofline(req, method="analytic", fits=hbm_device <= cap, per_device_batch=b0, model=model,
                      hbm=hbm_device * chip.devices_per_chip, compiled_flops=None,
@@ -561,8 +569,9 @@ def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, o
     (None when the template's config has no transformer shape to estimate from). `screen`: answer with the analytic estimate, without compiling, when even that
     overestimate uses under SCREEN_SHARE of the chip's HBM, and search no larger batch when the run's fits (the
     check before run/up; it refuses a run that fits only under a remat policy its config does not name).
-    `job.sharding` auto: data's fit when it fits, else fsdp's (not where `framework`, the plan's, is tensorflow,
-    nor on one device, nor for a template without runtime.sharding); the answer's `sharding` says which.
+    `job.sharding` auto: the first of data's, zero1's and fsdp's fits that fits, else fsdp's (not where
+    `framework`, the plan's, is tensorflow, nor on one device, nor for a template without runtime.sharding, or
+    without one of them); the answer's `sharding` says which.
     Blocks for the compiles;
     creates nothing. Raises BadInput for a spec without a job or an unknown type, TpuctlError if a compile fails."""
     spec_dir = spec_dir or Path.cwd()
@@ -570,16 +579,20 @@ def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, o
     if sharding != "auto":
         return _fit(_request(spec, spec_dir, accelerator, sharding), max_compiles, screen, on_event)
     req = _request(spec, spec_dir, accelerator, "data")
-    data = _fit(req, max_compiles, screen, on_event)
-    if data is None or data.fits or framework == "tensorflow" or req.accel.chips * req.chip.devices_per_chip < 2:
-        return data  # (one device has nothing to split the weights over)
-    try:
-        req = _request(spec, spec_dir, accelerator, "fsdp")
-    except BadInput as exc:
-        if exc.field == "job.config.runtime.sharding":  # the template has no fsdp
-            return data
-        raise
-    return _fit(req, max_compiles, screen, on_event)
+    answer = _fit(req, max_compiles, screen, on_event)
+    if answer is None or framework == "tensorflow" or req.accel.chips * req.chip.devices_per_chip < 2:
+        return answer  # (one device has nothing to split the state over)
+    for split in frameworks.SPLIT:  # least split first
+        if answer.fits:
+            break
+        try:
+            req = _request(spec, spec_dir, accelerator, split)
+        except BadInput as exc:
+            if exc.field == "job.config.runtime.sharding":  # the template has no such sharding
+                continue
+            raise
+        answer = _fit(req, max_compiles, screen, on_event)
+    return answer
 
 
 def _fit(req: _Request, max_compiles: int, screen: bool, on_event: ev.EventSink) -> Fit | None:
@@ -604,7 +617,9 @@ def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ign
     result = fit(spec, spec_dir=spec_dir, on_event=on_event, max_compiles=CHECK_COMPILES, screen=True,
                  framework=framework)
     if result is not None and result.method == "compiled" and not result.fits:
-        split = "" if result.sharding == "fsdp" or result.chips < 2 else ", or split the weights (job.sharding: fsdp)"
+        split = "" if result.sharding == "fsdp" or result.chips < 2 else (
+            ", or split the training state (job.sharding: zero1, or fsdp for the weights too)"
+            if result.sharding == "data" else ", or split the weights too (job.sharding: fsdp)")
         raise BadInput(f"the run does not fit: {result.hbm_line()}", field="job",
                        hint="lower trainer.per_replica_batch_size in job.config, pick a type with more HBM per chip"
                             f"{split}; --no-fit-check skips this check")

@@ -90,15 +90,20 @@ def choose(requested: str, t: AcceleratorType, runtime_version: str | None,
 
 
 def for_sharding(requested: str, sharding: str) -> str:
-    """The framework to `choose` from under `job.sharding`: fsdp splits the weights with Keras' ModelParallel
-    (the templates' runtime.sharding), which runs on JAX only, so it makes auto JAX and refuses TensorFlow
-    (BadInput naming job.sharding); auto (fsdp only where data does not fit, tpuctl.fitting) and data take any."""
-    if sharding != "fsdp":
+    """The framework to `choose` from under `job.sharding`: zero1 and fsdp split the training state with Keras'
+    distribution API (the templates' runtime.sharding), which runs on JAX only, so they make auto JAX and refuse
+    TensorFlow (BadInput naming job.sharding); auto (a split only where data does not fit, tpuctl.fitting) and
+    data take any."""
+    if sharding not in SPLIT:
         return requested
     if requested == "tensorflow":
-        raise BadInput("fsdp splits the weights with Keras' ModelParallel, which runs on JAX, and job.framework is "
-                       "tensorflow", field="job.sharding", hint="set job.framework: jax (or auto), or job.sharding: data")
+        raise BadInput(f"{sharding} {SPLIT[sharding]} with Keras' distribution API, which runs on JAX, and "
+                       "job.framework is tensorflow", field="job.sharding",
+                       hint="set job.framework: jax (or auto), or job.sharding: data")
     return "jax"
+
+
+SPLIT = {"zero1": "splits the optimizer state", "fsdp": "splits the weights"}  # job.sharding: what each splits
 
 
 _TITLE = {"tensorflow": "TensorFlow", "jax": "JAX"}

@@ -21,7 +21,7 @@ from tpuctl.events import EventSink, Note, ignore
 
 TPU_NODE_RETIRED = "2025-04-15"
 PROVISIONING = ("on-demand", "spot", "preemptible", "queued", "flex-start")
-SHARDINGS = ("auto", "data", "fsdp")  # job.sharding, `--sharding`
+SHARDINGS = ("auto", "data", "zero1", "fsdp")  # job.sharding, `--sharding`
 # Flex-start VMs run for at most 7 days (tpu/docs/request-using-flex-start); Compute takes a maxRunDuration of
 # at least 30 s (compute/docs/instances/limit-vm-runtime).
 FLEX_START_MAX_RUN_S = (30.0, 7 * 86400.0)
@@ -123,8 +123,9 @@ class JobSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     # auto: TensorFlow where Google ships it (v2-v5p) and the template offers it, else JAX (tpuctl.frameworks)
     framework: Literal["auto", "tensorflow", "jax"] = "auto"
-    # data: every device holds all the weights; fsdp: weights, gradients and optimizer state split over the
-    # devices (JAX only: the template's runtime.sharding); auto: data when it fits the chip's HBM, else fsdp
+    # data: every device holds all the weights; zero1: so do they, but the optimizer state is split over the
+    # devices; fsdp: weights, gradients and optimizer state split over them (zero1 and fsdp JAX only: the
+    # template's runtime.sharding); auto: the first of data, zero1, fsdp that fits the chip's HBM
     # (tpuctl.fitting, the template's step compiled or estimated)
     sharding: Literal[SHARDINGS] = "auto"
     # "FIRST-LAST" (e.g. "100-110"): a profiler trace of those steps on worker 0, into the run's TensorBoard

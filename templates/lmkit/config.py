@@ -83,7 +83,9 @@ class RuntimeConfig:
     jit_compile: bool = False  # TPUs always compile; True on CPU/GPU rehearses XLA compatibility
     seed: int = 0
     framework: str = "tensorflow"
-    # "data": every device holds all the weights (data parallelism); "fsdp" (JAX): the weights, their gradients
+    # "data": every device holds all the weights (data parallelism); "zero1" (JAX): data parallelism with the
+    # optimizer's slots split over the devices (lmkit strategy.split_slot: half the training state, for the update's
+    # reduce-scatter and all-gather in place of the all-reduce); "fsdp" (JAX): the weights, their gradients
     # and the optimizer's slots are split over the devices (lmkit strategy.shard_weights), for a model whose
     # training state does not fit one chip's HBM. Checkpoints hold whole arrays either way: one resumes the other.
     sharding: str = "data"
@@ -122,7 +124,7 @@ def read_presets(template_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 FRAMEWORKS = ("tensorflow", "jax")  # Keras backends the template runs on
-SHARDINGS = ("data", "fsdp")  # runtime.sharding
+SHARDINGS = ("data", "zero1", "fsdp")  # runtime.sharding, least split first
 REMAT_POLICIES = ("none", "minimal_with_context", "minimal", "full")  # lmkit/layers.py REMAT's, most HBM first
 
 
@@ -227,10 +229,10 @@ def trainer_runtime_checks(tr: TrainerConfig, rt: RuntimeConfig) -> list[tuple[b
          "needs runtime.framework jax (or remat_policy none)"),
         (rt.replicas >= 0, "runtime.replicas", "must be >= 0"),
         (rt.framework in FRAMEWORKS, "runtime.framework", "must be tensorflow or jax"),
-        (rt.sharding in SHARDINGS, "runtime.sharding", "must be data or fsdp"),
-        (rt.sharding != "fsdp" or rt.framework == "jax", "runtime.sharding",
-         "fsdp splits the weights with Keras' ModelParallel, which runs on JAX: set runtime.framework to jax "
-         "(job.framework: jax), or use sharding data"),
+        (rt.sharding in SHARDINGS, "runtime.sharding", "must be data, zero1 or fsdp"),
+        (rt.sharding == "data" or rt.framework == "jax", "runtime.sharding",
+         f"{rt.sharding} splits the training state with Keras' distribution API, which runs on JAX: set "
+         "runtime.framework to jax (job.framework: jax), or use sharding data"),
         (not rt.profile or (rt.profile_steps is not None and 1 <= rt.profile_steps[0] <= rt.profile_steps[1]
                             <= tr.max_steps), "runtime.profile",
          f"must be FIRST-LAST training steps with 1 <= FIRST <= LAST <= trainer.max_steps ({tr.max_steps}), "

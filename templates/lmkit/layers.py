@@ -723,7 +723,22 @@ class TopOneAccuracy(keras.metrics.MeanMetricWrapper):
 @keras.saving.register_keras_serializable(package="tpuctl")
 class AdamW(keras.optimizers.AdamW):
     """`keras.optimizers.AdamW`: the same variables, arguments and update, which where TensorFlow runs without XLA
-    is TensorFlow's one `ResourceApplyAdam` kernel per variable instead of Keras' nine ops (module docstring)."""
+    is TensorFlow's one `ResourceApplyAdam` kernel per variable instead of Keras' nine ops (module docstring).
+    `split_slots` (runtime.sharding zero1: strategy.slot_layouts) places each weight's slots by its shape, where
+    Keras gives them their weight's layout."""
+
+    def __init__(self, *args, split_slots=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._split_slots = split_slots
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        layout = self._split_slots(reference_variable.shape) if self._split_slots else None
+        if layout is None:
+            return super().add_variable_from_reference(reference_variable, name, initializer)
+        # Keras' own name for the slot (checkpoints store slots by it), with the split layout instead.
+        return self.add_variable(shape=reference_variable.shape, initializer=initializer,
+                                 dtype=reference_variable.dtype,
+                                 name=f"{reference_variable.path.replace('/', '_')}_{name or 'var'}", layout=layout)
 
     def update_step(self, gradient, variable, learning_rate):
         if not tensorflow_without_xla() or self.amsgrad:

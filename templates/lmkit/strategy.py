@@ -200,6 +200,35 @@ def shard_weights(resolved: Resolved, layout: dict[str, tuple]) -> Resolved:
     return replace(resolved, strategy=distribution)
 
 
+def split_slot(shape: tuple[int, ...], devices: int) -> tuple | None:
+    """runtime.sharding zero1 (ZeRO-1; XLA's weight-update sharding, arXiv:2004.13336): how an optimizer slot of
+    `shape` is placed on `devices` data-parallel devices, per dimension SHARD or None: split on its first dimension
+    that `devices` divides; None (kept whole) for a scalar, one device, or no such dimension. The weights stay
+    whole, so the step is data parallelism's but for the update: XLA reduce-scatters each gradient, updates its
+    share of the weight and slots, and all-gathers the weight (the bytes of the all-reduce it replaces)."""
+    if devices < 2:
+        return None
+    dim = next((i for i, size in enumerate(shape) if size >= devices and size % devices == 0), None)
+    return None if dim is None else tuple(SHARD if i == dim else None for i in range(len(shape)))
+
+
+def slot_layouts(resolved: Resolved):
+    """runtime.sharding zero1 on `resolved` (resolve_jax's data parallelism): a weight's shape -> the Keras
+    TensorLayout its optimizer slots take (split_slot over the mesh's batch axis), or None to keep them whole;
+    for lmkit's AdamW(split_slots=...)."""
+    import keras
+
+    data_parallel = resolved.strategy
+    mesh, axis = data_parallel.device_mesh, data_parallel.batch_dim_name
+
+    def layout(shape: tuple[int, ...]):
+        dims = split_slot(tuple(shape), mesh.devices.size)
+        return None if dims is None else keras.distribution.TensorLayout(
+            tuple(axis if dim == SHARD else None for dim in dims), mesh)
+
+    return layout
+
+
 def jax_cluster(vm: guest.TpuVm | None, *, rehearsal: bool) -> dict | None:
     """`jax.distributed.initialize`'s arguments on a multi-host slice or a multislice (None on one host):
     worker 0's IP from worker-network-endpoints with JAX's port, the number of workers, and this worker's

@@ -217,7 +217,8 @@ def _train(cfg: SectionedConfig, log, objective: Objective) -> dict:
             layers.use_remat(trainer, tr.remat_policy)
         # JAX always compiles the step (eager JAX is op by op); TF compiles on TPU by itself.
         optimizer = _compile(keras, trainer, loss, tr, schedule, objective,
-                             jit_compile=jax_backend or (rt.jit_compile and resolved.kind != "tpu"))
+                             jit_compile=jax_backend or (rt.jit_compile and resolved.kind != "tpu"),
+                             split_slots=strategy_mod.slot_layouts(resolved) if rt.sharding == "zero1" else None)
         ckpt_dir = join(rt.model_dir, "checkpoints")
         consumed = checkpoints.restore(checkpoints.latest(ckpt_dir), model, optimizer, processes=resolved.processes)
     start = int(checkpoints.host_value(optimizer.iterations))
@@ -282,7 +283,8 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     """The training step as run() builds it, for compiling ahead of time for a slice that need not be here
     (`tpuctl fit`, template.json `fit`): the same model, trainer, loss, optimizer, precision and data-parallel
     sharding (state replicated, the batch split over `devices`, a mesh axis "batch" as Keras' DataParallel; under
-    runtime.sharding fsdp the weights and their optimizer slots split as shard_weights splits them), with abstract
+    runtime.sharding fsdp the weights and their optimizer slots split as shard_weights splits them, under zero1
+    the slots as strategy.split_slot splits them), with abstract
     state and batch in place of arrays. Needs KERAS_BACKEND=jax; builds the model on the host.
 
     Returns {"step": the jitted Keras train step (state donated, as Keras' JAX trainer jits it) under the
@@ -321,7 +323,8 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     trainer._symbolic_build(data_batch=batch(tr.per_replica_batch_size))  # metrics' variables, as fit() builds them
     groups = (trainer.trainable_variables, trainer.non_trainable_variables, trainer.optimizer.variables,
               trainer.metrics_variables)
-    placed = _fsdp_shardings(trainer, objective.fsdp_layout, mesh) if rt.sharding == "fsdp" else {}
+    placed = (_fsdp_shardings(trainer, objective.fsdp_layout, mesh) if rt.sharding == "fsdp" else
+              _zero1_shardings(trainer, mesh) if rt.sharding == "zero1" else {})
     shardings = tuple([placed.get(id(v), replicated) for v in g] for g in groups)
     state = tuple([jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=s) for v, s in zip(g, gs)]
                   for g, gs in zip(groups, shardings))
@@ -357,6 +360,19 @@ def _fsdp_shardings(trainer, layout: dict, mesh) -> dict:
         weight = slot.path.split("/", 1)[-1].rsplit("_", 1)[0]
         if weight in by_slot_name:
             placed[id(slot)] = by_slot_name[weight]
+    return placed
+
+
+def _zero1_shardings(trainer, mesh) -> dict:
+    """id(slot) -> NamedSharding on `mesh` of each optimizer slot strategy.split_slot splits (runtime.sharding
+    zero1), as the run's AdamW places it."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    placed = {}
+    for slot in trainer.optimizer.variables:
+        dims = strategy_mod.split_slot(tuple(slot.shape), mesh.devices.size)
+        if dims is not None:
+            placed[id(slot)] = NamedSharding(mesh, PartitionSpec(*("batch" if d == SHARD else None for d in dims)))
     return placed
 
 
@@ -408,16 +424,16 @@ def _bind_model_dir(tf, cfg: SectionedConfig, manifest, objective: Objective, *,
     return cfg
 
 
-def _compile(keras, model, loss, tr, schedule, objective: Objective, *, jit_compile: bool):
+def _compile(keras, model, loss, tr, schedule, objective: Objective, *, jit_compile: bool, split_slots=None):
     """AdamW (no decay on biases and LayerNorm), `loss` (the objective's trainer's) and accuracy weighted by the
-    examples' weights (BERT: the mask; GPT-2: all but each block's last position); slots built. In scope. The
-    accuracy is Keras' on logits, computed in fewer passes, and the optimizer Keras' AdamW, in one kernel per
-    variable without XLA (layers.py)."""
+    examples' weights (BERT: the mask; GPT-2: all but each block's last position); slots built (placed by
+    `split_slots` under zero1). In scope. The accuracy is Keras' on logits, computed in fewer passes, and the
+    optimizer Keras' AdamW, in one kernel per variable without XLA (layers.py)."""
     from .layers import AdamW, TopOneAccuracy
 
     optimizer = AdamW(
         learning_rate=schedule, weight_decay=tr.weight_decay, beta_1=tr.adam_beta_1, beta_2=tr.adam_beta_2,
-        epsilon=tr.adam_epsilon, global_clipnorm=tr.clipnorm)
+        epsilon=tr.adam_epsilon, global_clipnorm=tr.clipnorm, split_slots=split_slots)
     optimizer.exclude_from_weight_decay(var_names=list(objective.no_weight_decay))
     model.compile(
         optimizer=optimizer,

@@ -14,6 +14,13 @@ from tpuctl.cli.spec_flags import SpecFlags, spec_options
 SECTION = "Run a training job"
 
 
+SHARDING_SAYS = {  # Fit.sharding -> its row
+    "data": "data: every device holds all the weights",
+    "zero1": "zero1: every device holds all the weights, the optimizer state is split over the devices",
+    "fsdp": "fsdp: weights, gradients and optimizer state split over the devices",
+}
+
+
 def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
     how = f"compiled by libtpu {r.libtpu}" if r.method == "compiled" else f"analytic estimate ({r.not_compiled})"
     compiled = f"{r.compiled_flops_per_step / 1e9:,.1f} GFLOP" if r.compiled_flops_per_step is not None else "-"
@@ -21,8 +28,7 @@ def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
         ("slice", f"{r.accelerator} ({r.chips} chips, topology {r.topology}); {how}"),
         ("fits", f"{'yes' if r.fits else 'NO'}: {r.hbm_per_chip_bytes / 1e9:.2f} of "
                  f"{r.hbm_capacity_bytes / 1e9:.2f} GB HBM per chip"),
-        ("sharding", "fsdp: weights, gradients and optimizer state split over the devices" if r.sharding == "fsdp"
-                     else "data: every device holds all the weights"),
+        ("sharding", SHARDING_SAYS[r.sharding]),
         ("batch", f"{r.per_chip_batch} per chip, {r.global_batch} global, seq {r.seq_len}, {r.precision}"),
         ("largest per-chip batch", f"{r.max_per_chip_batch} ({r.max_batch_is})"),
         ("remat policy", r.remat_policy + (" (chosen: the batch does not fit without it; set trainer.remat_policy)"

@@ -29,8 +29,9 @@ _OPTIONS: tuple[tuple[str, Callable], ...] = (
     ("framework", click.option("--framework", type=click.Choice(frameworks.FRAMEWORKS),
                                help="job.framework: picks the runtime (auto: TensorFlow on v2-v5p, JAX elsewhere)")),
     ("sharding", click.option("--sharding", type=click.Choice(spec_mod.SHARDINGS),
-                              help="job.sharding: data replicates the weights, fsdp splits them over the devices "
-                                   "(JAX), auto picks data when it fits the chip, else fsdp")),
+                              help="job.sharding: data replicates the training state, zero1 splits the optimizer "
+                                   "state over the devices, fsdp the weights too (both JAX); auto picks the first "
+                                   "that fits the chip")),
     ("spot", click.option("--spot", is_flag=True, default=None, help="spot capacity (cheaper, can be preempted)")),
     ("provisioning", click.option("--provisioning", type=click.Choice(spec_mod.PROVISIONING),
                                   help="capacity model (--spot is spot; flex-start needs --max-run-duration)")),
