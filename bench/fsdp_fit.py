@@ -1,5 +1,5 @@
-"""gpt2-xl (1.5B) on one host of v5e, v5p and v6e with `job.sharding` data and fsdp: `tpuctl fit`'s answer for each
-(fits or not, HBM per chip, est. step time, largest per-chip batch), and what `auto` picks.
+"""gpt2-xl (1.5B) on one host of v5e, v5p and v6e with `job.sharding` data, zero1 and fsdp: `tpuctl fit`'s answer for
+each (fits or not, HBM per chip, est. step time, largest per-chip batch), and what `auto` picks.
 
 `python bench/fsdp_fit.py [--compile]`: the analytic estimate by default (the TPU compiler on this 2-core machine
 took 413 s for gpt2-tiny's step under load; gpt2-xl's 48 layers would take far over the 10 minutes a point may);
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for accelerator in ACCELERATORS:
             picked = {}
-            for sharding in ("data", "fsdp", "auto"):
+            for sharding in ("data", "zero1", "fsdp", "auto"):
                 r = tpuctl.fit(_spec(tmp, accelerator, sharding))
                 if sharding == "auto":
                     picked[accelerator] = r.sharding

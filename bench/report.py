@@ -52,7 +52,7 @@ def benchmarks(chaos_scenarios: int, chaos_seed: int) -> dict[str, tuple[str, li
                            [PY, "bench/runtime_matrix.py"]),
         "localcloud_soak": ("local cloud daemon RSS over up/down cycles with concurrent uploads (goal: flat, < 200 MB)",
                             [PY, "bench/localcloud_soak.py"]),
-        "fsdp_fit": ("`tpuctl fit` of gpt2-xl on v5litepod-8, v5p-8 and v6e-8 with job.sharding data and fsdp "
+        "fsdp_fit": ("`tpuctl fit` of gpt2-xl on v5litepod-8, v5p-8 and v6e-8 with job.sharding data, zero1 and fsdp "
                      "(fits or not, HBM per chip, est. step time) and auto's pick", [PY, "bench/fsdp_fit.py"]),
         "weak_scaling": ("`tpuctl fit --slices N` of gpt2-small (seq 1024) on 1, 2 and 4 slices of v5p-8, same per-chip "
                          "batch: est. step time, tokens/s, scaling efficiency", [PY, "bench/weak_scaling.py"]),
@@ -170,7 +170,7 @@ HEADLINE_LINES = {
     "runtime_matrix": re.compile(r"^tpu-vm-tf-\S+ tf=.*"),
     "peers": re.compile(r"^(train \S+ \S+:|prepare /|recipe /).*"),
     "suite_time": re.compile(r"^(fast|suite): \d+ s .*"),
-    "fsdp_fit": re.compile(r"^gpt2-xl \S+ (data|fsdp): fits \S+ [\d.]+ of [\d.]+ GB|^gpt2-xl \S+ auto: .*"),
+    "fsdp_fit": re.compile(r"^gpt2-xl \S+ (data|zero1|fsdp): fits \S+ [\d.]+ of [\d.]+ GB|^gpt2-xl \S+ auto: .*"),
     "weak_scaling": re.compile(r"^gpt2-small \d x v5p-8 .*"),
 }
 HEADLINE_KEYS = {
