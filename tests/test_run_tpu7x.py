@@ -42,7 +42,9 @@ def test_spot_tpu7x_preempted_by_compute_is_recreated_and_resumes_from_the_check
     assert start.startswith("start backend=jax strategy=cpu processes=1 hosts=1 devices=8 per_replica_batch=8 "
                             "global_batch=64 step="), log[-2000:]
     resumed = int(re.search(r" step=(\d+) ", start)[1])
-    assert resumed in (5, 10), start  # at most one checkpoint interval lost
+    # Step 10 was seen, so checkpoint 5 was whole and 10 may have been: at most one checkpoint interval is lost.
+    # The pipeline sees the step through the log, a poll behind the job, so the VM may die after checkpoint 15 too.
+    assert resumed in (5, 10, 15), start
     assert f"step={resumed + 5} " in log and "done step=20 " in log, log[-2000:]
     assert "checkpoint step=20 " in log, log[-2000:]
     assert {"checkpoints/ckpt-20.npz", "checkpoints/checkpoint"} <= set(o.artifacts)
