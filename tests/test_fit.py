@@ -135,7 +135,7 @@ def test_a_remat_policy_is_one_of_the_templates_and_needs_jax():
 def remat_trains_the_same() -> str:
     """(In a fresh JAX interpreter, on the CPU.) A tiny GPT-2 with dropout 0.1 trains to the same losses and
     weights under each remat policy as without: remat recomputes (dropout masks included: they are a hash of
-    the seed), it changes no value; and "full" keeps what it says."""
+    the seed), it changes no value; and "full" and "save_residuals" keep what they say."""
     import keras
     import numpy as np
 
@@ -158,7 +158,7 @@ def remat_trains_the_same() -> str:
         runs[policy] = losses, [np.asarray(w) for w in trainer.weights]
     (want, want_weights) = runs.pop("none")
     assert want[-1] < want[0]
-    full_remat_keeps_only_the_norms_inputs(trainer, task)
+    remat_keeps_only_what_its_policy_names(trainer, task)
     for policy, (got, got_weights) in runs.items():
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=policy)
         for a, b in zip(got_weights, want_weights):
@@ -167,9 +167,10 @@ def remat_trains_the_same() -> str:
     return keras.backend.backend()
 
 
-def full_remat_keeps_only_the_norms_inputs(trainer, task) -> None:
-    """Under "full" the backward pass reads nothing of the forward's but each LayerNormalization's input (two a
-    block, and the final norm's) and the dropout seeds: every matmul, attention and GELU output is recomputed."""
+def remat_keeps_only_what_its_policy_names(trainer, task) -> None:
+    """Under "full" the backward pass reads nothing of the forward's but each layer's input (LayerInput) and the
+    dropout seeds, and under "save_residuals" each LayerNormalization's input instead (two a block, and the final
+    norm's): every matmul, attention and GELU output is recomputed, under "full" each sublayer's last matmul too."""
     import contextlib
     import io
 
@@ -178,21 +179,23 @@ def full_remat_keeps_only_the_norms_inputs(trainer, task) -> None:
 
     from tpuctl.templates.lmkit import layers
 
-    layers.use_remat(trainer, "full")
     weights = [v.value for v in trainer.trainable_variables]
     others = [v.value for v in trainer.non_trainable_variables]
 
     def hidden(weights, ids):
         return trainer.stateless_call(weights, others, {"input_ids": ids}, training=True)[0]["hidden"]
 
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):  # JAX says what a vjp keeps only by printing it
-        jax.ad_checkpoint.print_saved_residuals(hidden, weights, np.zeros((4, task.seq_len), "int32"))
-    kept = [line for line in printed.getvalue().splitlines() if "from the argument" not in line]
-    activations = [line for line in kept if not line.startswith("u32[2] ")]  # the dropout layers' seeds
     shape = f"[4,{task.seq_len},{task.hidden_size}]"
-    assert len(activations) == 2 * task.num_layers + 1, kept
-    assert all(shape in line and "named 'norm_input'" in line for line in activations), kept
+    for policy, name, count in (("full", "layer_input", task.num_layers),
+                                ("save_residuals", "norm_input", 2 * task.num_layers + 1)):
+        layers.use_remat(trainer, policy)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # JAX says what a vjp keeps only by printing it
+            jax.ad_checkpoint.print_saved_residuals(hidden, weights, np.zeros((4, task.seq_len), "int32"))
+        kept = [line for line in printed.getvalue().splitlines() if "from the argument" not in line]
+        activations = [line for line in kept if not line.startswith("u32[2] ")]  # the dropout layers' seeds
+        assert len(activations) == count, (policy, kept)
+        assert all(shape in line and f"named '{name}'" in line for line in activations), (policy, kept)
 
 
 @pytest.mark.slow  # four tiny trainings, each jit-compiled for the CPU: about a minute on 2 idle cores

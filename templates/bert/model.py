@@ -28,7 +28,7 @@ from .shared import lmkit
 _layers = lmkit("layers")
 Dropout, LayerNormalization, SelfAttention = _layers.Dropout, _layers.LayerNormalization, _layers.SelfAttention
 gelu, tensorflow_without_xla = _layers.gelu, _layers.tensorflow_without_xla
-PositionEmbedding = _layers.PositionEmbedding
+LayerInput, PositionEmbedding = _layers.LayerInput, _layers.PositionEmbedding
 
 _INIT = {"class_name": "TruncatedNormal", "config": {"stddev": 0.02}}
 
@@ -101,6 +101,7 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
     x = LayerNormalization(epsilon=1e-12, name="embedding_norm")(x)
     x = Dropout(task.dropout)(x)
     for i in range(task.num_layers):
+        x = LayerInput(name=f"layer{i}_input")(x)
         a = SelfAttention(task.num_heads, h // task.num_heads, dropout=task.dropout,
                           kernel_initializer=keras.initializers.get(_INIT), name=f"layer{i}_attention")(x, mask)
         a = Dropout(task.dropout)(a)

@@ -21,7 +21,7 @@ from .shared import lmkit
 _layers = lmkit("layers")
 Dropout, LayerNormalization, SelfAttention = _layers.Dropout, _layers.LayerNormalization, _layers.SelfAttention
 TokenLoss, tied_softmax_cross_entropy = _layers.TokenLoss, _layers.tied_softmax_cross_entropy
-PositionEmbedding = _layers.PositionEmbedding
+LayerInput, PositionEmbedding = _layers.LayerInput, _layers.PositionEmbedding
 
 STDDEV = 0.02
 
@@ -49,6 +49,7 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
     x = PositionEmbedding(L, initializer=_init(0.01), name="position_embedding")(embedding(ids))
     x = Dropout(task.dropout)(x)
     for i in range(task.num_layers):
+        x = LayerInput(name=f"layer{i}_input")(x)
         a = LayerNormalization(epsilon=eps, name=f"layer{i}_attention_norm")(x)
         a = SelfAttention(task.num_heads, h // task.num_heads, dropout=task.dropout, causal=True,
                           kernel_initializer=_init(), name=f"layer{i}_attention")(a)

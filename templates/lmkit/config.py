@@ -125,7 +125,8 @@ def read_presets(template_dir: Path) -> dict[str, dict[str, dict[str, Any]]]:
 
 FRAMEWORKS = ("tensorflow", "jax")  # Keras backends the template runs on
 SHARDINGS = ("data", "zero1", "fsdp")  # runtime.sharding, least split first
-REMAT_POLICIES = ("none", "minimal_with_context", "minimal", "full")  # lmkit/layers.py REMAT's, most HBM first
+# lmkit/layers.py REMAT's, most HBM first
+REMAT_POLICIES = ("none", "minimal_with_context", "minimal", "save_residuals", "full")
 
 
 def build_sections(cls, data: dict[str, Any], presets: dict, check) -> SectionedConfig:

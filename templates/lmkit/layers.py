@@ -253,7 +253,7 @@ class LayerNormalization(layers.LayerNormalization):
     TensorFlow runs without XLA (`_layer_norm_core`); elsewhere, and for any other axis or option, Keras' own."""
 
     def call(self, inputs):
-        if keras.backend.backend() == "jax":  # what remat policy "full" saves (REMAT); outside a checkpoint a no-op
+        if keras.backend.backend() == "jax":  # what remat policy "save_residuals" saves (REMAT); else a no-op
             import jax
 
             inputs = jax.ad_checkpoint.checkpoint_name(inputs, "norm_input")
@@ -473,15 +473,19 @@ def _splash_attention(q, k, v, *, causal: bool, key_mask):
 # get_remat_policy): "minimal" saves the matmuls without batch dimensions (the projections and the MLP's) and
 # recomputes everything else for the backward pass (normalisation, GELU, dropout masks, attention);
 # "minimal_with_context" also saves the attention's output ("context"); "full" saves only what each layer starts
-# from and recomputes the rest, matmuls included: here every LayerNormalization's input ("norm_input": GPT-2's
-# residual stream before each pre-norm, BERT's sums before each post-norm), a [B, L, hidden] tensor twice a layer.
+# from (LayerInput: one [B, L, hidden] tensor a layer, as MaxText's per-layer checkpoint keeps its carry) and
+# recomputes the rest, every matmul included. Between them, tpuctl's "save_residuals" saves the residual stream
+# at each sublayer's boundary (every LayerNormalization's input: GPT-2's stream before each pre-norm, BERT's sums
+# before each post-norm), two such tensors a layer, so that each sublayer's last matmul is not recomputed
+# (bench/RESULTS.md, tpu_compile: bert-128 needs about 10% fewer FLOPs and 5% fewer bytes than under "full").
 # templates/lmkit/config.py lists the names.
 REMAT = {
     "none": None,
     "minimal_with_context": lambda cp: cp.save_from_both_policies(cp.checkpoint_dots_with_no_batch_dims,
                                                                   cp.save_only_these_names("context")),
     "minimal": lambda cp: cp.checkpoint_dots_with_no_batch_dims,
-    "full": lambda cp: cp.save_only_these_names("norm_input"),
+    "save_residuals": lambda cp: cp.save_only_these_names("norm_input"),
+    "full": lambda cp: cp.save_only_these_names("layer_input"),
 }
 
 
@@ -607,8 +611,8 @@ def projection(equation: str, x, kernel, bias):
     embedding gradient late, near the optimizer, so each keeps its upstream gradient in HBM through the rest of
     the backward pass: the queries', keys' and values' [B, L, hidden] of every attention layer and BERT's
     [B, predictions, vocab] logits'. Under remat that is where the step's memory peaks (bert-128 on a v5e under
-    `full`: 17.0 -> 9.5 MB a sequence; `minimal` unchanged); without remat the peak comes before these gradients
-    exist, and the barrier would only cost bytes (bench/RESULTS.md, tpu_compile)."""
+    `save_residuals`, then named `full`: 17.0 -> 9.5 MB a sequence; `minimal` unchanged); without remat the peak
+    comes before these gradients exist, and the barrier would only cost bytes (bench/RESULTS.md, tpu_compile)."""
     if not (tpu_target() and _rematted.get()):
         return ops.einsum(equation, x, kernel) + bias
     return _projection_with_early_gradients()(equation, x, kernel, bias)
@@ -758,6 +762,20 @@ class AdamW(keras.optimizers.AdamW):
             beta1_power=ops.power(beta_1, step), beta2_power=ops.power(beta_2, step),
             lr=ops.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2, epsilon=ops.cast(self.epsilon, dtype),
             grad=ops.cast(gradient, dtype))
+
+
+@keras.saving.register_keras_serializable(package="tpuctl")
+class LayerInput(layers.Layer):
+    """The identity, on what a transformer layer starts from: the one value of a layer that remat policy "full"
+    keeps for the backward pass (REMAT), which recomputes everything else of the layer from it. Outside a
+    checkpoint, and off JAX, a no-op."""
+
+    def call(self, inputs):
+        if keras.backend.backend() != "jax":
+            return inputs
+        import jax
+
+        return jax.ad_checkpoint.checkpoint_name(inputs, "layer_input")
 
 
 @keras.saving.register_keras_serializable(package="tpuctl")
