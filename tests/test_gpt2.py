@@ -209,9 +209,9 @@ def test_the_trainer_trains_as_the_cross_entropy_of_the_logits_on_jax():
 def fused_head_matches_the_cross_entropy() -> str:
     """(In a fresh JAX interpreter.) The TPU head's Pallas kernels (fused_head), run in Pallas' interpreter, give
     the cross-entropy, the first-argmax accuracy and the gradients of the logits hidden @ embeddings^T computed
-    whole: with tiles of 128 (the gradient's: 256 vocabulary rows), 300 tokens and a vocabulary of 1000 span
-    3 x 8 tiles, both padded (the online softmax rescales across vocabulary tiles), and duplicated embedding rows
-    make ties, which the first index wins."""
+    whole, without a bias (GPT-2's head) and with one (BERT's): with tiles of 128 (the gradient's: 256 vocabulary
+    rows), 300 tokens and a vocabulary of 1000 span 3 x 8 tiles, both padded (the online softmax rescales across
+    vocabulary tiles), and duplicated embedding rows make ties, which the first index wins."""
     from tpuctl.templates import aot
 
     aot.compile_only()  # before JAX: where libtpu is installed, its lock must not stop another process's compile
@@ -230,26 +230,30 @@ def fused_head_matches_the_cross_entropy() -> str:
     labels = rng.integers(0, vocab, tokens).astype("int32")
     labels[:20], labels[20:40], labels[40:60] = np.arange(20) % 10, 500 + np.arange(20) % 10, 990 + np.arange(20) % 10
     weights = rng.uniform(size=tokens).astype("float32")
+    bias = rng.normal(size=vocab).astype("float32")
+    bias[500:510] = bias[990:1000] = bias[0:10]  # the ties stay ties
 
-    def whole(hidden, embeddings):
-        logits = hidden @ embeddings.T
+    def whole(hidden, embeddings, bias):
+        logits = hidden @ embeddings.T + (0.0 if bias is None else bias)
         loss = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
         # The copies' logits made the originals' exactly: a CPU's matmul may sum one column's products in another
         # order than another's (a vector tail), and the first index can only win a tie that is one.
         tied = jnp.asarray(logits).at[:, 500:510].set(logits[:, 0:10]).at[:, 990:1000].set(logits[:, 0:10])
         return loss, (jnp.argmax(tied, -1) == labels).astype("float32")  # argmax: the first index wins
 
-    def fused(hidden, embeddings):
-        return fused_head.fused_softmax_cross_entropy(jnp.asarray(labels), hidden, embeddings, tiles, True)
+    def fused(hidden, embeddings, bias):
+        return fused_head.fused_softmax_cross_entropy(jnp.asarray(labels), hidden, embeddings, bias, tiles, True)
 
-    (want_loss, want_correct), (loss, correct) = whole(hidden, embeddings), fused(hidden, embeddings)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-4)
-    np.testing.assert_array_equal(correct, want_correct)
-    assert 0 < want_correct[:60].sum() < 60  # the tied rows' labels: the first index right, the copies wrong
-    want, got = (jax.grad(lambda h, e: jnp.sum(f(h, e)[0] * weights), argnums=(0, 1))(hidden, embeddings)
-                 for f in (whole, fused))
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    for b in (None, bias):
+        (want_loss, want_correct), (loss, correct) = whole(hidden, embeddings, b), fused(hidden, embeddings, b)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(correct, want_correct)
+        assert 0 < want_correct[:60].sum() < 60  # the tied rows' labels: the first index right, the copies wrong
+        want, got = (jax.grad(lambda h, e, b: jnp.sum(f(h, e, b)[0] * weights), argnums=(0, 1, 2))(hidden, embeddings, b)
+                     for f in (whole, fused))
+        assert (got[2] is None) == (b is None)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
     return "jax"
 
 

@@ -46,12 +46,8 @@ class ReversibleEmbedding(layers.ReversibleEmbedding):
     def call(self, inputs, reverse=False):
         if not reverse:
             return super().call(inputs)
-        if _layers.tpu_target():  # Keras' reverse projection, its gradients scheduled as lmkit's projection says
-            logits = _layers.projection("...c,vc->...v", ops.cast(inputs, self.reverse_dtype),
-                                        ops.cast(self.embeddings, self.reverse_dtype),
-                                        ops.cast(self.output_bias, self.compute_dtype))
-        else:
-            logits = super().call(inputs, reverse=True) + ops.cast(self.output_bias, self.compute_dtype)
+        # On a TPU the loss does not read the logits: lmkit's TiedHeadTrainer fuses this projection into it.
+        logits = super().call(inputs, reverse=True) + ops.cast(self.output_bias, self.compute_dtype)
         return ops.cast(logits, "float32")
 
     # Embedding's own (quantisation-aware) save/load knows only `embeddings`; the generic one saves every variable.

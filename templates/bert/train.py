@@ -36,6 +36,13 @@ class MaskedLM(_trainer.Objective):
     fsdp_layout = {**_trainer.Objective.fsdp_layout, r"layer\d+_intermediate/kernel": (SHARD, None),
                    r"layer\d+_output/kernel": (None, SHARD), "mlm_transform/kernel": (SHARD, None)}
 
+    def trainer(self, model):
+        """The model with its MLM head's hidden states beside the logits (lmkit's TiedHeadTrainer): on a TPU the
+        loss and accuracy come from the tied head's fused kernels, bias and all, so the [B, predictions, vocab]
+        logits and their gradient never reach HBM; elsewhere the same cross-entropy of the logits."""
+        layers = lmkit("layers")
+        return layers.TiedHeadTrainer(model, "mlm_norm"), layers.TokenLoss()
+
     def dataset(self, cfg, manifest, batch_size: int, input_context, skip: int):
         return self.module("data").make_dataset(
             cfg.runtime.data_dir, manifest, batch_size, mask_rate=cfg.task.mask_rate,

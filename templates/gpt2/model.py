@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 import keras
-from keras import layers, ops
+from keras import layers
 
 from .config import TaskConfig
 from .shared import lmkit
@@ -67,35 +67,13 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
     return keras.Model({"input_ids": ids}, logits, name="gpt2_clm")
 
 
-class CausalLMTrainer(keras.Model):
-    """What `fit` trains for a GPT-2 model: the same layers and variables, with the final hidden states beside the
-    logits, so that the loss differentiates straight into them and the tied embedding
-    (layers.tied_softmax_cross_entropy) instead of through a [tokens, vocab] logits gradient. Compile it with
-    `TokenLoss` (which reduces the per-token losses this computes) and metrics on the logits. Save, export and
-    serve the model it was made from: that one maps ids to logits. On a TPU (layers.use_tpu_kernels) the loss and
-    accuracy come from the tied head's fused kernels (layers.fused_softmax_cross_entropy)."""
+class CausalLMTrainer(_layers.TiedHeadTrainer):
+    """What `fit` trains for a GPT-2 model (lmkit's TiedHeadTrainer on its final hidden states). Off a TPU the loss
+    differentiates straight into the hidden states and the tied embedding (layers.tied_softmax_cross_entropy)
+    instead of through a [tokens, vocab] logits gradient."""
 
     def __init__(self, model: keras.Model, **kwargs):
-        super().__init__(model.inputs, {"logits": model.outputs[0], "hidden": model.get_layer("final_norm").output},
-                         **kwargs)
-        self.embedding = model.get_layer("token_embedding")
+        super().__init__(model, "final_norm", **kwargs)
 
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        if _layers.tpu_target():
-            # The [tokens, vocab] logits never in HBM (fused_softmax_cross_entropy), nor the logits output, which
-            # nothing reads (XLA drops it): the accuracy comes from the same kernel, handed to compute_metrics in
-            # y_pred (Keras' JAX trainer returns it from the differentiated function as it is, this dict).
-            per_token, y_pred["correct"] = _layers.fused_softmax_cross_entropy(y, y_pred["hidden"],
-                                                                                self.embedding.embeddings)
-        else:
-            per_token = tied_softmax_cross_entropy(y, y_pred["logits"], y_pred["hidden"], self.embedding.embeddings)
-        return super().compute_loss(x, y, per_token, sample_weight, training)
-
-    def compute_metrics(self, x, y, y_pred, sample_weight=None):
-        if "correct" not in y_pred:
-            return super().compute_metrics(x, y, y_pred["logits"], sample_weight)
-        # The top-one metric on two-class logits [correct, 1 - correct] against label 0: its top one is label 0
-        # exactly where the token was predicted.
-        correct = y_pred["correct"]
-        return super().compute_metrics(x, ops.zeros_like(y), ops.stack([correct, 1.0 - correct], axis=-1),
-                                       sample_weight)
+    def per_token_loss(self, y, y_pred):
+        return tied_softmax_cross_entropy(y, y_pred["logits"], y_pred["hidden"], self.embedding.embeddings)

@@ -1,10 +1,12 @@
 """A tied LM head's softmax cross-entropy as two Pallas TPU kernels: the [tokens, vocab] logits never reach HBM.
 
-What GPT-2's loss is on a TPU (layers.use_tpu_kernels). The logits hidden @ embeddings^T of a [tokens, vocab]
-head are gpt2-small's largest tensor by far (1.6 GB in float32 per device at batch 8), and under XLA every pass
-over them (the matmul's output, the softmax's reductions, the backward's recompute and gradient) is a round trip
-through HBM: the blocked XLA head this replaced (a block of positions at a time, each recomputed for the
-backward) kept them from existing whole, not from being written and read. Here each [token block, vocab block] tile of logits lives in the TensorCore's on-chip
+What GPT-2's and BERT's losses are on a TPU (layers.use_tpu_kernels), BERT's with its output bias on the
+logits. The logits hidden @ embeddings^T of a [tokens, vocab] head are gpt2-small's largest tensor by far (1.6 GB
+in float32 per device at batch 8), and BERT's [B, predictions, vocab] ones were where its step's memory peaked
+under remat. Under XLA every pass over them (the matmul's output, the softmax's reductions, the backward's
+recompute and gradient) is a round trip through HBM: the blocked XLA head this replaced (a block of positions at
+a time, each recomputed for the backward) kept them from existing whole, not from being written and read. Here
+each [token block, vocab block] tile of logits lives in the TensorCore's on-chip
 memory (VMEM) only, as splash attention does for attention scores:
 
 - forward, one pass over the vocabulary per token block (the vocabulary axis innermost): an online log-sum-exp
@@ -14,7 +16,9 @@ memory (VMEM) only, as splash attention does for attention scores:
   upstream * (that - embeddings[label]): no second pass over the vocabulary for it.
 - backward, one pass over the tokens per vocabulary block: each tile's logits recomputed, softmax - one_hot
   scaled by the upstream gradient, and its product with the hidden states accumulated into the embeddings'
-  gradient in float32 (a frequent label sums thousands of tokens).
+  gradient in float32 in VMEM (a frequent label sums thousands of tokens), written out in the compute dtype as
+  XLA's matmul rounds its own (a float32 [V, h] output was one more HBM buffer live where BERT's step peaks
+  without remat); with a bias, its row sums into the bias's gradient.
 
 The matmuls are as many as the blocked XLA head's (forward, its recompute, and the two gradients); what goes
 is HBM traffic: the hidden states are read once per vocabulary block and the embeddings once per token block,
@@ -57,8 +61,8 @@ def tiles_for(tokens: int, width: int, vmem_bytes: int | None) -> Tiles:
     VMEM per token of the forward's tile: the [tokens, width] hidden block (bfloat16) and expected-embedding
     output (float32), double-buffered, and its float32 accumulator (16 x width), [tokens, 1] columns padded to
     128 lanes of 4 bytes (~12 of them), and a [tokens, vocab] float32 tile of logits with its bfloat16 copy. Per
-    vocabulary row of the gradient's tile: its float32 output and bfloat16 embeddings, double-buffered (12 x
-    width), and its [vocab, tokens] logits and gradient (6 x tokens)."""
+    vocabulary row of the gradient's tile: its float32 accumulator, and its bfloat16 output and embeddings,
+    double-buffered (12 x width), and its [vocab, tokens] logits and gradient (6 x tokens)."""
     if vmem_bytes is None:
         return Tiles()
     budget = vmem_bytes // 2
@@ -77,12 +81,18 @@ def tiles_for(tokens: int, width: int, vmem_bytes: int | None) -> Tiles:
                  vmem_limit=vmem_bytes * 3 // 4)
 
 
+# The bias and its gradient in the embeddings' kernel, whose logits are [vocab, tokens]: a [vocab, 1] array is a
+# [vocab, 128] one in HBM (a TPU lays out 128 lanes), 15 MB each for BERT's vocabulary; 8 rows [8, vocab] are 1 MB.
+ROWS = 8
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _forward_kernel(labels_ref, hidden_ref, kernel_ref, lse_ref, picked_ref, best_ref, expected_ref,
-                    top, total, picked, best, acc, *, vocab: int):
+def _forward_kernel(labels_ref, hidden_ref, kernel_ref, *refs, vocab: int, bias: bool):
+    bias_ref, *refs = refs if bias else (None, *refs)
+    lse_ref, picked_ref, best_ref, expected_ref, top, total, picked, best, acc = refs
     j = pl.program_id(1)
 
     @pl.when(j == 0)
@@ -99,6 +109,8 @@ def _forward_kernel(labels_ref, hidden_ref, kernel_ref, lse_ref, picked_ref, bes
     kernel = jnp.where(rows < vocab, kernel_ref[...], 0)
     logits = jax.lax.dot_general(hidden_ref[...], kernel, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)  # [tokens, vocab] of the tile
+    if bias:  # [1, vocab] of the tile; past the vocabulary's end whatever the buffer holds, masked below
+        logits = logits + bias_ref[...]
     # Column indices in float32 (exact below 2**24): float reductions lower on every TPU generation.
     column = (j * logits.shape[1] + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)).astype(jnp.float32)
     logits = jnp.where(column < vocab, logits, -jnp.inf)
@@ -121,12 +133,15 @@ def _forward_kernel(labels_ref, hidden_ref, kernel_ref, lse_ref, picked_ref, bes
         expected_ref[...] = acc[...] / total[...]
 
 
-def _embeddings_grad_kernel(labels_ref, lse_ref, upstream_ref, hidden_ref, kernel_ref, grad_ref):
+def _embeddings_grad_kernel(labels_ref, lse_ref, upstream_ref, hidden_ref, kernel_ref, *refs, bias: bool):
+    bias_ref, grad_ref, bias_grad_ref, acc = refs if bias else (None, refs[0], None, refs[1])
     i = pl.program_id(1)
 
     @pl.when(i == 0)
     def _():
-        grad_ref[...] = jnp.zeros(grad_ref.shape, jnp.float32)
+        acc[...] = jnp.zeros(acc.shape, jnp.float32)
+        if bias:
+            bias_grad_ref[...] = jnp.zeros(bias_grad_ref.shape, jnp.float32)
 
     hidden = hidden_ref[...]
     # The tile transposed, [vocab, tokens]: the per-token values are rows [1, tokens] broadcast down it, and the
@@ -134,10 +149,19 @@ def _embeddings_grad_kernel(labels_ref, lse_ref, upstream_ref, hidden_ref, kerne
     # the rows past the vocabulary's end (the last tile's) compute garbage that Pallas does not write back.
     logits = jax.lax.dot_general(kernel_ref[...], hidden, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
+    if bias:  # the tile's [8, vocab] rows (ROWS), as a [vocab, 1] column: the logits are transposed here
+        logits = logits + bias_ref[...].T[:, :1]
     row = (pl.program_id(0) * logits.shape[0] + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 0)).astype(jnp.float32)
     softmax = jnp.exp(logits - lse_ref[...])
     d_logits = (softmax - jnp.where(row == labels_ref[...], 1.0, 0.0)) * upstream_ref[...]
-    grad_ref[...] += jnp.dot(d_logits.astype(hidden.dtype), hidden, preferred_element_type=jnp.float32)
+    acc[...] += jnp.dot(d_logits.astype(hidden.dtype), hidden, preferred_element_type=jnp.float32)
+    if bias:  # the rows' sums, as [8, vocab] rows (a matmul by ones: no [vocab, 1] column in HBM)
+        bias_grad_ref[...] += jax.lax.dot_general(jnp.ones((ROWS, d_logits.shape[1]), jnp.float32), d_logits,
+                                                  (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    @pl.when(i == pl.num_programs(1) - 1)
+    def _():  # rounded once, as XLA's matmul in the compute dtype rounds its float32 accumulator
+        grad_ref[...] = acc[...].astype(grad_ref.dtype)
 
 
 def _padded(labels, hidden, embeddings, tiles: Tiles):
@@ -149,20 +173,23 @@ def _padded(labels, hidden, embeddings, tiles: Tiles):
             jnp.pad(hidden, ((0, t_pad - tokens), (0, 0))), embeddings.astype(hidden.dtype))
 
 
-def _forward(labels, hidden, kernel, vocab: int, tiles: Tiles, interpret: bool):
-    """(lse, label logit, first argmax [T] float32 each, expected embedding [T, h] float32) for _padded's."""
+def _forward(labels, hidden, kernel, bias, vocab: int, tiles: Tiles, interpret: bool):
+    """(lse, label logit, first argmax [T] float32 each, expected embedding [T, h] float32) for _padded's, with
+    `bias` [V] float32 on the logits (None: none)."""
     (tokens, width), tm, tv, item = hidden.shape, tiles.tokens, tiles.vocab, hidden.dtype.itemsize
     v_pad = _round_up(vocab, tv)  # what the tiles cover
+    with_bias = bias is not None
     cost = pl.CostEstimate(
-        flops=4 * tokens * v_pad * width + 8 * tokens * v_pad, transcendentals=tokens * v_pad,
-        bytes_accessed=(tokens * width * item + (tokens // tm) * v_pad * width * item  # embeddings per token tile
-                        + tokens * width * 4 + tokens * 4 * 4))
+        flops=4 * tokens * v_pad * width + (9 if with_bias else 8) * tokens * v_pad, transcendentals=tokens * v_pad,
+        bytes_accessed=(tokens * width * item + (tokens // tm) * v_pad * (width * item + 4 * with_bias)  # per
+                        + tokens * width * 4 + tokens * 4 * 4))  # token tile: the embeddings (and the bias)
     column = pl.BlockSpec((tm, 1), lambda i, j: (i, 0))
+    vocab_tile = [pl.BlockSpec((1, tv), lambda i, j: (0, j))] if with_bias else []
     lse, picked, best, expected = pl.pallas_call(
-        functools.partial(_forward_kernel, vocab=vocab),
+        functools.partial(_forward_kernel, vocab=vocab, bias=with_bias),
         grid=(tokens // tm, v_pad // tv),  # vocabulary innermost: the token tile's accumulators stay in VMEM
         in_specs=[column, pl.BlockSpec((tm, width), lambda i, j: (i, 0)),
-                  pl.BlockSpec((tv, width), lambda i, j: (j, 0))],
+                  pl.BlockSpec((tv, width), lambda i, j: (j, 0)), *vocab_tile],
         out_specs=[column, column, column, pl.BlockSpec((tm, width), lambda i, j: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((tokens, 1), jnp.float32)] * 3
         + [jax.ShapeDtypeStruct((tokens, width), jnp.float32)],
@@ -170,59 +197,72 @@ def _forward(labels, hidden, kernel, vocab: int, tiles: Tiles, interpret: bool):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=tiles.vmem_limit),
         cost_estimate=cost, interpret=interpret,
-    )(labels[:, None], hidden, kernel)
+    )(labels[:, None], hidden, kernel, *([bias[None, :]] if with_bias else []))
     return lse[:, 0], picked[:, 0], best[:, 0], expected
 
 
-def _embeddings_grad(labels, lse, upstream, hidden, kernel, tiles: Tiles, interpret: bool):
-    """d loss / d embeddings [V, h] float32 for per-token `upstream` [T] gradients (_padded's inputs)."""
+def _embeddings_grad(labels, lse, upstream, hidden, kernel, bias, tiles: Tiles, interpret: bool):
+    """(d loss / d embeddings [V, h] in hidden's dtype, summed in float32, d loss / d bias [V] float32 or None
+    without `bias`) for per-token `upstream` [T] gradients (_padded's inputs)."""
     (tokens, width), vocab = hidden.shape, kernel.shape[0]
     tm, tv, item = tiles.grad_tokens, tiles.grad_vocab, hidden.dtype.itemsize
     v_pad = _round_up(vocab, tv)
+    with_bias = bias is not None
     cost = pl.CostEstimate(
-        flops=4 * tokens * v_pad * width + 6 * tokens * v_pad, transcendentals=tokens * v_pad,
+        flops=4 * tokens * v_pad * width + (8 if with_bias else 6) * tokens * v_pad, transcendentals=tokens * v_pad,
         bytes_accessed=(v_pad * width * item + (v_pad // tv) * tokens * (width * item + 12)  # hidden per vocab tile
-                        + v_pad * width * 4))
+                        + v_pad * width * item + 8 * v_pad * with_bias))
     per_token = pl.BlockSpec((1, tm), lambda j, i: (0, i))
-    return pl.pallas_call(
-        _embeddings_grad_kernel,
+    vocab_rows = pl.BlockSpec((ROWS, tv), lambda j, i: (0, j))
+    grads = pl.pallas_call(
+        functools.partial(_embeddings_grad_kernel, bias=with_bias),
         grid=(v_pad // tv, tokens // tm),  # tokens innermost: the vocabulary tile's gradient stays in VMEM
         in_specs=[per_token, per_token, per_token, pl.BlockSpec((tm, width), lambda j, i: (i, 0)),
-                  pl.BlockSpec((tv, width), lambda j, i: (j, 0))],
-        out_specs=pl.BlockSpec((tv, width), lambda j, i: (j, 0)),
-        out_shape=jax.ShapeDtypeStruct((vocab, width), jnp.float32),
+                  pl.BlockSpec((tv, width), lambda j, i: (j, 0)), *([vocab_rows] if with_bias else [])],
+        out_specs=[pl.BlockSpec((tv, width), lambda j, i: (j, 0)), *([vocab_rows] if with_bias else [])],
+        out_shape=[jax.ShapeDtypeStruct((vocab, width), hidden.dtype),
+                   *([jax.ShapeDtypeStruct((ROWS, vocab), jnp.float32)] if with_bias else [])],
+        scratch_shapes=[pltpu.VMEM((tv, width), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=tiles.vmem_limit),
         cost_estimate=cost, interpret=interpret,
-    )(labels[None, :], lse[None, :], upstream[None, :], hidden, kernel)
+    )(labels[None, :], lse[None, :], upstream[None, :], hidden, kernel,
+      *([jnp.broadcast_to(bias, (ROWS, vocab))] if with_bias else []))
+    return grads[0], grads[1][0] if with_bias else None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def fused_softmax_cross_entropy(labels, hidden, embeddings, tiles: Tiles, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def fused_softmax_cross_entropy(labels, hidden, embeddings, bias, tiles: Tiles, interpret: bool):
     """(-log softmax(logits)[label] float32, 1.0 where the label is the first argmax else 0.0) per token, for int
-    `labels` [T], `hidden` [T, h] (the compute dtype) and a tied head's `embeddings` [V, h]: logits = hidden @
-    embeddings^T in hidden's dtype, never written to HBM. Differentiable in `hidden` and `embeddings` (the
-    accuracy carries no gradient). `tiles`: tiles_for's; `interpret`: run in Pallas' interpreter (a CPU)."""
-    return _fused_forward(labels, hidden, embeddings, tiles, interpret)[0]
+    `labels` [T], `hidden` [T, h] (the compute dtype), a tied head's `embeddings` [V, h] and its output `bias` [V]
+    or None: logits = hidden @ embeddings^T in hidden's dtype (+ bias in float32), never written to HBM.
+    Differentiable in `hidden`, `embeddings` and `bias` (the accuracy carries no gradient). `tiles`: tiles_for's;
+    `interpret`: run in Pallas' interpreter (a CPU)."""
+    return _fused_forward(labels, hidden, embeddings, bias, tiles, interpret)[0]
 
 
-def _fused_forward(labels, hidden, embeddings, tiles, interpret):
+def _fused_forward(labels, hidden, embeddings, bias, tiles, interpret):
     tokens = hidden.shape[0]
     padded = _padded(labels, hidden, embeddings, tiles)
-    lse, picked, best, expected = _forward(*padded, embeddings.shape[0], tiles, interpret)
+    bias_f32 = None if bias is None else bias.astype(jnp.float32)
+    lse, picked, best, expected = _forward(*padded, bias_f32, embeddings.shape[0], tiles, interpret)
     outputs = (lse - picked)[:tokens], (best == padded[0]).astype(jnp.float32)[:tokens]
-    return outputs, (padded, lse, expected[:tokens], labels, embeddings)
+    return outputs, (padded, lse, expected[:tokens], labels, embeddings, bias, bias_f32)
 
 
 def _fused_backward(tiles, interpret, residuals, upstream):
-    (labels_f, hidden, kernel), lse, expected, labels, embeddings = residuals
+    (labels_f, hidden, kernel), lse, expected, labels, embeddings, bias, bias_f32 = residuals
     d_loss = upstream[0].astype(jnp.float32)
     tokens = d_loss.shape[0]
     d_hidden = d_loss[:, None] * (expected - jnp.take(kernel, labels, axis=0).astype(jnp.float32))
     d_padded = jnp.pad(d_loss, (0, hidden.shape[0] - tokens))  # padded tokens carry no gradient
-    d_embeddings = _embeddings_grad(labels_f, lse, d_padded, hidden, kernel, tiles, interpret)
-    return (jnp.zeros(labels.shape, jax.dtypes.float0), d_hidden.astype(hidden.dtype),
-            d_embeddings.astype(embeddings.dtype))
+    d_embeddings, d_bias = _embeddings_grad(labels_f, lse, d_padded, hidden, kernel, bias_f32, tiles, interpret)
+    # All three before any is used: left to itself, libtpu runs the embeddings' gradient near the optimizer and
+    # keeps the head's inputs and residuals in HBM through the whole backward pass (layers.projection).
+    d_hidden, d_embeddings, d_bias = jax.lax.optimization_barrier(
+        (d_hidden.astype(hidden.dtype), d_embeddings.astype(embeddings.dtype),
+         None if bias is None else d_bias.astype(bias.dtype)))
+    return jnp.zeros(labels.shape, jax.dtypes.float0), d_hidden, d_embeddings, d_bias
 
 
 fused_softmax_cross_entropy.defvjp(_fused_forward, _fused_backward)

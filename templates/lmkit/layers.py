@@ -49,9 +49,10 @@ published models' maths; what changes is how much random-number and projection w
 On a TPU (`use_tpu_kernels`: the trainer declares it there, `tpuctl fit` when it compiles for one), where the
 TPU compiler is the judge (bench/tpu_compile.py): attention runs Pallas' splash attention kernel, its
 probabilities not dropped out (use_tpu_kernels says why), so the [B, heads, L, L] scores never reach HBM, and
-GPT-2's loss and accuracy run the tied head through two Pallas kernels (`fused_softmax_cross_entropy`), so the
-[tokens, vocab] logits never reach HBM. Under a remat policy there, `projection` has each projection's gradients
-computed together as soon as they can be, so that no layer's upstream gradient waits in HBM for the optimizer.
+GPT-2's and BERT's losses and accuracies run the tied head through two Pallas kernels (`TiedHeadTrainer`,
+`fused_softmax_cross_entropy`), so the [tokens, vocab] logits never reach HBM. Under a remat policy there,
+`projection` has each projection's gradients computed together as soon as they can be, so that no layer's
+upstream gradient waits in HBM for the optimizer.
 Everything written for TensorFlow without XLA below is off there by construction.
 
 Without XLA (TensorFlow's graph mode: its CPU and GPU training) every op is a pass over memory and autodiff of a
@@ -607,10 +608,10 @@ def tpu_target() -> bool:
 def projection(equation: str, x, kernel, bias):
     """einsum(equation, x, kernel) + bias, its three gradients autodiff's. On a TPU (tpu_target) under a remat
     policy (use_remat) the three are computed before any of them is used. Left to itself, the TPU compiler (libtpu
-    0.0.42) schedules a bias's gradient (a sum of its upstream gradient over batch and length) and the tied head's
-    embedding gradient late, near the optimizer, so each keeps its upstream gradient in HBM through the rest of
-    the backward pass: the queries', keys' and values' [B, L, hidden] of every attention layer and BERT's
-    [B, predictions, vocab] logits'. Under remat that is where the step's memory peaks (bert-128 on a v5e under
+    0.0.42) schedules a bias's gradient (a sum of its upstream gradient over batch and length) late, near the
+    optimizer, so each keeps its upstream gradient in HBM through the rest of the backward pass: the queries',
+    keys' and values' [B, L, hidden] of every attention layer (and BERT's [B, predictions, vocab] logits', before
+    its head was fused_head's). Under remat that is where the step's memory peaks (bert-128 on a v5e under
     `save_residuals`, then named `full`: 17.0 -> 9.5 MB a sequence; `minimal` unchanged); without remat the peak
     comes before these gradients exist, and the barrier would only cost bytes (bench/RESULTS.md, tpu_compile)."""
     if not (tpu_target() and _rematted.get()):
@@ -642,20 +643,21 @@ def _projection_with_early_gradients():
     return projected
 
 
-def fused_softmax_cross_entropy(labels, hidden, embeddings):
+def fused_softmax_cross_entropy(labels, hidden, embeddings, bias=None):
     """(`softmax_cross_entropy(labels, logits)`, `top_one_correct(labels, logits)`) per token of `hidden`
-    [B, L, h], where logits = hidden @ embeddings^T (a tied head, no bias), by fused_head's Pallas kernels: each
-    tile of logits stays in the TPU's on-chip memory, so the [B, L, V] logits (gpt2-small's largest tensor,
-    1.6 GB in float32 per device at batch 8) and their gradient never reach HBM. What the TPU runs
-    (tpu_target). Per device under shard_map over the mesh's batch axis, as splash attention (XLA cannot
-    partition a Pallas kernel); in Pallas' interpreter where the devices are not a TPU's (tests). JAX only."""
+    [B, L, h], where logits = hidden @ embeddings^T (+ `bias` [V], a tied head's output bias, if any), by
+    fused_head's Pallas kernels: each tile of logits stays in the TPU's on-chip memory, so the [B, L, V] logits
+    (gpt2-small's largest tensor, 1.6 GB in float32 per device at batch 8) and their gradient never reach HBM.
+    What the TPU runs (tpu_target). Per device under shard_map over the mesh's batch axis, as splash attention
+    (XLA cannot partition a Pallas kernel); in Pallas' interpreter where the devices are not a TPU's (tests).
+    JAX only."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec
 
     from . import fused_head
 
-    def per_device(labels, hidden, embeddings, interpret=False):
+    def per_device(labels, hidden, embeddings, bias, interpret=False):
         from jax.experimental.pallas import tpu as pltpu
 
         batch, length, width = hidden.shape
@@ -663,16 +665,20 @@ def fused_softmax_cross_entropy(labels, hidden, embeddings):
         # TPU that is not there (tpuctl fit); the interpreter has none.
         vmem = None if interpret else pltpu.get_tpu_info().vmem_capacity_bytes
         loss, correct = fused_head.fused_softmax_cross_entropy(
-            jnp.reshape(labels, (-1,)).astype(jnp.int32), jnp.reshape(hidden, (-1, width)), embeddings,
+            jnp.reshape(labels, (-1,)).astype(jnp.int32), jnp.reshape(hidden, (-1, width)), embeddings, bias,
             fused_head.tiles_for(batch * length, width, vmem), interpret)
         return jnp.reshape(loss, (batch, length)), jnp.reshape(correct, (batch, length))
 
-    embeddings = ops.convert_to_tensor(embeddings)
+    # The head's matmuls run in the compute dtype: cast here, outside the kernels' custom gradient, the embeddings'
+    # gradient leaves them in it and autodiff's cast back to float32 fuses into its consumer, as for any layer
+    # under mixed precision (a float32 gradient from the kernels was one more [V, h] buffer in HBM).
+    embeddings = ops.cast(ops.convert_to_tensor(embeddings), hidden.dtype)
+    bias = None if bias is None else ops.convert_to_tensor(bias)
     if _tpu_mesh is None or _tpu_mesh.devices.flat[0].platform != "tpu":
-        return per_device(labels, hidden, embeddings, interpret=True)
-    split = PartitionSpec("batch")
-    return jax.shard_map(per_device, mesh=_tpu_mesh, in_specs=(split, split, PartitionSpec()),
-                         out_specs=(split, split), check_vma=False)(labels, hidden, embeddings)
+        return per_device(labels, hidden, embeddings, bias, interpret=True)
+    split, whole = PartitionSpec("batch"), PartitionSpec()
+    return jax.shard_map(per_device, mesh=_tpu_mesh, in_specs=(split, split, whole, whole),
+                         out_specs=(split, split), check_vma=False)(labels, hidden, embeddings, bias)
 
 
 def top_one_correct(labels, logits):
@@ -711,6 +717,44 @@ class TokenLoss(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         return y_pred
+
+
+class TiedHeadTrainer(keras.Model):
+    """What `fit` trains for a model whose logits come from its tied `token_embedding` (and its output bias, if
+    it has one): the same layers and variables, with the hidden states the head projects (`hidden`, a layer's
+    name) beside the logits. Compile it with `TokenLoss` (which reduces the per-token losses this computes) and
+    metrics on the logits. On a TPU (use_tpu_kernels) the loss and accuracy come from the head's fused kernels
+    (fused_softmax_cross_entropy), so the [tokens, vocab] logits never reach HBM, nor the logits output, which
+    nothing reads there (XLA drops it); elsewhere from the logits (`per_token_loss`). Save, export and serve the
+    model it was made from: that one maps inputs to logits."""
+
+    def __init__(self, model: keras.Model, hidden: str, **kwargs):
+        super().__init__(model.inputs, {"logits": model.outputs[0], "hidden": model.get_layer(hidden).output},
+                         **kwargs)
+        self.embedding = model.get_layer("token_embedding")
+
+    def per_token_loss(self, y, y_pred):
+        """The per-token cross-entropy off a TPU."""
+        return softmax_cross_entropy(y, y_pred["logits"])
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        if tpu_target():
+            # The accuracy from the same kernel, handed to compute_metrics in y_pred (Keras' JAX trainer returns
+            # it from the differentiated function as it is, this dict).
+            per_token, y_pred["correct"] = fused_softmax_cross_entropy(
+                y, y_pred["hidden"], self.embedding.embeddings, getattr(self.embedding, "output_bias", None))
+        else:
+            per_token = self.per_token_loss(y, y_pred)
+        return super().compute_loss(x, y, per_token, sample_weight, training)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        if "correct" not in y_pred:
+            return super().compute_metrics(x, y, y_pred["logits"], sample_weight)
+        # The top-one metric on two-class logits [correct, 1 - correct] against label 0: its top one is label 0
+        # exactly where the token was predicted.
+        correct = y_pred["correct"]
+        return super().compute_metrics(x, ops.zeros_like(y), ops.stack([correct, 1.0 - correct], axis=-1),
+                                       sample_weight)
 
 
 @keras.saving.register_keras_serializable(package="tpuctl")
