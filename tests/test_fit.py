@@ -388,7 +388,7 @@ def bias_gradients_scheduled_for_a_tpu_under_remat() -> str:
     the layer below it (lmkit's `projection`). Left to itself, libtpu computes them all at the end, together, and
     keeps every layer's query, key and value gradients in HBM until then (bert-128 on a v5e: 17.0 MB a sequence
     instead of 9.5). The head's loss, its bias's gradient included, is the fused kernels' (fused_head): two
-    Pallas calls, and no [tokens, vocab] tensor in the program."""
+    Pallas calls, and no [tokens, vocab] tensor in the program; without remat, XLA's head."""
     from tpuctl.templates import aot
 
     aot.compile_only()
@@ -418,6 +418,9 @@ def bias_gradients_scheduled_for_a_tpu_under_remat() -> str:
     assert len(head) == 2 and "f32[8,1024]" in head[1], head  # the forward; the embeddings' and bias's gradients
     logits = re.compile(r"\[16,20,1024\]|\[320,1024\]")  # [B, predictions, vocab] a device, or flattened
     assert not any(logits.search(line) for line in entry), "the logits are in the program"
+    # Without remat BERT's head stays XLA's (its kernels would save bytes there, not HBM: TiedHeadTrainer).
+    unrematted = target["step_for"]("none").lower(target["state"], target["batch"](16)).compile().as_text()
+    assert "shard_map/pallas_call" not in unrematted and logits.search(unrematted)
     return "jax"
 
 

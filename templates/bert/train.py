@@ -37,11 +37,13 @@ class MaskedLM(_trainer.Objective):
                    r"layer\d+_output/kernel": (None, SHARD), "mlm_transform/kernel": (SHARD, None)}
 
     def trainer(self, model):
-        """The model with its MLM head's hidden states beside the logits (lmkit's TiedHeadTrainer): on a TPU the
-        loss and accuracy come from the tied head's fused kernels, bias and all, so the [B, predictions, vocab]
-        logits and their gradient never reach HBM; elsewhere the same cross-entropy of the logits."""
+        """The model with its MLM head's hidden states beside the logits (lmkit's TiedHeadTrainer): on a TPU under a
+        remat policy the loss and accuracy come from the tied head's fused kernels, bias and all, so the
+        [B, predictions, vocab] logits and their gradient never reach HBM; elsewhere the same cross-entropy of the
+        logits. Without remat the kernels save bytes but not HBM (bert-128 on v5e at 32 a chip: 2.9% more;
+        bench/RESULTS.md, tpu_compile), so they wait for a batch that needs remat."""
         layers = lmkit("layers")
-        return layers.TiedHeadTrainer(model, "mlm_norm"), layers.TokenLoss()
+        return layers.TiedHeadTrainer(model, "mlm_norm", fused_under_remat_only=True), layers.TokenLoss()
 
     def dataset(self, cfg, manifest, batch_size: int, input_context, skip: int):
         return self.module("data").make_dataset(

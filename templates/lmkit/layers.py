@@ -506,6 +506,7 @@ def use_remat(trainer: keras.Model, policy: str) -> None:
     import jax
 
     own = type(trainer).stateless_call.__get__(trainer)
+    trainer.remat_policy = policy
     if REMAT[policy] is None:
         trainer.stateless_call = own
         return
@@ -725,20 +726,23 @@ class TiedHeadTrainer(keras.Model):
     name) beside the logits. Compile it with `TokenLoss` (which reduces the per-token losses this computes) and
     metrics on the logits. On a TPU (use_tpu_kernels) the loss and accuracy come from the head's fused kernels
     (fused_softmax_cross_entropy), so the [tokens, vocab] logits never reach HBM, nor the logits output, which
-    nothing reads there (XLA drops it); elsewhere from the logits (`per_token_loss`). Save, export and serve the
-    model it was made from: that one maps inputs to logits."""
+    nothing reads there (XLA drops it); elsewhere from the logits (`per_token_loss`). With `fused_under_remat_only`
+    the kernels serve only under a remat policy (use_remat), where the compiler's figures say they pay (BERT's).
+    Save, export and serve the model it was made from: that one maps inputs to logits."""
 
-    def __init__(self, model: keras.Model, hidden: str, **kwargs):
+    def __init__(self, model: keras.Model, hidden: str, *, fused_under_remat_only: bool = False, **kwargs):
         super().__init__(model.inputs, {"logits": model.outputs[0], "hidden": model.get_layer(hidden).output},
                          **kwargs)
         self.embedding = model.get_layer("token_embedding")
+        self.fused_under_remat_only = fused_under_remat_only
+        self.remat_policy = "none"  # use_remat's
 
     def per_token_loss(self, y, y_pred):
         """The per-token cross-entropy off a TPU."""
         return softmax_cross_entropy(y, y_pred["logits"])
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        if tpu_target():
+        if tpu_target() and not (self.fused_under_remat_only and self.remat_policy == "none"):
             # The accuracy from the same kernel, handed to compute_metrics in y_pred (Keras' JAX trainer returns
             # it from the differentiated function as it is, this dict).
             per_token, y_pred["correct"] = fused_softmax_cross_entropy(
