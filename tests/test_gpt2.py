@@ -242,7 +242,8 @@ def fused_head_matches_the_cross_entropy() -> str:
         return loss, (jnp.argmax(tied, -1) == labels).astype("float32")  # argmax: the first index wins
 
     def fused(hidden, embeddings, bias):
-        return fused_head.fused_softmax_cross_entropy(jnp.asarray(labels), hidden, embeddings, bias, tiles, True)
+        return fused_head.fused_softmax_cross_entropy(jnp.asarray(labels), hidden, embeddings, bias, tiles, True,
+                                                      bias is not None)  # and the gradients behind the barrier
 
     for b in (None, bias):
         (want_loss, want_correct), (loss, correct) = whole(hidden, embeddings, b), fused(hidden, embeddings, b)

@@ -16,9 +16,7 @@ memory (VMEM) only, as splash attention does for attention scores:
   upstream * (that - embeddings[label]): no second pass over the vocabulary for it.
 - backward, one pass over the tokens per vocabulary block: each tile's logits recomputed, softmax - one_hot
   scaled by the upstream gradient, and its product with the hidden states accumulated into the embeddings'
-  gradient in float32 in VMEM (a frequent label sums thousands of tokens), written out in the compute dtype as
-  XLA's matmul rounds its own (a float32 [V, h] output was one more HBM buffer live where BERT's step peaks
-  without remat); with a bias, its row sums into the bias's gradient.
+  gradient in float32 (a frequent label sums thousands of tokens); with a bias, its row sums into the bias's.
 
 The matmuls are as many as the blocked XLA head's (forward, its recompute, and the two gradients); what goes
 is HBM traffic: the hidden states are read once per vocabulary block and the embeddings once per token block,
@@ -61,8 +59,8 @@ def tiles_for(tokens: int, width: int, vmem_bytes: int | None) -> Tiles:
     VMEM per token of the forward's tile: the [tokens, width] hidden block (bfloat16) and expected-embedding
     output (float32), double-buffered, and its float32 accumulator (16 x width), [tokens, 1] columns padded to
     128 lanes of 4 bytes (~12 of them), and a [tokens, vocab] float32 tile of logits with its bfloat16 copy. Per
-    vocabulary row of the gradient's tile: its float32 accumulator, and its bfloat16 output and embeddings,
-    double-buffered (12 x width), and its [vocab, tokens] logits and gradient (6 x tokens)."""
+    vocabulary row of the gradient's tile: its float32 output and bfloat16 embeddings, double-buffered (12 x
+    width), and its [vocab, tokens] logits and gradient (6 x tokens)."""
     if vmem_bytes is None:
         return Tiles()
     budget = vmem_bytes // 2
@@ -134,12 +132,12 @@ def _forward_kernel(labels_ref, hidden_ref, kernel_ref, *refs, vocab: int, bias:
 
 
 def _embeddings_grad_kernel(labels_ref, lse_ref, upstream_ref, hidden_ref, kernel_ref, *refs, bias: bool):
-    bias_ref, grad_ref, bias_grad_ref, acc = refs if bias else (None, refs[0], None, refs[1])
+    bias_ref, grad_ref, bias_grad_ref = refs if bias else (None, *refs, None)
     i = pl.program_id(1)
 
     @pl.when(i == 0)
     def _():
-        acc[...] = jnp.zeros(acc.shape, jnp.float32)
+        grad_ref[...] = jnp.zeros(grad_ref.shape, jnp.float32)
         if bias:
             bias_grad_ref[...] = jnp.zeros(bias_grad_ref.shape, jnp.float32)
 
@@ -154,14 +152,10 @@ def _embeddings_grad_kernel(labels_ref, lse_ref, upstream_ref, hidden_ref, kerne
     row = (pl.program_id(0) * logits.shape[0] + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 0)).astype(jnp.float32)
     softmax = jnp.exp(logits - lse_ref[...])
     d_logits = (softmax - jnp.where(row == labels_ref[...], 1.0, 0.0)) * upstream_ref[...]
-    acc[...] += jnp.dot(d_logits.astype(hidden.dtype), hidden, preferred_element_type=jnp.float32)
+    grad_ref[...] += jnp.dot(d_logits.astype(hidden.dtype), hidden, preferred_element_type=jnp.float32)
     if bias:  # the rows' sums, as [8, vocab] rows (a matmul by ones: no [vocab, 1] column in HBM)
         bias_grad_ref[...] += jax.lax.dot_general(jnp.ones((ROWS, d_logits.shape[1]), jnp.float32), d_logits,
                                                   (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-    @pl.when(i == pl.num_programs(1) - 1)
-    def _():  # rounded once, as XLA's matmul in the compute dtype rounds its float32 accumulator
-        grad_ref[...] = acc[...].astype(grad_ref.dtype)
 
 
 def _padded(labels, hidden, embeddings, tiles: Tiles):
@@ -202,8 +196,8 @@ def _forward(labels, hidden, kernel, bias, vocab: int, tiles: Tiles, interpret: 
 
 
 def _embeddings_grad(labels, lse, upstream, hidden, kernel, bias, tiles: Tiles, interpret: bool):
-    """(d loss / d embeddings [V, h] in hidden's dtype, summed in float32, d loss / d bias [V] float32 or None
-    without `bias`) for per-token `upstream` [T] gradients (_padded's inputs)."""
+    """(d loss / d embeddings [V, h] float32, d loss / d bias [V] float32 or None without `bias`) for per-token
+    `upstream` [T] gradients (_padded's inputs)."""
     (tokens, width), vocab = hidden.shape, kernel.shape[0]
     tm, tv, item = tiles.grad_tokens, tiles.grad_vocab, hidden.dtype.itemsize
     v_pad = _round_up(vocab, tv)
@@ -211,7 +205,7 @@ def _embeddings_grad(labels, lse, upstream, hidden, kernel, bias, tiles: Tiles, 
     cost = pl.CostEstimate(
         flops=4 * tokens * v_pad * width + (8 if with_bias else 6) * tokens * v_pad, transcendentals=tokens * v_pad,
         bytes_accessed=(v_pad * width * item + (v_pad // tv) * tokens * (width * item + 12)  # hidden per vocab tile
-                        + v_pad * width * item + 8 * v_pad * with_bias))
+                        + v_pad * width * 4 + 8 * ROWS * v_pad * with_bias))
     per_token = pl.BlockSpec((1, tm), lambda j, i: (0, i))
     vocab_rows = pl.BlockSpec((ROWS, tv), lambda j, i: (0, j))
     grads = pl.pallas_call(
@@ -220,9 +214,8 @@ def _embeddings_grad(labels, lse, upstream, hidden, kernel, bias, tiles: Tiles, 
         in_specs=[per_token, per_token, per_token, pl.BlockSpec((tm, width), lambda j, i: (i, 0)),
                   pl.BlockSpec((tv, width), lambda j, i: (j, 0)), *([vocab_rows] if with_bias else [])],
         out_specs=[pl.BlockSpec((tv, width), lambda j, i: (j, 0)), *([vocab_rows] if with_bias else [])],
-        out_shape=[jax.ShapeDtypeStruct((vocab, width), hidden.dtype),
+        out_shape=[jax.ShapeDtypeStruct((vocab, width), jnp.float32),
                    *([jax.ShapeDtypeStruct((ROWS, vocab), jnp.float32)] if with_bias else [])],
-        scratch_shapes=[pltpu.VMEM((tv, width), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=tiles.vmem_limit),
         cost_estimate=cost, interpret=interpret,
@@ -231,17 +224,20 @@ def _embeddings_grad(labels, lse, upstream, hidden, kernel, bias, tiles: Tiles, 
     return grads[0], grads[1][0] if with_bias else None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def fused_softmax_cross_entropy(labels, hidden, embeddings, bias, tiles: Tiles, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def fused_softmax_cross_entropy(labels, hidden, embeddings, bias, tiles: Tiles, interpret: bool,
+                                early_gradients: bool):
     """(-log softmax(logits)[label] float32, 1.0 where the label is the first argmax else 0.0) per token, for int
     `labels` [T], `hidden` [T, h] (the compute dtype), a tied head's `embeddings` [V, h] and its output `bias` [V]
     or None: logits = hidden @ embeddings^T in hidden's dtype (+ bias in float32), never written to HBM.
     Differentiable in `hidden`, `embeddings` and `bias` (the accuracy carries no gradient). `tiles`: tiles_for's;
-    `interpret`: run in Pallas' interpreter (a CPU)."""
-    return _fused_forward(labels, hidden, embeddings, bias, tiles, interpret)[0]
+    `interpret`: run in Pallas' interpreter (a CPU); `early_gradients`: the three gradients computed before any is
+    used, as lmkit's `projection` under remat (left to itself, libtpu runs the embeddings' gradient near the
+    optimizer and keeps the head's inputs in HBM through the backward pass; without remat that costs HBM)."""
+    return _fused_forward(labels, hidden, embeddings, bias, tiles, interpret, early_gradients)[0]
 
 
-def _fused_forward(labels, hidden, embeddings, bias, tiles, interpret):
+def _fused_forward(labels, hidden, embeddings, bias, tiles, interpret, early_gradients):
     tokens = hidden.shape[0]
     padded = _padded(labels, hidden, embeddings, tiles)
     bias_f32 = None if bias is None else bias.astype(jnp.float32)
@@ -250,18 +246,16 @@ def _fused_forward(labels, hidden, embeddings, bias, tiles, interpret):
     return outputs, (padded, lse, expected[:tokens], labels, embeddings, bias, bias_f32)
 
 
-def _fused_backward(tiles, interpret, residuals, upstream):
+def _fused_backward(tiles, interpret, early_gradients, residuals, upstream):
     (labels_f, hidden, kernel), lse, expected, labels, embeddings, bias, bias_f32 = residuals
     d_loss = upstream[0].astype(jnp.float32)
     tokens = d_loss.shape[0]
     d_hidden = d_loss[:, None] * (expected - jnp.take(kernel, labels, axis=0).astype(jnp.float32))
     d_padded = jnp.pad(d_loss, (0, hidden.shape[0] - tokens))  # padded tokens carry no gradient
     d_embeddings, d_bias = _embeddings_grad(labels_f, lse, d_padded, hidden, kernel, bias_f32, tiles, interpret)
-    # All three before any is used: left to itself, libtpu runs the embeddings' gradient near the optimizer and
-    # keeps the head's inputs and residuals in HBM through the whole backward pass (layers.projection).
-    d_hidden, d_embeddings, d_bias = jax.lax.optimization_barrier(
-        (d_hidden.astype(hidden.dtype), d_embeddings.astype(embeddings.dtype),
-         None if bias is None else d_bias.astype(bias.dtype)))
+    grads = (d_hidden.astype(hidden.dtype), d_embeddings.astype(embeddings.dtype),
+             None if bias is None else d_bias.astype(bias.dtype))
+    d_hidden, d_embeddings, d_bias = jax.lax.optimization_barrier(grads) if early_gradients else grads
     return jnp.zeros(labels.shape, jax.dtypes.float0), d_hidden, d_embeddings, d_bias
 
 

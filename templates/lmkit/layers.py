@@ -644,10 +644,10 @@ def _projection_with_early_gradients():
     return projected
 
 
-def fused_softmax_cross_entropy(labels, hidden, embeddings, bias=None):
+def fused_softmax_cross_entropy(labels, hidden, embeddings, bias=None, early_gradients=False):
     """(`softmax_cross_entropy(labels, logits)`, `top_one_correct(labels, logits)`) per token of `hidden`
     [B, L, h], where logits = hidden @ embeddings^T (+ `bias` [V], a tied head's output bias, if any), by
-    fused_head's Pallas kernels: each tile of logits stays in the TPU's on-chip memory, so the [B, L, V] logits
+    fused_head's Pallas kernels (`early_gradients`: under remat, fused_head says why): each tile of logits stays in the TPU's on-chip memory, so the [B, L, V] logits
     (gpt2-small's largest tensor, 1.6 GB in float32 per device at batch 8) and their gradient never reach HBM.
     What the TPU runs (tpu_target). Per device under shard_map over the mesh's batch axis, as splash attention
     (XLA cannot partition a Pallas kernel); in Pallas' interpreter where the devices are not a TPU's (tests).
@@ -667,13 +667,10 @@ def fused_softmax_cross_entropy(labels, hidden, embeddings, bias=None):
         vmem = None if interpret else pltpu.get_tpu_info().vmem_capacity_bytes
         loss, correct = fused_head.fused_softmax_cross_entropy(
             jnp.reshape(labels, (-1,)).astype(jnp.int32), jnp.reshape(hidden, (-1, width)), embeddings, bias,
-            fused_head.tiles_for(batch * length, width, vmem), interpret)
+            fused_head.tiles_for(batch * length, width, vmem), interpret, early_gradients)
         return jnp.reshape(loss, (batch, length)), jnp.reshape(correct, (batch, length))
 
-    # The head's matmuls run in the compute dtype: cast here, outside the kernels' custom gradient, the embeddings'
-    # gradient leaves them in it and autodiff's cast back to float32 fuses into its consumer, as for any layer
-    # under mixed precision (a float32 gradient from the kernels was one more [V, h] buffer in HBM).
-    embeddings = ops.cast(ops.convert_to_tensor(embeddings), hidden.dtype)
+    embeddings = ops.convert_to_tensor(embeddings)
     bias = None if bias is None else ops.convert_to_tensor(bias)
     if _tpu_mesh is None or _tpu_mesh.devices.flat[0].platform != "tpu":
         return per_device(labels, hidden, embeddings, bias, interpret=True)
@@ -746,7 +743,8 @@ class TiedHeadTrainer(keras.Model):
             # The accuracy from the same kernel, handed to compute_metrics in y_pred (Keras' JAX trainer returns
             # it from the differentiated function as it is, this dict).
             per_token, y_pred["correct"] = fused_softmax_cross_entropy(
-                y, y_pred["hidden"], self.embedding.embeddings, getattr(self.embedding, "output_bias", None))
+                y, y_pred["hidden"], self.embedding.embeddings, getattr(self.embedding, "output_bias", None),
+                early_gradients=self.remat_policy != "none")
         else:
             per_token = self.per_token_loss(y, y_pred)
         return super().compute_loss(x, y, per_token, sample_weight, training)
