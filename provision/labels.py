@@ -64,10 +64,10 @@ def run_labels(run: str, *, owner_name: str, ttl_s: float | None, extra: Mapping
 
 def check_labels(labels: Mapping[str, str], *, field: str = "labels") -> None:
     for k, v in labels.items():
-        if not _LABEL_KEY.match(k):
+        if not _LABEL_KEY.fullmatch(k):
             raise BadInput(f"label key {k!r} is invalid", field=field,
                            hint="keys: lowercase letter first, then lowercase letters, digits, - or _, at most 63")
-        if not _LABEL_VALUE.match(str(v)):
+        if not _LABEL_VALUE.fullmatch(str(v)):
             raise BadInput(f"label {k}={v!r} has an invalid value", field=field,
                            hint="values: lowercase letters, digits, - or _, at most 63 characters")
     if len(labels) > 64:
@@ -76,7 +76,7 @@ def check_labels(labels: Mapping[str, str], *, field: str = "labels") -> None:
 
 def check_name(name: str, *, field: str, max_len: int = 63) -> None:
     """RFC 1035: what TPU node ids and Compute instance names must be."""
-    if len(name) > max_len or not _RESOURCE_NAME.match(name):
+    if len(name) > max_len or not _RESOURCE_NAME.fullmatch(name):
         raise BadInput(f"{name!r} is not a valid resource name", field=field,
                        hint=f"use lowercase letters, digits and -, starting with a letter, at most {max_len} "
                             f"characters, e.g. {suggest_name(name, max_len)!r}")
@@ -96,11 +96,11 @@ def bucket_name_problem(name: str) -> str | None:
         return f"must be 3-63 characters (up to 222 with dots), not {len(name)}"
     if any(len(part) > 63 for part in name.split(".")):
         return "each dot-separated part must be at most 63 characters"
-    if not _BUCKET_CHARS.match(name):
+    if not _BUCKET_CHARS.fullmatch(name):
         return "use lowercase letters, digits, -, _ and ., starting and ending with a letter or digit"
     if ".." in name:
         return "no empty dot-separated part ('..')"
-    if _DOTTED_DECIMAL.match(name):
+    if _DOTTED_DECIMAL.fullmatch(name):
         return "must not be an IP address"
     if name.startswith("goog"):
         return "must not start with 'goog'"

@@ -72,6 +72,9 @@ def test_failover_zones_same_region_first():
     ({"name": ""}, "name"),  # an empty name is a bad name, not "pick one for me"
     ({"bucket": "my-google-bucket"}, "bucket"),
     ({"bucket": "ab"}, "bucket"),
+    # Python's `$` matches before a final newline: the rules are whole-string matches (hypothesis found "00a\n").
+    ({"bucket": "00a\n"}, "bucket"),
+    ({"name": "abc\n"}, "name"),
     ({"service_account": "not-an-email"}, "service_account"),
     ({"labels": {"Team": "x"}}, "labels"),
     ({"labels": {"team": "NLP"}}, "labels"),

@@ -48,7 +48,7 @@ _LEGACY_RUNTIME = re.compile(r"^(\d+\.\d+(\.\d+)?|nightly|pytorch-[\d.]+|tpu-vm-
 
 
 def bad_env_names(env: Mapping[str, str]) -> list[str]:
-    return [k for k in env if not ENV_NAME.match(k)]
+    return [k for k in env if not ENV_NAME.fullmatch(k)]
 
 
 def parse_duration(value: Any) -> float:
@@ -60,7 +60,7 @@ def parse_duration(value: Any) -> float:
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
-    elif isinstance(value, str) and _SECONDS.match(text := value.strip().lower().replace(" ", "")):
+    elif isinstance(value, str) and _SECONDS.fullmatch(text := value.strip().lower().replace(" ", "")):
         seconds = float(text)
     elif isinstance(value, str) and text and _DURATION_PARTS.sub("", text) == "":
         seconds = sum(float(n) * _UNITS[u] for n, u in _DURATION_PARTS.findall(text))
@@ -137,7 +137,7 @@ class JobSpec(_Strict):
     def _step_range(cls, v: Any) -> Any:
         if v is None:
             return v
-        m = PROFILE_STEPS.match(str(v).strip())
+        m = PROFILE_STEPS.fullmatch(str(v).strip())
         if not m:
             raise ValueError(f"{v!r} is not a range of steps; write FIRST-LAST, e.g. 100-110")
         first, last = int(m[1]), int(m[2])
@@ -355,7 +355,7 @@ def migrate_legacy(raw: Mapping[str, Any], *, migrate: bool, on_event: EventSink
     raw = dict(raw)
     legacy = [k for k in _LEGACY_KEYS if k in raw and not (k == "api_version" and str(raw[k]) == "v2")]
     runtime = raw.get("runtime_version")
-    if isinstance(runtime, str) and _LEGACY_RUNTIME.match(runtime):
+    if isinstance(runtime, str) and _LEGACY_RUNTIME.fullmatch(runtime):
         legacy.append("runtime_version")
     if not legacy:
         raw.pop("api_version", None)
