@@ -1,12 +1,12 @@
 """A tied LM head's softmax cross-entropy as two Pallas TPU kernels: the [tokens, vocab] logits never reach HBM.
 
-What GPT-2's and BERT's losses are on a TPU (layers.use_tpu_kernels), BERT's with its output bias on the
-logits. The logits hidden @ embeddings^T of a [tokens, vocab] head are gpt2-small's largest tensor by far (1.6 GB
-in float32 per device at batch 8), and BERT's [B, predictions, vocab] ones were where its step's memory peaked
-under remat. Under XLA every pass over them (the matmul's output, the softmax's reductions, the backward's
-recompute and gradient) is a round trip through HBM: the blocked XLA head this replaced (a block of positions at
-a time, each recomputed for the backward) kept them from existing whole, not from being written and read. Here
-each [token block, vocab block] tile of logits lives in the TensorCore's on-chip
+What GPT-2's loss is on a TPU (layers.use_tpu_kernels), and BERT's under a remat policy, with its output bias on
+the logits (layers.TiedHeadTrainer). The logits hidden @ embeddings^T of a [tokens, vocab] head are gpt2-small's
+largest tensor by far (1.6 GB in float32 per device at batch 8), and BERT's [B, predictions, vocab] ones cost it up to
+5% of its step's bytes. Under XLA every pass over them (the matmul's output, the softmax's reductions, the
+backward's recompute and gradient) is a round trip through HBM: the blocked XLA head this replaced (a block of
+positions at a time, each recomputed for the backward) kept them from existing whole, not from being written and
+read. Here each [token block, vocab block] tile of logits lives in the TensorCore's on-chip
 memory (VMEM) only, as splash attention does for attention scores:
 
 - forward, one pass over the vocabulary per token block (the vocabulary axis innermost): an online log-sum-exp

@@ -49,8 +49,8 @@ published models' maths; what changes is how much random-number and projection w
 On a TPU (`use_tpu_kernels`: the trainer declares it there, `tpuctl fit` when it compiles for one), where the
 TPU compiler is the judge (bench/tpu_compile.py): attention runs Pallas' splash attention kernel, its
 probabilities not dropped out (use_tpu_kernels says why), so the [B, heads, L, L] scores never reach HBM, and
-GPT-2's and BERT's losses and accuracies run the tied head through two Pallas kernels (`TiedHeadTrainer`,
-`fused_softmax_cross_entropy`), so the [tokens, vocab] logits never reach HBM. Under a remat policy there,
+GPT-2's loss and accuracy (and BERT's, under a remat policy) run the tied head through two Pallas kernels
+(`TiedHeadTrainer`, `fused_softmax_cross_entropy`), so the [tokens, vocab] logits never reach HBM. Under a remat policy there,
 `projection` has each projection's gradients computed together as soon as they can be, so that no layer's
 upstream gradient waits in HBM for the optimizer.
 Everything written for TensorFlow without XLA below is off there by construction.
