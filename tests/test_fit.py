@@ -414,7 +414,8 @@ def bias_gradients_scheduled_for_a_tpu_under_remat() -> str:
     # Each owner's bias gradients together, the owners in the backward pass's order.
     order = [owner for owner, _ in itertools.groupby(reduced)]
     assert order == ["layer2_attention", "layer1_attention", "layer0_attention"], reduced
-    head = [line for line in entry if 'custom_call_target="tpu_custom_call"' in line and "shard_map/pallas_call" in line]
+    head = [line for line in entry
+            if 'custom_call_target="tpu_custom_call"' in line and "shard_map/pallas_call" in line]
     assert len(head) == 2 and "f32[8,1024]" in head[1], head  # the forward; the embeddings' and bias's gradients
     logits = re.compile(r"\[16,20,1024\]|\[320,1024\]")  # [B, predictions, vocab] a device, or flattened
     assert not any(logits.search(line) for line in entry), "the logits are in the program"

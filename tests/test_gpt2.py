@@ -250,8 +250,8 @@ def fused_head_matches_the_cross_entropy() -> str:
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-4)
         np.testing.assert_array_equal(correct, want_correct)
         assert 0 < want_correct[:60].sum() < 60  # the tied rows' labels: the first index right, the copies wrong
-        want, got = (jax.grad(lambda h, e, b: jnp.sum(f(h, e, b)[0] * weights), argnums=(0, 1, 2))(hidden, embeddings, b)
-                     for f in (whole, fused))
+        want, got = (jax.grad(lambda h, e, b: jnp.sum(f(h, e, b)[0] * weights), argnums=(0, 1, 2))(
+                         hidden, embeddings, b) for f in (whole, fused))
         assert (got[2] is None) == (b is None)
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)

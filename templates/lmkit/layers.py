@@ -50,9 +50,9 @@ On a TPU (`use_tpu_kernels`: the trainer declares it there, `tpuctl fit` when it
 TPU compiler is the judge (bench/tpu_compile.py): attention runs Pallas' splash attention kernel, its
 probabilities not dropped out (use_tpu_kernels says why), so the [B, heads, L, L] scores never reach HBM, and
 GPT-2's loss and accuracy (and BERT's, under a remat policy) run the tied head through two Pallas kernels
-(`TiedHeadTrainer`, `fused_softmax_cross_entropy`), so the [tokens, vocab] logits never reach HBM. Under a remat policy there,
-`projection` has each projection's gradients computed together as soon as they can be, so that no layer's
-upstream gradient waits in HBM for the optimizer.
+(`TiedHeadTrainer`, `fused_softmax_cross_entropy`), so the [tokens, vocab] logits never reach HBM. Under a remat
+policy there, `projection` has each projection's gradients computed together as soon as they can be, so that no
+layer's upstream gradient waits in HBM for the optimizer.
 Everything written for TensorFlow without XLA below is off there by construction.
 
 Without XLA (TensorFlow's graph mode: its CPU and GPU training) every op is a pass over memory and autodiff of a
@@ -478,7 +478,7 @@ def _splash_attention(q, k, v, *, causal: bool, key_mask):
 # recomputes the rest, every matmul included. Between them, tpuctl's "save_residuals" saves the residual stream
 # at each sublayer's boundary (every LayerNormalization's input: GPT-2's stream before each pre-norm, BERT's sums
 # before each post-norm), two such tensors a layer, so that each sublayer's last matmul is not recomputed
-# (bench/RESULTS.md, tpu_compile: bert-128 needs about 10% fewer FLOPs and 5% fewer bytes than under "full").
+# (bench/RESULTS.md, tpu_compile: bert-128 needs about 10% fewer FLOPs and 3% fewer bytes than under "full").
 # templates/lmkit/config.py lists the names.
 REMAT = {
     "none": None,
@@ -647,8 +647,9 @@ def _projection_with_early_gradients():
 def fused_softmax_cross_entropy(labels, hidden, embeddings, bias=None, early_gradients=False):
     """(`softmax_cross_entropy(labels, logits)`, `top_one_correct(labels, logits)`) per token of `hidden`
     [B, L, h], where logits = hidden @ embeddings^T (+ `bias` [V], a tied head's output bias, if any), by
-    fused_head's Pallas kernels (`early_gradients`: under remat, fused_head says why): each tile of logits stays in the TPU's on-chip memory, so the [B, L, V] logits
-    (gpt2-small's largest tensor, 1.6 GB in float32 per device at batch 8) and their gradient never reach HBM.
+    fused_head's Pallas kernels (`early_gradients`: under remat, fused_head says why): each tile of logits stays
+    in the TPU's on-chip memory, so the [B, L, V] logits (gpt2-small's largest tensor, 1.6 GB in float32 per
+    device at batch 8) and their gradient never reach HBM.
     What the TPU runs (tpu_target). Per device under shard_map over the mesh's batch axis, as splash attention
     (XLA cannot partition a Pallas kernel); in Pallas' interpreter where the devices are not a TPU's (tests).
     JAX only."""
