@@ -55,6 +55,10 @@ from .ssh import Fleet, Target
 
 TAIL_LINES = 20
 UNREACHABLE_POLLS = 3  # consecutive polls a READY node's worker may not answer before it counts as lost
+# How long the log streams may take to deliver what a job that ended on every worker wrote last. Its logs are
+# finite then (each tail ends with the agent), but a stream can still be connecting: a short job on a node just
+# recreated can finish before its first line arrives, and cutting it off loses the run's last step.
+LOG_DRAIN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -658,6 +662,7 @@ class Pipeline:
         async with Fleet(targets, key, deadline_s=max(10.0, self.opts.poll_s * 5), on_event=self.emit) as fleet:
             follower = asyncio.create_task(stream(fleet))
             unreachable = 0
+            ended = False  # the job exited on every worker: its logs end, so they are read to the end
             try:
                 while True:
                     if self.cancel.is_set() or self.emit.failure is not None:
@@ -674,6 +679,7 @@ class Pipeline:
                     if failed:
                         return Verdict.JOB_FAILED, failed[0]
                     if all(s.done for s in states):
+                        ended = True
                         return Verdict.SUCCEEDED, None
                     if workers_lost:
                         # Every worker answers on a READY node, but the job's processes are gone: the node was
@@ -693,9 +699,10 @@ class Pipeline:
                     # The log streams end when every job process exited: poll at once then, not a tick later.
                     await asyncio.wait([follower], timeout=self.opts.poll_s)
             finally:
-                # Let the streams print what the workers wrote last, briefly, then stop them.
+                # Let the streams print what the workers wrote last (briefly where a worker may still be writing
+                # or gone), then stop them.
                 try:
-                    await asyncio.wait_for(asyncio.shield(follower), timeout=0.5)
+                    await asyncio.wait_for(asyncio.shield(follower), timeout=LOG_DRAIN_S if ended else 0.5)
                 except (asyncio.TimeoutError, Exception):
                     follower.cancel()
 

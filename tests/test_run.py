@@ -106,6 +106,39 @@ def test_run_trains_on_every_worker_and_tears_down(tpc, cloud, project, tmp_path
     assert o.last_step_to_delete_s is not None and o.last_step_to_delete_s <= 10
 
 
+def test_a_log_stream_that_lags_the_job_still_reports_its_last_step(tpc, cloud, project, monkeypatch):
+    """CI (2 cores, loaded) saw a recovered run succeed at step 8 of 30: on the recreated node the short job
+    ended on every worker before the new stream's first line arrived, and the watch cut the stream off after
+    0.5 s. Here every stream starts 1.5 s after the poll found the job done everywhere."""
+    import asyncio
+
+    from tpuctl.jobs import launch, logs
+
+    ended: dict[int, asyncio.Event] = {}
+    real_poll, real_follow = launch.poll, logs.follow
+
+    def ended_event() -> asyncio.Event:  # one per event loop: each watch runs its own
+        return ended.setdefault(id(asyncio.get_running_loop()), asyncio.Event())
+
+    async def poll(fleet, run):
+        states = await real_poll(fleet, run)
+        if all(s.done for s in states):
+            ended_event().set()
+        return states
+
+    async def late_follow(fleet, run, sink, **kw):
+        await ended_event().wait()
+        await asyncio.sleep(1.5)
+        return await real_follow(fleet, run, sink, **kw)
+
+    monkeypatch.setattr(launch, "poll", poll)
+    monkeypatch.setattr(logs, "follow", late_follow)
+    spec = spec_mod.from_mapping(_spec("lag-run", accelerator="v3-8"))
+    o = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5)).run()
+    assert o.state == "succeeded" and o.step == 15 and o.loss is not None
+    assert _zero(cloud, project)
+
+
 @pytest.mark.slow  # fast tier: a failed run tearing down: test_max_recoveries_zero_fails_on_preemption_and_tears_down
 def test_run_job_failure_stops_all_tears_down_and_shows_the_log(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("bad-run", trainer={"max_steps": 500, "fail_at_step": 4, "fail_worker": 2}))
