@@ -1,8 +1,8 @@
 """Streaming the job's log from every worker, worker-prefixed, resuming at the byte offset after a drop.
 
-Each worker's stream counts the bytes it received; when the SSH connection drops it reconnects (with the
-connect deadline and backoff of `ssh.connect`) and asks for the log from that byte on, so no line is lost
-or printed twice.
+Each worker's stream counts the bytes of the lines it delivered, whole; when the SSH connection drops it
+reconnects (with the connect deadline and backoff of `ssh.connect`) and asks for the log from that byte on, as a
+later `follow` with the same cursor does after a cancel, so no line is lost, cut or printed twice.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ class Cursor:
 
 
 async def _stream(fleet: Fleet, index: int, run: str, sink: Sink, cursor: Cursor, follow: bool) -> None:
-    pending = b""
     while True:
+        # The cursor counts the lines delivered, whole: a line cut off by a drop, or by a cancel, is read again.
+        pending = b""
         offset = cursor.offsets.get(index, 0)
         try:
             conn = await fleet.connection(index)
@@ -38,10 +39,10 @@ async def _stream(fleet: Fleet, index: int, run: str, sink: Sink, cursor: Cursor
                     chunk = await proc.stdout.read(65536)
                     if not chunk:
                         break
-                    cursor.offsets[index] = cursor.offsets.get(index, 0) + len(chunk)
                     pending += chunk
                     *lines, pending = pending.split(b"\n")
                     for line in lines:
+                        cursor.offsets[index] = cursor.offsets.get(index, 0) + len(line) + 1
                         sink(index, line.decode("utf-8", "replace"))
                 await proc.wait()
         except (asyncssh.ConnectionLost, asyncssh.DisconnectError, asyncssh.ChannelOpenError, OSError):
@@ -49,6 +50,7 @@ async def _stream(fleet: Fleet, index: int, run: str, sink: Sink, cursor: Cursor
             await fleet.connection(index, fresh=True)
             continue
         if pending:
+            cursor.offsets[index] = cursor.offsets.get(index, 0) + len(pending)
             sink(index, pending.decode("utf-8", "replace"))
         return
 

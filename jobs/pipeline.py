@@ -663,6 +663,7 @@ class Pipeline:
             follower = asyncio.create_task(stream(fleet))
             unreachable = 0
             ended = False  # the job exited on every worker: its logs end, so they are read to the end
+            failed_worker: int | None = None  # its log ends too, and its last lines are the failure's hint
             try:
                 while True:
                     if self.cancel.is_set() or self.emit.failure is not None:
@@ -677,6 +678,7 @@ class Pipeline:
                     if (failed or workers_lost) and (lost := await self._node_not_ready()):
                         return lost, None
                     if failed:
+                        failed_worker = failed[0].index
                         return Verdict.JOB_FAILED, failed[0]
                     if all(s.done for s in states):
                         ended = True
@@ -705,6 +707,12 @@ class Pipeline:
                     await asyncio.wait_for(asyncio.shield(follower), timeout=LOG_DRAIN_S if ended else 0.5)
                 except (asyncio.TimeoutError, Exception):
                     follower.cancel()
+                if failed_worker is not None:  # the rest of its log, from where its stream stopped
+                    try:
+                        await asyncio.wait_for(logs.follow(fleet, rec.run, self.stream, follow=False,
+                                                           workers=[failed_worker], cursor=self.cursor), LOG_DRAIN_S)
+                    except (asyncio.TimeoutError, TpuctlError):
+                        pass  # the hint then names the log in the bucket, which the agent copies there
 
     @staticmethod
     async def _workers_accept_ssh(fleet: Fleet) -> bool:

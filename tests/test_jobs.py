@@ -372,6 +372,62 @@ def test_a_sigterm_no_cancel_asked_for_is_the_machine_going_down_not_the_job_end
     assert status["state"] == "running" and status["exit_code"] is None, status
 
 
+def test_a_log_line_cut_off_by_a_cancel_is_read_again_whole():
+    """The cursor counts whole lines: a stream cancelled mid-line (the watch stops its streams when the job ends)
+    leaves the line's start to the next read, which delivers it whole, once."""
+    log = b"one\ntwo\nthree\n"
+
+    class Proc:
+        def __init__(self, data: bytes, stall: bool):
+            self.chunks, self.stall = [data], stall
+
+        async def read(self, _n):
+            if self.chunks:
+                return self.chunks.pop()
+            if self.stall:  # a follower waiting for more
+                await asyncio.Event().wait()
+            return b""
+
+        async def wait(self):
+            return None
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        @property
+        def stdout(self):
+            return self
+
+    class Conn:
+        def create_process(self, command, encoding=None):
+            start = int(re.search(r"tail -c \+(\d+)", command).group(1)) - 1
+            following = "--pid" in command
+            return Proc(log[start:len("one\ntwo\nthr")] if following else log[start:], stall=following)
+
+    class Fleet1:
+        targets = [type("T", (), {"index": 0})()]
+
+        async def connection(self, index, *, fresh=False):
+            return Conn()
+
+    lines, cursor = [], logs.Cursor()
+
+    async def go():
+        follower = asyncio.create_task(logs.follow(Fleet1(), "r", lambda w, line: lines.append(line), cursor=cursor))
+        while len(lines) < 2:
+            await asyncio.sleep(0.01)
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        assert cursor.offsets == {0: len("one\ntwo\n")}
+        await logs.follow(Fleet1(), "r", lambda w, line: lines.append(line), follow=False, cursor=cursor)
+
+    asyncio.run(go())
+    assert lines == ["one", "two", "three"] and cursor.offsets == {0: len(log)}
+
+
 def test_logs_follow_resumes_at_offset_after_ssh_drop(tmp_path, slice4, storage):
     run = "drops"
     # No checkpoint before the end: worker 0's agent uploads the model dir every heartbeat and each agent

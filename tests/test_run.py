@@ -139,6 +139,32 @@ def test_a_log_stream_that_lags_the_job_still_reports_its_last_step(tpc, cloud, 
     assert _zero(cloud, project)
 
 
+def test_a_failed_workers_last_lines_reach_the_error_however_late_its_stream(tpc, cloud, project, monkeypatch):
+    """The job fails on worker 2 while the log streams are still to start: the error's hint still carries the
+    worker's last line (its log is read to the end once the job failed), and no line twice."""
+    import asyncio
+
+    from tpuctl.jobs import logs
+
+    real_follow = logs.follow
+
+    async def stalled_follow(fleet, run, sink, *, follow=True, **kw):
+        if follow:  # the watch's streams: never get going (the read of a failed worker's log is not one)
+            await asyncio.Event().wait()
+        return await real_follow(fleet, run, sink, follow=follow, **kw)
+
+    monkeypatch.setattr(logs, "follow", stalled_follow)
+    spec = spec_mod.from_mapping(_spec("lag-fail", accelerator="v3-8",
+                                       trainer={"max_steps": 500, "fail_at_step": 4, "fail_worker": 0}))
+    p = Pipeline(tpc, spec, options=RunOptions(yes=True, poll_s=0.5))
+    with pytest.raises(JobFailed) as e:
+        p.run()
+    assert "worker 0" in str(e.value) and "boom at step 4" in e.value.hint
+    tail = p.outcome.tail
+    assert tail and len(tail) == len(set(tail)), tail
+    assert _zero(cloud, project)
+
+
 @pytest.mark.slow  # fast tier: a failed run tearing down: test_max_recoveries_zero_fails_on_preemption_and_tears_down
 def test_run_job_failure_stops_all_tears_down_and_shows_the_log(tpc, cloud, project):
     spec = spec_mod.from_mapping(_spec("bad-run", trainer={"max_steps": 500, "fail_at_step": 4, "fail_worker": 2}))
