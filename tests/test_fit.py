@@ -158,7 +158,7 @@ def remat_trains_the_same() -> str:
         runs[policy] = losses, [np.asarray(w) for w in trainer.weights]
     (want, want_weights) = runs.pop("none")
     assert want[-1] < want[0]
-    remat_keeps_only_what_its_policy_names(trainer, task)
+    remat_keeps_only_what_its_policy_names(task)
     for policy, (got, got_weights) in runs.items():
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=policy)
         for a, b in zip(got_weights, want_weights):
@@ -167,35 +167,48 @@ def remat_trains_the_same() -> str:
     return keras.backend.backend()
 
 
-def remat_keeps_only_what_its_policy_names(trainer, task) -> None:
-    """Under "full" the backward pass reads nothing of the forward's but each layer's input (LayerInput) and the
-    dropout seeds, and under "save_residuals" each LayerNormalization's input instead (two a block, and the final
-    norm's): every matmul, attention and GELU output is recomputed, under "full" each sublayer's last matmul too."""
+def remat_keeps_only_what_its_policy_names(task) -> None:
+    """What a transformer layer keeps for the backward pass (the residuals of a model one layer deeper, less the
+    model's): under "full" its input alone (its checkpoint's, unnamed) and its dropout seeds; under
+    "save_residuals" its two LayerNormalizations' inputs instead. Every matmul, attention and GELU output is
+    recomputed, under "full" each sublayer's last matmul too. Each layer is its own checkpoint, the embeddings and
+    the head are in none (use_remat)."""
+    import collections
     import contextlib
+    import dataclasses
     import io
 
     import jax
     import numpy as np
 
+    from tpuctl.templates.gpt2.model import CausalLMTrainer, build_model
     from tpuctl.templates.lmkit import layers
 
-    weights = [v.value for v in trainer.trainable_variables]
-    others = [v.value for v in trainer.non_trainable_variables]
-
-    def hidden(weights, ids):
-        return trainer.stateless_call(weights, others, {"input_ids": ids}, training=True)[0]["hidden"]
-
-    shape = f"[4,{task.seq_len},{task.hidden_size}]"
-    for policy, name, count in (("full", "layer_input", task.num_layers),
-                                ("save_residuals", "norm_input", 2 * task.num_layers + 1)):
+    def kept(task, policy):
+        trainer = CausalLMTrainer(build_model(task, vocab_size=50))
         layers.use_remat(trainer, policy)
+        weights = [v.value for v in trainer.trainable_variables]
+        others = [v.value for v in trainer.non_trainable_variables]
+
+        def hidden(weights, ids):
+            return trainer.stateless_call(weights, others, {"input_ids": ids}, training=True)[0]["hidden"]
+
+        ids = np.zeros((4, task.seq_len), "int32")
+        forward = jax.make_jaxpr(hidden)(weights, ids).jaxpr
+        assert sum("policy" in e.params for e in forward.eqns) == task.num_layers, policy  # jax.checkpoint's
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):  # JAX says what a vjp keeps only by printing it
-            jax.ad_checkpoint.print_saved_residuals(hidden, weights, np.zeros((4, task.seq_len), "int32"))
-        kept = [line for line in printed.getvalue().splitlines() if "from the argument" not in line]
-        activations = [line for line in kept if not line.startswith("u32[2] ")]  # the dropout layers' seeds
-        assert len(activations) == count, (policy, kept)
-        assert all(shape in line and f"named '{name}'" in line for line in activations), (policy, kept)
+            jax.ad_checkpoint.print_saved_residuals(hidden, weights, ids)
+        return [line for line in printed.getvalue().splitlines() if "from the argument" not in line]
+
+    deeper = dataclasses.replace(task, num_layers=task.num_layers + 1)
+    for policy, named, count in (("full", None, 1), ("save_residuals", "norm_input", 2)):
+        less, more = kept(task, policy), kept(deeper, policy)
+        added = [line for line in (collections.Counter(more) - collections.Counter(less)).elements()
+                 if not line.startswith("u32[2] ")]  # not the layer's dropout seeds
+        assert len(added) == count, (policy, added)
+        assert all(f"[4,{task.seq_len},{task.hidden_size}]" in line for line in added), (policy, added)
+        assert all((f"named '{named}'" in line) if named else (" named " not in line) for line in added), added
 
 
 @pytest.mark.slow  # four tiny trainings, each jit-compiled for the CPU: about a minute on 2 idle cores

@@ -28,7 +28,7 @@ from .shared import lmkit
 _layers = lmkit("layers")
 Dropout, LayerNormalization, SelfAttention = _layers.Dropout, _layers.LayerNormalization, _layers.SelfAttention
 gelu, tensorflow_without_xla = _layers.gelu, _layers.tensorflow_without_xla
-LayerInput, PositionEmbedding = _layers.LayerInput, _layers.PositionEmbedding
+HeadInput, LayerInput, PositionEmbedding = _layers.HeadInput, _layers.LayerInput, _layers.PositionEmbedding
 
 _INIT = {"class_name": "TruncatedNormal", "config": {"stddev": 0.02}}
 
@@ -107,6 +107,7 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
         f = layers.Dense(h, kernel_initializer=keras.initializers.get(_INIT), name=f"layer{i}_output")(f)
         f = Dropout(task.dropout)(f)
         x = LayerNormalization(epsilon=1e-12, name=f"layer{i}_output_norm")(x + f)
+    x = HeadInput(name="head_input")(x)
     x = GatherPositions(name="masked_positions_gather")(x, positions)
     x = layers.Dense(h, activation=gelu, kernel_initializer=keras.initializers.get(_INIT), name="mlm_transform")(x)
     x = LayerNormalization(epsilon=1e-12, name="mlm_norm")(x)

@@ -21,7 +21,7 @@ from .shared import lmkit
 _layers = lmkit("layers")
 Dropout, LayerNormalization, SelfAttention = _layers.Dropout, _layers.LayerNormalization, _layers.SelfAttention
 TokenLoss, tied_softmax_cross_entropy = _layers.TokenLoss, _layers.tied_softmax_cross_entropy
-LayerInput, PositionEmbedding = _layers.LayerInput, _layers.PositionEmbedding
+HeadInput, LayerInput, PositionEmbedding = _layers.HeadInput, _layers.LayerInput, _layers.PositionEmbedding
 
 STDDEV = 0.02
 
@@ -60,6 +60,7 @@ def build_model(task: TaskConfig, *, vocab_size: int) -> keras.Model:
         residual = _init(STDDEV / math.sqrt(2 * task.num_layers))  # GPT-2's scaled init of residual projections
         f = layers.Dense(h, kernel_initializer=residual, name=f"layer{i}_mlp_out")(f)
         x = x + Dropout(task.dropout)(f)
+    x = HeadInput(name="head_input")(x)
     x = LayerNormalization(epsilon=eps, name="final_norm")(x)
     # The logits in the compute dtype, then float32 (an Activation of dtype float32 casts its input, as Keras'
     # mixed-precision guide does for the last layer): the softmax cross-entropy's precision under mixed_bfloat16.

@@ -471,22 +471,23 @@ def _splash_attention(q, k, v, *, causal: bool, key_mask):
 
 # Remat (activation checkpointing) policies a run can name in trainer.remat_policy, fastest (most HBM) first:
 # MaxText's names and meanings (MaxText/configs/base.yml `remat_policy`, MaxText/layers/decoders.py
-# get_remat_policy): "minimal" saves the matmuls without batch dimensions (the projections and the MLP's) and
-# recomputes everything else for the backward pass (normalisation, GELU, dropout masks, attention);
-# "minimal_with_context" also saves the attention's output ("context"); "full" saves only what each layer starts
-# from (LayerInput: one [B, L, hidden] tensor a layer, as MaxText's per-layer checkpoint keeps its carry) and
-# recomputes the rest, every matmul included. Between them, tpuctl's "save_residuals" saves the residual stream
-# at each sublayer's boundary (every LayerNormalization's input: GPT-2's stream before each pre-norm, BERT's sums
-# before each post-norm), two such tensors a layer, so that each sublayer's last matmul is not recomputed
-# (bench/RESULTS.md, tpu_compile: bert-128 needs about 10% fewer FLOPs and 3% fewer bytes than under "full").
-# templates/lmkit/config.py lists the names.
+# get_remat_policy), each applied, as MaxText's, to every layer under its own checkpoint (use_remat): "minimal"
+# saves the matmuls without batch dimensions (the projections and the MLP's) and recomputes everything else for
+# the backward pass (normalisation, GELU, dropout masks, attention); "minimal_with_context" also saves the
+# attention's output ("context"); "full" saves nothing inside a layer: only what each layer starts from (its
+# checkpoint's input, LayerInput: one [B, L, hidden] tensor a layer) is kept and the rest recomputed, every matmul
+# included. Between them, tpuctl's "save_residuals" saves the residual stream at each sublayer's boundary (every
+# LayerNormalization's input: GPT-2's stream before each pre-norm, BERT's sums before each post-norm), two such
+# tensors a layer, so that each sublayer's last matmul is not recomputed (bench/RESULTS.md, tpu_compile:
+# bert-128 needs about 10% fewer FLOPs and 3% fewer bytes than under "full"). templates/lmkit/config.py lists
+# the names.
 REMAT = {
     "none": None,
     "minimal_with_context": lambda cp: cp.save_from_both_policies(cp.checkpoint_dots_with_no_batch_dims,
                                                                   cp.save_only_these_names("context")),
     "minimal": lambda cp: cp.checkpoint_dots_with_no_batch_dims,
     "save_residuals": lambda cp: cp.save_only_these_names("norm_input"),
-    "full": lambda cp: cp.save_only_these_names("layer_input"),
+    "full": lambda cp: cp.nothing_saveable,
 }
 
 
@@ -494,35 +495,96 @@ _rematted = contextvars.ContextVar("rematted", default=False)  # use_remat's for
 
 
 def use_remat(trainer: keras.Model, policy: str) -> None:
-    """Train `trainer` (Keras' JAX trainer) with remat `policy` (a REMAT name): its forward pass,
-    `stateless_call` (a pure function of the variables and the batch, which Keras differentiates through), runs
-    under jax.checkpoint with that policy, so the backward pass recomputes what the policy does not save instead
-    of reading it from HBM. MaxText checkpoints each decoder layer; here the one checkpoint spans the model,
-    which for these policies saves the same values (each layer's input is the sum of saved matmul outputs,
-    recomputed elementwise; under "full", saved by name), and the compiler schedules the recomputation. The loss
-    stays outside: Keras builds its compiled loss on the first call and keeps what it saw, which inside a
-    checkpoint would leak the trace (GPT-2's TPU head recomputes its tiles itself).
-    "none" restores Keras' own. JAX backend only."""
+    """Train `trainer` (Keras' JAX trainer, a functional model whose transformer layers each start at a
+    LayerInput, the head at a HeadInput) with remat `policy` (a REMAT name): its forward pass runs one checkpoint
+    a layer (the graph's nodes from one LayerInput up to the next, or the HeadInput), each under jax.checkpoint
+    with that policy, so the backward pass recomputes what the policy does not save instead of reading it from
+    HBM, as MaxText checkpoints each decoder layer.
+    A checkpoint's recomputation waits for the gradient of its own output (JAX's transpose of a checkpoint puts
+    its saved inputs and that gradient behind one optimization barrier), so a layer is recomputed when the
+    backward pass reaches it. Under one checkpoint over the model, which saves the same values, the compiler may
+    recompute any layer as soon as the backward pass begins, and tpu7x's did: layer 10 beside layer 11 near the
+    limit, all twelve at once further from it (bert-128 under "full" at 9216 a device: 107.6 GB of HBM with one
+    checkpoint, 97.2 GB with one a layer; bench/RESULTS.md, tpu_compile). The embeddings and the head stay
+    outside, as MaxText's: in a checkpoint the embeddings cost that step 5% more FLOPs, the head 1.5 GB more HBM.
+    The loss stays outside too: Keras builds its compiled loss on the first call and keeps what it saw, which
+    inside a checkpoint would leak the trace (GPT-2's TPU head recomputes its tiles itself). "none" restores
+    Keras' own. JAX backend only."""
     import jax
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
 
-    own = type(trainer).stateless_call.__get__(trainer)
     trainer.remat_policy = policy
+    trainer.__dict__.pop("_run_through_graph", None)  # Keras' own walk of the graph
     if REMAT[policy] is None:
-        trainer.stateless_call = own
         return
     saved = REMAT[policy](jax.checkpoint_policies)
+    own = trainer._run_through_graph
+    segments = _layer_segments(trainer)
 
-    def rematted(*args, **kwargs):
-        token = _rematted.set(True)  # while the forward pass is traced under the checkpoint (projection)
+    def run_through_graph(inputs, operation_fn=lambda op: op, call_fn=None):
+        # A symbolic walk (Keras building or inferring shapes), or a call outside Keras' stateless training step
+        # (where no gradient is taken): nothing to recompute.
+        if call_fn is not None or get_stateless_scope() is None:
+            return own(inputs, operation_fn, call_fn)
+        token = _rematted.set(True)  # while the forward pass is traced under the checkpoints (projection)
         try:
-            return own(*args, **kwargs)
+            return _run_in_checkpoints(trainer, segments, inputs, operation_fn, saved)
         finally:
             _rematted.reset(token)
 
-    def stateless_call(*args, **kwargs):  # keyword arguments (training, return_losses: Python bools) stay static
-        return jax.checkpoint(lambda *a: rematted(*a, **kwargs), policy=saved)(*args)
+    trainer._run_through_graph = run_through_graph
 
-    trainer.stateless_call = stateless_call
+
+def _layer_segments(functional) -> list[tuple[bool, list, list, list]]:
+    """`functional`'s nodes in Keras' order of execution, cut before each LayerInput and the HeadInput: per segment
+    whether it is a transformer layer (it starts at a LayerInput), its nodes, the ids of the tensors it reads from
+    before it (the model's inputs among them) and of those it makes that a later segment or the model's outputs
+    read."""
+    nodes = [node for depth in sorted(functional._nodes_by_depth, reverse=True)
+             for node in functional._nodes_by_depth[depth] if node.operation and not node.is_input]
+    cuts = [i for i, node in enumerate(nodes) if isinstance(node.operation, (LayerInput, HeadInput))]
+    if not cuts:
+        raise ValueError(f"{functional.name} has no LayerInput: remat checkpoints one transformer layer at a time")
+    bounds = [0, *(c for c in cuts if c), len(nodes)]
+    parts = [nodes[a:b] for a, b in zip(bounds, bounds[1:])]
+    made = [{id(t) for node in part for t in node.outputs} for part in parts]
+    read = [list(dict.fromkeys(id(t) for node in part for t in node.input_tensors)) for part in parts]
+    wanted = {id(t) for t in functional.outputs}
+    segments = []
+    for i, part in enumerate(parts):
+        later = wanted.union(*read[i + 1:])
+        segments.append((isinstance(part[0].operation, LayerInput), part, [t for t in read[i] if t not in made[i]],
+                         [t for t in dict.fromkeys(id(t) for node in part for t in node.outputs) if t in later]))
+    return segments
+
+
+def _run_in_checkpoints(functional, segments, inputs, operation_fn, policy):
+    """Keras' Functional._run_through_graph (the same nodes, in the same order, each called through
+    `operation_fn`) with each transformer layer (_layer_segments) under jax.checkpoint(policy), inside a Keras
+    stateless scope (a trainer's stateless call). A variable a layer assigns (a dropout layer's seed) leaves its
+    checkpoint as an output and is assigned again outside it, or the scope would keep a value of the checkpoint's
+    trace."""
+    import jax
+    from keras import tree
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    values = {id(x): y for x, y in zip(functional.inputs, tree.flatten(inputs))}
+    scope = get_stateless_scope()
+    for layer, nodes, reads, makes in segments:
+
+        def segment(*given, nodes=nodes, reads=reads, makes=makes):
+            local, before = dict(zip(reads, given)), dict(scope.state_mapping)
+            for node in nodes:
+                args, kwargs = node.arguments.fill_in(local)
+                outputs = operation_fn(node.operation)(*args, **kwargs)
+                local.update(zip((id(t) for t in node.outputs), tree.flatten(outputs)))
+            assigned = {k: v for k, v in scope.state_mapping.items() if before.get(k) is not v}
+            return [local[t] for t in makes], assigned
+
+        made, assigned = (jax.checkpoint(segment, policy=policy) if layer else segment)(*(values[t] for t in reads))
+        values.update(zip(makes, made))
+        scope.state_mapping.update(assigned)
+    return tree.pack_sequence_as(functional._outputs_struct, [values[id(x)] for x in functional.outputs])
 
 
 def _scatter_sub(x, labels, values):
@@ -813,16 +875,21 @@ class AdamW(keras.optimizers.AdamW):
 
 @keras.saving.register_keras_serializable(package="tpuctl")
 class LayerInput(layers.Layer):
-    """The identity, on what a transformer layer starts from: the one value of a layer that remat policy "full"
-    keeps for the backward pass (REMAT), which recomputes everything else of the layer from it. Outside a
-    checkpoint, and off JAX, a no-op."""
+    """The identity, on what a transformer layer starts from: where use_remat begins a layer's checkpoint, so the
+    one value of a layer that remat policy "full" keeps for the backward pass (REMAT), which recomputes
+    everything else of the layer from it."""
 
     def call(self, inputs):
-        if keras.backend.backend() != "jax":
-            return inputs
-        import jax
+        return inputs
 
-        return jax.ad_checkpoint.checkpoint_name(inputs, "layer_input")
+
+@keras.saving.register_keras_serializable(package="tpuctl")
+class HeadInput(layers.Layer):
+    """The identity, on what the last transformer layer hands the head: where use_remat ends that layer's
+    checkpoint."""
+
+    def call(self, inputs):
+        return inputs
 
 
 @keras.saving.register_keras_serializable(package="tpuctl")
