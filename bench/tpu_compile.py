@@ -35,6 +35,11 @@ compiled by MaxText's own `train_compile` in a virtualenv of its own (maxtext 0.
 jax and libtpu than the templates pin: a `python3.12`/`python3.13` on PATH, in pyenv's versions, or
 MAXTEXT_PYTHON), and beside it tpuctl's template compiled by that same jax and libtpu, so the two rows it is
 compared with come from one compiler.
+
+`--ablate NAME,...` (BERT) also compiles tpuctl's side with one part of the step taken out, to show where its bytes
+go by the compiler's own count: each NAME is a patch in bench/tpu_ablations/ (its first lines say what it
+removes: attention, ffn, norms, adamw, splash), applied to a copy of the templates; a row per ablation, and what
+the step loses without it.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ MAXTEXT_SIDES = ("maxtext", "tpuctl (maxtext's compiler)")
 MAXTEXT_VERSION = "0.2.5"
 MAXTEXT_VENV = CACHE.parent / "maxtext" / "venv"
 MAXTEXT_STAMP = MAXTEXT_VENV / "tpuctl-bench-maxtext.json"  # what maxtext_python() installed: its versions
+ABLATIONS = BENCH / "tpu_ablations"  # --ablate: NAME.patch, a diff against the repository's templates/
 
 
 # ------------------------------------------------------------------------------------ the compiling process
@@ -313,6 +319,23 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: int, 
     return row
 
 
+def ablated_templates(templates: str, name: str) -> str:
+    """A copy of `templates` with bench/tpu_ablations/NAME.patch applied (fresh each call, under the cache's
+    parent): the templates directory to compile. Exits naming the patch where it no longer applies."""
+    patch = ABLATIONS / f"{name}.patch"
+    if not patch.is_file():
+        raise SystemExit(f"--ablate {name}: no {patch}; there are: "
+                         f"{', '.join(sorted(p.stem for p in ABLATIONS.glob('*.patch')))}")
+    root = CACHE.parent / "ablated" / name
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(templates, root / "templates", ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run(["git", "apply", str(patch)], cwd=root, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"--ablate {name}: {patch} does not apply to {templates} (the templates changed since "
+                         f"it was written: update it):\n{proc.stderr}")
+    return str(root / "templates")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerators", default="v5litepod-4",
@@ -329,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="tpuctl's templates from this directory (e.g. an earlier commit's, for a before/after)")
     parser.add_argument("--maxtext", action="store_true",
                         help="also MaxText's step of the gpt2 models, and tpuctl's by MaxText's compiler")
+    parser.add_argument("--ablate", default="", metavar="NAME,...",
+                        help="BERT: also tpuctl's step without each named part (bench/tpu_ablations/NAME.patch)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -347,12 +372,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.maxtext and maxtext_python() is None:
         parser.error("--maxtext needs a Python >= 3.12 for MaxText's virtualenv: none on PATH nor in pyenv's "
                      "versions; name one with MAXTEXT_PYTHON")
+    ablations = [name for name in args.ablate.split(",") if name]
+    if ablations and any(MODELS[model][0] != "bert" for model in args.models.split(",")):
+        parser.error("--ablate: the patches in bench/tpu_ablations change BERT's template; --models bert-128,bert-512")
     for model in args.models.split(","):
         for accelerator in args.accelerators.split(","):
             sides = SIDES + (MAXTEXT_SIDES if args.maxtext and MODELS[model][0] == "gpt2" else ())
             rows = {side: measure(side, model, accelerator, args.layers, args.largest, args.templates,
                                   variant)
                     for side in sides}
+            for name in ablations:
+                rows[f"tpuctl without {name}"] = {**measure("tpuctl", model, accelerator, args.layers, 0,
+                                                            ablated_templates(args.templates, name), variant),
+                                                  "side": f"tpuctl without {name}"}
             for r in rows.values():
                 label = ", ".join([f"{args.layers} layers"] * bool(args.layers)
                                   + [f"{k} {v}" for k, v in variant.items()])
@@ -364,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
             ratios.append(f"{model} {accelerator}: HBM {ours['hbm'] / theirs['hbm']:.2f}x (goal <= 0.6), est. step "
                           f"{ours['step_s'] / theirs['step_s']:.2f}x (goal <= 0.75), bytes "
                           f"{ours['bytes'] / theirs['bytes']:.2f}x, compiled FLOPs {ours['flops'] / theirs['flops']:.2f}x")
+            for name in ablations:
+                cut = rows[f"tpuctl without {name}"]
+                ratios.append(f"{model} {accelerator} without {name}: bytes {cut['bytes'] / 1e9:.2f} GB, "
+                              f"{cut['bytes'] / ours['bytes'] - 1:+.0%} against tpuctl's {ours['bytes'] / 1e9:.2f}; "
+                              f"HBM {cut['hbm'] / 1e9:.2f} GB; compiled FLOPs {cut['flops'] / ours['flops']:.2f}x")
             if "maxtext" in rows:
                 ours, theirs = rows[MAXTEXT_SIDES[1]], rows["maxtext"]
                 ratios.append(f"{model} {accelerator}, against MaxText (one compiler: {maxtext_versions()}): est. step "

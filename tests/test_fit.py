@@ -33,6 +33,25 @@ JSON_KEYS = {"fits", "hbm_per_chip_bytes", "hbm_capacity_bytes", "max_per_chip_b
              "est_cost_usd", "topology", "jax", "libtpu"}
 
 
+def test_the_benchs_ablations_each_take_their_part_out_of_todays_templates(monkeypatch, tmp_path):
+    # bench/tpu_compile.py --ablate applies diffs to a copy of the templates: one that no longer applies (or no
+    # longer changes anything) would leave RESULTS' "where the bytes go" unreproducible without saying so.
+    spec = importlib.util.spec_from_file_location("tpu_compile", EXAMPLES.parent / "bench" / "tpu_compile.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "CACHE", tmp_path / "cache" / "tpu_compile")
+    templates = EXAMPLES.parent / "templates"
+    names = sorted(p.stem for p in bench.ABLATIONS.glob("*.patch"))
+    assert names == ["adamw", "attention", "ffn", "norms", "splash"]
+    for name in names:
+        ablated = Path(bench.ablated_templates(str(templates), name))
+        changed = [f.relative_to(ablated) for f in ablated.rglob("*.py")
+                   if f.read_bytes() != (templates / f.relative_to(ablated)).read_bytes()]
+        assert len(changed) == 1, (name, changed)
+    with pytest.raises(SystemExit, match="no .*nothing.patch; there are: adamw, attention"):
+        bench.ablated_templates(str(templates), "nothing")
+
+
 def test_without_the_compiler_an_analytic_estimate_and_one_line(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError, as where it is absent
     monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
