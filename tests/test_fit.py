@@ -441,8 +441,11 @@ def bias_gradients_scheduled_for_a_tpu_under_remat() -> str:
     target = compile_target(config, devices=devices, vocab_size=1024, objective=train.MASKED_LM)
     program = target["step"].lower(target["state"], target["batch"](16)).compile().as_text()
     entry = program[program.index("\nENTRY"):].splitlines()  # scheduled: instructions in the order they run
-    reduced = [found.group(1) for line in entry if " reduce(" in line
-               for found in [re.search(r'op_name="[^"]*?(layer\d+_attention|token_embedding)/', line)] if found]
+    # A bias's gradient is the sum of its upstream gradient (autodiff's reduce_sum), fused with its kernel's
+    # gradient: the instructions that compute it or hand it on, wherever the compiler fused it.
+    reduced = [found.group(1) for line in entry
+               for found in [re.search(r'op_name="[^"]*?(layer\d+_attention)/transpose\(jvp\(\)\)/reduce_sum', line)]
+               if found]
     # Each owner's bias gradients together, the owners in the backward pass's order.
     order = [owner for owner, _ in itertools.groupby(reduced)]
     assert order == ["layer2_attention", "layer1_attention", "layer0_attention"], reduced

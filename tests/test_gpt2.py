@@ -295,7 +295,8 @@ def head_lowered_for_a_tpu() -> str:
 def tpu_attention_matches_xlas() -> str:
     """(In a fresh JAX interpreter.) SelfAttention's TPU form (use_tpu_kernels: its projections as einsums into and
     out of heads-first [B, heads, L, head_dim], the splash kernel in Pallas' interpreter) computes what its XLA
-    form does, causal and with a key mask, and so do the gradients of its input and of its eight weights."""
+    form does, causal and with a key mask, and so do the gradients of its input and of its eight weights: with
+    q, k and v three einsums, and one of the stacked kernels (FUSED_QKV: a tpu7x's form, here on the CPU)."""
     from tpuctl.templates import aot
 
     aot.compile_only()
@@ -309,7 +310,11 @@ def tpu_attention_matches_xlas() -> str:
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(batch, length, heads * head_dim)), "float32")
     key_mask = jnp.asarray(np.arange(length)[None, :] < np.array([[length], [90]]), "int32")  # one padded
-    for causal, mask in ((True, None), (False, key_mask)):
+    fused_kinds = layers.FUSED_QKV
+    cases = [(causal, mask, fused) for fused in ((), (jax.devices()[0].device_kind,))
+             for causal, mask in ((True, None), (False, key_mask))]
+    for causal, mask, fused in cases:
+        layers.FUSED_QKV = fused
         layer = layers.SelfAttention(heads, head_dim, causal=causal, seed=1)
         layer.build(x.shape)
         weights = [jnp.asarray(rng.normal(size=v.shape) * 0.1, "float32") for v in layer.trainable_variables]
@@ -327,7 +332,8 @@ def tpu_attention_matches_xlas() -> str:
             layers.use_tpu_kernels(None)
         xla = jax.value_and_grad(loss, argnums=(0, 1))(weights, x)
         for a, b in zip(jax.tree.leaves(tpu), jax.tree.leaves(xla)):
-            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=f"causal={causal}")
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=f"causal={causal}, fused={fused}")
+    layers.FUSED_QKV = fused_kinds
     return "jax"
 
 

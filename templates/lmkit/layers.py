@@ -362,14 +362,22 @@ class SelfAttention(layers.Layer):
 
     def _tpu_call(self, x, key_mask):
         """`call` on a TPU (use_tpu_kernels): the splash kernel, whose probabilities are not dropped out
-        (use_tpu_kernels says why). Each projection is its own einsum straight into or out of the kernel's
-        [B, heads, L, head_dim], as MultiHeadAttention writes them: the TPU compiler lays a matmul's output out as
-        its consumer wants, where the one [hidden, 3 hidden] matmul's split, reshape and transpose to heads-first
-        were layout copies of [B, L, hidden], forward and backward (bench/RESULTS.md, tpu_compile)."""
+        (use_tpu_kernels says why). The projections are einsums straight into or out of the kernel's [B, heads, L,
+        head_dim], as MultiHeadAttention writes them: the TPU compiler lays a matmul's output out as its consumer
+        wants, where the one [hidden, 3 hidden] matmul's split, reshape and transpose to heads-first were layout
+        copies of [B, L, hidden], forward and backward. Where the compiler moves fewer bytes for one einsum of x
+        with the three kernels stacked, [3, hidden, heads, head_dim], into [3, B, heads, L, head_dim] (q, k and v
+        are slices of its major axis, not copies: FUSED_QKV), that one; elsewhere three (bench/RESULTS.md,
+        tpu_compile)."""
         dt, scale = self.compute_dtype, 1.0 / math.sqrt(self.head_dim)
-        q, k, v = (projection("blc,cnd->bnld", x, ops.cast(p.kernel, dt) * ops.cast(s, dt),
-                              ops.cast(p.bias, dt)[:, None, :] * ops.cast(s, dt))
-                   for p, s in ((self.query, scale), (self.key, 1.0), (self.value, 1.0)))
+        scaled = ((self.query, scale), (self.key, 1.0), (self.value, 1.0))
+        if _tpu_mesh.devices.flat[0].device_kind in FUSED_QKV:
+            kernel = ops.stack([ops.cast(p.kernel, dt) * ops.cast(s, dt) for p, s in scaled])
+            bias = ops.stack([ops.cast(p.bias, dt) * ops.cast(s, dt) for p, s in scaled])
+            q, k, v = projection("blc,kcnd->kbnld", x, kernel, bias[:, None, :, None, :])
+        else:
+            q, k, v = (projection("blc,cnd->bnld", x, ops.cast(p.kernel, dt) * ops.cast(s, dt),
+                                  ops.cast(p.bias, dt)[:, None, :] * ops.cast(s, dt)) for p, s in scaled)
         out = _splash_attention(q, k, v, causal=self.causal, key_mask=key_mask)
         return projection("bnld,ndh->blh", out, ops.cast(self.attention_output.kernel, dt),
                           ops.cast(self.attention_output.bias, dt))
@@ -402,6 +410,10 @@ class SelfAttention(layers.Layer):
 
 _tpu_mesh = None  # use_tpu_kernels
 NO_PALLAS = ("TPU v2", "TPU v3")  # device kinds whose Mosaic compiles no bfloat16 matmul (use_tpu_kernels)
+# Device kinds on which SelfAttention projects q, k and v in one einsum (`_tpu_call`): the TPU compiler's bytes a
+# step (libtpu 0.0.42) on a tpu7x-8, 12% fewer for bert-512 and 9% fewer for bert-128 than three einsums; on v5e
+# and v6e bert-512 moves 5-6% more that way, on v5p and v4 about the same (bench/RESULTS.md, tpu_compile).
+FUSED_QKV = ("TPU7x",)
 
 
 def use_tpu_kernels(mesh) -> None:
