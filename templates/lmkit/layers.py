@@ -371,13 +371,13 @@ class SelfAttention(layers.Layer):
         tpu_compile)."""
         dt, scale = self.compute_dtype, 1.0 / math.sqrt(self.head_dim)
         scaled = ((self.query, scale), (self.key, 1.0), (self.value, 1.0))
+        kernels = [ops.cast(p.kernel, dt) * ops.cast(s, dt) for p, s in scaled]
+        biases = [ops.cast(p.bias, dt) * ops.cast(s, dt) for p, s in scaled]
         if _tpu_mesh.devices.flat[0].device_kind in FUSED_QKV:
-            kernel = ops.stack([ops.cast(p.kernel, dt) * ops.cast(s, dt) for p, s in scaled])
-            bias = ops.stack([ops.cast(p.bias, dt) * ops.cast(s, dt) for p, s in scaled])
-            q, k, v = projection("blc,kcnd->kbnld", x, kernel, bias[:, None, :, None, :])
+            q, k, v = projection("blc,kcnd->kbnld", x, ops.stack(kernels), ops.stack(biases)[:, None, :, None, :])
         else:
-            q, k, v = (projection("blc,cnd->bnld", x, ops.cast(p.kernel, dt) * ops.cast(s, dt),
-                                  ops.cast(p.bias, dt)[:, None, :] * ops.cast(s, dt)) for p, s in scaled)
+            q, k, v = (projection("blc,cnd->bnld", x, kernel, bias[:, None, :])
+                       for kernel, bias in zip(kernels, biases))
         out = _splash_attention(q, k, v, causal=self.causal, key_mask=key_mask)
         return projection("bnld,ndh->blh", out, ops.cast(self.attention_output.kernel, dt),
                           ops.cast(self.attention_output.bias, dt))
