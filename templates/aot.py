@@ -17,6 +17,7 @@ Only lines starting with tpuctl.fitting.AOT_PREFIX are the protocol's (anything 
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -112,6 +113,9 @@ def compile_only() -> None:
     # drives none, and without this a second compile on the machine (another user's, another test's) aborts.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    # The compiler's flags a run's workers give it (lmkit's, beside this module: a package's or, in a bench's
+    # worker, the top-level one on its path).
+    importlib.import_module(f"{__package__}.lmkit.strategy" if __package__ else "lmkit.strategy").use_libtpu_flags()
 
 
 def main() -> int:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import importlib.util
+import inspect
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -276,6 +278,26 @@ def test_a_batch_that_fits_only_with_remat_names_the_policy_and_the_check_refuse
         fitting.check(spec_mod.from_mapping(spec_mod.read_file(spec)), spec_dir=tmp_path)
     assert refused.value.field == "job.config.trainer.remat_policy"
     assert "set trainer.remat_policy: minimal" in refused.value.hint
+
+
+def test_fit_compiles_with_the_compiler_flags_a_runs_workers_give_it(monkeypatch):
+    # `fit` describes the program that runs only if libtpu compiles it under the same flags on the laptop
+    # (aot.compile_only) as on the workers (strategy.resolve_jax); one the environment sets already wins.
+    from tpuctl.templates import aot
+    from tpuctl.templates.lmkit import strategy
+
+    for name in ("KERAS_BACKEND", "JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD", "TF_CPP_MIN_LOG_LEVEL"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # compile_only sets them: restored afterwards
+    own = "--xla_tpu_enable_windowed_einsum_for_all_gather=true --xla_jf_rematerialization_percent_shared_memory_limit=90"
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", own)
+    aot.compile_only()
+    assert os.environ["LIBTPU_INIT_ARGS"] == f"{own} --xla_tpu_enable_windowed_einsum_for_reduce_scatter=false"
+    strategy.use_libtpu_flags()  # idempotent
+    assert os.environ["LIBTPU_INIT_ARGS"] == f"{own} --xla_tpu_enable_windowed_einsum_for_reduce_scatter=false"
+    monkeypatch.delenv("LIBTPU_INIT_ARGS")
+    strategy.use_libtpu_flags()
+    assert os.environ["LIBTPU_INIT_ARGS"].split() == list(strategy.LIBTPU_FLAGS)
+    assert "use_libtpu_flags()" in inspect.getsource(strategy.resolve_jax).split("import jax")[0]
 
 
 # bert-tiny cut to one layer: the TPU compiler's time grows with the program, and CI compiles on 2 cores.

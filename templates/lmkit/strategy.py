@@ -53,6 +53,17 @@ SYSTEM_LIBTPU = (PJRT_LIBTPU, "/usr/lib/libtpu.so")
 CPU_REHEARSAL_VAR = "LOCALCLOUD_TPU_REHEARSAL"
 JAX_COORDINATOR_PORT = 8482  # jax/_src/clusters/cloud_tpu_cluster.py: the coordinator on worker 0
 DEVICE_PATTERNS = ("/dev/accel*", "/dev/vfio/[0-9]*")
+# The TPU compiler's flags for every JAX program of the templates, on a TPU VM (resolve_jax) and compiled ahead of
+# time (aot.py), so that `tpuctl fit` measures the program that runs. Where a matmul's operand or result is split
+# over the devices (runtime.sharding zero1, fsdp), libtpu 0.0.42 may compute it as a windowed einsum: a loop of
+# partial matmuls, one a device's shard, beside collective-permutes. On a tpu7x it chose them for bert-base at
+# seq 512 (and gpt2-small's width), and they moved far more HBM bytes than an all-gather or a reduce-scatter
+# beside one matmul: fsdp 31.1 against 20.6 GB a device a step (a loop's body counted once, so more still), zero1
+# 30.9 against 23.8, with 12% and 31% more HBM; elsewhere the same programs either way (bench/RESULTS.md,
+# tpu_compile). Their gain would be overlapping that traffic with the matmuls; the async all-gathers and
+# reduce-scatters the compiler schedules in their place overlap with the layers beside them instead.
+LIBTPU_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
+                "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
 
 
 @dataclass(frozen=True)
@@ -119,9 +130,19 @@ def resolve(runtime: Any) -> Resolved:
     return Resolved(tf.distribute.get_strategy(), "cpu", 1, 1)
 
 
+def use_libtpu_flags() -> None:
+    """Adds to LIBTPU_INIT_ARGS each of LIBTPU_FLAGS it does not name already (one set there wins). libtpu reads
+    it once, when it loads: call before that (before anything imports jax). Idempotent."""
+    current = os.environ.get("LIBTPU_INIT_ARGS", "").split()
+    named = {flag.split("=", 1)[0] for flag in current}
+    os.environ["LIBTPU_INIT_ARGS"] = " ".join(
+        current + [flag for flag in LIBTPU_FLAGS if flag.split("=", 1)[0] not in named])
+
+
 def resolve_jax(runtime: Any) -> Resolved:
     """Initialise JAX (multi-host: blocks until every process reached the coordinator) and return a
     DataParallel distribution over all devices. Call before anything imports jax. Raises AcceleratorError."""
+    use_libtpu_flags()
     vm = None if runtime.replicas else guest.tpu_vm()
     devices = runtime.replicas
     if not devices and (vm is not None or _chips()):
