@@ -22,7 +22,7 @@ from click.testing import CliRunner
 import tpuctl
 from tpuctl import fitting
 from tpuctl import spec as spec_mod
-from tpuctl.errors import BadInput
+from tpuctl.errors import BadInput, TpuctlError
 
 from conftest import on_jax, on_jax_each
 from conftest import tpuctl as tpuctl_cli
@@ -298,6 +298,21 @@ def test_fit_compiles_with_the_compiler_flags_a_runs_workers_give_it(monkeypatch
     strategy.use_libtpu_flags()
     assert os.environ["LIBTPU_INIT_ARGS"].split() == list(strategy.LIBTPU_FLAGS)
     assert "use_libtpu_flags()" in inspect.getsource(strategy.resolve_jax).split("import jax")[0]
+
+
+@needs_compiler
+def test_fit_compiles_under_the_jobs_own_libtpu_flags_not_the_laptops(monkeypatch, tmp_path):
+    # The workers' libtpu reads the job's LIBTPU_INIT_ARGS (job.env): fit's compiler must too. libtpu refuses a
+    # flag it does not know as it loads, before any compile, so a bogus one in job.env must stop the fit...
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_not_a_flag_of_the_laptop=1")  # ...and this one not reach it
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("accelerator: v5litepod-4\njob: {template: bert, preset: bert-tiny, "
+                    "env: {LIBTPU_INIT_ARGS: --xla_tpu_not_a_flag_of_the_job=1}}\n")
+    with pytest.raises(TpuctlError, match="compiling the training step failed"):
+        tpuctl.fit(spec, max_compiles=1)
+    log = next((tmp_path / "fit").glob("*.log")).read_text()
+    assert "xla_tpu_not_a_flag_of_the_job" in log and "laptop" not in log, log[-2000:]
 
 
 # bert-tiny cut to one layer: the TPU compiler's time grows with the program, and CI compiles on 2 cores.

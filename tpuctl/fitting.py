@@ -200,6 +200,7 @@ class _Request:
     price_per_hour: float  # one slice's
     sharding: str = "data"
     slices: int = 1
+    libtpu_args: str = ""  # the job's LIBTPU_INIT_ARGS (job.env): the compiler flags its workers add theirs to
 
 
 def _request(spec, spec_dir: Path, accelerator: str | None, sharding: str = "data") -> _Request:
@@ -230,7 +231,8 @@ def _request(spec, spec_dir: Path, accelerator: str | None, sharding: str = "dat
     vocab = getattr(getattr(resolved, "task", None), "vocab_size", 0) or job.data.vocab_size
     zone = spec.zones[0] if spec.zones else accel.zones[0]
     price = cat.tpu_price_per_hour(accel.name, zone, spec.provisioning in ("spot", "preemptible"))
-    return _Request(template, config, resolved, vocab, accel, chip, price, sharding, spec.slices)
+    return _Request(template, config, resolved, vocab, accel, chip, price, sharding, spec.slices,
+                    job.env.get("LIBTPU_INIT_ARGS", ""))
 
 
 def _template_hash(template) -> str:
@@ -251,7 +253,7 @@ def _aot_hash() -> str:
 
 def _cache_path(req: _Request, topology: str, options: dict, versions: tuple) -> Path:
     key = json.dumps({"template": _template_hash(req.template), "config": req.config, "vocab": req.vocab_size,
-                      "measure": _aot_hash(),
+                      "measure": _aot_hash(), "libtpu_args": req.libtpu_args,
                       "topology": topology, "options": options, "versions": versions, "keras": _version("keras")},
                      sort_keys=True, default=str)
     return paths.home() / "fit" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
@@ -264,7 +266,9 @@ class _Compiler:
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log
         self._log = open(log, "w")
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        # The workers' compiler flags: the job's own (job.env), to which the template adds its (aot.compile_only);
+        # not this machine's.
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "LIBTPU_INIT_ARGS": req.libtpu_args}
         self.proc = subprocess.Popen([sys.executable, "-m", "tpuctl.templates.aot"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         self._send({"root": str(req.template.root), "builtin": req.template.builtin, "config": req.config,
