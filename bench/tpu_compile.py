@@ -8,7 +8,8 @@ loss, AdamW, mixed_bfloat16 and data-parallel sharding the workers run) and that
 sizes (`GPT2CausalLM`, `BertMaskedLM`, built from config, nothing downloaded: keras-hub's layers, attention and
 its loss, Keras' `SparseCategoricalCrossentropy`, with the same optimizer, precision, batch and sharding, via the
 template's `compile_target`) is compiled by libtpu for the slice's topology (templates/aot.py: the TPU is only a
-compile target). Per chip: HBM the program needs (arguments + temporaries + outputs - aliases), bytes accessed
+compile target), every side under the compiler flags the templates' workers give libtpu (lmkit/strategy.py
+LIBTPU_FLAGS). Per chip: HBM the program needs (arguments + temporaries + outputs - aliases), bytes accessed
 and FLOPs (the compiler's cost analysis, plus the operands and results of a Pallas kernel that declares no cost,
 e.g. splash attention: templates/aot.py), and tpuctl/fitting.py's roofline step-time estimate (the compiled
 FLOPs where more than the model's) and MFU (model FLOPs: the template's 6·N·tokens plus attention, the same for
@@ -253,7 +254,9 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
         python = str(maxtext_python())
         versions = [maxtext_versions()]
     key = json.dumps([side, MODELS[model], topology, options, per_device_batch, layers, *versions,
-                      _source_hash(templates) if side.startswith("tpuctl") else None,
+                      _source_hash(templates) if side.startswith("tpuctl") else
+                      # MaxText's step compiles under the templates' compiler flags (aot.compile_only) too
+                      _source_hash(templates, "lmkit/strategy.py") if side == "maxtext" else None,
                       _source_hash(str(REPO / "templates"), "aot.py")]  # how it measures
                      + ([variant] if variant else [])  # a key without it: the defaults' figures cached before
                      # keras-hub's step is built by the templates' trainer, with lmkit's metrics
