@@ -8,9 +8,9 @@ loss, AdamW, mixed_bfloat16 and data-parallel sharding the workers run) and that
 sizes (`GPT2CausalLM`, `BertMaskedLM`, built from config, nothing downloaded: keras-hub's layers, attention and
 its loss, Keras' `SparseCategoricalCrossentropy`, with the same optimizer, precision, batch and sharding, via the
 template's `compile_target`) is compiled by libtpu for the slice's topology (templates/aot.py: the TPU is only a
-compile target), every side under the compiler flags the templates' workers give libtpu (lmkit/strategy.py
-LIBTPU_FLAGS). Per chip: HBM the program needs (arguments + temporaries + outputs - aliases), bytes accessed
-and FLOPs (the compiler's cost analysis, plus the operands and results of a Pallas kernel that declares no cost,
+compile target), tpuctl's and keras-hub's under the compiler flags the templates' workers give libtpu
+(lmkit/strategy.py LIBTPU_FLAGS). Per chip: HBM the program needs (arguments + temporaries + outputs - aliases),
+bytes accessed and FLOPs (the compiler's cost analysis, plus the operands and results of a Pallas kernel that declares no cost,
 e.g. splash attention: templates/aot.py), and tpuctl/fitting.py's roofline step-time estimate (the compiled
 FLOPs where more than the model's) and MFU (model FLOPs: the template's 6·N·tokens plus attention, the same for
 both sides). `--largest [N]` also searches the largest per-chip batch that fits (fitting's search, by compiling
@@ -124,6 +124,10 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
 
     sys.path.insert(0, templates)
     aot.compile_only()
+    if side not in MAXTEXT_SIDES:
+        # The templates' compiler flags, checked in the pinned libtpu; MaxText's virtualenv has a newer one, and its
+        # comparison is data-parallel, whose programs the flags leave as they are.
+        aot.use_lmkits_compiler_flags()
     if side == "maxtext":
         return maxtext_worker(model, accelerator, batch, layers)
     from jax.experimental import topologies
@@ -254,9 +258,7 @@ def compiled(side: str, model: str, accelerator: str, per_device_batch: int, lay
         python = str(maxtext_python())
         versions = [maxtext_versions()]
     key = json.dumps([side, MODELS[model], topology, options, per_device_batch, layers, *versions,
-                      _source_hash(templates) if side.startswith("tpuctl") else
-                      # MaxText's step compiles under the templates' compiler flags (aot.compile_only) too
-                      _source_hash(templates, "lmkit/strategy.py") if side == "maxtext" else None,
+                      _source_hash(templates) if side.startswith("tpuctl") else None,
                       _source_hash(str(REPO / "templates"), "aot.py")]  # how it measures
                      + ([variant] if variant else [])  # a key without it: the defaults' figures cached before
                      # keras-hub's step is built by the templates' trainer, with lmkit's metrics

@@ -113,8 +113,18 @@ def compile_only() -> None:
     # drives none, and without this a second compile on the machine (another user's, another test's) aborts.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    # The compiler's flags a run's workers give it (lmkit's, beside this module: a package's or, in a bench's
-    # worker, the top-level one on its path).
+
+
+def use_the_workers_compiler_flags(template) -> None:
+    """The compiler flags `template`'s workers give libtpu, before libtpu loads here: where it trains with lmkit
+    (template.json `uses` it), lmkit's, which its resolve_jax adds to LIBTPU_INIT_ARGS; none of ours otherwise."""
+    if any(package.name == "lmkit" for package in template.uses):
+        use_lmkits_compiler_flags()
+
+
+def use_lmkits_compiler_flags() -> None:
+    """lmkit/strategy.py LIBTPU_FLAGS into LIBTPU_INIT_ARGS (use_libtpu_flags), from the lmkit beside this module:
+    a package's, or in a bench's worker the top-level one on its path."""
     importlib.import_module(f"{__package__}.lmkit.strategy" if __package__ else "lmkit.strategy").use_libtpu_flags()
 
 
@@ -123,11 +133,12 @@ def main() -> int:
     request = json.loads(sys.stdin.readline())
     from pathlib import Path
 
-    from jax.experimental import topologies
-
     from tpuctl.templates import contract
 
     template = contract.load(Path(request["root"]), builtin=request["builtin"])
+    use_the_workers_compiler_flags(template)
+    from jax.experimental import topologies
+
     devices = topologies.get_topology_desc(topology_name=request["topology"], platform="tpu",
                                            **request.get("topology_options", {})).devices
     target = template.fit_target(request["config"], devices=devices, vocab_size=request["vocab_size"])

@@ -282,15 +282,17 @@ def test_a_batch_that_fits_only_with_remat_names_the_policy_and_the_check_refuse
 
 def test_fit_compiles_with_the_compiler_flags_a_runs_workers_give_it(monkeypatch):
     # `fit` describes the program that runs only if libtpu compiles it under the same flags on the laptop
-    # (aot.compile_only) as on the workers (strategy.resolve_jax); one the environment sets already wins.
-    from tpuctl.templates import aot
+    # (aot.py) as on the workers (an lmkit template's strategy.resolve_jax; no flags of ours for a template that
+    # does not train with lmkit); one the environment sets already wins.
+    from tpuctl.templates import aot, contract
     from tpuctl.templates.lmkit import strategy
 
-    for name in ("KERAS_BACKEND", "JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD", "TF_CPP_MIN_LOG_LEVEL"):
-        monkeypatch.setenv(name, os.environ.get(name, ""))  # compile_only sets them: restored afterwards
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    aot.use_the_workers_compiler_flags(contract.find("linreg", base_dir=Path(__file__).parent / "job_templates"))
+    assert "LIBTPU_INIT_ARGS" not in os.environ
     own = "--xla_tpu_enable_windowed_einsum_for_all_gather=true --xla_jf_rematerialization_percent_shared_memory_limit=90"
     monkeypatch.setenv("LIBTPU_INIT_ARGS", own)
-    aot.compile_only()
+    aot.use_the_workers_compiler_flags(contract.find("bert"))
     assert os.environ["LIBTPU_INIT_ARGS"] == f"{own} --xla_tpu_enable_windowed_einsum_for_reduce_scatter=false"
     strategy.use_libtpu_flags()  # idempotent
     assert os.environ["LIBTPU_INIT_ARGS"] == f"{own} --xla_tpu_enable_windowed_einsum_for_reduce_scatter=false"
