@@ -53,15 +53,15 @@ SYSTEM_LIBTPU = (PJRT_LIBTPU, "/usr/lib/libtpu.so")
 CPU_REHEARSAL_VAR = "LOCALCLOUD_TPU_REHEARSAL"
 JAX_COORDINATOR_PORT = 8482  # jax/_src/clusters/cloud_tpu_cluster.py: the coordinator on worker 0
 DEVICE_PATTERNS = ("/dev/accel*", "/dev/vfio/[0-9]*")
-# The TPU compiler's flags for every JAX program of the templates, on a TPU VM (resolve_jax) and compiled ahead of
-# time (aot.py), so that `tpuctl fit` measures the program that runs. Where a matmul's operand or result is split
-# over the devices (runtime.sharding zero1, fsdp), libtpu 0.0.42 may compute it as a windowed einsum: a loop of
-# partial matmuls, one a device's shard, beside collective-permutes. On a tpu7x it chose them for bert-base at
-# seq 512 (and gpt2-small's width), and they moved far more HBM bytes than an all-gather or a reduce-scatter
-# beside one matmul: fsdp 31.1 against 20.6 GB a device a step (a loop's body counted once, so more still), zero1
-# 30.9 against 23.8, with 12% and 31% more HBM; elsewhere the same programs either way (bench/RESULTS.md,
-# tpu_compile). Their gain would be overlapping that traffic with the matmuls; the async all-gathers and
-# reduce-scatters the compiler schedules in their place overlap with the layers beside them instead.
+# The TPU compiler's flags for the JAX programs of templates built on lmkit, on a TPU VM (resolve_jax) and compiled
+# ahead of time (aot.py), so that `tpuctl fit` measures the program that runs. Where a matmul's operand or result
+# is split over the devices (runtime.sharding zero1, fsdp), libtpu 0.0.42 may compute it as a windowed einsum: a
+# loop of partial matmuls, one a device's shard, beside collective-permutes. On a tpu7x it chose them for
+# bert-base at seq 512 and for gpt2-small, and they moved far more HBM bytes than an all-gather or a
+# reduce-scatter beside one matmul: bert-512 under fsdp 31.1 against 20.6 GB a device a step (a loop's body is
+# counted once, so more still), under zero1 30.9 against 23.8, with 12% and 31% more HBM; elsewhere the programs
+# are the same either way (bench/RESULTS.md, tpu_compile). What they would buy is overlapping that traffic with
+# the matmuls, which the roofline `fit` estimates by does not count for either form.
 LIBTPU_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
                 "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
 
