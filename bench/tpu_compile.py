@@ -10,11 +10,11 @@ its loss, Keras' `SparseCategoricalCrossentropy`, with the same optimizer, preci
 template's `compile_target`) is compiled by libtpu for the slice's topology (templates/aot.py: the TPU is only a
 compile target), tpuctl's and keras-hub's under the compiler flags the templates' workers give libtpu
 (lmkit/strategy.py LIBTPU_FLAGS). Per chip: HBM the program needs (arguments + temporaries + outputs - aliases),
-bytes accessed and FLOPs (the compiler's cost analysis, plus the operands and results of a Pallas kernel that declares no cost,
-e.g. splash attention: templates/aot.py), and tpuctl/fitting.py's roofline step-time estimate (the compiled
-FLOPs where more than the model's) and MFU (model FLOPs: the template's 6·N·tokens plus attention, the same for
-both sides). `--largest [N]` also searches the largest per-chip batch that fits (fitting's search, by compiling
-N more batches, 2 by default: minutes a point; "compiled" when the batch a step above it was compiled and does
+bytes accessed and FLOPs (the compiler's cost analysis, plus the operands and results of a Pallas kernel that
+declares no cost, e.g. splash attention: templates/aot.py), and tpuctl/fitting.py's roofline step-time estimate
+(the compiled FLOPs where more than the model's) and MFU (model FLOPs: the template's 6·N·tokens plus attention,
+the same for both sides). `--largest [N]` also searches the largest per-chip batch that fits (fitting's search, by
+compiling N more batches, 2 by default: minutes a point; "compiled" when the batch a step above it was compiled and does
 not fit, "predicted" when it was not compiled, "at least" when nothing larger was ruled out). Dropout 0 on both sides
 (GPT-2 practice since nanoGPT) unless `--dropout R` (the presets' 0.1): then keras-hub drops out hidden states
 and attention probabilities (its attention is the XLA path then), tpuctl hidden states only (on a TPU its
@@ -127,7 +127,9 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
     if side not in MAXTEXT_SIDES:
         # The templates' compiler flags, checked in the pinned libtpu; MaxText's virtualenv has a newer one, and its
         # comparison is data-parallel, whose programs the flags leave as they are.
-        aot.use_lmkits_compiler_flags()
+        from lmkit.strategy import use_libtpu_flags
+
+        use_libtpu_flags()
     if side == "maxtext":
         return maxtext_worker(model, accelerator, batch, layers)
     from jax.experimental import topologies

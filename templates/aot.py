@@ -17,7 +17,6 @@ Only lines starting with tpuctl.fitting.AOT_PREFIX are the protocol's (anything 
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -119,13 +118,9 @@ def use_the_workers_compiler_flags(template) -> None:
     """The compiler flags `template`'s workers give libtpu, before libtpu loads here: where it trains with lmkit
     (template.json `uses` it), lmkit's, which its resolve_jax adds to LIBTPU_INIT_ARGS; none of ours otherwise."""
     if any(package.name == "lmkit" for package in template.uses):
-        use_lmkits_compiler_flags()
+        from .lmkit import strategy
 
-
-def use_lmkits_compiler_flags() -> None:
-    """lmkit/strategy.py LIBTPU_FLAGS into LIBTPU_INIT_ARGS (use_libtpu_flags), from the lmkit beside this module:
-    a package's, or in a bench's worker the top-level one on its path."""
-    importlib.import_module(f"{__package__}.lmkit.strategy" if __package__ else "lmkit.strategy").use_libtpu_flags()
+        strategy.use_libtpu_flags()
 
 
 def main() -> int:

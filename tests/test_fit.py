@@ -290,7 +290,8 @@ def test_fit_compiles_with_the_compiler_flags_a_runs_workers_give_it(monkeypatch
     monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
     aot.use_the_workers_compiler_flags(contract.find("linreg", base_dir=Path(__file__).parent / "job_templates"))
     assert "LIBTPU_INIT_ARGS" not in os.environ
-    own = "--xla_tpu_enable_windowed_einsum_for_all_gather=true --xla_jf_rematerialization_percent_shared_memory_limit=90"
+    own = ("--xla_tpu_enable_windowed_einsum_for_all_gather=true "
+           "--xla_jf_rematerialization_percent_shared_memory_limit=90")
     monkeypatch.setenv("LIBTPU_INIT_ARGS", own)
     aot.use_the_workers_compiler_flags(contract.find("bert"))
     assert os.environ["LIBTPU_INIT_ARGS"] == f"{own} --xla_tpu_enable_windowed_einsum_for_reduce_scatter=false"

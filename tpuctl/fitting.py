@@ -266,8 +266,8 @@ class _Compiler:
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log
         self._log = open(log, "w")
-        # The workers' compiler flags: the job's own (job.env), to which the template adds its (aot.compile_only);
-        # not this machine's.
+        # The workers' compiler flags: the job's own (job.env), to which an lmkit template adds its own
+        # (aot.use_the_workers_compiler_flags); not this machine's.
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "LIBTPU_INIT_ARGS": req.libtpu_args}
         self.proc = subprocess.Popen([sys.executable, "-m", "tpuctl.templates.aot"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
