@@ -13,9 +13,12 @@ compile target), tpuctl's and keras-hub's under the compiler flags the templates
 bytes accessed and FLOPs (the compiler's cost analysis, plus the operands and results of a Pallas kernel that
 declares no cost, e.g. splash attention: templates/aot.py), and tpuctl/fitting.py's roofline step-time estimate
 (the compiled FLOPs where more than the model's) and MFU (model FLOPs: the template's 6·N·tokens plus attention,
-the same for both sides). `--largest [N]` also searches the largest per-chip batch that fits (fitting's search, by
-compiling N more batches, 2 by default: minutes a point; "compiled" when the batch a step above it was compiled and does
-not fit, "predicted" when it was not compiled, "at least" when nothing larger was ruled out). Dropout 0 on both sides
+the same for both sides); beside the roofline, the ratio of the two programs' sums of the compiler's own
+per-instruction cycle estimates (templates/aot.py estimated_cycles; one chip, so the clock cancels out), where
+tpuctl's Pallas kernels, which carry no estimate, count nothing. `--largest [N]` also searches the largest
+per-chip batch that fits (fitting's search, by compiling N more batches, 2 by default: minutes a point;
+"compiled" when the batch a step above it was compiled and does not fit, "predicted" when it was not compiled, "at
+least" when nothing larger was ruled out). Dropout 0 on both sides
 (GPT-2 practice since nanoGPT) unless `--dropout R` (the presets' 0.1): then keras-hub drops out hidden states
 and attention probabilities (its attention is the XLA path then), tpuctl hidden states only (on a TPU its
 attention is the splash kernel, which has no dropout: templates/lmkit/layers.py, use_tpu_kernels). `--remat P`
@@ -315,7 +318,7 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: int, 
     row = {"side": side, "batch": per_chip, "fits": fits, "hbm": need * chip.devices_per_chip,
            "bytes": cost["bytes"] * chip.devices_per_chip, "flops": cost["flops"] * chip.devices_per_chip,
            "model_flops": flops, "step_s": step_s, "mfu": flops / (step_s * chip.peak_bf16_flops),
-           "largest": None}
+           "cycles": cost.get("estimated_cycles"), "largest": None}
     if largest:
         def at(batch: int) -> tuple[float, bool]:
             p = compiled(side, model, accelerator, batch, layers, templates, variant)
@@ -324,6 +327,15 @@ def measure(side: str, model: str, accelerator: str, layers: int, largest: int, 
         best, how = _largest(at, per_device, cap, point["state_bytes"], largest, grow=True)
         row["largest"] = f"{best * chip.devices_per_chip} ({how})"
     return row
+
+
+def cycles_ratio(ours: dict, theirs: dict) -> str:
+    """The two rows' sums of the compiler's own cycle estimates (templates/aot.py estimated_cycles), as a ratio:
+    a second view beside the roofline's, where tpuctl's Pallas kernels count nothing (they carry no estimate),
+    so tpuctl's figure is a floor. Empty for a row cached before the compiles reported it."""
+    if not (ours.get("cycles") and theirs.get("cycles")):
+        return ""
+    return f", compiler's cycles {ours['cycles'] / theirs['cycles']:.2f}x (tpuctl's Pallas kernels uncounted)"
 
 
 def ablated_templates(templates: str, name: str) -> str:
@@ -402,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
             ours, theirs = rows["tpuctl"], rows["keras-hub"]
             ratios.append(f"{model} {accelerator}: HBM {ours['hbm'] / theirs['hbm']:.2f}x (goal <= 0.6), est. step "
                           f"{ours['step_s'] / theirs['step_s']:.2f}x (goal <= 0.75), bytes "
-                          f"{ours['bytes'] / theirs['bytes']:.2f}x, compiled FLOPs {ours['flops'] / theirs['flops']:.2f}x")
+                          f"{ours['bytes'] / theirs['bytes']:.2f}x, compiled FLOPs "
+                          f"{ours['flops'] / theirs['flops']:.2f}x" + cycles_ratio(ours, theirs))
             for name in ablations:
                 cut = rows[f"tpuctl without {name}"]
                 ratios.append(f"{model} {accelerator} without {name}: bytes {cut['bytes'] / 1e9:.2f} GB, "

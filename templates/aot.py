@@ -8,8 +8,9 @@ laptop. Protocol, one JSON object per line:
             compile (N: per-device batch; with "remat": P, under the template's remat policy P instead of the
             config's), then EOF
     stdout: {"model": {...}, "state_bytes": B} once the step is built (B: its state's bytes on each device: all
-            of it replicated, 1/N of what runtime.sharding fsdp splits over N devices), then per compile {"batch": N, "memory": {...}, "cost": {...}, "seconds": S}, or
-            {"batch": N, "oom": REQUIRED, "message": ...} when the compiler refuses a program over the chip's HBM
+            of it replicated, 1/N of what runtime.sharding fsdp splits over N devices), then per compile {"batch": N,
+            "memory": {...}, "cost": {"flops", "bytes", "undeclared_kernel_bytes", "estimated_cycles"}, "seconds": S},
+            or {"batch": N, "oom": REQUIRED, "message": ...} when the compiler refuses a program over the chip's HBM
             (REQUIRED: the temporaries' bytes it names, or null), or {"error": "..."} and exit 1
 
 Only lines starting with tpuctl.fitting.AOT_PREFIX are the protocol's (anything else on stdout is a library's).
@@ -36,6 +37,10 @@ REQUIRED = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
 KERNEL_CALL = re.compile(r"= (.*?) custom-call\(.*custom_call_target=\"tpu_custom_call\", "
                          r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}")  # shapes{layout}, ...
 ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
+# The compiler's own estimate of each instruction's time, in the optimized HLO's backend configs; INT64_MAX where
+# it has none (tpu7x's gather offloaded to its SparseCores), and a Pallas kernel carries no estimate at all.
+ESTIMATED_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+NO_ESTIMATE = 2**63 - 1
 MEMORY = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
           "generated_code_size_in_bytes")
 
@@ -82,10 +87,12 @@ def measured(compile_step, batch: int) -> dict:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # a list per device in older jax
-    kernels = undeclared_kernel_bytes(compiled.as_text())
+    hlo = compiled.as_text()
+    kernels = undeclared_kernel_bytes(hlo)
     return {"batch": batch, "memory": {k: int(getattr(memory, k)) for k in MEMORY},
             "cost": {"flops": float(cost.get("flops", 0.0)),
-                     "bytes": float(cost.get("bytes accessed", 0.0)) + kernels, "undeclared_kernel_bytes": kernels},
+                     "bytes": float(cost.get("bytes accessed", 0.0)) + kernels, "undeclared_kernel_bytes": kernels,
+                     "estimated_cycles": estimated_cycles(hlo)},
             "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -101,6 +108,13 @@ def undeclared_kernel_bytes(hlo: str) -> int:
             size = 1 if dtype == "pred" else max(1, int(dtype.lstrip("subf")) // 8)
             total += size * math.prod(int(d) for d in dims.split(",") if d)
     return total
+
+
+def estimated_cycles(hlo: str) -> int:
+    """The compiler's cycle estimates of the instructions in optimized HLO text `hlo`, summed: its own view of
+    a device's step time, beside the roofline's bytes / HBM bandwidth (bench/tpu_compile.py compares two
+    programs' sums on one chip, where the clock cancels out). Pallas kernels count 0: they carry no estimate."""
+    return sum(c for c in map(int, ESTIMATED_CYCLES.findall(hlo)) if c != NO_ESTIMATE)
 
 
 def compile_only() -> None:

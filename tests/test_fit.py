@@ -634,6 +634,29 @@ def test_a_kernel_that_declares_no_cost_counts_its_operands_and_results_once():
     assert aot.undeclared_kernel_bytes(KERNEL_HLO.split("\n", 1)[1]) == 0
 
 
+# Three instructions and the compiler's estimates of them, as libtpu's optimized HLO writes them (abridged: two of
+# bert-128's step for a v5p, and tpu7x's token gather offloaded to its SparseCores, which it does not estimate).
+CYCLES_HLO = (
+    '  %reduce.306 = bf16[12,64]{1,0:T(8,128)(2,1)} reduce(%get-tuple-element.302, %constant.240.clone), '
+    'dimensions={0,1,3}, backend_config={"flag_configs":[],"window_config":{"kernel_window_bounds":[],'
+    '"output_window_bounds":["8","1","1","16","1"],"input_window_bounds":[],"estimated_cycles":"78920"}}\n'
+    '  ROOT %gather_offload_custom_fusion.3 = bf16[2048,768]{1,0:T(16,128)(2,1)} fusion(%param_0.12021), '
+    'kind=kCustom, backend_config={"flag_configs":[],"window_config":{"kernel_window_bounds":[],'
+    '"estimated_cycles":"9223372036854775807","cost_model_type":"COST_MODEL_TYPE_INVALID"}}\n'
+    '  %fusion = bf16[8192,768]{1,0} fusion(%x.1, %copy-done), kind=kOutput, calls=%fused_computation, '
+    'backend_config={"flag_configs":[],"window_config":{"kernel_window_bounds":["384","6"],'
+    '"estimated_cycles":"159850","iteration_bounds":["1","32","1"]}}\n')
+
+
+def test_the_compilers_cycle_estimates_are_summed_without_the_ones_it_could_not_make():
+    """bench/tpu_compile.py sets the sum of the compiler's per-instruction cycle estimates beside the roofline: an
+    instruction it could not estimate (INT64_MAX) is left out, and a Pallas kernel carries none."""
+    from tpuctl.templates import aot
+
+    assert aot.estimated_cycles(CYCLES_HLO) == 78920 + 159850
+    assert aot.estimated_cycles(KERNEL_HLO) == 0
+
+
 def test_the_step_estimate_takes_the_compiled_flops_where_the_program_does_more():
     """Recompute (remat, GPT-2's TPU head) costs FLOPs the model's count does not have: the step estimate takes
     the larger of the two; MFU stays the model's FLOPs over the step."""
