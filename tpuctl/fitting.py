@@ -13,7 +13,9 @@ the gradient all-reduce over ICI on more than one chip; model FLOPs are 6·N·to
 (a recomputed forward under remat, or GPT-2's TPU head): MFU counts the model's alone. With `slices: N`
 (multislice, weak scaling: every slice runs the same per-chip batch), the step then all-reduces the gradients
 across the N slices over the data-center network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all
-N slices, the HBM answer is one slice's.
+N slices, the HBM answer is one slice's. The bytes are the compiler's count, which includes accesses it serves
+from on-chip memory, so the bytes term is a model too: beside the sum of the compiler's own per-instruction
+cycle estimates, it can rank two programs the other way (bert-128: bench/RESULTS.md, tpu_compile).
 Compiles are cached under TPUCTL_HOME/fit by template content, config, topology, batch and versions: a repeat
 answers at once. Silent: progress goes to `on_event`.
 
