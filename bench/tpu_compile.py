@@ -17,9 +17,9 @@ the same for both sides); beside the roofline, the ratio of the two programs' su
 per-instruction cycle estimates (templates/aot.py estimated_cycles; one chip, so the clock cancels out), where
 tpuctl's Pallas kernels, which carry no estimate, count nothing. `--largest [N]` also searches the largest
 per-chip batch that fits (fitting's search, by compiling N more batches, 2 by default: minutes a point;
-"compiled" when the batch a step above it was compiled and does not fit, "predicted" when it was not compiled, "at
-least" when nothing larger was ruled out). Dropout 0 on both sides
-(GPT-2 practice since nanoGPT) unless `--dropout R` (the presets' 0.1): then keras-hub drops out hidden states
+"compiled" when the batch a step above it was compiled and does not fit, "predicted" when it was not compiled,
+"at least" when nothing larger was ruled out). Dropout 0 on both sides (GPT-2 practice since nanoGPT) unless
+`--dropout R` (the presets' 0.1): then keras-hub drops out hidden states
 and attention probabilities (its attention is the XLA path then), tpuctl hidden states only (on a TPU its
 attention is the splash kernel, which has no dropout: templates/lmkit/layers.py, use_tpu_kernels). `--remat P`
 compiles tpuctl's side under its remat policy P (trainer.remat_policy; keras-hub's has none), `--sharding zero1`
