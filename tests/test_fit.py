@@ -416,7 +416,7 @@ def attention_lowered_for_a_tpu() -> str:
 def projection_gradients_are_autodiffs() -> str:
     """(In a fresh JAX interpreter.) lmkit's `projection` as a TPU runs it under remat (its gradients computed
     together behind an optimization barrier) differentiates to autodiff's gradients of einsum + bias, to the bit,
-    for every operand."""
+    for every operand; and of the einsum alone without a bias (SelfAttention's keys)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -433,6 +433,10 @@ def projection_gradients_are_autodiffs() -> str:
 
     ours = jax.grad(loss(early), argnums=(0, 1, 2))(x, kernel, bias)
     autodiff = jax.grad(loss(lambda eq, x, k, b: jnp.einsum(eq, x, k) + b), argnums=(0, 1, 2))(x, kernel, bias)
+    for got, want in zip(ours, autodiff):
+        np.testing.assert_array_equal(got, want)
+    ours = jax.grad(loss(early), argnums=(0, 1))(x, kernel, None)
+    autodiff = jax.grad(loss(lambda eq, x, k, b: jnp.einsum(eq, x, k)), argnums=(0, 1))(x, kernel, None)
     for got, want in zip(ours, autodiff):
         np.testing.assert_array_equal(got, want)
     return "jax"

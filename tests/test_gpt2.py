@@ -296,7 +296,8 @@ def tpu_attention_matches_xlas() -> str:
     """(In a fresh JAX interpreter.) SelfAttention's TPU form (use_tpu_kernels: its projections as einsums into and
     out of heads-first [B, heads, L, head_dim], the splash kernel in Pallas' interpreter) computes what its XLA
     form does, causal and with a key mask, and so do the gradients of its input and of its eight weights: with
-    q, k and v three einsums, and one of the stacked kernels (FUSED_QKV: a tpu7x's form, here on the CPU)."""
+    q, k and v three einsums, and one of the stacked kernels (FUSED_QKV: a tpu7x's form, here on the CPU). The keys'
+    bias is not in the TPU form."""
     from tpuctl.templates import aot
 
     aot.compile_only()
@@ -333,6 +334,9 @@ def tpu_attention_matches_xlas() -> str:
         xla = jax.value_and_grad(loss, argnums=(0, 1))(weights, x)
         for a, b in zip(jax.tree.leaves(tpu), jax.tree.leaves(xla)):
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=f"causal={causal}, fused={fused}")
+        # The TPU form leaves the keys' bias out (the softmax cancels it): its gradient is 0, not rounding noise.
+        key_bias = [v.path for v in layer.trainable_variables].index(layer.key.bias.path)
+        assert not np.any(tpu[1][0][key_bias]), f"the keys' bias is in the TPU form (fused={fused})"
     layers.FUSED_QKV = fused_kinds
     return "jax"
 
