@@ -380,13 +380,14 @@ class SelfAttention(layers.Layer):
         dt, scale = self.compute_dtype, 1.0 / math.sqrt(self.head_dim)
         kernels = [ops.cast(self.query.kernel, dt) * ops.cast(scale, dt), ops.cast(self.key.kernel, dt),
                    ops.cast(self.value.kernel, dt)]
-        biases = [ops.cast(self.query.bias, dt) * ops.cast(scale, dt), None, ops.cast(self.value.bias, dt)]
+        query_bias, value_bias = ops.cast(self.query.bias, dt) * ops.cast(scale, dt), ops.cast(self.value.bias, dt)
         if _tpu_mesh.devices.flat[0].device_kind in FUSED_QKV:
-            biases[1] = ops.zeros_like(biases[2])
-            q, k, v = projection("blc,kcnd->kbnld", x, ops.stack(kernels), ops.stack(biases)[:, None, :, None, :])
+            biases = ops.stack([query_bias, ops.zeros_like(value_bias), value_bias])  # the keys' a zero slice
+            q, k, v = projection("blc,kcnd->kbnld", x, ops.stack(kernels), biases[:, None, :, None, :])
         else:
-            q, k, v = (projection("blc,cnd->bnld", x, kernel, None if bias is None else bias[:, None, :])
-                       for kernel, bias in zip(kernels, biases))
+            q = projection("blc,cnd->bnld", x, kernels[0], query_bias[:, None, :])
+            k = projection("blc,cnd->bnld", x, kernels[1])
+            v = projection("blc,cnd->bnld", x, kernels[2], value_bias[:, None, :])
         out = _splash_attention(q, k, v, causal=self.causal, key_mask=key_mask)
         return projection("bnld,ndh->blh", out, ops.cast(self.attention_output.kernel, dt),
                           ops.cast(self.attention_output.bias, dt))
