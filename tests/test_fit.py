@@ -60,6 +60,7 @@ def test_without_the_compiler_an_analytic_estimate_and_one_line(monkeypatch, tmp
     notes = []
     r = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v5litepod-4", on_event=notes.append)
     assert r.method == "analytic" and r.fits and r.libtpu is None and r.compiled_flops_per_step is None
+    assert r.compiler_cycles_per_step is None
     assert r.topology == "v5e:2x2" and r.hbm_capacity_bytes == 16 * 10**9 and r.per_chip_batch == 16
     assert 0 < r.hbm_per_chip_bytes < r.hbm_capacity_bytes and r.max_per_chip_batch > r.per_chip_batch
     assert r.model_flops_per_step > 6 * r.params * 16 * 128 and r.est_step_s > 0 and 0 < r.est_mfu <= 1
@@ -85,6 +86,7 @@ def test_without_the_compiler_an_analytic_estimate_and_one_line(monkeypatch, tmp
     shown = human.output + shown_buf.getvalue()
     assert human.exit_code == 0 and "Traceback" not in shown and "v6e-4 (4 chips, topology v6e:2x2)" in shown
     assert f"analytic estimate (the TPU compiler is not installed ({fitting.INSTALL_HINT}))" in shown
+    assert re.search(r"compiler's cycles / step +│? *- ", shown), shown  # no compiler, no estimate of its own
 
 
 def test_largest_batch_search_stays_within_its_compiles():
@@ -255,7 +257,7 @@ class _Compiler:
             return {"batch": batch, "oom": need - 10**9, "message": "RESOURCE_EXHAUSTED"}
         memory = dict.fromkeys(("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes"), 0)
         return {"batch": batch, "memory": {**memory, "temp_size_in_bytes": int(need)},
-                "cost": {"flops": 1e12, "bytes": 2 * need}}
+                "cost": {"flops": 1e12, "bytes": 2 * need, "estimated_cycles": 7 * 10**6}}
 
     def close(self):
         pass
@@ -270,6 +272,7 @@ def test_a_batch_that_fits_only_with_remat_names_the_policy_and_the_check_refuse
     assert r.fits and r.remat_policy == "minimal" and r.remat_chosen and r.hbm_per_chip_bytes == 9 * 10**9
     assert _Compiler.compiled == [(16, None), (16, "minimal_with_context"), (16, "minimal")]
     assert r.bytes_accessed_per_step == 18e9 and "remat policy minimal" in r.hbm_line()
+    assert r.compiler_cycles_per_step == 7 * 10**6  # the compiler's own estimate, beside the roofline
     again = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v5litepod-4", max_compiles=1)
     assert again.compiles == 0 and again.remat_policy == "minimal"  # the policies' compiles are cached too
     spec = tmp_path / "big.yaml"  # the check's screen compiles only past a quarter of the HBM: a larger model
@@ -337,6 +340,7 @@ def test_the_template_step_compiles_for_two_topologies_and_a_repeat_is_cached(mo
         # The state alone (float32 weights, two Adam slots) is 12 bytes a weight, replicated on each chip.
         assert 12 * r.params < r.hbm_per_chip_bytes < r.hbm_capacity_bytes
         assert r.compiled_flops_per_step > 0 and r.bytes_accessed_per_step > 0 and r.per_chip_batch == 16
+        assert r.compiler_cycles_per_step > 0
     assert v6e.est_step_s < v5e.est_step_s  # v6e's FLOP/s and bandwidth are both higher
     started = time.monotonic()
     again = tpuctl.fit(spec, accelerator="v5litepod-4", max_compiles=1)

@@ -15,7 +15,8 @@ the gradient all-reduce over ICI on more than one chip; model FLOPs are 6·N·to
 across the N slices over the data-center network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all
 N slices, the HBM answer is one slice's. The bytes are the compiler's count, which includes accesses it serves
 from on-chip memory, so the bytes term is a model too: beside the sum of the compiler's own per-instruction
-cycle estimates, it can rank two programs the other way (bert-128: bench/RESULTS.md, tpu_compile).
+cycle estimates (reported as `compiler_cycles_per_step`), it can rank two programs the other way (bert-128, and a
+compiler flag that halves the bytes and adds cycles: bench/RESULTS.md, tpu_compile).
 Compiles are cached under TPUCTL_HOME/fit by template content, config, topology, batch and versions: a repeat
 answers at once. Silent: progress goes to `on_event`.
 
@@ -140,6 +141,10 @@ class Fit:
     remat_chosen: bool = False  # the first of the template's policies that makes the batch fit when it does not
     slices: int = 1  # multislice: the step time, tokens/s, global batch, price and cost are for all of them
     dcn_s: float = 0.0  # of est_step_s: the gradient all-reduce across the slices over DCN (dcn_seconds)
+    # The sum of the compiler's own per-instruction cycle estimates for a device's step (a chip's devices run
+    # theirs at once): its schedule's view beside the roofline's, to compare two programs of one chip by (a
+    # Pallas kernel carries none, so it counts nothing for them). None: analytic, or not in the compiler's answer.
+    compiler_cycles_per_step: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -420,7 +425,8 @@ def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per
 
 def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, model: dict, hbm: float,
               compiled_flops: float | None, bytes_per_chip: float, largest: tuple[int, str],
-              versions: tuple, compiles: int, topology: str, remat: tuple[str, bool] = ("none", False)) -> Fit:
+              versions: tuple, compiles: int, topology: str, remat: tuple[str, bool] = ("none", False),
+              cycles: int | None = None) -> Fit:
     chip, accel = req.chip, req.accel
     devices = accel.chips * chip.devices_per_chip
     per_chip_batch = per_device_batch * chip.devices_per_chip
@@ -442,7 +448,7 @@ def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, 
         est_run_s=run_s, price_per_hour=price, est_cost_usd=run_s / 3600 * price,
         jax=versions[0], libtpu=versions[1], compiles=compiles, chip_source=chip.source, sharding=req.sharding,
         remat_policy=remat[0], remat_chosen=remat[1], slices=req.slices,
-        dcn_s=dcn_seconds(chip, accel.chips, model["params"], req.slices))
+        dcn_s=dcn_seconds(chip, accel.chips, model["params"], req.slices), compiler_cycles_per_step=cycles)
 
 
 def _analytic_model(req: _Request) -> dict | None:
@@ -563,7 +569,7 @@ def _compiled(req: _Request, versions: tuple, topology: str, options: dict, budg
                      hbm=need * chip.devices_per_chip,
                      compiled_flops=cost["flops"] * chip.devices_per_chip if cost["flops"] is not None else None,
                      bytes_per_chip=cost["bytes"] * chip.devices_per_chip, largest=largest, versions=versions,
-                     compiles=compiles, topology=topology, remat=remat)
+                     compiles=compiles, topology=topology, remat=remat, cycles=cost.get("estimated_cycles"))
 
 
 def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, on_event: ev.EventSink = ev.ignore,

@@ -37,6 +37,9 @@ def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
                                       f"N = {r.params:,})"),
         ("compiled FLOPs / step / chip", compiled),
         ("bytes accessed / step / chip", f"{r.bytes_accessed_per_step / 1e9:,.2f} GB"),
+        ("compiler's cycles / step", "-" if r.compiler_cycles_per_step is None else
+         f"{r.compiler_cycles_per_step / 1e6:,.2f} M (the compiler's own estimate, Pallas kernels uncounted; "
+         "compare programs on one chip by it too: the roofline can rank them the other way)"),
         *([("slices", f"{r.slices} x {r.accelerator}, data parallel across them over DCN (weak scaling: each runs "
                       f"the per-chip batch); step, tokens/s and cost are for all {r.slices}")] if r.slices > 1 else []),
         ("est. step time", f"{r.est_step_s * 1e3:,.2f} ms (roofline"
