@@ -375,8 +375,8 @@ class SelfAttention(layers.Layer):
         arithmetic; added, it gets rounding noise). Its variable stays, for checkpoints and the Hugging Face
         export, whose models add it to no effect. The backward pass then has no sum of the keys' gradient, an output
         of splash's backward kernel that no matmul fusion absorbs: a reduction fewer a layer, and for bert-base and
-        gpt2-small the compiler's cycles 1.5-7.5% fewer a step on five topologies, HBM within 0.6%
-        (bench/RESULTS.md, tpu_compile)."""
+        gpt2-small the compiler's cycles 1.5-7.5% fewer a step on five topologies, HBM at most 0.15% more (4% less
+        for gpt2-small on a tpu7x; bench/RESULTS.md, tpu_compile)."""
         dt, scale = self.compute_dtype, 1.0 / math.sqrt(self.head_dim)
         kernels = [ops.cast(self.query.kernel, dt) * ops.cast(scale, dt), ops.cast(self.key.kernel, dt),
                    ops.cast(self.value.kernel, dt)]
