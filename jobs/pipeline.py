@@ -424,8 +424,8 @@ class Pipeline:
             for fmt in self.opts.export:  # a format the template cannot write is bad input, before anything exists
                 self.template.exporter(fmt)
             # A step over the chip's HBM would fail on the TPU once paid for (compiling reports its progress).
-            fitted = fitting.check(self.spec, spec_dir=self.spec_dir, on_event=self.emit,
-                                   framework=self.plan.framework) if self.opts.fit_check else None
+            fitted = fitting.check(self.spec, spec_dir=self.spec_dir,
+                                   on_event=self.emit) if self.opts.fit_check else None
             # job.sharding auto: what the fit chose (data when it fits); without a fit, data.
             requested = self.spec.job.sharding
             self.sharding = fitted.sharding if fitted is not None and requested == "auto" else (

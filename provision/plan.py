@@ -130,10 +130,9 @@ def make(spec: RunSpec, *, project: str, catalog: Catalog | None = None, owner: 
                            hint=f"pass --zone {t.flex_start_zones[0]}, or another provisioning model")
     runtime, framework = spec.runtime_version or t.default_runtime, ""
     if frameworks is not None:
-        asked = frameworks_mod.for_sharding(spec.job.framework, spec.job.sharding) if spec.job else "auto"
-        if spec.slices > 1 and asked == "auto":  # multislice runs JAX (Queued.check_slices): auto picks it
-            frameworks = tuple(f for f in frameworks if f != "tensorflow") or frameworks
-        choice = frameworks_mod.choose(asked, t, spec.runtime_version, frameworks)
+        job = spec.job
+        choice = frameworks_mod.for_run(job.framework if job else "auto", job.sharding if job else "data",
+                                        spec.slices, t, spec.runtime_version, frameworks)
         runtime, framework = choice.runtime_version, choice.framework
     for z in zones:
         catalog.check(t.name, z, runtime, framework or None)

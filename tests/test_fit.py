@@ -244,11 +244,15 @@ class _Compiler:
     per-device example without remat, 1.0 under "minimal_with_context", 0.5 under "minimal" (v5e: 16 GB)."""
 
     compiled: list = []
+    requests: list = []  # (runtime.framework, sharding) of each request the fit started a compiler for
 
     def __init__(self, req, topology, options, log):
+        self.requests.append((req.config["runtime"]["framework"], req.sharding))
+        policies = (["none"] if req.config["runtime"]["framework"] == "tensorflow"  # no remat there (compile_target)
+                    else ["none", "minimal_with_context", "minimal"])
         self.model = {"model": {"per_device_batch": 16, "max_steps": 100, "params": 10**6, "layers": 2,
                                 "hidden": 128, "seq_len": 128, "precision": "mixed_bfloat16", "remat_policy": "none",
-                                "remat_policies": ["none", "minimal_with_context", "minimal"]}, "state_bytes": 10**9}
+                                "remat_policies": policies}, "state_bytes": 10**9}
 
     def compile(self, batch, remat=None):
         self.compiled.append((batch, remat))
@@ -268,19 +272,62 @@ def test_a_batch_that_fits_only_with_remat_names_the_policy_and_the_check_refuse
     monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
     monkeypatch.setattr(fitting, "_Compiler", _Compiler)
     _Compiler.compiled = []
-    r = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v5litepod-4", max_compiles=1)
+    jax_tiny = tmp_path / "tiny.yaml"  # remat is JAX's (on a v5e `auto` would train with TensorFlow)
+    jax_tiny.write_text((EXAMPLES / "gpt2-tiny.yaml").read_text() + "  framework: jax\n")
+    r = tpuctl.fit(jax_tiny, accelerator="v5litepod-4", max_compiles=1)
     assert r.fits and r.remat_policy == "minimal" and r.remat_chosen and r.hbm_per_chip_bytes == 9 * 10**9
     assert _Compiler.compiled == [(16, None), (16, "minimal_with_context"), (16, "minimal")]
     assert r.bytes_accessed_per_step == 18e9 and "remat policy minimal" in r.hbm_line()
     assert r.compiler_cycles_per_step == 7 * 10**6  # the compiler's own estimate, beside the roofline
-    again = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v5litepod-4", max_compiles=1)
+    again = tpuctl.fit(jax_tiny, accelerator="v5litepod-4", max_compiles=1)
     assert again.compiles == 0 and again.remat_policy == "minimal"  # the policies' compiles are cached too
     spec = tmp_path / "big.yaml"  # the check's screen compiles only past a quarter of the HBM: a larger model
-    spec.write_text("accelerator: v5litepod-4\njob: {template: gpt2, preset: gpt2-small}\n")
+    spec.write_text("accelerator: v5litepod-4\njob: {template: gpt2, preset: gpt2-small, framework: jax}\n")
     with pytest.raises(BadInput) as refused:
         fitting.check(spec_mod.from_mapping(spec_mod.read_file(spec)), spec_dir=tmp_path)
     assert refused.value.field == "job.config.trainer.remat_policy"
     assert "set trainer.remat_policy: minimal" in refused.value.hint
+
+
+@needs_compiler
+def test_a_run_that_trains_with_tensorflow_is_fit_as_tensorflows_step(monkeypatch, tmp_path):
+    # On a v5e `framework: auto` trains with TensorFlow (run's plan), whose step has none of the JAX step's
+    # kernels, remat or split state: the fit answers for that one, whoever asks (fit, up, run), and where it does
+    # not fit it says what would (JAX), not what TensorFlow cannot do.
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    monkeypatch.setattr(fitting, "_Compiler", _Compiler)
+    _Compiler.requests, _Compiler.compiled = [], []
+    r = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v5litepod-4", max_compiles=1)
+    assert r.framework == "tensorflow" and _Compiler.requests == [("tensorflow", "data")]
+    assert r.remat_policy == "none" and not r.remat_chosen and _Compiler.compiled == [(16, None)]
+    assert "TensorFlow's step as its XLA program through JAX" in fitting.note(r).message
+    _Compiler.requests = []
+    assert tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v6e-8", max_compiles=1).framework == "jax"
+    assert _Compiler.requests == [("jax", "data")]  # no TensorFlow from v6e on: auto is JAX there
+    big = tmp_path / "big.yaml"  # a model the check's screen compiles; the made-up answer is 21 of 16 GB
+    big.write_text("accelerator: v5litepod-4\njob: {template: gpt2, preset: gpt2-small, sharding: auto}\n")
+    _Compiler.requests = []
+    with pytest.raises(BadInput) as refused:
+        fitting.check(spec_mod.from_mapping(spec_mod.read_file(big)), spec_dir=tmp_path)
+    assert _Compiler.requests == [("tensorflow", "data")]  # auto splits nothing on TensorFlow
+    assert refused.value.field == "job" and "job.framework: jax" in refused.value.hint
+    assert "zero1" not in refused.value.hint and "remat" not in str(refused.value)
+    with pytest.raises(BadInput, match="not offered in zone 'mars-1a'") as zone:  # what run and up refuse
+        tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", zone="mars-1a", max_compiles=1)
+    assert zone.value.field == "zone"
+
+
+@needs_compiler
+def test_a_cache_file_that_is_not_an_answer_is_compiled_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    monkeypatch.setattr(fitting, "_Compiler", _Compiler)
+    _Compiler.compiled = []
+    first = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v5litepod-4", max_compiles=1)
+    (cached,) = (tmp_path / "fit").glob("*.json")
+    for torn in ("{}", "null", '{"model": null}', '{"model": 3, "points": {}}'):
+        cached.write_text(torn)
+        again = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v5litepod-4", max_compiles=1)
+        assert again.compiles == 1 and again.hbm_per_chip_bytes == first.hbm_per_chip_bytes, torn
 
 
 def test_fit_compiles_with_the_compiler_flags_a_runs_workers_give_it(monkeypatch):
@@ -446,10 +493,36 @@ def projection_gradients_are_autodiffs() -> str:
     return "jax"
 
 
+def tensorflows_step_lowered_for_a_tpu() -> str:
+    """(In a fresh JAX interpreter.) The fit target of a run that trains with TensorFlow, lowered for a v5e 2x2
+    that is not there: TensorFlow has no Pallas kernel and no remat, so its step is the Keras model's plain XLA
+    program (no Mosaic custom call) with "none" its one remat policy, where the same job on JAX runs splash
+    attention and the fused head."""
+    from tpuctl.templates import aot
+
+    aot.compile_only()
+    from jax.experimental import topologies
+
+    from tpuctl.jobs import bundle
+    from tpuctl.templates import contract
+
+    devices = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu").devices
+    template = contract.find("gpt2")
+    for framework, kernels in (("tensorflow", False), ("jax", True)):
+        config = bundle.job_config({"task": {"num_layers": 1}}, preset="gpt2-tiny", bucket="fit", run="fit",
+                                   data_url=None, framework=framework)
+        target = template.fit_target(config, devices=devices, vocab_size=512)
+        text = target["step"].lower(target["state"], target["batch"](8)).as_text()
+        assert ("tpu_custom_call" in text) is kernels, (framework, "Pallas kernels" if kernels else "none")
+        assert (target["remat_policies"] == ["none"]) is not kernels, target["remat_policies"]
+    return "jax"
+
+
 @pytest.fixture(scope="module")
 def tpu_layers():
     """The checks of lmkit's layers as a TPU runs them, in one fresh JAX interpreter: check -> its answer."""
-    return on_jax_each("test_fit", ("attention_lowered_for_a_tpu", "projection_gradients_are_autodiffs"))
+    return on_jax_each("test_fit", ("attention_lowered_for_a_tpu", "projection_gradients_are_autodiffs",
+                                    "tensorflows_step_lowered_for_a_tpu"))
 
 
 @needs_compiler
@@ -460,6 +533,11 @@ def test_on_a_tpu_attention_with_dropout_runs_the_fused_kernel(tpu_layers):
 @needs_compiler
 def test_projection_gradients_under_remat_on_a_tpu_are_autodiffs(tpu_layers):
     assert tpu_layers["projection_gradients_are_autodiffs"] == "jax", tpu_layers["projection_gradients_are_autodiffs"]
+
+
+@needs_compiler
+def test_a_tensorflow_runs_step_is_compiled_without_the_jax_steps_kernels(tpu_layers):
+    assert tpu_layers["tensorflows_step_lowered_for_a_tpu"] == "jax", tpu_layers["tensorflows_step_lowered_for_a_tpu"]
 
 
 def bias_gradients_scheduled_for_a_tpu_under_remat() -> str:
@@ -614,7 +692,8 @@ def test_fit_json_reports_the_slices_and_refuses_a_multislice_google_does_not_ma
     human = CliRunner().invoke(cli, ["fit", str(spec), "--slices", "2"])
     assert human.exit_code == 0 and "2 x v5p-8, data parallel across them over DCN" in table.getvalue()
     assert "the gradient all-reduce over DCN, an estimate" in table.getvalue()
-    refused = CliRunner().invoke(cli, ["fit", str(spec), "--slices", "2", "--accelerator", "v3-8"])
+    refused = CliRunner().invoke(cli, ["fit", str(spec), "--slices", "2", "--accelerator", "v3-8",
+                                       "--zone", "us-central1-a"])
     assert refused.exit_code == 2 and "error: slices: Google's multislice is for TPU v4 and later" in errors.getvalue()
 
 

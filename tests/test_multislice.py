@@ -230,8 +230,11 @@ def test_the_slices_flag_plans_n_slices_from_the_example(env):
 
     r = tpuctl(env, "up", str(EXAMPLE), "--slices", "3", "--dry-run", "--json")
     assert r.returncode == 0, r.stderr
-    plan = json.loads(r.stdout.splitlines()[-1])["plan"]
+    summary = json.loads(r.stdout.splitlines()[-1])
+    plan, fit = summary["plan"], summary["fit"]  # the check `up` made first, in its JSON as in its text
     assert plan["slices"] == 3 and "3 slices gpt2-multislice-0..gpt2-multislice-2 of v5p-16" in json.dumps(plan)
+    assert fit["slices"] == 3 and fit["framework"] == "jax" and fit["fits"]  # a multislice trains with JAX
+    assert fit["method"] == "compiled" or "under 25% of the chip's HBM" in fit["not_compiled"]  # why not compiled
 
 
 def test_a_multislice_host_joins_jax_as_jax_itself_counts_it(monkeypatch):

@@ -72,6 +72,13 @@ class AcceleratorType:
         return self.hosts > 1
 
     @property
+    def boots_os_image(self) -> bool:
+        """Its "runtime" is an OS image into which jax[tpu] is pip-installed: Compute Engine TPUs (TPU7x) boot an
+        accelerator OS image (cloud.google.com/tpu/docs/tpu7x: JAX and PyTorch only), where the Cloud TPU API's
+        nodes boot a TPU runtime."""
+        return self.api == "compute"
+
+    @property
     def usable_runtimes(self) -> tuple[str, ...]:
         """The runtimes a job runs on: every one where Google runs TensorFlow; from v6e on, the API still accepts
         the `tpu-vm-tf-*` images (localcloud/README.md, "Runtime images") but TensorFlow does not start on them."""

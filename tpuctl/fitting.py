@@ -145,6 +145,10 @@ class Fit:
     # theirs at once): its schedule's view beside the roofline's, to compare two programs of one chip by (a
     # Pallas kernel carries none, so it counts nothing for them). None: analytic, or not in the compiler's answer.
     compiler_cycles_per_step: int | None = None
+    # What the workers train with. "tensorflow": TensorFlow compiles for a TPU only on one, so the figures are its
+    # Keras model's XLA program compiled through JAX, without the JAX step's Pallas kernels (TensorFlow has none:
+    # attention's scores and the head's logits reach HBM) and without remat (JAX only).
+    framework: str = "jax"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,6 +209,7 @@ class _Request:
     accel: catalog_mod.AcceleratorType
     chip: Chip
     price_per_hour: float  # one slice's
+    framework: str  # what the workers train with: "jax", or "tensorflow" (compiled as its XLA program, via JAX)
     sharding: str = "data"
     slices: int = 1
     libtpu_args: str = ""  # the job's LIBTPU_INIT_ARGS (job.env): the compiler flags its workers add theirs to
@@ -212,33 +217,39 @@ class _Request:
 
 def _request(spec, spec_dir: Path, accelerator: str | None, sharding: str = "data") -> _Request:
     """The spec's job as the workers would get it with `sharding` (placeholder bucket and run: paths change no
-    compile). Raises BadInput for a spec without a job, an unknown type, a config the template refuses, or
-    `slices` Google's multislice does not make (the check `run` makes)."""
+    compile), on the framework the run's plan picks (frameworks.choose, as provision.plan does). Raises
+    BadInput for a spec without a job, an unknown type, a zone, runtime or framework the type does not offer, a
+    config the template refuses, or `slices` Google's multislice does not make (the checks `run` makes)."""
     from tpuctl.jobs import bundle as bundles
-    from tpuctl.provision import shapes
     from tpuctl.templates import contract
 
     job = spec.job
     if job is None:
         raise BadInput("the spec has no job: section, so there is no training step to fit", field="job",
                        hint="add `job: {template: bert, preset: bert-tiny}` (see examples/bert-tiny.yaml)")
-    frameworks.for_sharding(job.framework, sharding)  # zero1 or fsdp on TensorFlow: refused, naming job.sharding
     cat = catalog_mod.load()
     accel = cat.accelerator(accelerator or spec.accelerator or "")
     chip = CHIPS.get(accel.generation)
     if chip is None:
         raise BadInput(f"no chip facts for TPU generation {accel.generation}", field="accelerator",
                        hint=f"fit knows {', '.join(CHIPS)}")
-    shapes.QUEUED.check_slices(accel, spec.slices, spec.provisioning, job.framework)
     template = contract.find(job.template, base_dir=spec_dir)
+    # zero1 or fsdp on TensorFlow: refused, naming job.sharding
+    choice = frameworks.for_run(job.framework, sharding, spec.slices, accel, spec.runtime_version, template.frameworks)
+    for zone in spec.zones:
+        cat.check(accel.name, zone, choice.runtime_version, choice.framework)
+    if spec.slices > 1:
+        from tpuctl.provision import shapes  # (the whole provisioning layer, a second to import: not for one slice)
+
+        shapes.QUEUED.check_slices(accel, spec.slices, spec.provisioning, choice.framework)
     config = bundles.job_config(job.config, preset=job.preset, bucket="fit", run="fit", data_url=None,
-                                framework="jax", sharding=sharding)
+                                framework=choice.framework, sharding=sharding)
     template.check_config(config)
     resolved = template.validate_config(config) if template.validate_config else None
     vocab = getattr(getattr(resolved, "task", None), "vocab_size", 0) or job.data.vocab_size
     zone = spec.zones[0] if spec.zones else accel.zones[0]
     price = cat.tpu_price_per_hour(accel.name, zone, spec.provisioning in ("spot", "preemptible"))
-    return _Request(template, config, resolved, vocab, accel, chip, price, sharding, spec.slices,
+    return _Request(template, config, resolved, vocab, accel, chip, price, choice.framework, sharding, spec.slices,
                     job.env.get("LIBTPU_INIT_ARGS", ""))
 
 
@@ -448,7 +459,8 @@ def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, 
         est_run_s=run_s, price_per_hour=price, est_cost_usd=run_s / 3600 * price,
         jax=versions[0], libtpu=versions[1], compiles=compiles, chip_source=chip.source, sharding=req.sharding,
         remat_policy=remat[0], remat_chosen=remat[1], slices=req.slices,
-        dcn_s=dcn_seconds(chip, accel.chips, model["params"], req.slices), compiler_cycles_per_step=cycles)
+        dcn_s=dcn_seconds(chip, accel.chips, model["params"], req.slices), compiler_cycles_per_step=cycles,
+        framework=req.framework)
 
 
 def _analytic_model(req: _Request) -> dict | None:
@@ -514,7 +526,10 @@ def _compiled(req: _Request, versions: tuple, topology: str, options: dict, budg
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
-        cached = {"model": None, "points": {}}
+        cached = None
+    if not (isinstance(cached, dict) and isinstance(cached.get("points"), dict)
+            and isinstance(cached.get("model"), (dict, type(None)))):
+        cached = {"model": None, "points": {}}  # none yet, or not an answer of ours (a hand-edited file)
     compiler: _Compiler | None = None
     compiles = 0
 
@@ -573,7 +588,7 @@ def _compiled(req: _Request, versions: tuple, topology: str, options: dict, budg
 
 
 def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, on_event: ev.EventSink = ev.ignore,
-        max_compiles: int = MAX_COMPILES, screen: bool = False, framework: str | None = None) -> Fit | None:
+        max_compiles: int = MAX_COMPILES, screen: bool = False) -> Fit | None:
     """The fit of `spec`'s job (a tpuctl.spec.RunSpec) on its accelerator (or `accelerator`). Compiles with
     the TPU compiler when it is installed and the template offers its step (template.json `fit`), at most
     `max_compiles` times, plus one per remat policy tried (the template's, after the config's, when the run's
@@ -581,9 +596,10 @@ def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, o
     (None when the template's config has no transformer shape to estimate from). `screen`: answer with the analytic estimate, without compiling, when even that
     overestimate uses under SCREEN_SHARE of the chip's HBM, and search no larger batch when the run's fits (the
     check before run/up; it refuses a run that fits only under a remat policy its config does not name).
-    `job.sharding` auto: the first of data's, zero1's and fsdp's fits that fits, else fsdp's (not where
-    `framework`, the plan's, is tensorflow, nor on one device, nor for a template without runtime.sharding, or
-    without one of them); the answer's `sharding` says which.
+    The step is the one the run's framework trains (the plan's choice; the answer's `framework`): JAX's, or
+    TensorFlow's as Fit.framework says. `job.sharding` auto: the first of data's, zero1's and fsdp's fits that
+    fits, else fsdp's (not where the framework is TensorFlow, which splits nothing, nor on one device, nor for a
+    template without runtime.sharding, or without one of them); the answer's `sharding` says which.
     Blocks for the compiles;
     creates nothing. Raises BadInput for a spec without a job or an unknown type, TpuctlError if a compile fails."""
     spec_dir = spec_dir or Path.cwd()
@@ -592,7 +608,7 @@ def fit(spec, *, spec_dir: Path | None = None, accelerator: str | None = None, o
         return _fit(_request(spec, spec_dir, accelerator, sharding), max_compiles, screen, on_event)
     req = _request(spec, spec_dir, accelerator, "data")
     answer = _fit(req, max_compiles, screen, on_event)
-    if answer is None or framework == "tensorflow" or req.accel.chips * req.chip.devices_per_chip < 2:
+    if answer is None or req.framework == "tensorflow" or req.accel.chips * req.chip.devices_per_chip < 2:
         return answer  # (one device has nothing to split the state over)
     for split in frameworks.SPLIT:  # least split first
         if answer.fits:
@@ -617,21 +633,22 @@ def _fit(req: _Request, max_compiles: int, screen: bool, on_event: ev.EventSink)
                f"template {req.template.name} offers no step to compile (template.json `fit`)")
         return replace(analytic, not_compiled=why) if analytic else None
     if screen and analytic is not None and analytic.hbm_per_chip_bytes < SCREEN_SHARE * req.chip.hbm_bytes:
-        return analytic
+        return replace(analytic, not_compiled=f"even this overestimate is under {SCREEN_SHARE:.0%} of the chip's "
+                                              "HBM; `tpuctl fit` compiles it")
     return _compiled(req, versions, topology, options, max_compiles, not screen, on_event)
 
 
-def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ignore,
-          framework: str | None = None) -> Fit | None:
+def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ignore) -> Fit | None:
     """The check `run` and `up` make before creating anything: BadInput (exit 2) naming the HBM needed and
     available and the largest batch that fits when the compiled step does not fit; else the fit (`note` is
     its line for the plan). An analytic estimate never refuses (it errs high on purpose)."""
-    result = fit(spec, spec_dir=spec_dir, on_event=on_event, max_compiles=CHECK_COMPILES, screen=True,
-                 framework=framework)
+    result = fit(spec, spec_dir=spec_dir, on_event=on_event, max_compiles=CHECK_COMPILES, screen=True)
     if result is not None and result.method == "compiled" and not result.fits:
-        split = "" if result.sharding == "fsdp" or result.chips < 2 else (
-            ", or split the training state (job.sharding: zero1, or fsdp for the weights too)"
-            if result.sharding == "data" else ", or split the weights too (job.sharding: fsdp)")
+        split = (", or train with JAX (job.framework: jax: its attention and loss kernels, remat and a split "
+                 "training state need less HBM)" if result.framework == "tensorflow" else
+                 "" if result.sharding == "fsdp" or result.chips < 2 else
+                 ", or split the training state (job.sharding: zero1, or fsdp for the weights too)"
+                 if result.sharding == "data" else ", or split the weights too (job.sharding: fsdp)")
         raise BadInput(f"the run does not fit: {result.hbm_line()}", field="job",
                        hint="lower trainer.per_replica_batch_size in job.config, pick a type with more HBM per chip"
                             f"{split}; --no-fit-check skips this check")
@@ -646,6 +663,8 @@ def check(spec, *, spec_dir: Path | None = None, on_event: ev.EventSink = ev.ign
 def note(result: Fit) -> ev.Note:
     """The fit as one line of the plan."""
     how = "compiled" if result.method == "compiled" else f"analytic estimate, not compiled: {result.not_compiled}"
+    if result.framework == "tensorflow":
+        how += ", TensorFlow's step as its XLA program through JAX"
     slices = f" on each of {result.slices} slices" if result.slices > 1 else ""
     return ev.Note(f"fit: {_gb(result.hbm_per_chip_bytes)} of {_gb(result.hbm_capacity_bytes)} HBM per chip{slices} "
                    f"({how}; sharding {result.sharding}); "

@@ -39,11 +39,7 @@ def tensorflow_supported(t: AcceleratorType) -> bool:
 
 
 def jax_runtime(t: AcceleratorType) -> str | None:
-    from tpuctl.provision import shapes  # the provisioning layer imports this module: import it when called
-
-    if shapes.for_tpu(t).boots_os_image:
-        # Compute Engine TPUs (TPU7x) boot an accelerator OS image into which jax[tpu] is pip-installed, as on
-        # the TPU API's base images (cloud.google.com/tpu/docs/tpu7x: JAX and PyTorch only).
+    if t.boots_os_image:  # jax[tpu] is pip-installed on it, as on the TPU API's base images
         return t.default_runtime
     runtime = JAX_RUNTIMES.get(t.generation)
     return runtime if runtime in t.runtimes else None
@@ -101,6 +97,16 @@ def for_sharding(requested: str, sharding: str) -> str:
                        "job.framework is tensorflow", field="job.sharding",
                        hint="set job.framework: jax (or auto), or job.sharding: data")
     return "jax"
+
+
+def for_run(requested: str, sharding: str, slices: int, t: AcceleratorType, runtime_version: str | None,
+            offered: tuple[str, ...]) -> Choice:
+    """`choose` for a job under `sharding` (for_sharding) on `slices` slices: a multislice runs JAX
+    (Queued.check_slices), so auto picks it there. What a run's plan and its fit check train with."""
+    asked = for_sharding(requested, sharding)
+    if slices > 1 and asked == "auto":
+        offered = tuple(f for f in offered if f != "tensorflow") or offered
+    return choose(asked, t, runtime_version, offered)
 
 
 SPLIT = {"zero1": "splits the optimizer state", "fsdp": "splits the weights"}  # job.sharding: what each splits

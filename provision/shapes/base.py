@@ -124,7 +124,6 @@ class Shape(ABC):
     kind: ClassVar[Kind]  # what `create` records for rollback and the plan's step shows
     catalog_api: ClassVar[str] = ""  # the catalog `api` whose types it provisions ("": none, a plain VM)
     permissions: ClassVar[tuple[str, ...]] = ()  # IAM permissions its create, get and delete need (preflight)
-    boots_os_image: ClassVar[bool] = False  # its "runtime" is an OS image (jax[tpu] is pip-installed on it)
 
     def __repr__(self) -> str:
         return self.name

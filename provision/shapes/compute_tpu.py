@@ -19,7 +19,6 @@ class ComputeTpu(Shape):
     kind = Kind.TPU
     catalog_api = API
     tag = compute_tpu.API  # its resources' detail["api"]
-    boots_os_image = True
     # An instance tpuctl writes ssh-keys metadata to; these replace the tpu.* permissions.
     permissions = ("compute.instances.create", "compute.instances.delete", "compute.instances.get",
                    "compute.instances.setMetadata")

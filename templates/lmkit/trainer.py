@@ -285,7 +285,9 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     sharding (state replicated, the batch split over `devices`, a mesh axis "batch" as Keras' DataParallel; under
     runtime.sharding fsdp the weights and their optimizer slots split as shard_weights splits them, under zero1
     the slots as strategy.split_slot splits them), with abstract
-    state and batch in place of arrays. Needs KERAS_BACKEND=jax; builds the model on the host.
+    state and batch in place of arrays. Needs KERAS_BACKEND=jax; builds the model on the host. Under
+    runtime.framework tensorflow, TensorFlow's step, which TensorFlow compiles for a TPU only on one: the same Keras
+    model's XLA program, built here through JAX without the TPU kernels and remat that run() gives JAX alone.
 
     Returns {"step": the jitted Keras train step (state donated, as Keras' JAX trainer jits it) under the
     config's trainer.remat_policy, "step_for": remat policy -> that step under it, "remat_policy", "remat_policies"
@@ -312,7 +314,8 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     trainer, loss = objective.trainer(model)
     _compile(keras, trainer, loss, tr, schedule, objective, jit_compile=True)
     mesh = Mesh(np.array(devices), ("batch",))
-    layers.use_tpu_kernels(mesh)  # compiled for a TPU, whatever this host's own devices are
+    tensorflow = rt.framework == "tensorflow"
+    layers.use_tpu_kernels(None if tensorflow else mesh)  # compiled for a TPU, whatever this host's own devices are
     replicated, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("batch"))
 
     def batch(per_device: int):
@@ -334,7 +337,7 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
         return jax.jit(lambda *a: trainer.train_step(*a), donate_argnums=0, out_shardings=(None, shardings))
 
     return {"step": step_for(tr.remat_policy), "step_for": step_for, "remat_policy": tr.remat_policy,
-            "remat_policies": list(layers.REMAT),
+            "remat_policies": [tr.remat_policy] if tensorflow else list(layers.REMAT),
             "state": state, "batch": batch, "per_device_batch": tr.per_replica_batch_size,
             "max_steps": tr.max_steps,
             "params": int(sum(np.prod(v.value.shape) for v in trainer.trainable_variables)),

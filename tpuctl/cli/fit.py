@@ -28,6 +28,9 @@ def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
         ("slice", f"{r.accelerator} ({r.chips} chips, topology {r.topology}); {how}"),
         ("fits", f"{'yes' if r.fits else 'NO'}: {r.hbm_per_chip_bytes / 1e9:.2f} of "
                  f"{r.hbm_capacity_bytes / 1e9:.2f} GB HBM per chip"),
+        ("framework", "JAX" if r.framework == "jax" else
+         "TensorFlow: its Keras model's XLA program, compiled through JAX (TensorFlow compiles for a TPU only on "
+         "one), without the JAX step's Pallas kernels and remat"),
         ("sharding", SHARDING_SAYS[r.sharding]),
         ("batch", f"{r.per_chip_batch} per chip, {r.global_batch} global, seq {r.seq_len}, {r.precision}"),
         ("largest per-chip batch", f"{r.max_per_chip_batch} ({r.max_batch_is})"),

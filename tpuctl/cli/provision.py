@@ -97,6 +97,7 @@ def up(spec_file, name, cloud, project, spec_flags: SpecFlags, migrate, dry_run,
 
     spec, settings = resolve(spec_file, spec_flags, cloud=cloud, migrate=migrate, name=name, project=project)
     plan = prov.plan(spec, project=settings.project)
+    fitted = None
     if spec.job is not None and not no_fit_check:
         from tpuctl import fitting
 
@@ -109,8 +110,9 @@ def up(spec_file, name, cloud, project, spec_flags: SpecFlags, migrate, dry_run,
     else:  # a script without --yes hears only this, before the plan
         console.can_confirm(yes=yes, to=f"create run {plan.run}")
     lines = console.JsonLines() if as_json else None
+    fit_json = fitted.to_json() if fitted is not None else None
     if lines is not None and dry_run:
-        lines.summary({"plan": plan.to_json(), "target": settings.target})
+        lines.summary({"plan": plan.to_json(), "target": settings.target, "fit": fit_json})
         return
     if not as_json:
         print_plan(plan, spec, settings)
@@ -139,7 +141,7 @@ def _report_up(plan: prov.Plan, settings: config.Settings, result, started: floa
 
     tpu_r = result.get(prov.Kind.TPU)
     if lines is not None:
-        lines.summary({"plan": plan.to_json(), "target": settings.target, "zone": result.zone,
+        lines.summary({"plan": plan.to_json(), "target": settings.target, "fit": fit_json, "zone": result.zone,
                        "created": list(result.created), "adopted": list(result.adopted),
                        "service_account": result.service_account,
                        "resources": [inventory.resource_json(r) for r in result.resources]})
