@@ -103,6 +103,10 @@ def test_ttl_takes_what_its_message_promises_from_flag_env_and_spec_and_refuses_
     assert p.returncode == 0 and json.loads(p.stdout)["plan"]["ttl"] == "2h", p.stderr
     line = _one_error(tpuctl_here(env, *UP, "--ttl", "0", "--dry-run"), 2, "error: ttl: ")
     assert "zero" in line and "not a duration" not in line
+    # A fraction of a second is refused, not rounded (0.4s to a zero that crashed, 1.5 to 2s unsaid).
+    for variables, flags in (({}, ("--ttl", "0.4s")), ({"TPUCTL_TTL": "1.5"}, ())):
+        line = _one_error(tpuctl_here({**env, **variables}, *UP, *flags, "--dry-run"), 2, "error: ttl: ")
+        assert "whole number of seconds" in line
     assert everything(pc) == []
 
 
@@ -128,6 +132,13 @@ def test_conflicting_or_pointless_flags_are_errors(env, pc):
                "error: provisioning: ")
     assert tpuctl_here(env, *UP, "--spot", "--provisioning", "spot", "--dry-run").returncode == 0
     _one_error(tpuctl_here(env, "gc", "--dry-run", "--budget-per", "owner"), 2, "error: budget-per: ")
+    for budget in ("nan", "inf"):  # click's float takes both; nan never passes a comparison, so never triggered
+        assert "positive finite" in _one_error(tpuctl_here(env, "gc", "--dry-run", "--budget", budget), 2,
+                                               "error: budget: ")
+    spec = str(Path(__file__).parents[1] / "examples" / "bert-tiny.yaml")
+    line = _one_error(tpuctl_here(env, "run", spec, "--no-supervisor", "--dry-run", "--no-fit-check"), 2,
+                      "error: no-supervisor: ")
+    assert "--detach" in line
     assert everything(pc) == []
 
 
@@ -179,6 +190,23 @@ def test_ssh_reports_each_remote_exit_code_and_exits_1_not_the_remote_code(joble
                                           "error: the command failed on 1 of 1 worker(s): worker 0 exit 3"]
     ok = tpuctl_here(jobless, "ssh", "r1", "--", "true")
     assert ok.returncode == 0 and "worker 0: exit 0" in ok.stderr, ok.stderr
+
+
+def test_logs_from_the_bucket_check_the_worker_as_ssh_does(env, pc):
+    """Once the TPU is gone `logs` reads the bucket: a worker that is no number, or has no log there, was an
+    empty output and exit 0."""
+    from tpuctl.provision import labels
+
+    bucket = pc.storage.bucket(f"gone-{uuid.uuid4().hex[:12]}")
+    bucket.labels = labels.run_labels("gone", owner_name="ann", ttl_s=3600)
+    pc.storage.create_bucket(bucket, location="europe-west4")
+    for w in (0, 1):
+        bucket.blob(f"runs/gone/logs/worker-{w}.log").upload_from_string(f"hello from {w}\n")
+    p = tpuctl_here(env, "logs", "gone", "-w", "1")
+    assert p.returncode == 0 and p.stdout == "[w1] hello from 1\n", p.stderr
+    assert "has workers 0-1" in _one_error(tpuctl_here(env, "logs", "gone", "-w", "3"), 2, "error: worker: ")
+    for worker in ("-1", "abc"):
+        _one_error(tpuctl_here(env, "logs", "gone", "-w", worker), 2, "error: worker: ")
 
 
 # ---------------------------------------------------------------------------------- down
@@ -267,6 +295,27 @@ def test_the_readme_cloud_run_gc_without_credentials_fails_instead_of_cleaning_t
     p = tpuctl(dict(os.environ), "gc", "--yes", "--project", "P", "--all-owners", "--budget", "50", "--json")
     assert "gcloud auth application-default login" in _one_error(p, 2, "error: credentials: project P") + p.stderr
     assert p.stdout == "" and not (no_credentials / "home" / "localcloud").exists()
+
+
+# ---------------------------------------------------------------------------------- anything unexpected
+
+def test_an_unexpected_exception_is_one_error_line_exit_1_with_its_traceback_kept(tmp_path, monkeypatch):
+    """Not a traceback on the terminal (the README's exit 1): one line naming the exception; the traceback is
+    in TPUCTL_HOME's logs for the report, or nowhere when TPUCTL_HOME itself is what failed."""
+    from tpuctl import catalog
+
+    def boom():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(catalog, "load", boom)
+    env = {**os.environ, "TPUCTL_HOME": str(tmp_path / "home"), "NO_COLOR": "1"}
+    p = tpuctl_here(env, "catalog", "show", "v3-8")
+    _one_error(p, 1, "error: unexpected RuntimeError: boom")
+    log = tmp_path / "home" / "logs" / "traceback.log"
+    assert str(log) in p.stderr and "RuntimeError: boom" in log.read_text()
+    (tmp_path / "file").write_text("")
+    broken = {**env, "TPUCTL_HOME": str(tmp_path / "file" / "home")}
+    _one_error(tpuctl(broken, "catalog", "show", "v3-8"), 1, "error: unexpected NotADirectoryError: ")
 
 
 # ---------------------------------------------------------------------------------- the local cloud from Python

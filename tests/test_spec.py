@@ -22,10 +22,24 @@ def test_zone_forms_become_an_ordered_failover_list(zone):
 
 
 @pytest.mark.parametrize("text,seconds,normal", [("2h", 7200, "2h"), ("90m", 5400, "90m"), ("1d12h", 129600, "36h"),
-                                                 (3600, 3600, "1h"), ("45s", 45, "45s")])
+                                                 (3600, 3600, "1h"), ("45s", 45, "45s"), ("1.1h", 3960, "66m"),
+                                                 ("0.5m", 30, "30s")])
 def test_durations(text, seconds, normal):
     s = spec.from_mapping({"ttl": text})
     assert (s.ttl_s, s.ttl) == (seconds, normal)
+
+
+@pytest.mark.parametrize("raw", [{"ttl": 0.5}, {"ttl": "0.4s"}, {"ttl": "1.5"},
+                                 {"provisioning": "queued", "valid_until": "90.5s"},
+                                 {"provisioning": "flex-start", "max_run_duration": "3600.5"},
+                                 {"bucket_soft_delete": "604800.5"}])
+def test_a_fraction_of_a_second_is_refused_not_rounded(raw):
+    """A duration is whole seconds: 1.5 became 2s unsaid, and 0.4s became 0s, which `ttl_s` then refused with a
+    traceback (parsed again outside validation)."""
+    field = next(k for k in raw if k != "provisioning")
+    with pytest.raises(BadInput) as e:
+        spec.from_mapping(raw)
+    assert e.value.field == field and "whole number of seconds" in e.value.message
 
 
 @pytest.mark.parametrize("raw,field", [

@@ -56,7 +56,7 @@ def parse_duration(value: Any) -> float:
 
     The one duration grammar of tpuctl: spec fields, TPUCTL_* variables and flags all come through here, so a
     value that works in one place works in all. Zero is refused with its own reason (it would mean "already
-    over"), and so is anything negative or not a duration; ValueError says which.
+    over"), and so are a fraction of a second and anything negative or not a duration; ValueError says which.
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
@@ -68,10 +68,15 @@ def parse_duration(value: Any) -> float:
         raise ValueError(f"{value!r} is not a duration; write e.g. 2h, 90m, 1d12h or 3600 (seconds)")
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{value!r} is not a duration; write e.g. 2h, 90m, 1d12h or 3600 (seconds)")
-    if seconds == 0:
+    whole = round(seconds)
+    # A duration is whole seconds, as format_duration writes it back: rounding a fraction would silently change
+    # it (1.5 -> 2s) or make it zero (0.4s). The tolerance absorbs float arithmetic (1.1h is 3960.0000000000005).
+    if abs(seconds - whole) > 1e-6:
+        raise ValueError(f"{value!r} is not a whole number of seconds; write e.g. 2s, 90s or 1m30s")
+    if whole == 0:
         raise ValueError(f"{value!r} is zero: it would be over before anything started; give a positive "
                          "duration such as 2h")
-    return seconds
+    return float(whole)
 
 
 def format_duration(seconds: float) -> str:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import importlib
 import signal
+import traceback
 
 import click
 
-from tpuctl import __version__, config, console
-from tpuctl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput, Interrupted, TpuctlError
+from tpuctl import __version__, config, console, paths
+from tpuctl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput, Interrupted, TpuctlError, Unexpected
 
 SECTIONS = (
     "Run a training job",
@@ -62,12 +63,25 @@ class SectionedGroup(click.Group):
         except KeyboardInterrupt:
             console.error(Interrupted("interrupted"))
             ctx.exit(EXIT_INTERRUPTED)
+        except (click.exceptions.Exit, click.Abort, click.ClickException):
+            raise  # click's own ways to end a command (`ctx.exit`, a subcommand's --help): click finishes them
         except Exception as exc:
-            bad = config.credentials_error(exc)  # a user's unusable key file is an error line, not a traceback
-            if bad is None:
-                raise
+            # A user's unusable key file is an error line, and so is anything else (exit 1, as the README says)
+            bad = config.credentials_error(exc) or _unexpected(exc)
             console.error(bad)
             ctx.exit(bad.exit_code)
+
+
+def _unexpected(exc: Exception) -> TpuctlError:
+    """`exc` as one `error: unexpected ...` line. Its traceback, for the bug report, goes to
+    $TPUCTL_HOME/logs/traceback.log (the last one), named in the hint; nowhere when TPUCTL_HOME is what failed."""
+    error = Unexpected.of(exc)
+    try:
+        log = paths.logs_dir() / "traceback.log"
+        log.write_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    except OSError:
+        return error
+    return Unexpected(error.message, hint=f"{error.hint}; its traceback: {log}")
 
 
 def _usage_error(ctx: click.Context, exc: click.UsageError) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -290,8 +291,9 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
     from tpuctl.provision import gc, labels
 
     idle_s = None if idle.strip().lower() in config.NEVER else cost.parse_duration(idle, field="idle")
-    if budget is not None and budget <= 0:
-        raise BadInput(f"budget {budget} is not positive", field="budget", hint="give USD, e.g. --budget 50")
+    if budget is not None and not (math.isfinite(budget) and budget > 0):  # click's float takes nan and inf
+        raise BadInput(f"budget {budget} is not a positive finite amount", field="budget",
+                       hint="give USD, e.g. --budget 50")
     if budget is None and ctx.get_parameter_source("budget_per") is not click.core.ParameterSource.DEFAULT:
         raise BadInput(f"--budget-per {budget_per} applies --budget, which was not given", field="budget-per",
                        hint=f"add --budget USD, e.g. --budget 50 --budget-per {budget_per}")

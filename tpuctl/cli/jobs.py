@@ -91,6 +91,9 @@ def run_command(spec_file, name, yes, detach, no_supervisor, attach, download, d
                        hint="tpuctl run --attach RUN")
     if not attach and not spec_file:
         raise BadInput("no spec file given", field="spec", hint="tpuctl run examples/bert-tiny.yaml --yes")
+    if no_supervisor and not detach:
+        raise BadInput("--no-supervisor applies to --detach, which was not given", field="no-supervisor",
+                       hint=f"add --detach, e.g. tpuctl run {spec_file or 'SPEC'} --detach --no-supervisor")
     opts = RunOptions(name=name, yes=yes, detach=detach, attach=attach, download=Path(download) if download else None,
                       delete_bucket=delete_bucket, max_recoveries=max_recoveries, dry_run=dry_run, poll_s=poll_s,
                       export=tuple(export), fit_check=not no_fit_check, supervise=not no_supervisor)
@@ -184,16 +187,27 @@ def _fleet_for(clients, run: str, worker: str | None):
 
     where = cluster.locate(clients, run)
     key, targets = cluster.authorize(clients, where.zone, where.node)
-    if worker not in (None, "all"):
-        try:
-            index = int(worker)
-        except ValueError:
-            raise BadInput(f"--worker must be a number or all, not {worker!r}", field="worker") from None
-        chosen = [t for t in targets if t.index == index]
-        if not chosen:
-            raise BadInput(f"run {run} has workers 0-{len(targets) - 1}", field="worker")
-        targets = chosen
+    index = _worker_index(run, worker, [t.index for t in targets])
+    if index is not None:
+        targets = [t for t in targets if t.index == index]
     return where, key, targets
+
+
+def _worker_index(run: str, worker: str | None, indices: list[int]) -> int | None:
+    """`--worker` checked against the run's workers `indices`: None for all of them (unset or `all`), else the
+    one index. BadInput when it is neither a number nor one of them, naming the workers there are."""
+    if worker in (None, "all"):
+        return None
+    try:
+        index = int(worker)
+    except ValueError:
+        raise BadInput(f"--worker must be a number or all, not {worker!r}", field="worker") from None
+    if index not in indices:
+        known = sorted(indices)
+        span = (f"{known[0]}-{known[-1]}" if known == list(range(known[0], known[-1] + 1))
+                else ", ".join(map(str, known)))
+        raise BadInput(f"run {run} has workers {span}", field="worker")
+    return index
 
 
 @click.command("ssh", context_settings={"ignore_unknown_options": True})
@@ -309,10 +323,11 @@ def _logs_from_bucket(clients, run: str, worker: str | None, sink) -> None:
     if not blobs:
         raise NotFound(f"run {run} has no TPU node and no job logs in gs://{bucket}/{prefix}", field="run",
                        hint="see `tpuctl list`")
+    logs = {int(b.name[len(prefix):].removeprefix("worker-").removesuffix(".log")): b for b in blobs}
+    chosen = _worker_index(run, worker, list(logs))  # as `ssh -w` checks it, against the workers with a log
     console.note(f"the TPU is gone; logs from gs://{bucket}/{prefix}")
-    for b in blobs:
-        index = int(b.name[len(prefix):].removeprefix("worker-").removesuffix(".log"))
-        if worker in (None, "all") or str(index) == worker:
+    for index, b in logs.items():
+        if chosen in (None, index):
             for line in b.download_as_text().splitlines():
                 sink(index, line)
 
