@@ -112,6 +112,21 @@ def job_config(overrides: Mapping | None, *, preset: str | None, bucket: str, ru
     return config
 
 
+def check_job_config(template, job, config: Mapping) -> None:
+    """`template`'s own config check (contract.Template.check_config) on the `config` job_config made of `job` (a
+    spec's JobSpec), naming the spec's field where the value came from one (job.preset, job.profile, job.sharding:
+    what the user wrote), else job.config.FIELD. Raises BadInput."""
+    try:
+        template.check_config(config)
+    except BadInput as exc:
+        from_spec = {"job.config.preset": "preset" not in job.config and "job.preset",
+                     "job.config.runtime.profile": bool(job.profile) and "job.profile",
+                     "job.config.runtime.sharding": job.sharding in frameworks.SPLIT and "job.sharding"}
+        if from_spec.get(exc.field):
+            raise BadInput(exc.message, field=from_spec[exc.field], hint=exc.hint) from exc
+        raise
+
+
 def check_config(template_dir: Path, config: Mapping) -> None:
     """The template's own config check (its contract's `config.validate`) on the config the workers would get,
     so a typo or an impossible value is bad input here, before anything is created. Raises BadInput naming

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpuctl import catalog, cost, fitting, frameworks, ledger, provision
+from tpuctl import catalog, cost, fitting, ledger, provision
 from tpuctl import events as ev
 from tpuctl.errors import (BadInput, CapacityError, Interrupted, JobFailed, NotFound, RunDurationEnded, TpuctlError,
                            Unexpected, WaitTimeout)
@@ -478,16 +478,7 @@ class Pipeline:
         config = bundles.job_config(job.config, preset=job.preset, bucket=self.plan.bucket, run=self.plan.run,
                                     data_url=None, profile=job.profile, framework=self.plan.framework,
                                     sharding=job.sharding)
-        try:
-            self.template.check_config(config)
-        except BadInput as exc:
-            if exc.field == "job.config.preset" and "preset" not in job.config:  # it came from `job.preset`
-                raise BadInput(exc.message, field="job.preset", hint=exc.hint) from exc
-            if exc.field == "job.config.runtime.profile" and job.profile:  # it came from `job.profile`
-                raise BadInput(exc.message, field="job.profile", hint=exc.hint) from exc
-            if exc.field == "job.config.runtime.sharding" and job.sharding in frameworks.SPLIT:  # job.sharding
-                raise BadInput(exc.message, field="job.sharding", hint=exc.hint) from exc
-            raise
+        bundles.check_job_config(self.template, job, config)
 
     def up(self):
         # The function itself, not `provision.apply`: that package attribute is replaced by the `apply`

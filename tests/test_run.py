@@ -609,9 +609,11 @@ def test_bad_template_config_is_bad_input_before_anything_is_created(cloud, proj
 
 def test_unknown_preset_names_the_spec_field_it_came_from(cloud, project, tmp_path):
     spec = _spec_file(tmp_path, {**_spec("bad-preset"), "job": {"template": "bert", "preset": "bert-largest"}})
-    r = _here(cloud, tmp_path, project, "run", str(spec), "--dry-run")
-    assert r.returncode == 2
-    assert r.stderr.startswith("error: job.preset: unknown preset 'bert-largest'; did you mean bert-large?"), r.stderr
+    for command in (("run", str(spec), "--dry-run"), ("up", str(spec), "--dry-run"), ("fit", str(spec))):
+        r = _here(cloud, tmp_path, project, *command)  # up's and fit's from the fit's own config check
+        assert r.returncode == 2, (command, r.stderr)
+        assert r.stderr.startswith("error: job.preset: unknown preset 'bert-largest'; did you mean bert-large?"), (
+            command, r.stderr)
 
 
 @pytest.mark.parametrize("name", ["$(touch PWNED)", "a;b", "it's", "x\ny"])

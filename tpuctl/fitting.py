@@ -244,7 +244,7 @@ def _request(spec, spec_dir: Path, accelerator: str | None, sharding: str = "dat
         shapes.QUEUED.check_slices(accel, spec.slices, spec.provisioning, choice.framework)
     config = bundles.job_config(job.config, preset=job.preset, bucket="fit", run="fit", data_url=None,
                                 framework=choice.framework, sharding=sharding)
-    template.check_config(config)
+    bundles.check_job_config(template, job, config)
     resolved = template.validate_config(config) if template.validate_config else None
     vocab = getattr(getattr(resolved, "task", None), "vocab_size", 0) or job.data.vocab_size
     zone = spec.zones[0] if spec.zones else accel.zones[0]
