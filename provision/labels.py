@@ -131,9 +131,15 @@ def matches(labels: Mapping[str, str] | None, run: str | None = None) -> bool:
     return run is None or labels[RUN] == run
 
 
-def check_owned(found: Mapping[str, str] | None, run: str | None, *, what: str, field: str = "name") -> None:
+def check_owned(found: Mapping[str, str] | None, run: str | None, *, what: str, field: str = "name",
+                owner: str | None = None) -> None:
     """NameTaken unless `found` (the labels of an existing resource named like the run's, None when there is
-    none) says it is `run`'s: what tpuctl did not create, it neither adopts nor deletes."""
+    none) says it is `run`'s, and `owner`'s where both name one: what tpuctl did not create, it neither adopts
+    nor deletes, and one owner's run is not another's who picked the same name (gc keeps them apart too)."""
     if found is not None and found.get(RUN) != run:
         raise NameTaken(f"{what} already exists and does not belong to run {run!r}", field=field,
                         hint="pick another run name with --name")
+    theirs = None if found is None else found.get(OWNER)
+    if owner and theirs and theirs != owner:
+        raise NameTaken(f"{what} already exists: run {run!r} of owner {theirs}, not {owner}", field=field,
+                        hint=f"pick another run name with --name (or act as its owner: TPUCTL_OWNER={theirs})")

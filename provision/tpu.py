@@ -17,7 +17,7 @@ from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 from google.protobuf import duration_pb2, field_mask_pb2, json_format
 
-from tpuctl.errors import CapacityError, TpuctlError, from_google, quota_violation
+from tpuctl.errors import BadInput, CapacityError, TpuctlError, from_google, quota_violation
 from tpuctl.provision import labels as L
 from tpuctl.provision import states, waits
 from tpuctl.provision.clients import Clients
@@ -197,11 +197,16 @@ def create_node(clients: Clients, req: NodeRequest, *, deadline_s: float, cancel
     what = f"create TPU node {req.name} in {req.zone}"
     node = get_node(clients, req.zone, req.name)
     if node is not None:
-        L.check_owned(node.labels, req.labels.get(L.RUN), what=f"TPU node {req.name} in {req.zone}")
+        L.check_owned(node.labels, req.labels.get(L.RUN), what=f"TPU node {req.name} in {req.zone}",
+                      owner=req.labels.get(L.OWNER))
         state = states.node_state(node)
         if state in states.SETTLED_BAD:
             delete_node(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
             node = None
+        else:
+            sched = node.scheduling_config
+            _check_same_tpu(req, node.accelerator_type, bool(sched.spot or sched.preemptible),
+                            what=f"TPU node {req.name} in {req.zone}")
     watched = node is None or states.node_state(node) is not State.READY
     done_at = None
     if node is None:
@@ -273,10 +278,14 @@ def create_queued(clients: Clients, req: NodeRequest, *, deadline_s: float, canc
     what = f"create queued resource {req.name} in {req.zone}"
     qr = get_queued(clients, req.zone, req.name)
     if qr is not None:
-        L.check_owned(_labels(qr), req.labels.get(L.RUN), what=f"queued resource {req.name} in {req.zone}")
+        L.check_owned(_labels(qr), req.labels.get(L.RUN), what=f"queued resource {req.name} in {req.zone}",
+                      owner=req.labels.get(L.OWNER))
         if states.queued_state(qr.state.state) in states.SETTLED_BAD:
             delete_queued(clients, req.zone, req.name, deadline_s=deadline_s, cancel=cancel, progress=progress)
             qr = None
+        elif qr.tpu.node_spec:
+            _check_same_tpu(req, qr.tpu.node_spec[0].node.accelerator_type, None,
+                            what=f"queued resource {req.name} in {req.zone}")
     watched = qr is None or states.queued_state(qr.state.state) is not State.READY
     if qr is None and req.max_run_duration_s:
         _create_flex_start(clients, req, what=what, cancel=cancel, progress=progress, on_issued=on_issued)
@@ -469,8 +478,22 @@ def _create_or_adopt(create: Callable[[], object], labels: Callable[[], Mapping[
         existing = labels()
         if existing is None:  # gone again meanwhile: nothing to adopt, the conflict stands
             raise
-    L.check_owned(existing, req.labels.get(L.RUN), what=thing)
+    L.check_owned(existing, req.labels.get(L.RUN), what=thing, owner=req.labels.get(L.OWNER))
     return None
+
+
+def _check_same_tpu(req: NodeRequest, accelerator: str, spot: bool | None, *, what: str) -> None:
+    """BadInput unless the run's existing TPU (`accelerator`; `spot` where known) is the one `req` asks for:
+    adopting a v3-8 for a v2-8, or an on-demand TPU for a spot one, would bill and train on what the plan did
+    not say."""
+    asked_spot = req.spot or req.preemptible
+    if accelerator == req.accelerator and spot in (None, asked_spot):
+        return
+    field = "accelerator" if accelerator != req.accelerator else "provisioning"
+    has = accelerator + ("" if spot is None else " spot" if spot else " on demand")
+    asked = req.accelerator + ("" if spot is None else " spot" if asked_spot else " on demand")
+    raise BadInput(f"{what} already exists as a {has}, not the {asked} asked for", field=field,
+                   hint=f"`tpuctl down {req.labels.get(L.RUN, req.name)}` first, or pick another run name with --name")
 
 
 def delete_node(clients: Clients, zone: str, name: str, *, deadline_s: float = 900.0,

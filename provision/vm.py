@@ -149,7 +149,8 @@ def ensure_instance(clients: Clients, zone: str, name: str, labels: Mapping[str,
     thing = f"{what} in {zone}"
 
     def check_ours(inst: compute_v1.Instance | None) -> None:
-        L.check_owned(None if inst is None else inst.labels, labels.get(L.RUN), what=thing, field=field)
+        L.check_owned(None if inst is None else inst.labels, labels.get(L.RUN), what=thing, field=field,
+                      owner=labels.get(L.OWNER))
 
     inst = get(clients, zone, name)
     check_ours(inst)

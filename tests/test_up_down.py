@@ -68,6 +68,19 @@ def test_up_status_list_down(env, pc):
     assert again.returncode == 0 and records[-1]["type"] == "summary" and records[-1]["created"] == []
     assert {r["key"] for r in records if r["type"] == "resource" and r["state"] == "ready"} >= {
         "tpu/europe-west4-a/r1"}
+    # ...but only what the plan asks for, and only its owner's: another type, on demand for spot, or the same
+    # run name from another owner is refused before anything changes, not adopted (and billed) as it is.
+    there = len(everything(pc))
+    on_demand = tpuctl_here(env, *UP)
+    assert on_demand.returncode == 2 and (
+        "error: provisioning: TPU node r1 in europe-west4-a already exists as a v3-8 spot, not the v3-8 on demand "
+        "asked for") in on_demand.stderr, on_demand.stderr
+    other = tpuctl_here(env, *UP[:2], "v2-8", *UP[3:], "--spot")
+    assert other.returncode == 2 and ("error: accelerator: TPU node r1 in europe-west4-a already exists as a v3-8 "
+                                      "spot, not the v2-8 spot asked for") in other.stderr, other.stderr
+    theirs = tpuctl_here({**env, "TPUCTL_OWNER": "carol"}, *UP, "--spot")
+    assert theirs.returncode == 2 and "of owner " in theirs.stderr and "not carol" in theirs.stderr, theirs.stderr
+    assert len(everything(pc)) == there
 
     dry = tpuctl_here(env, "down", "r1", "--dry-run", "--json")  # needs no --yes, deletes nothing
     assert dry.returncode == 0, dry.stderr

@@ -127,7 +127,7 @@ def up(spec_file, name, cloud, project, spec_flags: SpecFlags, migrate, dry_run,
             on_event = console.tee(board, lines)
             clients = prov.connect(config.ensure_endpoint(settings, on_event=on_event))
             result = api.apply_plan(clients, plan, on_event=on_event, keep_on_failure=keep_on_failure)
-        _report_up(plan, settings, result, started, lines)
+        _report_up(plan, settings, result, started, lines, fit_json)
     except KeyboardInterrupt:
         if result is None:  # apply rolled back what it created and said so
             raise
@@ -135,7 +135,7 @@ def up(spec_file, name, cloud, project, spec_flags: SpecFlags, migrate, dry_run,
 
 
 def _report_up(plan: prov.Plan, settings: config.Settings, result, started: float,
-               lines: console.JsonLines | None) -> None:
+               lines: console.JsonLines | None, fit_json: dict | None) -> None:
     from tpuctl import provision as prov
     from tpuctl.provision import inventory
 
