@@ -87,6 +87,12 @@ def test_without_the_compiler_an_analytic_estimate_and_one_line(monkeypatch, tmp
     assert human.exit_code == 0 and "Traceback" not in shown and "v6e-4 (4 chips, topology v6e:2x2)" in shown
     assert f"analytic estimate (the TPU compiler is not installed ({fitting.INSTALL_HINT}))" in shown
     assert re.search(r"compiler's cycles / step +│? *- ", shown), shown  # no compiler, no estimate of its own
+    big = tmp_path / "big.yaml"  # over the HBM by the estimate: the check says so, and passes it (it errs high)
+    big.write_text("accelerator: v5litepod-4\njob: {template: gpt2, preset: gpt2-small, "
+                   "config: {trainer: {per_replica_batch_size: 512}}}\n")
+    over = fitting.check(spec_mod.from_mapping(spec_mod.read_file(big)), spec_dir=tmp_path)
+    assert not over.fits and "over the chip's HBM by this deliberately high estimate, not enforced" in (
+        fitting.note(over).message)
 
 
 def test_largest_batch_search_stays_within_its_compiles():

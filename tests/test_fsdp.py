@@ -267,7 +267,7 @@ XL = {"name": "xl", "zone": "us-west4-a", "accelerator": "v5litepod-8",
       "job": {"template": "gpt2", "preset": "gpt2-xl", "config": {"task": {"seq_len": 128}}}}
 
 
-def _spec_file(tmp_path: Path, **job) -> Path:
+def _xl_file(tmp_path: Path, **job) -> Path:
     import yaml
 
     path = tmp_path / "xl.yaml"
@@ -283,29 +283,34 @@ def test_fit_answers_per_sharding_and_auto_takes_the_least_split_that_fits(monke
 
     monkeypatch.setitem(sys.modules, "libtpu", None)  # the analytic estimate: no compile on this machine
     monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
-    data = tpuctl.fit(_spec_file(tmp_path, sharding="data"))
-    fsdp = tpuctl.fit(_spec_file(tmp_path, sharding="fsdp"))
+
+    # On JAX: on a v5e `framework: auto` trains with TensorFlow, which splits nothing (the last test here).
+    def xl_on_jax(tmp_path, **job) -> Path:
+        return _xl_file(tmp_path, framework="jax", **job)
+
+    data = tpuctl.fit(xl_on_jax(tmp_path, sharding="data"))
+    fsdp = tpuctl.fit(xl_on_jax(tmp_path, sharding="fsdp"))
     assert (data.sharding, data.fits, fsdp.sharding, fsdp.fits) == ("data", False, "fsdp", True)
     # 7/8 of the 16 bytes a weight of state gone from each chip, but for the replicated token embedding; every
     # weight may be gathered there in bfloat16
     split = data.params - 50257 * 1600
     assert data.hbm_per_chip_bytes - fsdp.hbm_per_chip_bytes == pytest.approx(16 * 7 / 8 * split - 2 * data.params,
                                                                               rel=1e-6)
-    auto = tpuctl.fit(_spec_file(tmp_path))
+    auto = tpuctl.fit(xl_on_jax(tmp_path))
     assert auto == fsdp  # zero1 does not fit either: 9 of the 16 bytes a weight stay on each chip
     # gpt2-large at 16 sequences a chip: over the chip's HBM under data, within it with the slots split
     large = {"preset": "gpt2-large", "config": {"task": {"seq_len": 128}, "trainer": {"per_replica_batch_size": 16}}}
-    data, zero1 = (tpuctl.fit(_spec_file(tmp_path, sharding=split, **large)) for split in ("data", "zero1"))
+    data, zero1 = (tpuctl.fit(xl_on_jax(tmp_path, sharding=split, **large)) for split in ("data", "zero1"))
     assert (data.fits, zero1.fits) == (False, True)
     assert data.hbm_per_chip_bytes - zero1.hbm_per_chip_bytes == pytest.approx(8 * 7 / 8 * data.params, rel=1e-6)
     assert zero1.est_step_s == data.est_step_s  # its bytes, estimated, are data's (fitting._analytic_bytes)
-    assert tpuctl.fit(_spec_file(tmp_path, **large)) == zero1
-    small = tpuctl.fit(_spec_file(tmp_path, preset="gpt2-tiny", config={}))
+    assert tpuctl.fit(xl_on_jax(tmp_path, **large)) == zero1
+    small = tpuctl.fit(xl_on_jax(tmp_path, preset="gpt2-tiny", config={}))
     assert (small.sharding, small.fits) == ("data", True)  # auto: data wherever it fits
-    one_chip = tpuctl.fit(_spec_file(tmp_path), accelerator="v5litepod-1")
+    one_chip = tpuctl.fit(xl_on_jax(tmp_path), accelerator="v5litepod-1")
     assert (one_chip.sharding, one_chip.fits) == ("data", False)  # one device: nothing to split over
 
-    out = CliRunner().invoke(cli, ["fit", str(_spec_file(tmp_path, sharding="data")), "--sharding", "fsdp", "--json"])
+    out = CliRunner().invoke(cli, ["fit", str(xl_on_jax(tmp_path, sharding="data")), "--sharding", "fsdp", "--json"])
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["sharding"] == "fsdp"  # the flag wins over the file
     from rich.console import Console
@@ -314,7 +319,7 @@ def test_fit_answers_per_sharding_and_auto_takes_the_least_split_that_fits(monke
 
     shown = io.StringIO()  # the console holds its own streams, bound when it was imported
     monkeypatch.setattr(console, "err", Console(file=shown, width=1000, no_color=True))
-    out = CliRunner().invoke(cli, ["fit", str(_spec_file(tmp_path, framework="tensorflow")), "--sharding", "fsdp"])
+    out = CliRunner().invoke(cli, ["fit", str(_xl_file(tmp_path, framework="tensorflow")), "--sharding", "fsdp"])
     assert out.exit_code == 2
     assert "error: job.sharding: fsdp splits the weights with Keras' distribution API, which runs on JAX" in \
         shown.getvalue()

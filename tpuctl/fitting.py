@@ -665,6 +665,8 @@ def note(result: Fit) -> ev.Note:
     how = "compiled" if result.method == "compiled" else f"analytic estimate, not compiled: {result.not_compiled}"
     if result.framework == "tensorflow":
         how += ", TensorFlow's step as its XLA program through JAX"
+    if not result.fits:  # only an analytic estimate gets here (check refuses a compiled step that does not fit)
+        how += "; over the chip's HBM by this deliberately high estimate, not enforced: `tpuctl fit` compiles it"
     slices = f" on each of {result.slices} slices" if result.slices > 1 else ""
     return ev.Note(f"fit: {_gb(result.hbm_per_chip_bytes)} of {_gb(result.hbm_capacity_bytes)} HBM per chip{slices} "
                    f"({how}; sharding {result.sharding}); "
