@@ -80,6 +80,18 @@ def test_every_event_round_trips_through_its_json_line():
         assert ev.from_json({**wire, "added_in_a_later_version": 1}) == e
 
 
+def test_provisions_progress_becomes_one_event_a_change():
+    seen: list[ev.Event] = []
+    progress = ev.resource_progress(seen.append)
+    for key, state, detail in [("tpu/z/r", "creating", "requested"), ("tpu/z/r", "creating", "requested"),
+                               ("bucket/r/b", "creating", ""), ("tpu/z/r", "creating", "requested"),
+                               ("tpu/z/r", "creating", "1/4 hosts"), ("tpu/z/r", "ready", ""), ("tpu/z/r", "ready", "")]:
+        progress(key, state, detail)  # provision's waits report at every poll
+    assert [(e.key, e.state, e.detail) for e in seen] == [
+        ("tpu/z/r", "creating", "requested"), ("bucket/r/b", "creating", ""), ("tpu/z/r", "creating", "1/4 hosts"),
+        ("tpu/z/r", "ready", "")]
+
+
 def test_plain_board_prints_one_line_per_change_of_state(monkeypatch):
     from tpuctl import console
 
@@ -216,6 +228,11 @@ def test_cli_run_json_is_one_event_per_line_and_plain_progress_never_repeats_a_s
     events = [ev.from_json(d) for d in records]
     assert {"run_planned", "resource", "phase_started", "metrics", "log", "cost"} <= {e.type for e in events}
     assert _zero(cloud, project)
+    last: dict[str, tuple[str, str]] = {}  # a resource event says it changed: none repeats its last one
+    for e in events:
+        if isinstance(e, ev.ResourceChanged):
+            assert last.get(e.key) != (e.state, e.detail), e
+            last[e.key] = (e.state, e.detail)
 
     # Without a terminal: one line per state a resource reaches, none saying only that time passed.
     states = re.findall(r"^(\S+/\S+): (\w+)", r.stderr, flags=re.M)

@@ -32,6 +32,7 @@ After the events, `--json` writes one summary object with `"type": "summary"` (`
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -61,8 +62,21 @@ def ignore(event: Event) -> None:
 
 
 def resource_progress(sink: EventSink) -> Callable[[str, str, str], None]:
-    """`provision`'s progress callback (key, state, detail) reporting ResourceChanged events to `sink`."""
-    return lambda key, state, detail: sink(ResourceChanged(key, state, detail))
+    """`provision`'s progress callback (key, state, detail) reporting ResourceChanged events to `sink`: each
+    (state, detail) of a resource once, as it changes. provision's waits report at every poll (a TPU's create,
+    ~90 identical lines of `up --json` on the local cloud), and an event says a resource *changed*. Thread-safe:
+    apply creates resources in parallel."""
+    last: dict[str, tuple[str, str]] = {}
+    lock = threading.Lock()
+
+    def progress(key: str, state: str, detail: str) -> None:
+        with lock:
+            if last.get(key) == (state, detail):
+                return
+            last[key] = (state, detail)
+        sink(ResourceChanged(key, state, detail))
+
+    return progress
 
 
 @dataclass(frozen=True)
