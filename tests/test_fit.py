@@ -284,6 +284,7 @@ def test_a_batch_that_fits_only_with_remat_names_the_policy_and_the_check_refuse
     assert r.fits and r.remat_policy == "minimal" and r.remat_chosen and r.hbm_per_chip_bytes == 9 * 10**9
     assert _Compiler.compiled == [(16, None), (16, "minimal_with_context"), (16, "minimal")]
     assert r.bytes_accessed_per_step == 18e9 and "remat policy minimal" in r.hbm_line()
+    assert "largest per-chip batch that fits without it: " in r.hbm_line()  # searched under the config's policy
     assert r.compiler_cycles_per_step == 7 * 10**6  # the compiler's own estimate, beside the roofline
     again = tpuctl.fit(jax_tiny, accelerator="v5litepod-4", max_compiles=1)
     assert again.compiles == 0 and again.remat_policy == "minimal"  # the policies' compiles are cached too

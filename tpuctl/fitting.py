@@ -156,7 +156,9 @@ class Fit:
     def hbm_line(self) -> str:
         """One line: needed against available, and the largest batch that fits."""
         how = "compiled" if self.method == "compiled" else "analytic estimate"
-        largest = (f"largest per-chip batch that fits: {self.max_per_chip_batch} ({self.max_batch_is})"
+        # The largest batch is searched under the config's own policy, not the one chosen to fit this batch.
+        without = " without it" if self.remat_chosen else ""
+        largest = (f"largest per-chip batch that fits{without}: {self.max_per_chip_batch} ({self.max_batch_is})"
                    if self.max_per_chip_batch else
                    "not even the smallest batch fits: use a generation with more HBM per chip")
         # A compiled step that does not fit is one the compiler refused: it names its temporaries, not the total.

@@ -25,7 +25,7 @@ def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
     how = f"compiled by libtpu {r.libtpu}" if r.method == "compiled" else f"analytic estimate ({r.not_compiled})"
     compiled = f"{r.compiled_flops_per_step / 1e9:,.1f} GFLOP" if r.compiled_flops_per_step is not None else "-"
     return [
-        ("slice", f"{r.accelerator} ({r.chips} chips, topology {r.topology}); {how}"),
+        ("slice", f"{r.accelerator} ({r.chips} chip{'s' if r.chips != 1 else ''}, topology {r.topology}); {how}"),
         ("fits", f"{'yes' if r.fits else 'NO'}: {r.hbm_per_chip_bytes / 1e9:.2f} of "
                  f"{r.hbm_capacity_bytes / 1e9:.2f} GB HBM per chip"),
         ("framework", "JAX" if r.framework == "jax" else
