@@ -80,6 +80,11 @@ def test_up_status_list_down(env, pc):
                                       "spot, not the v2-8 spot asked for") in other.stderr, other.stderr
     theirs = tpuctl_here({**env, "TPUCTL_OWNER": "carol"}, *UP, "--spot")
     assert theirs.returncode == 2 and "of owner " in theirs.stderr and "not carol" in theirs.stderr, theirs.stderr
+    for args in (("--yes",), ("--dry-run", "--json")):  # nor does the other owner's down delete it, or plan to
+        not_theirs = tpuctl_here({**env, "TPUCTL_OWNER": "carol"}, "down", "r1", *args)
+        assert not_theirs.returncode == 2 and "error: run: run r1 belongs to owner " in not_theirs.stderr, (
+            not_theirs.stderr)
+        assert not_theirs.stdout == ""
     assert len(everything(pc)) == there
 
     dry = tpuctl_here(env, "down", "r1", "--dry-run", "--json")  # needs no --yes, deletes nothing

@@ -113,6 +113,19 @@ def delete_run(clients: Clients, run: str, *, delete_bucket: bool = False,
     return result
 
 
+def check_owner(run: str, found) -> None:
+    """BadInput (field run) when any of `found`, the run's resources, carries another owner's label than this
+    caller's (provision.labels.owner): two owners may pick one run name, and one's `down` must not delete the
+    other's run (gc keeps them apart the same way); that owner, or TPUCTL_OWNER set to them, deletes it."""
+    from tpuctl.provision import labels
+
+    mine = labels.owner()
+    others = sorted({r.labels.get(labels.OWNER) for r in found} - {mine, None, ""})
+    if others:
+        raise BadInput(f"run {run} belongs to owner {', '.join(others)}, not {mine}: nothing was deleted",
+                       field="run", hint=f"act as its owner: TPUCTL_OWNER={others[0]} tpuctl down {run}")
+
+
 def unknown_run(clients: Clients, run: str) -> NotFound | None:
     """Whether a run that no resource carries the label of is a mistake: None when this machine's cost ledger
     remembers a resource of it in the project (it was deleted; a second `down` is done, not an error), else
@@ -256,6 +269,9 @@ def down(run: Run | str, *, delete_bucket: bool = False, on_event: EventSink | N
     labels.check_name(name, field="run")
     sink = on_event or ignore
     clients = _clients_for(run, project, cloud, sink)
+    from tpuctl import provision
+
+    check_owner(name, provision.list_resources(clients, name, include_iam=True))
     result = delete_run(clients, name, delete_bucket=delete_bucket, on_event=sink)
     if not (result.deleted or result.kept) and (missing := unknown_run(clients, name)) is not None:
         raise missing

@@ -184,6 +184,7 @@ def down(run, cloud, project, delete_bucket, dry_run, yes, as_json) -> None:
     settings = config.settings(project=project, cloud=cloud, on_event=console.tee(console.report, lines))
     clients = prov.connect(settings)
     found = prov.list_resources(clients, run, include_iam=True)
+    api.check_owner(run, found)
     if not found:
         # Idempotent (a second `down` is not an error), but a mistyped name must not pass for a clean one.
         if (missing := api.unknown_run(clients, run)) is not None:
