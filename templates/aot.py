@@ -156,7 +156,7 @@ def main() -> int:
     model = {k: target[k] for k in ("per_device_batch", "max_steps", "params", "layers", "hidden", "seq_len",
                                     "precision")}
     # A template without remat offers none to try (`fit` then reports the config's as "none").
-    model.update({k: target[k] for k in ("remat_policy", "remat_policies") if k in target})
+    model.update({k: target[k] for k in ("remat_policy", "remat_policies", "flop_params") if k in target})
     _say({"model": model, "state_bytes": int(state_bytes)})
     for line in sys.stdin:
         request = json.loads(line)

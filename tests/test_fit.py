@@ -95,6 +95,42 @@ def test_without_the_compiler_an_analytic_estimate_and_one_line(monkeypatch, tmp
         fitting.note(over).message)
 
 
+# bert-tiny: 2 layers 128 wide (feed-forward 512), a vocabulary of 8000, 20 predicted positions of 128.
+BERT_TINY_EVERY_TOKEN = 2 * (4 * 128 * 128 + 2 * 128 * 512 + 9 * 128 + 512) + 2 * 128  # layers, embedding norm
+BERT_TINY_HEAD = 128 * 128 + 3 * 128 + 8000  # the MLM transform, its norm, the tied decoder's bias
+BERT_TINY_FLOP_PARAMS = BERT_TINY_EVERY_TOKEN + (BERT_TINY_HEAD + 8000 * 128) * 20 / 128
+
+
+def test_a_masked_lms_model_flops_count_its_head_on_the_predicted_positions_only(monkeypatch, tmp_path):
+    # 6·N·tokens with N every weight counted bert-tiny's head (its tied 8000 x 128 decoder: 70% of the weights)
+    # over all 128 positions, where it runs on 20: an estimated MFU of 98% on a v2-8.
+    monkeypatch.setitem(sys.modules, "libtpu", None)
+    monkeypatch.setenv("TPUCTL_HOME", str(tmp_path))
+    r = tpuctl.fit(EXAMPLES / "bert-tiny.yaml", accelerator="v2-8")
+    assert r.params == 8000 * 128 + 128 * 128 + BERT_TINY_EVERY_TOKEN + BERT_TINY_HEAD == 1_461_952  # as compiled
+    assert r.flop_params == int(BERT_TINY_FLOP_PARAMS)
+    tokens = r.per_chip_batch * 128
+    assert r.model_flops_per_step == pytest.approx((6 * BERT_TINY_FLOP_PARAMS + 12 * 2 * 128 * 128) * tokens)
+    assert r.est_mfu < 0.5
+    gpt2 = tpuctl.fit(EXAMPLES / "gpt2-tiny.yaml", accelerator="v2-8")  # a causal LM's tied head runs on every token
+    assert gpt2.flop_params == gpt2.params
+
+
+def masked_lm_flop_params() -> str:
+    """(In a fresh JAX interpreter.) BERT's objective counts the weights a matmul applies per token from its
+    model's variables as the analytic estimate does from the config: the head on the predicted positions only."""
+    import keras
+
+    from tpuctl.templates.bert import train
+
+    cfg = train.MASKED_LM.config.build({"preset": "bert-tiny"})
+    keras.config.set_dtype_policy("float32")
+    trainer, _ = train.MASKED_LM.trainer(train.MASKED_LM.build_model(cfg.task, 8000))
+    got = train.MASKED_LM.flop_params(trainer, cfg.task)
+    assert got == pytest.approx(BERT_TINY_FLOP_PARAMS), (got, BERT_TINY_FLOP_PARAMS)
+    return "jax"
+
+
 def test_largest_batch_search_stays_within_its_compiles():
     """Memory = 1 GB of state + 10 MB a batch example, 2 GB available: 96 fits, 104 does not. The compiler
     accepts up to 2.1 GB (it compiles somewhat past a chip's published HBM) and refuses beyond."""
@@ -529,7 +565,7 @@ def tensorflows_step_lowered_for_a_tpu() -> str:
 def tpu_layers():
     """The checks of lmkit's layers as a TPU runs them, in one fresh JAX interpreter: check -> its answer."""
     return on_jax_each("test_fit", ("attention_lowered_for_a_tpu", "projection_gradients_are_autodiffs",
-                                    "tensorflows_step_lowered_for_a_tpu"))
+                                    "tensorflows_step_lowered_for_a_tpu", "masked_lm_flop_params"))
 
 
 @needs_compiler
@@ -540,6 +576,11 @@ def test_on_a_tpu_attention_with_dropout_runs_the_fused_kernel(tpu_layers):
 @needs_compiler
 def test_projection_gradients_under_remat_on_a_tpu_are_autodiffs(tpu_layers):
     assert tpu_layers["projection_gradients_are_autodiffs"] == "jax", tpu_layers["projection_gradients_are_autodiffs"]
+
+
+@needs_compiler
+def test_bert_counts_its_model_flops_as_the_analytic_estimate_does(tpu_layers):
+    assert tpu_layers["masked_lm_flop_params"] == "jax", tpu_layers["masked_lm_flop_params"]
 
 
 @needs_compiler

@@ -9,7 +9,9 @@ Without the compiler the same report is an analytic estimate (a deliberately hig
 
 Time and money are estimates from a roofline: max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), plus
 the gradient all-reduce over ICI on more than one chip; model FLOPs are 6·N·tokens plus attention
-(12·layers·hidden·seq per token, PaLM's count), and the FLOPs are the compiled ones where the program does more
+(12·layers·hidden·seq per token, PaLM's count; N the weights a matmul applies per token, the template's
+`flop_params`: every weight for GPT-2, whose tied head runs on every token; BERT's head on its predicted
+positions only), and the FLOPs are the compiled ones where the program does more
 (a recomputed forward under remat, or GPT-2's TPU head): MFU counts the model's alone. With `slices: N`
 (multislice, weak scaling: every slice runs the same per-chip batch), the step then all-reduces the gradients
 across the N slices over the data-center network (DCN): `dcn_seconds`; step time, tokens/s and cost are for all
@@ -114,6 +116,8 @@ class Fit:
     global_batch: int
     seq_len: int
     params: int
+    flop_params: int  # N of the model FLOPs' 6·N·tokens: the weights a matmul applies per token (a masked LM's
+    # head runs on its predicted positions only, its embeddings are lookups); `params` where the template says not
     precision: str
     hbm_per_chip_bytes: int
     hbm_capacity_bytes: int
@@ -420,14 +424,16 @@ def roofline(chip: Chip, chips: int, model: dict, per_chip_batch: int, bytes_per
              sharding: str = "data", slices: int = 1, compiled_flops_per_chip: float | None = None
              ) -> tuple[float, float]:
     """(model FLOPs per chip per step, estimated step seconds) of `model` (its "params", "layers", "hidden",
-    "seq_len") at `per_chip_batch` on `chips` chips of `chip` moving `bytes_per_chip` and computing
+    "seq_len", and "flop_params" where the template says which weights a matmul applies per token: N of 6·N·tokens,
+    else "params") at `per_chip_batch` on `chips` chips of `chip` moving `bytes_per_chip` and computing
     `compiled_flops_per_chip` (if known; the model's FLOPs where fewer: the compiler's count leaves out a Pallas
     kernel that declares none, e.g. splash attention's) per step (module docstring: the roofline, plus the
     gradients' all-reduce; under fsdp the weights' two all-gathers, forward and backward, and the gradients'
     reduce-scatter: three halves of a ring all-reduce where data and zero1 have two),
     on each of `slices` slices, plus their all-reduce over DCN (dcn_seconds)."""
     seq = model["seq_len"]
-    model_flops = (6 * model["params"] + 12 * model["layers"] * model["hidden"] * seq) * per_chip_batch * seq
+    n = model.get("flop_params", model["params"])
+    model_flops = (6 * n + 12 * model["layers"] * model["hidden"] * seq) * per_chip_batch * seq
     halves = 3 if sharding == "fsdp" else 2
     allreduce_s = (halves * (chips - 1) / chips * 4 * model["params"] / chip.allreduce_bytes_per_s
                    if chips > 1 else 0.0)  # float32 gradients (and weights), ring all-reduce
@@ -452,6 +458,7 @@ def _roofline(req: _Request, *, method: str, fits: bool, per_device_batch: int, 
     return Fit(
         fits=fits, method=method, accelerator=accel.name, topology=topology, chips=accel.chips,
         per_chip_batch=per_chip_batch, global_batch=per_device_batch * devices, seq_len=seq, params=model["params"],
+        flop_params=int(model.get("flop_params", model["params"])),
         precision=model["precision"], hbm_per_chip_bytes=int(hbm), hbm_capacity_bytes=int(chip.hbm_bytes),
         max_per_chip_batch=largest[0] * chip.devices_per_chip, max_batch_is=largest[1],
         model_flops_per_step=model_flops, compiled_flops_per_step=compiled_flops,
@@ -474,8 +481,15 @@ def _analytic_model(req: _Request) -> dict | None:
         return None
     h, i, layers, seq, vocab = task.hidden_size, task.intermediate_size, task.num_layers, task.seq_len, req.vocab_size
     precision = getattr(getattr(req.resolved, "runtime", None), "mixed_precision", "auto")
+    every_token = layers * (4 * h * h + 2 * h * i + 9 * h + i) + 2 * h  # the layers and the embeddings' norm
+    # A masked LM's head (transform, norm and the tied decoder's bias, beside the token embedding as its decoder)
+    # runs on the predicted positions only, as its template's flop_params counts; the embeddings are lookups.
+    predicted = getattr(task, "predictions_per_seq", None)
+    head = 0 if predicted is None else h * h + 3 * h + vocab
+    params = vocab * h + seq * h + every_token + head
+    flop_params = params if predicted is None else every_token + (head + vocab * h) * predicted / seq
     return {"seq_len": seq, "hidden": h, "layers": layers, "heads": task.num_heads, "vocab": vocab,
-            "params": vocab * h + seq * h + layers * (4 * h * h + 2 * h * i + 9 * h + i) + 2 * h,
+            "params": params, "flop_params": flop_params,
             "per_device_batch": trainer.per_replica_batch_size, "max_steps": trainer.max_steps,
             "precision": "mixed_bfloat16" if precision == "auto" else precision}
 

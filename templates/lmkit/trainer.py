@@ -109,6 +109,13 @@ class Objective(abc.ABC):
     def batch_shapes(self, task, batch: int):
         """One element of `dataset` as (shape, dtype) leaves: what the step is compiled for without data."""
 
+    def flop_params(self, trainer, task) -> float:
+        """The N of the model's FLOPs, 6·N·tokens (+ attention; `tpuctl fit`): the weights a matmul applies per
+        token of the sequence. Every trainable weight of `trainer`, by default, as PaLM counts a causal LM whose
+        tied head multiplies every token by the token embedding (its position embedding, a lookup, counted too:
+        under 1% of gpt2-small)."""
+        return float(sum(math.prod(v.shape) for v in trainer.trainable_variables))
+
     # The template's train module exports these three: its program (`python -m NAME.train`), the library's call
     # and template.json `fit`.
     def main(self, argv: list[str] | None = None) -> int:
@@ -293,7 +300,7 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
     config's trainer.remat_policy, "step_for": remat policy -> that step under it, "remat_policy", "remat_policies"
     (the names a config may give, most HBM first), "state":
     its abstract state, "batch": per-device batch -> abstract batch, "per_device_batch", "max_steps", "params"
-    (trainable weights), "layers", "hidden", "seq_len", "precision"}."""
+    (trainable weights), "flop_params" (Objective.flop_params), "layers", "hidden", "seq_len", "precision"}."""
     import jax
     import keras
     import numpy as np
@@ -341,6 +348,7 @@ def compile_target(config: dict, *, devices, vocab_size: int, objective: Objecti
             "state": state, "batch": batch, "per_device_batch": tr.per_replica_batch_size,
             "max_steps": tr.max_steps,
             "params": int(sum(np.prod(v.value.shape) for v in trainer.trainable_variables)),
+            "flop_params": objective.flop_params(trainer, cfg.task),
             "layers": cfg.task.num_layers, "hidden": cfg.task.hidden_size, "seq_len": cfg.task.seq_len,
             "precision": precision}
 

@@ -37,7 +37,8 @@ def _rows(r: fit_mod.Fit) -> list[tuple[str, str]]:
         ("remat policy", r.remat_policy + (" (chosen: the batch does not fit without it; set trainer.remat_policy)"
                                            if r.remat_chosen else "")),
         ("model FLOPs / step / chip", f"{r.model_flops_per_step / 1e9:,.1f} GFLOP (6·N·tokens + attention, "
-                                      f"N = {r.params:,})"),
+                                      f"N = {r.flop_params:,}" + (f" of the {r.params:,} weights: the ones a matmul "
+                                      "applies per token" if r.flop_params != r.params else "") + ")"),
         ("compiled FLOPs / step / chip", compiled),
         ("bytes accessed / step / chip", f"{r.bytes_accessed_per_step / 1e9:,.2f} GB"),
         ("compiler's cycles / step", "-" if r.compiler_cycles_per_step is None else
