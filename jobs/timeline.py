@@ -7,7 +7,9 @@ workers ready = `workers_ready` (after every launch, recoveries' too), `first_st
 `restored`, preemption = `recover` (its detail says why: `lost` or `maintenance`), recovered = the next
 `first_step`, `teardown`, and the end (`done` or `failed`). A mark from a log line carries the time the line
 reached tpuctl (log lines carry no time; up to a poll interval late). The file is written whole at each
-transition and while watching (the pipeline is its only writer; `--attach` continues a detached run's).
+transition and while watching by the pipeline (`--attach` and a detached run's supervisor continue it). A run
+nobody watched to its end (`--detach --no-supervisor`, or a supervisor that `down` stopped) is ended by what
+deleted its TPU, `down` or `gc` (`close`): its `teardown` and a `closed` end, whose detail says which.
 
 The time between the first mark and the end is split into categories that follow Google's ML Goodput
 Measurement library (https://github.com/AI-Hypercomputer/ml-goodput-measurement, README "Badput Breakdown
@@ -25,7 +27,8 @@ Details" and `goodput_utils.BadputType`); tpuctl measures from the request, not 
 | `teardown` | collecting the artifacts and deleting the TPU and VMs | (after its job end) |
 
 Blocking checkpoint saves are inside `productive`: a log line says when a save ended, not how long it blocked.
-`goodput` is `productive` over the time the run held a TPU (all but `provisioning`). Dollars per category are
+`goodput` is `productive` over the time the run held a TPU (all but `provisioning`); unknown, not 0, when no
+step was seen while the job went unwatched (`detached`). Dollars per category are
 each resource's own billing (tpuctl.cost) over the category's intervals, so they add up to the run's cost;
 "lost to preemption" is `wasted_progress` + `recovery`.
 """
@@ -39,6 +42,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tpuctl import cost
+from tpuctl.errors import TpuctlError
 from tpuctl.events import EventSink, Warn, ignore
 
 if TYPE_CHECKING:
@@ -49,7 +53,9 @@ if TYPE_CHECKING:
 CATEGORIES = ("provisioning", "training_prep", "program_startup", "productive", "wasted_progress", "recovery",
               "other", "teardown")
 LOST_TO_PREEMPTION = ("wasted_progress", "recovery")
-END = ("done", "failed")  # the last mark of a run that ended (a detached run's is `detached` until an attach)
+# The end of a run that nobody watched to its end, marked by what deleted its TPU (`close`; detail: `down`, `gc: ...`).
+CLOSED = "closed"
+END = ("done", "failed", CLOSED)  # the last mark of a run that ended (a detached run's is `detached` until an attach)
 # Which category the time in each state goes to; `watch` is split by its step marks (see `intervals`). While
 # detached, nobody watched: what the job did then is not known.
 _STATE_CATEGORY = {"up": "provisioning", "prepare": "training_prep", "ship": "training_prep",
@@ -116,6 +122,43 @@ def load(clients: Clients, bucket: str, run: str) -> Timeline | None:
 
     doc = cluster.read_json(clients, bucket, name(run))
     return None if doc is None else Timeline(Mark(**m) for m in doc.get("marks", ()))
+
+
+def close(clients: Clients, bucket: str, run: str, *, by: str, started: float, ended: float,
+          on_event: EventSink = ignore) -> None:
+    """End the timeline of a run whose TPU `by` (`down`, `gc: REASONS`) deleted from `started` to `ended`, when its
+    pipeline did not (nobody watched it to its end): that deletion is its `teardown` and `ended` its end, so its
+    wall time stops growing. A timeline that ended, or none (a run `up` made), is left as it is.
+
+    Best effort, like `Timeline.save`: a missing bucket is nothing to close, and a record that cannot be read or
+    written is a Warn event, never a failed deletion."""
+    try:
+        found = load(clients, bucket, run)
+    except (TpuctlError, ValueError, TypeError) as exc:  # unreadable, or not a timeline
+        on_event(Warn(f"could not read gs://{bucket}/{name(run)}: {exc}"))
+        return
+    if found is None or any(m.what in END for m in found.marks):
+        return
+    found.mark("teardown", at=started, detail=by)
+    found.mark(CLOSED, at=ended, detail=by)
+    found.save(clients, bucket, run, on_event=on_event)
+
+
+# Ledger kinds (provision.resources.Kind values) the pipeline's teardown deletes, waiting until they are gone.
+_TORN_DOWN = ("tpu", "queued-resource")
+
+
+def gone_by(marks: Iterable[Mark], kind: str) -> float | None:
+    """The latest a resource of the run (of ledger `kind`) was deleted, for one that nobody here saw go (tpuctl.ledger
+    `closed_by_scan`): a TPU or queued resource once the run's teardown moved on (the state mark after it), anything
+    else (the supervisor VM deletes itself after the run's end) at the run's end, its last seconds unrecorded.
+    None while the run has not ended: it may still make a TPU again."""
+    states = [m for m in sorted(marks, key=lambda m: m.at) if m.what in STATES]
+    end = next((i for i, m in enumerate(states) if m.what in END), None)
+    if end is None:
+        return None
+    teardown = max((i for i, m in enumerate(states[:end]) if m.what == "teardown"), default=None)
+    return states[teardown + 1].at if kind in _TORN_DOWN and teardown is not None else states[end].at
 
 
 def _first(marks: Sequence[Mark], what: str, t0: float, t1: float) -> Mark | None:
@@ -191,7 +234,7 @@ class Goodput:
     usd: dict[str, float]
     wall_s: float
     recoveries: int
-    goodput: float | None  # productive / time holding a TPU; None before any TPU time
+    goodput: float | None  # productive / time holding a TPU; None before any TPU time, or its steps unseen (account)
     ended: bool
     lost_to_preemption_usd: float = field(init=False)
 
@@ -218,7 +261,11 @@ def account(timeline: Timeline, *, now: float, entries: Iterable[Entry] = (), ca
         if catalog is not None:
             usd[category] += sum(cost.accrued(e, catalog, now=t1, since=t0) for e in entries)
     held = sum(seconds.values()) - seconds["provisioning"]
+    # No step seen, and the job went unwatched for a while (`detached`): it may have trained then, so its goodput
+    # is unknown, not 0 (a watched job that never reached a step has 0).
+    unseen = (not any(m.what == "first_step" for m in timeline.marks)
+              and any(m.what == "detached" for m in timeline.marks))
     return Goodput(seconds=seconds, usd=usd, wall_s=sum(seconds.values()),
                    recoveries=sum(m.what == "recover" for m in timeline.marks),
-                   goodput=seconds["productive"] / held if held > 0 else None,
+                   goodput=seconds["productive"] / held if held > 0 and not unseen else None,
                    ended=any(m.what in END for m in timeline.marks))

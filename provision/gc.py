@@ -274,6 +274,8 @@ class Outcome:
     dry_run: bool
     error: str | None = None
     seconds: float = 0.0
+    # When its deletion began (unix seconds; None: none was tried): an unwatched run's timeline ends with it.
+    started: float | None = None
 
     def record(self) -> dict:
         rec = self.action.record()
@@ -310,15 +312,15 @@ def execute(clients: Clients, actions: Iterable[Action], *, dry_run: bool, ledge
             report(Outcome(a, ok=True, dry_run=dry_run))
 
     def one(a: Action) -> Outcome:
-        t0 = time.monotonic()
+        started, t0 = time.time(), time.monotonic()
         try:
             r = a.resource
             delete(clients, Undo.of(r), deadline_s=deadline_s, cancel=cancel)
         except TpuctlError as exc:
-            return Outcome(a, ok=False, dry_run=False, error=str(exc), seconds=time.monotonic() - t0)
+            return Outcome(a, ok=False, dry_run=False, error=str(exc), seconds=time.monotonic() - t0, started=started)
         if ledger is not None:
             ledger.mark_deleted([key_of(a.resource)])
-        return Outcome(a, ok=True, dry_run=False, seconds=time.monotonic() - t0)
+        return Outcome(a, ok=True, dry_run=False, seconds=time.monotonic() - t0, started=started)
 
     if dry_run:
         return outcomes

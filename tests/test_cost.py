@@ -278,3 +278,39 @@ def test_a_run_that_saw_its_spot_node_preempted_in_the_first_minute_records_it_f
     [e] = Ledger().entries()
     assert e.deleted is not None and e.billed_until is not None
     assert cost.accrued(e, cat, now=t0 + 10 * H) == 0
+
+
+def test_a_scan_closes_what_went_unseen_at_most_then_and_settle_puts_its_runs_time_once(tmp_path):
+    """A detached run's supervisor deletes its TPU while this machine sleeps: the next scan closes the entry at the
+    scan, marked, and `settle` moves it back to when the run's record says it went, once."""
+    led = Ledger(tmp_path / "ledger.json")
+    node, loader, seen = tpu("n", "r1", created=10), vm("v", "r1", created=10), tpu("m", "r2", created=10)
+    led.record([node, loader, seen])
+    led.mark_deleted([seen.key], at=50)  # this machine deleted it: it knows when
+    led.reconcile(live_keys=[], scanned_projects=["p"], at=1000)
+    assert {e.name: (e.deleted, e.closed_by_scan) for e in led.entries()} == {
+        "n": (1000, True), "v": (1000, True), "m": (50, False)}
+    led.record([tpu("n", "r1", created=10)])  # a stale listing that still shows it changes neither
+    asked: list[str] = []
+
+    def when(e: Entry) -> float | None:
+        asked.append(e.name)
+        return {"n": 40.0, "v": 5.0}.get(e.name)  # 5: before it existed, the record is of another life
+
+    led.settle(when)
+    assert sorted(asked) == ["n", "v"]
+    assert {e.name: (e.deleted, e.closed_by_scan) for e in led.entries()} == {
+        "n": (40.0, False), "v": (1000, False), "m": (50, False)}
+    led.settle(when)  # settled once: not asked again
+    assert sorted(asked) == ["n", "v"]
+
+
+def test_an_unknown_time_is_asked_again_and_old_ledgers_read_as_before(tmp_path):
+    path = tmp_path / "ledger.json"
+    path.write_text('{"version": 1, "resources": {"p/tpu/z/old": {"kind": "tpu", "name": "old", "project": "p", '
+                    '"location": "z", "run": "r", "owner": "ann", "created": 1.0, "deleted": 9.0}}}')
+    led = Ledger(path)
+    led.record([tpu("n", "r", created=10)])
+    led.reconcile(live_keys=[], scanned_projects=["p"], at=100)
+    led.settle(lambda e: None)  # the run has not ended: its TPU may be made again
+    assert {e.name: (e.deleted, e.closed_by_scan) for e in led.entries()} == {"old": (9.0, False), "n": (100, True)}

@@ -135,3 +135,47 @@ def test_cost_includes_what_an_interrupted_up_rolled_back(cloud, tmp_path):
     [row] = rep["rows"]  # both nodes and the bucket
     assert row["key"] == "rolled" and row["live"] == 0 and row["rolled_back"] == row["resources"] == 3
     assert row["usd"] == row["rolled_back_usd"] == rep["total_usd"] == 0, rep
+
+
+def test_a_tpu_its_supervisor_deleted_while_nobody_watched_costs_what_the_meter_says(cloud, clients, cat):
+    """A detached run's supervisor tears its TPU down while the laptop sleeps (here an hour): the laptop's next
+    `tpuctl cost` finds it gone. It billed until the run's teardown moved on (its timeline), not until that scan:
+    as on the meter, and the summary says what `tpuctl cost RUN` says."""
+    from tpuctl import api, ledger
+    from tpuctl.jobs import timeline
+    from tpuctl.provision import bucket
+
+    run, zone = "slept", "us-central1-a"
+    labels = L.run_labels(run, owner_name="ann", ttl_s=3600)
+    bucket_name = L.auto_bucket(clients.project, run)
+    bucket.ensure(clients, bucket_name, "us-central1", labels)
+    record = timeline.Timeline()
+    record.mark("up", at=time.time())
+    node = tpu.create_node(clients, tpu.NodeRequest(name=run, zone=zone, accelerator="v3-8", labels=labels,
+                                                    runtime_version="tpu-vm-tf-2.17.0-pjrt", service_account=""),
+                           deadline_s=30)
+    supervisor = vm.create(clients, vm.VmRequest(name=f"{run}-supervisor", zone=zone, machine_type="e2-small",
+                                                 disk_gb=10, labels={**labels, L.ROLE: L.SUPERVISOR},
+                                                 image="projects/debian-cloud/global/images/family/debian-12",
+                                                 service_account=""), deadline_s=30)
+    ledger.remember([node, supervisor])  # as `run --detach` does before the laptop goes
+    for what in ("launch", "detached", "attach", "watch", "teardown"):
+        record.mark(what, at=time.time())
+    tpu.delete_node(clients, zone, run, deadline_s=30)
+    for what in ("collect", "done"):
+        record.mark(what, at=time.time())
+    record.save(clients, bucket_name, run)
+    vm.delete(clients, zone, supervisor.name, deadline_s=30)  # the supervisor deletes itself last
+
+    later = time.time() + 3600
+    entries = api.cost_entries(clients, now=later)
+    gone = {e.name: e.deleted for e in entries if e.kind != "bucket"}
+    at = {m.what: m.at for m in record.marks}
+    assert gone == {run: at["collect"], supervisor.name: at["done"]}
+    assert not any(e.closed_by_scan for e in ledger.Ledger().entries())  # settled, once
+    rate = cat.tpu_price_per_hour("v3-8", "us-central1", spot=False) / 3600
+    ours = {e.name: cost.accrued(e, cat, now=later) for e in entries}
+    assert abs(ours[run] - metered(cloud, clients, later)[run]) / rate < 0.5  # a poll interval apart at most
+    summary = cost.report(entries, cat, since=later - 7200, now=later)
+    phases = timeline.account(record, now=later, entries=entries, catalog=cat)
+    assert summary.total_usd == pytest.approx(sum(phases.usd.values()))

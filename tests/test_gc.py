@@ -18,6 +18,7 @@ from google.cloud import compute_v1, tpu_v2
 
 from tpuctl import catalog
 from tpuctl.cli import cli
+from tpuctl.jobs import timeline
 from tpuctl.ledger import Entry, Ledger
 from tpuctl.provision import bucket, gc, tpu, vm
 from tpuctl.provision import labels as L
@@ -225,3 +226,37 @@ def test_gc_on_a_terminal_lists_what_would_go_and_deletes_only_on_yes(clients, h
     code, text = _on_a_terminal(dict(os.environ), *argv, answer="y")
     assert code == 0 and f"deleted bucket us-central1/{old}" in text, text
     assert bucket.list_labelled(clients) == []
+
+
+def save_timeline(clients, run, marks):
+    """The run's timeline as its pipeline left it, in the bucket `write_status` made."""
+    record = timeline.Timeline()
+    for m in marks:
+        record.mark(m.what, at=m.at, step=m.step, detail=m.detail)
+    record.save(clients, L.auto_bucket(clients.project, run), run)
+
+
+def test_gc_ends_the_timeline_of_a_run_nobody_watched_to_its_end(clients, home):
+    """`run --detach --no-supervisor`: nobody watched the job end, so nothing ended its timeline; the gc that
+    deletes its TPU does, and the run's time stops growing. A timeline that ended is left as it was."""
+    t = time.time()
+    unwatched = [timeline.Mark(t - 30, "up"), timeline.Mark(t - 20, "launch"), timeline.Mark(t - 19, "workers_ready"),
+                 timeline.Mark(t - 18, "detached", detail="detached")]
+    ended = [timeline.Mark(t - 30, "up"), timeline.Mark(t - 20, "teardown", detail="failed"),
+             timeline.Mark(t - 10, "failed", detail="failed")]
+    for run, marks in (("unwatched", unwatched), ("ended", ended)):
+        make_tpu(clients, f"{run}-tpu", run_labels(run))
+        write_status(clients, run, "succeeded", time.time())
+        save_timeline(clients, run, marks)
+    before = time.time()
+    result, records = gc_cli(clients)
+    assert result.exit_code == 0 and sorted(r["name"] for r in records) == ["ended-tpu", "unwatched-tpu"], result.output
+    after = time.time()
+    marks = timeline.load(clients, L.auto_bucket(clients.project, "unwatched"), "unwatched").marks
+    teardown, end = marks[len(unwatched):]
+    assert marks[:len(unwatched)] == unwatched
+    assert [(m.what, m.detail) for m in (teardown, end)] == [("teardown", "gc: finished"), ("closed", "gc: finished")]
+    assert before <= teardown.at < end.at <= after
+    acct = timeline.account(timeline.Timeline(marks), now=after + 86400)
+    assert acct.ended and acct.wall_s == pytest.approx(end.at - unwatched[0].at) and acct.goodput is None
+    assert timeline.load(clients, L.auto_bucket(clients.project, "ended"), "ended").marks == ended

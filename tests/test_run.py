@@ -393,6 +393,9 @@ def test_detach_returns_after_launch_and_job_commands_see_it(tpc, cloud, project
     down = _here(cloud, tmp_path, project, "down", "dt-run", "--yes")
     assert down.returncode == 0, down.stderr
     assert _zero(cloud, project)
+    # Nobody watched it end: `down` ended its timeline when it deleted the TPU, and its steps went unseen.
+    phases = json.loads(_here(cloud, tmp_path, project, "cost", "dt-run", "--json").stdout)
+    assert phases["ended"] and phases["goodput"] is None, phases
 
 
 def test_bad_spec_is_one_line_exit_2_and_creates_nothing(cloud, project, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from tpuctl import catalog, cost
 from tpuctl.jobs.pipeline import NOTHING_UP, TRANSITIONS, Verdict
 from tpuctl.jobs.pipeline import RunState as Step
-from tpuctl.jobs.timeline import Mark, Timeline, account, intervals
+from tpuctl.jobs.timeline import CLOSED, Mark, Timeline, account, gone_by, intervals
 from tpuctl.ledger import Entry
 
 
@@ -94,3 +94,32 @@ def test_steps_are_dated_by_the_workers_clock_not_by_when_their_lines_arrive():
     marks = [Mark(0, "launch"), Mark(5, "workers_ready"), Mark(5.005, "first_step", 1), Mark(5.01, "watch"),
              Mark(9, "last_step", 40), Mark(10, "teardown"), Mark(11, "done")]
     assert intervals(marks, now=100)[:3] == [("program_startup", 0, 5.01), ("productive", 5.01, 9), ("other", 9, 10)]
+
+
+def test_a_resource_nobody_saw_deleted_went_when_its_runs_teardown_moved_on():
+    """For the ledger's entries a scan closed (tpuctl.ledger `closed_by_scan`): the TPU once the teardown moved on
+    to `collect`, the supervisor VM (deleted by itself after the end) at the end; nothing while the run goes on."""
+    marks = _preempted_run().marks
+    assert gone_by(marks, "tpu") == 88 and gone_by(marks, "queued-resource") == 88 and gone_by(marks, "vm") == 90
+    assert gone_by(marks[:-1], "tpu") is None
+    # A supervisor that found no TPU ends the run without a teardown; what was left went at its end.
+    assert gone_by([Mark(0, "up"), Mark(10, "attach"), Mark(12, "failed")], "tpu") == 12
+
+
+def _unwatched_run() -> list[Mark]:
+    """`run --detach --no-supervisor`: up 10 s, prep 5, launch 5, then nobody watched; `gc` deleted its TPU from 100
+    to 104 and ended it."""
+    return [Mark(0, "up"), Mark(10, "prepare"), Mark(12, "ship"), Mark(15, "launch"), Mark(20, "workers_ready"),
+            Mark(20, "detached", detail="detached"), Mark(100, "teardown", detail="gc: finished"),
+            Mark(104, CLOSED, detail="gc: finished")]
+
+
+def test_a_run_nobody_watched_ends_where_its_tpu_was_deleted_and_its_goodput_is_unknown():
+    acct = account(Timeline(_unwatched_run()), now=10_000)
+    assert acct.ended and acct.wall_s == 104 and account(Timeline(_unwatched_run()), now=20_000).wall_s == 104
+    assert acct.seconds["other"] == 80 and acct.seconds["teardown"] == 4 and acct.seconds["productive"] == 0
+    assert acct.goodput is None and acct.to_json()["goodput"] is None  # it trained unseen: not 0
+    # Watched all along, a job that never reached a step has a goodput, and it is 0.
+    watched = [Mark(0, "up"), Mark(10, "launch"), Mark(20, "workers_ready"), Mark(20, "watch"),
+               Mark(50, "teardown", detail="failed"), Mark(55, "failed")]
+    assert account(Timeline(watched), now=100).goodput == 0

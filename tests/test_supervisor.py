@@ -127,6 +127,12 @@ def test_a_detached_run_survives_the_laptop_a_preemption_and_a_killed_supervisor
     doc = json.loads(subprocess.run([sys.executable, "-m", "tpuctl", "job", "status", RUN, "--json"], env=env,
                                     capture_output=True, text=True, timeout=60).stdout)
     assert doc["recoveries"] == 2, doc
+    # The laptop slept through the teardown: its summary counts the run until then, as `cost RUN` does.
+    def cost(*args: str) -> dict:
+        return json.loads(subprocess.run([sys.executable, "-m", "tpuctl", "cost", *args, "--json"], env=env,
+                                         capture_output=True, text=True, timeout=60).stdout)
+    summary, phases = cost(), cost(RUN)
+    assert phases["ended"] and [r["usd"] for r in summary["rows"]] == [pytest.approx(phases["total_usd"], abs=1e-4)]
     assert supervisor_vm.Heartbeat.read(tpc, bucket, RUN).state == "ended"
     out, err = follower.communicate(timeout=60)
     assert follower.returncode == 0, err

@@ -289,3 +289,40 @@ def test_ctrl_c_once_the_run_is_ready_keeps_it_and_says_so(env, pc, monkeypatch)
     assert len(everything(pc)) == 2  # TPU and bucket, READY
     d = tpuctl(env, "down", "r1", "--yes", "--delete-bucket")
     assert d.returncode == 0 and everything(pc) == [], d.stderr
+
+
+def test_down_ends_the_timeline_of_a_run_nobody_watched_and_a_write_it_cannot_make_is_a_warning(env, pc, monkeypatch):
+    """`run --detach --no-supervisor` left the run unwatched: the `down` that deletes its TPU ends its timeline (a
+    second `down`, deleting nothing, adds nothing). Best effort: a timeline it cannot write fails no `down`."""
+    from test_gc import make_tpu, run_labels, save_timeline, write_status
+
+    from tpuctl.errors import CloudError
+    from tpuctl.jobs import timeline
+    from tpuctl.provision import labels
+
+    env = {**env, "TPUCTL_OWNER": "ann"}  # test_gc's runs' owner
+    t = time.time()
+    unwatched = [timeline.Mark(t - 30, "up"), timeline.Mark(t - 20, "launch"), timeline.Mark(t - 18, "detached")]
+    for run in ("unseen", "unwritable"):
+        make_tpu(pc, run, run_labels(run))
+        write_status(pc, run, "running", t)
+        save_timeline(pc, run, unwatched)
+    before = time.time()
+    p = tpuctl_here(env, "down", "unseen", "--yes")
+    assert p.returncode == 0, p.stderr
+    record = timeline.load(pc, labels.auto_bucket(pc.project, "unseen"), "unseen")
+    assert record.marks[:3] == unwatched
+    assert [(m.what, m.detail) for m in record.marks[3:]] == [("teardown", "down"), ("closed", "down")]
+    assert before <= record.marks[3].at < record.marks[4].at <= time.time()
+    assert tpuctl_here(env, "down", "unseen", "--yes").returncode == 0
+    assert len(timeline.load(pc, labels.auto_bucket(pc.project, "unseen"), "unseen").marks) == 5
+
+    def refused(*args, **kwargs):
+        raise CloudError("403 the bucket refuses writes")
+
+    monkeypatch.setattr("tpuctl.jobs.cluster.write_json", refused)
+    p = tpuctl_here(env, "down", "unwritable", "--yes")
+    assert p.returncode == 0, p.stderr
+    bucket = labels.auto_bucket(pc.project, "unwritable")
+    assert f"could not write gs://{bucket}/runs/unwritable/timeline.json" in p.stderr, p.stderr
+    assert [n for n in everything(pc) if "/nodes/" in n] == []

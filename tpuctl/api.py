@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Union
 from tpuctl import config, ledger
 from tpuctl import spec as spec_mod
 from tpuctl.errors import BadInput, Interrupted, NotFound, TpuctlError
-from tpuctl.events import EventSink, ignore, resource_progress
+from tpuctl.events import EventSink, Warn, ignore, resource_progress
 
 if TYPE_CHECKING:
     from tpuctl.fitting import Fit
@@ -105,12 +105,80 @@ def kept_after_ready(run: str) -> Interrupted:
 def delete_run(clients: Clients, run: str, *, delete_bucket: bool = False,
                on_event: EventSink = ignore) -> DownResult:
     """Delete a run's resources (its bucket too with `delete_bucket`), verify none remain, record it in the
-    cost ledger. Blocks until done; idempotent (nothing left is not an error)."""
+    cost ledger, and end its timeline if nothing did (`tpuctl.jobs.timeline.close`). Blocks until done;
+    idempotent (nothing left is not an error)."""
     from tpuctl import provision
+    from tpuctl.jobs import timeline
+    from tpuctl.provision.gc import COMPUTE_KINDS
 
+    started = time.time()
     result = provision.down(clients, run, delete_bucket=delete_bucket, progress=resource_progress(on_event))
     ledger.remember(result.deleted, deleted=True, on_event=on_event)
+    bucket = next((r.name for r in result.kept if r.kind is provision.Kind.BUCKET), None)  # deleted: no timeline
+    if bucket is not None and any(r.kind in COMPUTE_KINDS for r in result.deleted):
+        timeline.close(clients, bucket, run, by="down", started=started, ended=time.time(), on_event=on_event)
     return result
+
+
+def close_timelines(clients: Clients, result: GcResult, *, on_event: EventSink = ignore) -> None:
+    """After a gc pass (`gc`, `tpuctl gc`): end the timeline of each run whose compute it deleted, if nothing did
+    (`tpuctl.jobs.timeline.close`), over the time its deletions took, saying why gc deleted it. A run with compute
+    gc failed to delete has not ended."""
+    from tpuctl import provision
+    from tpuctl.jobs import timeline
+    from tpuctl.provision.gc import COMPUTE_KINDS
+
+    tried = [o for o in result.outcomes if o.started is not None and o.action.resource.kind in COMPUTE_KINDS]
+    failed = {o.action.run for o in tried if not o.ok}
+    spans: dict[str, tuple[float, float, tuple[str, ...]]] = {}
+    for o in tried:
+        if o.action.run not in failed:
+            t0, t1, _ = spans.get(o.action.run, (o.started, o.started, ()))
+            spans[o.action.run] = (min(t0, o.started), max(t1, o.started + o.seconds), o.action.reasons)
+    if not spans:
+        return
+    try:
+        buckets = {r.run: r.name for r in provision.list_resources(clients) if r.kind is provision.Kind.BUCKET}
+    except TpuctlError as exc:  # best effort: the deletions stand
+        on_event(Warn(f"could not find the buckets of the runs gc ended, to end their timelines: {exc}"))
+        return
+    for run, (started, ended, reasons) in sorted(spans.items()):
+        if run in buckets:
+            timeline.close(clients, buckets[run], run, by=f"gc: {', '.join(reasons)}", started=started, ended=ended,
+                           on_event=on_event)
+
+
+def cost_entries(clients: Clients, *, now: float, on_event: EventSink = ignore) -> list[ledger.Entry]:
+    """What `tpuctl cost` reports on: a fresh scan merged into the cost ledger (`tpuctl.provision.gc.cost_entries`),
+    every entry of the project, live and gone.
+
+    A resource the scan found gone went while nobody here watched (a detached run's supervisor tore it down while
+    this machine slept): the ledger closes it at the scan, the latest it can have gone. Its run's timeline, when it
+    ended, says when it went (`tpuctl.jobs.timeline.gone_by`); that time is written back to the ledger, once. A run
+    whose bucket is gone has no timeline left: its entries keep the scan's time."""
+    from tpuctl.jobs import timeline
+    from tpuctl.provision import gc
+
+    book = ledger.Ledger()
+    entries = gc.cost_entries(clients, now=now, ledger=book)
+    buckets = {e.run: e.name for e in entries if e.kind == "bucket" and e.deleted is None}
+    records: dict[str, timeline.Timeline | None] = {}
+    for run in sorted({e.run for e in entries if e.closed_by_scan and e.run in buckets}):
+        try:
+            records[run] = timeline.load(clients, buckets[run], run)
+        except (TpuctlError, ValueError, TypeError) as exc:  # asked again next time
+            on_event(Warn(f"could not read gs://{buckets[run]}/{timeline.name(run)}: {exc}"))
+
+    def deleted_at(e: ledger.Entry) -> float | None:
+        if e.project != clients.project or e.run not in records:
+            return None
+        found = records[e.run]
+        return e.deleted if found is None else timeline.gone_by(found.marks, e.kind)  # no timeline: nothing better
+
+    if records:
+        book.settle(deleted_at)
+        entries = [e for e in book.entries() if e.project == clients.project]
+    return entries
 
 
 def check_owner(run: str, found) -> None:
@@ -307,8 +375,11 @@ def gc(*, dry_run: bool = False, idle_s: float | None = 3600.0, budget_usd: floa
     policy = gc_mod.Policy(now=time.time(), owner=labels.label_value(owner) if owner else labels.owner(),
                            all_owners=all_owners, idle_s=idle_s, budget_usd=budget_usd, budget_per=budget_per,
                            buckets=buckets)
-    return gc_mod.run(connect(project, cloud), policy, dry_run=dry_run, catalog=catalog.load(),
-                      ledger=ledger.Ledger(), lock=paths.gc_lock(), confirm=ask)
+    clients = connect(project, cloud)
+    result = gc_mod.run(clients, policy, dry_run=dry_run, catalog=catalog.load(), ledger=ledger.Ledger(),
+                        lock=paths.gc_lock(), confirm=ask)
+    close_timelines(clients, result)
+    return result
 
 
 def board(runs: str | list[str], *, port: int | None = None, bucket: str | None = None, interval_s: float = 10.0,

@@ -23,7 +23,9 @@ poll interval late). A node tpuctl did not watch (adopted, or first seen by a la
 is assumed to have billed from its `createTime`: this overcounts its minutes in CREATING, never undercounts. A
 node seen PREEMPTED or STOPPED is assumed to have stopped billing when tpuctl first saw it so; one started
 again after a stop is counted across the gap. A node bills until tpuctl saw its deletion done (Google's
-DELETING minutes are counted with it). Compute's one-minute minimum is not applied.
+DELETING minutes are counted with it). One deleted while tpuctl did not watch (a detached run's supervisor tore it
+down while the laptop slept) bills until its run's timeline says its teardown was over, else until the scan that
+found it gone (`tpuctl.api.cost_entries`). Compute's one-minute minimum is not applied.
 
 A bucket's accrued cost is left out of running totals because it depends on bytes stored, not on time alive;
 the estimate includes it from a size the caller gives. The soft-deleted bytes a deleted bucket leaves behind

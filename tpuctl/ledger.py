@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from tpuctl.events import EventSink, Warn, ignore
 
@@ -53,6 +53,10 @@ class Entry:
     # still existed (stopped, preempted, or not READY yet; None: until `deleted`).
     billed_from: float | None = None
     billed_until: float | None = None
+    # `deleted` is when a scan found it gone (`Ledger.reconcile`), not when it went: it went while nobody here
+    # watched (a detached run's supervisor, another machine), at most then. `Ledger.settle` puts the time its
+    # run's own record gives, once.
+    closed_by_scan: bool = False
 
     @property
     def key(self) -> str:
@@ -209,8 +213,10 @@ class Ledger:
                 if old is not None and old.get("deleted") is not None and e.created > old["deleted"]:
                     res[f"{e.key}@{old['created']:.0f}"] = old
                 elif old is not None:
-                    deleted = old.get("deleted") if old.get("deleted") is not None else e.deleted
-                    e = replace(e, created=min(e.created, old["created"]), deleted=deleted,
+                    gone = old.get("deleted") is not None  # a stale sighting does not bring it back
+                    e = replace(e, created=min(e.created, old["created"]),
+                                deleted=old["deleted"] if gone else e.deleted,
+                                closed_by_scan=bool(old.get("closed_by_scan")) if gone else e.closed_by_scan,
                                 rolled_back=e.rolled_back or bool(old.get("rolled_back")),
                                 **_billed(Entry(**old), e))
                 res[e.key] = asdict(e)
@@ -226,10 +232,26 @@ class Ledger:
 
     def reconcile(self, live_keys: Iterable[str], scanned_projects: Iterable[str], at: float | None = None) -> None:
         """After a complete scan of `scanned_projects`: entries of those projects the scan did not see were
-        deleted by someone else (console, `down` on another machine); close them at `at` (default now)."""
+        deleted by someone else (a supervisor, console, `down` on another machine); close them at `at` (default
+        now), the latest they can have gone, marked `closed_by_scan` for `settle` to correct."""
+        at = time.time() if at is None else at
         live = set(live_keys)
         projects = set(scanned_projects)
         with self._locked() as doc:
-            gone = [k for k, e in doc["resources"].items()
-                    if e["project"] in projects and e.get("deleted") is None and k not in live]
-        self.mark_deleted(gone, at)
+            for k, e in doc["resources"].items():
+                if e["project"] in projects and e.get("deleted") is None and k not in live:
+                    e.update(deleted=at, closed_by_scan=True)
+
+    def settle(self, deleted_at: Callable[[Entry], float | None]) -> None:
+        """Give each entry a scan closed the time it was deleted, `deleted_at(entry)` (from what its run
+        recorded; None: not known yet, asked again next time), and clear its mark: settled once.
+
+        A time outside the entry's life [created, the scan] is not about this incarnation (the record is of
+        another life of the same name): the scan's time stands."""
+        with self._locked() as doc:
+            for e in doc["resources"].values():
+                if not e.get("closed_by_scan") or (at := deleted_at(Entry(**e))) is None:
+                    continue
+                if e["created"] <= at < e["deleted"]:
+                    e["deleted"] = at
+                e["closed_by_scan"] = False

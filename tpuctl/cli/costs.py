@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from tpuctl import catalog as catalog_mod
-from tpuctl import config, console, cost, paths
+from tpuctl import api, config, console, cost, paths
 from tpuctl.errors import BadInput, CloudError, NotFound
 from tpuctl.config import settings
 from tpuctl.ledger import Ledger
@@ -137,8 +137,6 @@ def cost_command(ctx: click.Context, run: str | None, since: str, by: str, proje
     or TPU7x VM from RUNNING (nothing for a create that never got there); `resource-hours` are those hours.
     A RUN's phases come from its timeline in its bucket (tpuctl/jobs/timeline.py says what each one is).
     """
-    from tpuctl.provision import gc
-
     for name in ("since", "by"):
         if run and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE:
             raise BadInput(f"--{name} does nothing with a RUN: its phases cover its whole life", field=name,
@@ -146,7 +144,7 @@ def cost_command(ctx: click.Context, run: str | None, since: str, by: str, proje
     window = cost.parse_duration(since, field="since")
     clients = _clients(project, cloud)
     now = time.time()
-    entries = gc.cost_entries(clients, now=now)
+    entries = api.cost_entries(clients, now=now, on_event=console.report)
     if run:
         _run_phases(clients, run, [e for e in entries if e.run == run], now=now, as_json=as_json)
         return
@@ -183,8 +181,8 @@ def _run_phases(clients, run: str, entries, *, now: float, as_json: bool) -> Non
                     _money(acct.usd[c])) for c in timeline.CATEGORIES if acct.seconds[c]])
     console.info(f"lost to preemption: {_money(acct.lost_to_preemption_usd)} "
                  f"({acct.recoveries} recovery(ies): recomputed steps and TPU time without training)")
-    console.info(f"total {_money(sum(acct.usd.values()))} over {acct.wall_s:.0f}s"
-                 + ("" if acct.ended else " so far") + (f"; goodput {acct.goodput:.0%}" if acct.goodput is not None else ""))
+    console.info(f"total {_money(sum(acct.usd.values()))} over {acct.wall_s:.0f}s" + ("" if acct.ended else " so far")
+                 + f"; goodput {'unknown' if acct.goodput is None else f'{acct.goodput:.0%}'}")
 
 
 def _outcome_line(o) -> str:
@@ -339,6 +337,7 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
     if result.locked_out:
         console.note(f"gc: another tpuctl gc holds {paths.gc_lock()}; skipped this run")
         return
+    api.close_timelines(clients, result, on_event=console.report)
     deleted = sum(1 for o in result.outcomes if o.ok and o.action.verdict == "delete")
     verb = "would delete" if dry_run else "deleted"
     console.info(f"gc: {result.scanned} tpuctl resources scanned, {verb} {deleted}, "

@@ -380,8 +380,9 @@ def job_status(run, as_json, cloud, project) -> None:
     console.info(f"run {run}: {status.state if status else 'unknown'}, "
                  + (f"step {step}" if step is not None else "no step finished yet")
                  + (f" ({why})" if status and (why := _why_it_ended(status)) else ""))
-    if doc["goodput"] is not None:
-        console.info(f"  goodput {doc['goodput']:.0%} after {doc['recoveries']} recovery(ies) (`tpuctl cost {run}`)")
+    if account is not None:  # a goodput nobody saw the steps of is unknown, not 0 (timeline.account)
+        goodput = "unknown" if doc["goodput"] is None else f"{doc['goodput']:.0%}"
+        console.info(f"  goodput {goodput} after {doc['recoveries']} recovery(ies) (`tpuctl cost {run}`)")
     console.table(("worker", "state", "exit code", "pid"),
                   [(w["index"], w["state"], w["exit_code"], w["pid"]) for w in doc["workers"]])
 
