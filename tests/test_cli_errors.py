@@ -132,6 +132,7 @@ def test_conflicting_or_pointless_flags_are_errors(env, pc):
                "error: provisioning: ")
     assert tpuctl_here(env, *UP, "--spot", "--provisioning", "spot", "--dry-run").returncode == 0
     _one_error(tpuctl_here(env, "gc", "--dry-run", "--budget-per", "owner"), 2, "error: budget-per: ")
+    _one_error(tpuctl_here(env, "gc", "--dry-run", "--all-owners", "--owner", "bob"), 2, "error: owner: ")
     for budget in ("nan", "inf"):  # click's float takes both; nan never passes a comparison, so never triggered
         assert "positive finite" in _one_error(tpuctl_here(env, "gc", "--dry-run", "--budget", budget), 2,
                                                "error: budget: ")

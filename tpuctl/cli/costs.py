@@ -295,6 +295,9 @@ def gc_command(ctx: click.Context, dry_run: bool, idle: str, budget: float | Non
     if budget is None and ctx.get_parameter_source("budget_per") is not click.core.ParameterSource.DEFAULT:
         raise BadInput(f"--budget-per {budget_per} applies --budget, which was not given", field="budget-per",
                        hint=f"add --budget USD, e.g. --budget 50 --budget-per {budget_per}")
+    if all_owners and owner is not None:  # whose runs gc may delete: everyone's, or one owner's, not both
+        raise BadInput(f"--owner {owner} acts on {owner}'s runs only, and --all-owners on everyone's",
+                       field="owner", hint="give one of --owner and --all-owners")
     timeout_s = cost.parse_duration(timeout, field="timeout")
     if lock_wait < 0:
         raise BadInput("--lock-wait must be >= 0 seconds", field="lock-wait")
