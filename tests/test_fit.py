@@ -561,31 +561,21 @@ def tensorflows_step_lowered_for_a_tpu() -> str:
     return "jax"
 
 
+# lmkit as a TPU run builds it, each checked in the fresh JAX interpreter of `tpu_layers` (its docstring says what).
+TPU_CHECKS = ("attention_lowered_for_a_tpu", "projection_gradients_are_autodiffs", "tensorflows_step_lowered_for_a_tpu",
+              "masked_lm_flop_params")
+
+
 @pytest.fixture(scope="module")
 def tpu_layers():
     """The checks of lmkit's layers as a TPU runs them, in one fresh JAX interpreter: check -> its answer."""
-    return on_jax_each("test_fit", ("attention_lowered_for_a_tpu", "projection_gradients_are_autodiffs",
-                                    "tensorflows_step_lowered_for_a_tpu", "masked_lm_flop_params"))
+    return on_jax_each("test_fit", TPU_CHECKS)
 
 
 @needs_compiler
-def test_on_a_tpu_attention_with_dropout_runs_the_fused_kernel(tpu_layers):
-    assert tpu_layers["attention_lowered_for_a_tpu"] == "jax", tpu_layers["attention_lowered_for_a_tpu"]
-
-
-@needs_compiler
-def test_projection_gradients_under_remat_on_a_tpu_are_autodiffs(tpu_layers):
-    assert tpu_layers["projection_gradients_are_autodiffs"] == "jax", tpu_layers["projection_gradients_are_autodiffs"]
-
-
-@needs_compiler
-def test_bert_counts_its_model_flops_as_the_analytic_estimate_does(tpu_layers):
-    assert tpu_layers["masked_lm_flop_params"] == "jax", tpu_layers["masked_lm_flop_params"]
-
-
-@needs_compiler
-def test_a_tensorflow_runs_step_is_compiled_without_the_jax_steps_kernels(tpu_layers):
-    assert tpu_layers["tensorflows_step_lowered_for_a_tpu"] == "jax", tpu_layers["tensorflows_step_lowered_for_a_tpu"]
+@pytest.mark.parametrize("check", TPU_CHECKS)
+def test_lmkit_as_a_tpu_runs_it(tpu_layers, check):
+    assert tpu_layers[check] == "jax", tpu_layers[check]
 
 
 def bias_gradients_scheduled_for_a_tpu_under_remat() -> str:
