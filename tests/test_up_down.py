@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,10 @@ def test_up_status_list_down(env, pc):
     again = tpuctl_here(env, *UP, "--spot", "--json")  # idempotent: adopts everything
     records = [json.loads(line) for line in again.stdout.splitlines()]  # the events, then the result
     assert again.returncode == 0 and records[-1]["type"] == "summary" and records[-1]["created"] == []
+    assert not [r for r in records if r["type"] == "warning"]  # the same TTL: nothing to say
+    shorter = tpuctl_here(env, *UP[:-3], "--ttl", "30m", "--yes", "--spot")  # adopting keeps the labels it finds
+    assert shorter.returncode == 0 and re.search(r"run r1 keeps the expiry it was made with: gc deletes it in "
+                                                 r"(2h|1h\d+m), not in 30m as", shorter.stderr), shorter.stderr
     assert {r["key"] for r in records if r["type"] == "resource" and r["state"] == "ready"} >= {
         "tpu/europe-west4-a/r1"}
     # ...but only what the plan asks for, and only its owner's: another type, on demand for spot, or the same

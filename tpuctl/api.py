@@ -92,7 +92,32 @@ def apply_plan(clients: Clients, plan: Plan, *, on_event: EventSink = ignore, ke
         ledger.remember(result.resources, on_event=on_event)
     except KeyboardInterrupt:
         raise kept_after_ready(plan.run) from None
+    if (kept := ttl_kept(plan, result)) is not None:
+        on_event(Warn(kept))
     return result
+
+
+def ttl_kept(plan: Plan, result: ApplyResult) -> str | None:
+    """What to warn of when a resource `result` adopted was made with another TTL than `plan`'s: adopting changes
+    no label, so gc deletes the run by the expiry it was made with, not by the TTL the plan quoted. None when
+    the TTLs agree (or none is set)."""
+    from tpuctl.provision import labels
+
+    def ttl(marks) -> int | None:
+        return (int(marks[labels.EXPIRES]) - int(marks[labels.CREATED])
+                if labels.EXPIRES in marks and labels.CREATED in marks else None)
+
+    planned = ttl(plan.labels)
+    kept = sorted((int(r.labels[labels.EXPIRES]) for r in result.resources
+                   if r.key in result.adopted and ttl(r.labels) not in (None, planned)))
+    if planned is None or not kept:
+        return None
+    left = kept[0] - time.time()
+    when = (f"in {spec_mod.format_duration(max(60, round(left / 60) * 60))}" if left > 0 else
+            "at its next pass (its expiry has passed)")
+    return (f"run {plan.run} keeps the expiry it was made with: gc deletes it {when}, not in "
+            f"{spec_mod.format_duration(planned)} as this plan's TTL says (adopting changes no label; "
+            f"`tpuctl down {plan.run}` and `up` again to change it)")
 
 
 def kept_after_ready(run: str) -> Interrupted:
