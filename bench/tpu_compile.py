@@ -143,10 +143,13 @@ def worker(side: str, model: str, topology: str, options: dict, batch: int, laye
         config["task"]["num_layers"] = layers
     variant = variant or {}
     config["task"]["dropout"] = variant.get("dropout", 0.0)
+    # Both sides' JAX steps (a config's default framework is TensorFlow, whose step compile_target builds without
+    # the TPU kernels: what `tpuctl fit` answers for a TensorFlow run).
+    config["runtime"] = {"framework": "jax"}
     if side == "tpuctl" and variant.get("remat"):
-        config.update(trainer={"remat_policy": variant["remat"]}, runtime={"framework": "jax"})
+        config["trainer"] = {"remat_policy": variant["remat"]}
     if side == "tpuctl" and variant.get("sharding"):
-        config.setdefault("runtime", {}).update(framework="jax", sharding=variant["sharding"])
+        config["runtime"]["sharding"] = variant["sharding"]
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu", **options).devices
     from lmkit.trainer import compile_target
 
