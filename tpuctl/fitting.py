@@ -223,7 +223,7 @@ class _Request:
 
 def _request(spec, spec_dir: Path, accelerator: str | None, sharding: str = "data") -> _Request:
     """The spec's job as the workers would get it with `sharding` (placeholder bucket and run: paths change no
-    compile), on the framework the run's plan picks (frameworks.choose, as provision.plan does). Raises
+    compile), on the framework the run's plan picks (frameworks.for_run, as provision.plan does). Raises
     BadInput for a spec without a job, an unknown type, a zone, runtime or framework the type does not offer, a
     config the template refuses, or `slices` Google's multislice does not make (the checks `run` makes)."""
     from tpuctl.jobs import bundle as bundles
